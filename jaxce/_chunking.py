@@ -1,0 +1,71 @@
+"""Chunk planning and the ragged-chunk-without-copy helpers shared by the kernels.
+
+A scan over ``n = ceil(T / C)`` chunks reads chunk ``i`` at rows
+``[start_i, start_i + C)`` with ``start_i = min(i * C, T - C)``: the last chunk is
+clamped back so it overlaps the one before instead of running past the end. Nothing is
+padded or copied; overlapping rows are computed twice and give identical values.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax.numpy as jnp
+from jax import lax
+
+# Bytes of one f32 [chunk, V_local] tile the default plan aims for. Large enough that
+# per-step overheads vanish, small enough to stay near L2 on a GPU and in cache on a CPU.
+DEFAULT_TILE_BYTES = 64 * 2**20
+
+
+def plan_chunk_size(num_tokens: int, num_columns: int, chunk_size: int | None,
+                    tile_bytes: int = DEFAULT_TILE_BYTES) -> int:
+  """Tokens per scan step.
+
+  Args:
+    num_tokens: T (> 0).
+    num_columns: columns each step holds for a token (V_local, or a vocab block).
+    chunk_size: the user's choice, or ``None`` to plan from ``tile_bytes``.
+    tile_bytes: working-set budget of one f32 ``[chunk, num_columns]`` tile.
+
+  Returns:
+    ``min(chunk_size, T)``; when planning, the largest chunk under the budget,
+    moved down to a divisor of T if one lies within a factor 2 (a ragged last chunk
+    then never happens).
+  """
+  if chunk_size is not None:
+    return min(chunk_size, num_tokens)
+  cap = max(1, min(num_tokens, tile_bytes // (4 * max(num_columns, 1))))
+  if cap >= 8:
+    cap -= cap % 8
+  for size in range(cap, max(cap // 2, 1) - 1, -1):
+    if num_tokens % size == 0:
+      return size
+  return cap
+
+
+def num_chunks(total: int, size: int) -> int:
+  return math.ceil(total / size)
+
+
+def chunk_start(i, total: int, size: int):
+  """First row of chunk ``i`` (traced int32), clamped so the chunk ends inside."""
+  return jnp.minimum(i * size, total - size)
+
+
+def fresh_rows(i, start, size: int):
+  """``[size]`` bool: rows of chunk ``i`` no earlier chunk has produced."""
+  return start + lax.iota(jnp.int32, size) >= i * size
+
+
+def unchunk(stacked, total: int):
+  """``[n, C, ...]`` per-chunk results -> ``[total, ...]``, dropping the overlap.
+
+  A reshape (free) when C divides total; otherwise one O(total) concatenate.
+  """
+  n, size = stacked.shape[:2]
+  flat = stacked.reshape((n * size,) + stacked.shape[2:])
+  if n * size == total:
+    return flat
+  tail = total - (n - 1) * size
+  return jnp.concatenate([flat[: (n - 1) * size], stacked[n - 1, size - tail:]])

@@ -1,0 +1,271 @@
+"""The fused LM-head path: log-prob and entropy of ``hidden @ weight`` without the logits.
+
+Public entry: :func:`linear_logprobs_and_entropy` (re-exported by ``jaxce``).
+
+Both passes walk a grid of ``[C, Vb]`` tiles, vocab blocks outer and token chunks
+inner, recomputing ``hidden_chunk @ weight_block`` (input dtype operands, f32
+accumulation) for each tile:
+
+* forward: an online softmax folds each tile into per-token running sums ``(m, s, q)``
+  and the label's logit, ``[T]`` f32 each; shards combine them with one pmax + one psum.
+* backward: each tile's ``d logits`` (cast to the weight's dtype) feeds two matmuls:
+  ``d W_block = hidden_chunkᵀ @ d`` accumulates in f32 over the token chunks of the
+  block and is then written once; ``d hidden += d @ W_blockᵀ`` accumulates in an f32
+  ``[T, D]`` buffer, all-reduced over ``vocab_axis`` once at the end.
+
+No ``[T, V]`` (or ``[T, V_local]``) buffer exists at any time. A ragged last chunk or
+block is clamped back inside the array; its overlap is masked so nothing counts twice.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxce import _checks, _chunking, _math
+
+# Vocab columns per tile when none is given: few enough blocks that the f32 ``d hidden``
+# accumulator is touched only ``V / 16384`` times, big enough for efficient matmuls.
+DEFAULT_VOCAB_BLOCK = 16384
+
+
+def linear_logprobs_and_entropy(hidden, weight, labels, *, bias=None, logit_softcap=None,
+                                temperature=1.0, where=None, vocab_size=None, chunk_size=None,
+                                vocab_axis=None, return_entropy=True, vocab_block_size=None):
+  """Per-token log-prob and entropy of ``softmax(softcap(hidden @ weight + bias) / T)``.
+
+  Args:
+    hidden: ``[..., D]`` bf16, f16 or f32.
+    weight: ``[D, V]`` (``V = V_local`` with ``vocab_axis``), a Flax ``Linear`` kernel;
+      tied embeddings pass ``embedding.T`` (under ``jit`` the transpose is folded into
+      the matmuls, not materialized).
+    labels: int ``[...]`` = ``hidden.shape[:-1]``, global ids; negative ids are ignored.
+    bias: optional ``[V]``.
+    logit_softcap: optional float c > 0: logits become ``c * tanh(logits / c)`` before the
+      temperature (Gemma 2 style).
+    temperature, where, vocab_size, vocab_axis, return_entropy: as in
+      :func:`jaxce.logprobs_and_entropy`.
+    chunk_size: tokens per tile; ``None`` plans it from a 64 MiB f32 tile budget.
+    vocab_block_size: vocab columns per tile; ``None``: ``min(V, 16384)``.
+
+  Returns:
+    ``(logp, entropy)`` float32 of ``labels.shape`` (entropy ``None`` when
+    ``return_entropy=False``). Gradients flow to ``hidden``, ``weight`` and ``bias`` in
+    their own dtypes.
+
+  Memory: no ``[T, V]`` array. Forward: one f32 tile plus O(T). Backward: ``d hidden``
+  and ``d weight`` (the outputs), an f32 ``[T, D]`` accumulator, an f32 ``[D, Vb]``
+  accumulator and one or two f32 tiles.
+  """
+  hidden = _checks.as_array("hidden", hidden)
+  weight = _checks.as_array("weight", weight)
+  labels = _checks.as_array("labels", labels)
+  _checks.check_float("hidden", hidden)
+  _checks.check_float("weight", weight)
+  if weight.ndim != 2 or weight.shape[0] != hidden.shape[-1]:
+    raise ValueError(f"weight must have shape [D, V] with D = hidden.shape[-1] = "
+                     f"{hidden.shape[-1]}, got {weight.shape=}")
+  _checks.check_labels(labels, hidden.shape[:-1], "hidden.shape[:-1]")
+  _checks.check_chunk_size(chunk_size)
+  if vocab_block_size is not None:
+    _checks.check_chunk_size(vocab_block_size)
+  num_columns = weight.shape[1]
+  if bias is not None:
+    bias = _checks.as_array("bias", bias)
+    _checks.check_float("bias", bias)
+    if bias.shape != (num_columns,):
+      raise ValueError(f"bias must have shape [V] = ({num_columns},), got {bias.shape=}")
+  if logit_softcap is not None and not (isinstance(logit_softcap, (int, float))
+                                        and logit_softcap > 0):
+    raise ValueError(f"logit_softcap must be None or a float > 0, got {logit_softcap=!r}")
+  shards = _checks.vocab_shards(vocab_axis)
+  vocab_size = _checks.check_vocab_size(
+      vocab_size, num_columns * shards,
+      "weight" if shards == 1 else f"weight across {shards} shards of {vocab_axis!r}")
+  inv_temp = _checks.inverse_temperature(temperature, labels.shape,
+                                          _math.compute_dtype(hidden.dtype))
+  valid = _checks.valid_mask(labels, where)
+  _checks.check_labels_in_range(labels, valid, vocab_size)
+
+  if labels.size == 0:
+    zeros = jnp.zeros(labels.shape, jnp.float32)
+    return zeros, (zeros if return_entropy else None)
+  num_tokens = labels.size
+  block = min(vocab_block_size or DEFAULT_VOCAB_BLOCK, num_columns)
+  chunk = _chunking.plan_chunk_size(num_tokens, block, chunk_size)
+  static = _Static(vocab_size=vocab_size,
+                   mask_vocab=vocab_size if vocab_size < num_columns * shards else None,
+                   chunk=chunk, block=block, vocab_axis=vocab_axis,
+                   softcap=None if logit_softcap is None else float(logit_softcap),
+                   with_entropy=return_entropy)
+  out = _linear_logprobs_entropy(
+      hidden.reshape(num_tokens, hidden.shape[-1]), weight, bias,
+      labels.reshape(-1).astype(jnp.int32), inv_temp.reshape(-1), valid.reshape(-1), static)
+  logp = out[0].reshape(labels.shape)
+  entropy = out[1].reshape(labels.shape) if return_entropy else None
+  return logp, entropy
+
+
+class _Static(tuple):
+  """Hashable bundle of the static (Python) options of one call."""
+  _fields = ("vocab_size", "mask_vocab", "chunk", "block", "vocab_axis", "softcap",
+             "with_entropy")
+
+  def __new__(cls, **kw):
+    return super().__new__(cls, tuple(kw[f] for f in cls._fields))
+
+  def __getattr__(self, name):
+    return self[self._fields.index(name)]
+
+
+def _tile_logits(hidden_rows, weight_cols, bias_cols, softcap):
+  """``[C, Vb]`` f32 logits of one tile (input-dtype operands, f32 accumulation)."""
+  dtype = _math.compute_dtype(hidden_rows.dtype)
+  x = jnp.matmul(hidden_rows, weight_cols.astype(hidden_rows.dtype), preferred_element_type=dtype)
+  if bias_cols is not None:
+    x = x + bias_cols.astype(dtype)
+  if softcap is not None:
+    x = softcap * jnp.tanh(x / softcap)
+  return x
+
+
+def _grid(num_tokens, num_columns, chunk, block):
+  """Static loop sizes and the traced tile origin helpers."""
+  n_blocks = _chunking.num_chunks(num_columns, block)
+  n_chunks = _chunking.num_chunks(num_tokens, chunk)
+  return n_blocks, n_chunks
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(6,))
+def _linear_logprobs_entropy(hidden, weight, bias, labels, inv_temp, valid, static):
+  """``hidden [T, D]``, ``weight [D, V_local]`` -> ``(logp [T],)`` or ``(logp, entropy)``."""
+  return _forward(hidden, weight, bias, labels, inv_temp, valid, static)[0]
+
+
+def _forward(hidden, weight, bias, labels, inv_temp, valid, static):
+  num_tokens, num_columns = hidden.shape[0], weight.shape[1]
+  chunk, block = static.chunk, static.block
+  n_blocks, n_chunks = _grid(num_tokens, num_columns, chunk, block)
+  shard_start = _math.shard_column_start(num_columns, static.vocab_axis)
+  dtype = _math.compute_dtype(hidden.dtype)
+  # The running sums vary like the tiles do: over the vocab axis and over whatever the
+  # hidden states and the weight vary over.
+  like = _math.varying_like(jnp.zeros((num_tokens,), dtype), static.vocab_axis)
+  like = like + jnp.zeros_like(hidden[:, 0], dtype) + jnp.zeros_like(weight[0, 0], dtype)
+  m, s, q = _math.running_start(num_tokens, dtype, static.with_entropy, like)
+  picked = jnp.zeros_like(s)
+
+  def block_step(carry, j):
+    col = _chunking.chunk_start(j, num_columns, block)
+    first_column = shard_start + j * block  # earlier blocks own the columns below
+    w_cols = lax.dynamic_slice_in_dim(weight, col, block, 1)
+    b_cols = None if bias is None else lax.dynamic_slice_in_dim(bias, col, block, 0)
+
+    def chunk_step(carry, i):
+      start = _chunking.chunk_start(i, num_tokens, chunk)
+      rows = lambda a: lax.dynamic_slice_in_dim(a, start, chunk, 0)
+      x = _tile_logits(rows(hidden), w_cols, b_cols, static.softcap)
+      z = _math.scaled_logits(x, rows(inv_temp), shard_start + col, static.mask_vocab,
+                              first_column)
+      m, s, q, picked = (None if c is None else rows(c) for c in carry)
+      new = _math.accumulate_tile(m, s, q, z)
+      new += (picked + _math.label_logit(x, rows(labels), rows(inv_temp), shard_start + col,
+                                         first_column),)
+      fresh = _chunking.fresh_rows(i, start, chunk)  # the clamped chunk's overlap is done
+      return tuple(None if c is None else
+                   lax.dynamic_update_slice_in_dim(c, jnp.where(fresh, n, o), start, 0)
+                   for c, n, o in zip(carry, new, (m, s, q, picked))), None
+
+    carry, _ = lax.scan(chunk_step, carry, jnp.arange(n_chunks))
+    return carry, None
+
+  (m, s, q, picked), _ = lax.scan(block_step, (m, s, q, picked), jnp.arange(n_blocks))
+  m, s, q, picked = _math.combine_shards(m, s, q, picked, static.vocab_axis)
+  lse, entropy = _math.finish_statistics(m, s, q)
+  logp, entropy_out = _math.finish_outputs(picked - lse, entropy, labels, valid,
+                                           static.vocab_size)
+  out = (logp,) + ((entropy_out,) if static.with_entropy else ())
+  return out, (lse, entropy)
+
+
+def _linear_logprobs_entropy_fwd(hidden, weight, bias, labels, inv_temp, valid, static):
+  hidden, weight, bias, labels, inv_temp, valid = (
+      p.value for p in (hidden, weight, bias, labels, inv_temp, valid))
+  out, (lse, entropy) = _forward(hidden, weight, bias, labels, inv_temp, valid, static)
+  return out, (hidden, weight, bias, labels, inv_temp, valid, lse, entropy)
+
+
+def _linear_logprobs_entropy_bwd(static, residuals, cotangents):
+  hidden, weight, bias, labels, inv_temp, valid, lse, entropy = residuals
+  g_logp = _math.symbolic_zero_to_none(cotangents[0])
+  g_entropy = _math.symbolic_zero_to_none(cotangents[1]) if static.with_entropy else None
+  no_bias_grad = None if bias is None else jnp.zeros_like(bias)
+  if g_logp is None and g_entropy is None:
+    return (jnp.zeros_like(hidden), jnp.zeros_like(weight), no_bias_grad, None, None, None)
+
+  num_tokens, num_columns = hidden.shape[0], weight.shape[1]
+  chunk, block = static.chunk, static.block
+  n_blocks, n_chunks = _grid(num_tokens, num_columns, chunk, block)
+  shard_start = _math.shard_column_start(num_columns, static.vocab_axis)
+  dtype = _math.compute_dtype(hidden.dtype)
+
+  def block_step(carry, j):
+    d_hidden, d_weight, d_bias = carry
+    col = _chunking.chunk_start(j, num_columns, block)
+    first_column = shard_start + j * block
+    w_cols = lax.dynamic_slice_in_dim(weight, col, block, 1)
+    b_cols = None if bias is None else lax.dynamic_slice_in_dim(bias, col, block, 0)
+
+    def chunk_step(carry, i):
+      d_hidden, dw_block, db_block = carry
+      start = _chunking.chunk_start(i, num_tokens, chunk)
+      rows = lambda a: None if a is None else lax.dynamic_slice_in_dim(a, start, chunk, 0)
+      h = rows(hidden)
+      x = _tile_logits(h, w_cols, b_cols, static.softcap)
+      z = _math.scaled_logits(x, rows(inv_temp), shard_start + col, static.mask_vocab,
+                              first_column)
+      label_column = rows(labels) - (shard_start + col)
+      label_column = jnp.where(rows(labels) >= first_column, label_column, -1)
+      keep = rows(valid) & _chunking.fresh_rows(i, start, chunk)
+      dz = _math.logit_grad(z, label_column, rows(lse), rows(entropy), rows(g_logp),
+                            rows(g_entropy), keep)
+      dx = dz * rows(inv_temp)[:, None].astype(dtype)
+      if static.softcap is not None:
+        dx = dx * (1 - jnp.square(x / static.softcap))
+      d = dx.astype(weight.dtype)
+      dw_block = dw_block + jnp.matmul(h.T, d.astype(h.dtype), preferred_element_type=dtype)
+      dh_rows = jnp.matmul(d, w_cols.T, preferred_element_type=dtype)
+      d_hidden = lax.dynamic_update_slice_in_dim(
+          d_hidden, rows(d_hidden) + dh_rows, start, 0)
+      db_block = None if db_block is None else db_block + jnp.sum(dx, axis=0)
+      return (d_hidden, dw_block, db_block), None
+
+    dw_block = jnp.zeros_like(w_cols, dtype)
+    db_block = None if bias is None else jnp.zeros_like(b_cols, dtype)
+    (d_hidden, dw_block, db_block), _ = lax.scan(
+        chunk_step, (d_hidden, dw_block, db_block), jnp.arange(n_chunks))
+    # The clamped last block overlaps columns an earlier block wrote: keep those.
+    fresh = _chunking.fresh_rows(j, col, block)
+    old_w = lax.dynamic_slice_in_dim(d_weight, col, block, 1)
+    d_weight = lax.dynamic_update_slice_in_dim(
+        d_weight, jnp.where(fresh[None, :], dw_block.astype(weight.dtype), old_w), col, 1)
+    if bias is not None:
+      old_b = lax.dynamic_slice_in_dim(d_bias, col, block, 0)
+      d_bias = lax.dynamic_update_slice_in_dim(
+          d_bias, jnp.where(fresh, db_block.astype(bias.dtype), old_b), col, 0)
+    return (d_hidden, d_weight, d_bias), None
+
+  d_hidden = _math.varying_like(jnp.zeros_like(hidden, dtype), static.vocab_axis)
+  d_hidden = d_hidden + jnp.zeros_like(weight[0, 0], dtype)
+  carry = (d_hidden, jnp.zeros_like(weight), no_bias_grad)
+  (d_hidden, d_weight, d_bias), _ = lax.scan(block_step, carry, jnp.arange(n_blocks))
+  if static.vocab_axis is not None:
+    d_hidden = lax.psum(d_hidden, static.vocab_axis)  # partial sums over vocab shards
+  return (d_hidden.astype(hidden.dtype), d_weight, d_bias, None, None, None)
+
+
+_linear_logprobs_entropy.defvjp(_linear_logprobs_entropy_fwd, _linear_logprobs_entropy_bwd,
+                                symbolic_zeros=True)

@@ -1,0 +1,160 @@
+"""The logits path: chunked log-prob and entropy with a hand-written backward.
+
+Public entry: :func:`logprobs_and_entropy` (re-exported by ``jaxce``).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxce import _checks, _chunking, _math
+
+
+def logprobs_and_entropy(logits, labels, *, temperature=1.0, where=None, vocab_size=None,
+                         chunk_size=None, vocab_axis=None, return_entropy=True,
+                         overwrite_logits=False):
+  """Per-token log-probability of the label and entropy of softmax(logits / temperature).
+
+  Args:
+    logits: ``[..., V]`` bf16, f16 or f32 (``V = V_local``, this shard's columns, when
+      ``vocab_axis`` is set).
+    labels: int ``[...]``, global token ids. Negative ids are ignored.
+    temperature: float > 0 or float array broadcastable to ``labels.shape``. No gradient.
+    where: optional bool array broadcastable to ``labels.shape``; False positions are
+      ignored. Ignored positions give log-prob 0, entropy 0 and an exactly zero gradient.
+    vocab_size: logical vocabulary when the columns are padded; global column ids
+      ``>= vocab_size`` are excluded from the softmax. A kept label ``>= vocab_size`` is a
+      ``ValueError`` for concrete inputs and a NaN log-prob under ``jit``.
+    chunk_size: tokens per scan step; ``None`` plans one from a 64 MiB f32 tile budget.
+    vocab_axis: mesh axis name (or tuple) the last dim is split over, when called inside
+      ``shard_map`` / ``pmap``. Shard k holds ids ``[k * V_local, (k + 1) * V_local)``.
+    return_entropy: when False the entropy is neither computed nor returned (``None``).
+    overwrite_logits: the backward writes the gradient chunk by chunk into the logits'
+      own buffer. Pass True when the logits are dead after the backward (donated, or an
+      intermediate of a jitted training step): the gradient then costs no new memory.
+      Otherwise XLA first copies the logits (one extra read and write).
+
+  Returns:
+    ``(logp, entropy)``, float32 arrays of ``labels.shape`` (entropy ``None`` when
+    ``return_entropy=False``).
+
+  Memory: forward keeps the logits plus two ``[T]`` float32 vectors as residuals;
+  the gradient is one array like ``logits`` (none with ``overwrite_logits``) plus a few
+  ``[chunk, V_local]`` f32 tiles of working set, independent of T.
+  """
+  logits = _checks.as_array("logits", logits)
+  labels = _checks.as_array("labels", labels)
+  _checks.check_float("logits", logits)
+  _checks.check_labels(labels, logits.shape[:-1], "logits.shape[:-1]")
+  _checks.check_chunk_size(chunk_size)
+  num_columns = logits.shape[-1]
+  shards = _checks.vocab_shards(vocab_axis)
+  vocab_size = _checks.check_vocab_size(
+      vocab_size, num_columns * shards,
+      "logits" if shards == 1 else f"logits across {shards} shards of {vocab_axis!r}")
+  inv_temp = _checks.inverse_temperature(temperature, labels.shape,
+                                          _math.compute_dtype(logits.dtype))
+  valid = _checks.valid_mask(labels, where)
+  _checks.check_labels_in_range(labels, valid, vocab_size)
+
+  if labels.size == 0:
+    zeros = jnp.zeros(labels.shape, jnp.float32)
+    return zeros, (zeros if return_entropy else None)
+  num_tokens = labels.size
+  chunk = _chunking.plan_chunk_size(num_tokens, num_columns, chunk_size)
+  mask_vocab = vocab_size if vocab_size < num_columns * shards else None
+  out = _logprobs_entropy(
+      logits.reshape(num_tokens, num_columns), labels.reshape(-1).astype(jnp.int32),
+      inv_temp.reshape(-1), valid.reshape(-1), vocab_size, mask_vocab, chunk, vocab_axis,
+      return_entropy, overwrite_logits)
+  logp = out[0].reshape(labels.shape)
+  entropy = out[1].reshape(labels.shape) if return_entropy else None
+  return logp, entropy
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8, 9))
+def _logprobs_entropy(x, labels, inv_temp, valid, vocab_size, mask_vocab, chunk, vocab_axis,
+                      with_entropy, overwrite):
+  """``x [T, V_local]`` -> ``(logp [T],)`` or ``(logp [T], entropy [T])``, float32."""
+  out, _ = _forward(x, labels, inv_temp, valid, vocab_size, mask_vocab, chunk, vocab_axis,
+                    with_entropy)
+  return out
+
+
+def _forward(x, labels, inv_temp, valid, vocab_size, mask_vocab, chunk, vocab_axis,
+             with_entropy):
+  num_tokens, num_columns = x.shape
+  column_start = _math.shard_column_start(num_columns, vocab_axis)
+
+  def step(_, i):
+    start = _chunking.chunk_start(i, num_tokens, chunk)
+    rows = lambda a: lax.dynamic_slice_in_dim(a, start, chunk, 0)
+    logp, lse, entropy = _math.chunk_statistics(
+        rows(x), rows(labels), rows(inv_temp), rows(valid), column_start, vocab_size,
+        mask_vocab, vocab_axis, with_entropy)
+    return None, (logp, lse) + ((entropy,) if with_entropy else ())
+
+  _, stacked = lax.scan(step, None, jnp.arange(_chunking.num_chunks(num_tokens, chunk)))
+  logp, lse, *entropy = (_chunking.unchunk(s, num_tokens) for s in stacked)
+  # Residuals: lse and the entropy ([T] each; ignored rows hold 0 and get no gradient).
+  return (logp,) + tuple(entropy), (lse, entropy[0] if with_entropy else None)
+
+
+def _logprobs_entropy_fwd(x, labels, inv_temp, valid, vocab_size, mask_vocab, chunk,
+                          vocab_axis, with_entropy, overwrite):
+  x, labels, inv_temp, valid = (p.value for p in (x, labels, inv_temp, valid))
+  out, (lse, entropy) = _forward(x, labels, inv_temp, valid, vocab_size, mask_vocab, chunk,
+                                 vocab_axis, with_entropy)
+  return out, (x, labels, inv_temp, valid, lse, entropy)
+
+
+def _logprobs_entropy_bwd(vocab_size, mask_vocab, chunk, vocab_axis, with_entropy, overwrite,
+                          residuals, cotangents):
+  x, labels, inv_temp, valid, lse, entropy = residuals
+  g_logp = _math.symbolic_zero_to_none(cotangents[0])
+  g_entropy = _math.symbolic_zero_to_none(cotangents[1]) if with_entropy else None
+  if g_logp is None and g_entropy is None:
+    return (jnp.zeros_like(x), None, None, None)
+
+  num_tokens, num_columns = x.shape
+  column_start = _math.shard_column_start(num_columns, vocab_axis)
+  n = _chunking.num_chunks(num_tokens, chunk)
+
+  def chunk_grad(x_rows, start):
+    rows = lambda a: None if a is None else lax.dynamic_slice_in_dim(a, start, chunk, 0)
+    z = _math.scaled_logits(x_rows, rows(inv_temp), column_start, mask_vocab)
+    dz = _math.logit_grad(z, rows(labels) - column_start, rows(lse), rows(entropy),
+                          rows(g_logp), rows(g_entropy), rows(valid))
+    return (dz * rows(inv_temp)[:, None].astype(dz.dtype)).astype(x.dtype)
+
+  if not overwrite and n * chunk == num_tokens:
+    # Stacked per-chunk outputs reshape into [T, V] for free: no initialised buffer.
+    def step(_, i):
+      start = i * chunk
+      return None, chunk_grad(lax.dynamic_slice_in_dim(x, start, chunk, 0), start)
+    _, dx = lax.scan(step, None, jnp.arange(n))
+    return (dx.reshape(x.shape), None, None, None)
+
+  # A [T, V] buffer carried through the loop and written chunk by chunk: the logits
+  # themselves (in place when XLA can alias them) or zeros for a ragged last chunk.
+  def step(buffer, i):
+    start = _chunking.chunk_start(i, num_tokens, chunk)
+    source = buffer if overwrite else x
+    x_rows = lax.dynamic_slice_in_dim(source, start, chunk, 0)
+    dx_rows = chunk_grad(x_rows, start)
+    if overwrite and n * chunk != num_tokens:
+      # The clamped last chunk overlaps rows that already hold gradients: keep them.
+      fresh = _chunking.fresh_rows(i, start, chunk)
+      dx_rows = jnp.where(fresh[:, None], dx_rows, x_rows)
+    return lax.dynamic_update_slice_in_dim(buffer, dx_rows, start, 0), None
+
+  init = x if overwrite else jnp.zeros_like(x)
+  dx, _ = lax.scan(step, init, jnp.arange(n))
+  return (dx, None, None, None)
+
+
+_logprobs_entropy.defvjp(_logprobs_entropy_fwd, _logprobs_entropy_bwd, symbolic_zeros=True)

@@ -1,0 +1,221 @@
+"""The per-tile maths shared by every kernel: statistics forward, logit gradient backward.
+
+A *tile* is ``[C, V_tile]`` logits for C tokens and one contiguous block of vocabulary
+columns (one vocab shard, or one block of it). Everything here is float32 (float64 when
+the input is float64) and elementwise or a row reduction, so XLA fuses each function into
+one pass over the tile; nothing here allocates more than the tile.
+
+    z    = x * (1/T)                      excluded columns (id >= vocab_size) are -inf
+    m    = pmax(stop_gradient(max_v z))
+    s    = psum(sum_v exp(z - m))
+    lse  = m + log s
+    logp = psum(z[label]) - lse
+    H    = log s - psum(sum_v exp(z - m) * (z - m)) / s
+    dz   = g_logp * (onehot(label) - p) - g_H * p * (log p + H)
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.custom_derivatives import SymbolicZero
+
+
+def compute_dtype(dtype) -> jnp.dtype:
+  """float32, or float64 when the input already is (used by f64 gradient checks)."""
+  return jnp.promote_types(dtype, jnp.float32)
+
+
+def scaled_logits(x, inv_temp, column_start, vocab_size, first_column=None):
+  """Upcast, divide by the temperature and mask excluded columns.
+
+  Args:
+    x: ``[C, V_tile]`` logits of any float dtype.
+    inv_temp: ``[C]`` 1 / temperature per token.
+    column_start: global id of the tile's first column (int scalar, may be traced).
+    vocab_size: logical vocabulary; columns with id >= it become -inf. ``None``: no mask.
+    first_column: global ids below it become -inf too (a clamped last vocab block's
+      columns that an earlier block already covered). ``None``: no mask.
+
+  Returns:
+    ``[C, V_tile]`` z in the compute dtype (fused; not materialized on its own).
+  """
+  z = x.astype(compute_dtype(x.dtype)) * inv_temp[:, None].astype(compute_dtype(x.dtype))
+  column_ids = column_start + lax.broadcasted_iota(jnp.int32, z.shape, 1)
+  if vocab_size is not None:
+    z = jnp.where(column_ids < vocab_size, z, -jnp.inf)
+  if first_column is not None:
+    z = jnp.where(column_ids >= first_column, z, -jnp.inf)
+  return z
+
+
+def row_max(z, vocab_axis):
+  """Global row maximum used as the shift; no derivative flows through it.
+
+  Rows that are entirely -inf (or hold +inf/NaN) get a shift of 0 so that they stay
+  contained: their own outputs become NaN/-inf, no other row is touched.
+  """
+  m = lax.stop_gradient(jnp.max(z, axis=-1))
+  if vocab_axis is not None:
+    m = lax.pmax(m, vocab_axis)
+  return jnp.where(jnp.isfinite(m), m, jnp.zeros_like(m))
+
+
+def tile_sums(z, m, with_entropy):
+  """Row sums of exp(z - m) and, for the entropy, exp(z - m) * (z - m).
+
+  Returns a tuple of ``[C]`` arrays (one or two) for the caller to all-reduce.
+  """
+  shifted = z - m[:, None]
+  e = jnp.exp(shifted)
+  sums = (jnp.sum(e, axis=-1),)
+  if with_entropy:
+    # exp(-inf) * -inf is NaN; such columns contribute exactly 0.
+    sums += (jnp.sum(jnp.where(e > 0, e * shifted, 0), axis=-1),)
+  return sums
+
+
+def finish_statistics(m, sum_exp, sum_exp_shifted):
+  """lse and entropy from the all-reduced sums (``[C]`` each; entropy None if not asked)."""
+  log_s = jnp.log(sum_exp)
+  lse = m + log_s
+  entropy = None if sum_exp_shifted is None else log_s - sum_exp_shifted / sum_exp
+  return lse, entropy
+
+
+def logit_grad(z, label_column, lse, entropy, g_logp, g_entropy, valid):
+  """d loss / d z for one tile, in the compute dtype.
+
+  Args:
+    z: ``[C, V_tile]`` scaled, masked logits.
+    label_column: ``[C]`` label id minus the tile's first column id (any int; only
+      values inside ``[0, V_tile)`` hit a column).
+    lse, entropy: ``[C]`` saved statistics (entropy only needed when g_entropy is given).
+    g_logp, g_entropy: ``[C]`` cotangents, or ``None`` for a symbolic zero.
+    valid: ``[C]`` bool; rows that are False get an exactly zero gradient.
+  """
+  log_p = z - lse[:, None]
+  p = jnp.exp(log_p)
+  coef = jnp.zeros_like(lse) if g_logp is None else g_logp
+  coef = coef[:, None]
+  if g_entropy is not None:
+    # -inf columns have p == 0: keep their log p out of the product.
+    coef = coef + g_entropy[:, None] * (jnp.where(p > 0, log_p, 0) + entropy[:, None])
+  dz = -p * coef
+  if g_logp is not None:
+    hit = lax.broadcasted_iota(jnp.int32, z.shape, 1) == label_column[:, None]
+    dz = dz + jnp.where(hit, g_logp[:, None], 0)
+  return jnp.where(valid[:, None], dz, 0)
+
+
+def shard_column_start(num_columns, vocab_axis):
+  """Global id of this shard's first column (0 without ``vocab_axis``)."""
+  if vocab_axis is None:
+    return jnp.int32(0)
+  return lax.axis_index(vocab_axis).astype(jnp.int32) * num_columns
+
+
+def label_logit(x, labels, inv_temp, column_start, first_column=None):
+  """``[C]`` z at each row's label when this tile owns it, else 0.
+
+  Gathered from ``x`` (C elements, no pass over the tile). Labels below
+  ``first_column`` belong to an earlier block and are not owned here.
+  """
+  dtype = compute_dtype(x.dtype)
+  label_column = labels - column_start
+  owned = (label_column >= 0) & (label_column < x.shape[1])
+  if first_column is not None:
+    owned = owned & (labels >= first_column)
+  safe_column = jnp.clip(label_column, 0, x.shape[1] - 1)[:, None]
+  picked = jnp.take_along_axis(x, safe_column, axis=1)[:, 0].astype(dtype)
+  return jnp.where(owned, picked * inv_temp.astype(dtype), 0)
+
+
+def finish_outputs(logp_unmasked, entropy, labels, valid, vocab_size):
+  """Outputs as returned: in the compute dtype (float32; float64 for float64 inputs),
+  0 at ignored rows, NaN log-prob for a kept label ``>= vocab_size`` (never a finite
+  wrong number)."""
+  logp = jnp.where(labels >= vocab_size, jnp.nan, logp_unmasked)
+  logp = jnp.where(valid, logp, 0)
+  if entropy is not None:
+    entropy = jnp.where(valid, entropy, 0)
+  return logp, entropy
+
+
+def chunk_statistics(x, labels, inv_temp, valid, column_start, vocab_size, mask_vocab,
+                     vocab_axis, with_entropy):
+  """Forward statistics of one chunk of tokens over this shard's columns.
+
+  Args:
+    x: ``[C, V_local]`` logits (any float dtype; the matmul output on the fused path).
+    labels: ``[C]`` int32 global ids; inv_temp ``[C]``; valid ``[C]`` bool.
+    column_start: global id of ``x``'s first column.
+    vocab_size: logical vocabulary (kept labels at or above it give NaN).
+    mask_vocab: ``vocab_size`` when some columns must be masked, else ``None``.
+
+  Returns:
+    ``(logp, lse, entropy or None)``, ``[C]`` each; logp and entropy are float32 and 0 at
+    ignored rows, lse is in the compute dtype. One pmax and one psum over ``vocab_axis``.
+  """
+  z = scaled_logits(x, inv_temp, column_start, mask_vocab)
+  m = row_max(z, vocab_axis)
+  sums = tile_sums(z, m, with_entropy)
+  reduced = jnp.stack(sums + (label_logit(x, labels, inv_temp, column_start),))
+  if vocab_axis is not None:
+    reduced = lax.psum(reduced, vocab_axis)
+  lse, entropy = finish_statistics(m, reduced[0], reduced[1] if with_entropy else None)
+  logp, entropy_out = finish_outputs(reduced[-1] - lse, entropy, labels, valid, vocab_size)
+  return logp, lse, entropy_out
+
+
+def symbolic_zero_to_none(cotangent):
+  return None if isinstance(cotangent, SymbolicZero) else cotangent
+
+
+def varying_like(x, vocab_axis):
+  """``x`` typed as varying over ``vocab_axis`` (a scan carry that receives varying
+  values must start varying; a plain zeros is not). No-op outside shard_map."""
+  if vocab_axis is None:
+    return x
+  axes = vocab_axis if isinstance(vocab_axis, tuple) else (vocab_axis,)
+  missing = tuple(a for a in axes if a not in getattr(jax.typeof(x), "vma", axes))
+  return lax.pcast(x, missing, to="varying") if missing else x
+
+
+def merge_running(m, s, q, m_new):
+  """Rescale running sums from shift ``m`` to shift ``m_new`` (``[C]`` each).
+
+  ``s = sum exp(z - m)`` and ``q = sum exp(z - m) * (z - m)`` become the same sums
+  relative to ``m_new >= m``. ``m`` starts at ``finfo.min`` (never 0, never -inf), so an
+  empty running sum stays exactly 0.
+  """
+  scale = jnp.exp(m - m_new)
+  return s * scale, None if q is None else scale * (q + (m - m_new) * s)
+
+
+def running_start(num_rows, dtype, with_entropy, like):
+  """Initial ``(m, s, q)`` for an online softmax over vocab blocks (``like`` sets the
+  varying type inside shard_map)."""
+  zeros = jnp.zeros((num_rows,), dtype) + jnp.zeros_like(like, dtype)
+  m = zeros + jnp.finfo(dtype).min
+  return m, zeros, (zeros if with_entropy else None)
+
+
+def accumulate_tile(m, s, q, z):
+  """Fold one ``[C, V_tile]`` tile of z into the running ``(m, s, q)`` of its rows."""
+  tile_max = lax.stop_gradient(jnp.max(z, axis=-1))
+  m_new = jnp.maximum(m, jnp.maximum(tile_max, jnp.finfo(z.dtype).min))
+  s, q = merge_running(m, s, q, m_new)
+  sums = tile_sums(z, m_new, q is not None)
+  return m_new, s + sums[0], (None if q is None else q + sums[1])
+
+
+def combine_shards(m, s, q, picked, vocab_axis):
+  """All-reduce running sums and the label logit over ``vocab_axis``: one pmax, one psum."""
+  if vocab_axis is None:
+    return m, s, q, picked
+  m_all = lax.pmax(m, vocab_axis)
+  s, q = merge_running(m, s, q, m_all)
+  reduced = lax.psum(jnp.stack((s, picked) + (() if q is None else (q,))), vocab_axis)
+  return m_all, reduced[0], (None if q is None else reduced[2]), reduced[1]

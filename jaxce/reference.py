@@ -1,0 +1,63 @@
+"""Plain, unchunked reference implementations: the yardstick every test checks against.
+
+Same meaning as the public jaxce functions, written with ``jax.nn.log_softmax`` and
+autodiff. They materialize ``[T, V]`` float32 (or float64) arrays; use them for tests,
+not for training.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+__all__ = ["logprobs_and_entropy", "linear_logprobs_and_entropy"]
+
+
+def logprobs_and_entropy(logits, labels, *, temperature=1.0, where=None, vocab_size=None,
+                         return_entropy=True, **unused_options):
+  """``(logp, entropy)`` of ``labels.shape`` in float32 (float64 for float64 logits).
+
+  ``unused_options`` takes the chunking / sharding keywords of the real function
+  (``chunk_size``, ``vocab_axis``...) so both can be called with the same arguments;
+  ``vocab_axis`` is not supported here.
+  """
+  if unused_options.get("vocab_axis") is not None:
+    raise ValueError("the reference does not shard: pass vocab_axis=None")
+  dtype = jnp.promote_types(logits.dtype, jnp.float32)
+  t = lax.stop_gradient(jnp.broadcast_to(jnp.asarray(temperature, dtype), labels.shape))
+  z = logits.astype(dtype) / t[..., None]
+  num_columns = logits.shape[-1]
+  vocab_size = num_columns if vocab_size is None else vocab_size
+  z = jnp.where(jnp.arange(num_columns) < vocab_size, z, -jnp.inf)
+  log_p = jax.nn.log_softmax(z, axis=-1)
+  logp = jnp.take_along_axis(log_p, jnp.clip(labels, 0, num_columns - 1)[..., None], -1)[..., 0]
+  valid = labels >= 0
+  if where is not None:
+    valid = valid & jnp.broadcast_to(where, labels.shape)
+  logp = jnp.where(labels >= vocab_size, jnp.nan, logp)
+  logp = jnp.where(valid, logp, 0)
+  if not return_entropy:
+    return logp, None
+  p = jnp.exp(log_p)
+  entropy = -jnp.sum(p * jnp.where(p > 0, log_p, 0), axis=-1)
+  return logp, jnp.where(valid, entropy, 0)
+
+
+def linear_logprobs_and_entropy(hidden, weight, labels, *, bias=None, logit_softcap=None,
+                                temperature=1.0, where=None, vocab_size=None,
+                                return_entropy=True, **unused_options):
+  """The fused path's meaning: ``logits = softcap(hidden @ weight + bias)``, then as above.
+
+  The matmul takes the inputs' dtype with float32 accumulation (float64 for float64
+  inputs), like the real function.
+  """
+  dtype = jnp.promote_types(hidden.dtype, jnp.float32)
+  logits = jnp.matmul(hidden, weight, preferred_element_type=dtype)
+  if bias is not None:
+    logits = logits + bias.astype(dtype)
+  if logit_softcap is not None:
+    logits = logit_softcap * jnp.tanh(logits / logit_softcap)
+  return logprobs_and_entropy(logits, labels, temperature=temperature, where=where,
+                              vocab_size=vocab_size, return_entropy=return_entropy,
+                              **unused_options)

@@ -151,11 +151,10 @@ def _forward(hidden, weight, bias, labels, inv_temp, valid, static):
   n_blocks, n_chunks = _grid(num_tokens, num_columns, chunk, block)
   shard_start = _math.shard_column_start(num_columns, static.vocab_axis)
   dtype = _math.compute_dtype(hidden.dtype)
-  # The running sums vary like the tiles do: over the vocab axis and over whatever the
-  # hidden states and the weight vary over.
-  like = _math.varying_like(jnp.zeros((num_tokens,), dtype), static.vocab_axis)
-  like = like + jnp.zeros_like(hidden[:, 0], dtype) + jnp.zeros_like(weight[0, 0], dtype)
-  m, s, q = _math.running_start(num_tokens, dtype, static.with_entropy, like)
+  outer_labels, outer_valid = labels, valid  # the outputs vary like these, not per shard
+  hidden, weight, bias, labels, inv_temp, valid = _math.unify_varying(
+      (hidden, weight, bias, labels, inv_temp, valid), static.vocab_axis)
+  m, s, q = _math.running_start(num_tokens, dtype, static.with_entropy, inv_temp)
   picked = jnp.zeros_like(s)
 
   def block_step(carry, j):
@@ -185,7 +184,7 @@ def _forward(hidden, weight, bias, labels, inv_temp, valid, static):
   (m, s, q, picked), _ = lax.scan(block_step, (m, s, q, picked), jnp.arange(n_blocks))
   m, s, q, picked = _math.combine_shards(m, s, q, picked, static.vocab_axis)
   lse, entropy = _math.finish_statistics(m, s, q)
-  logp, entropy_out = _math.finish_outputs(picked - lse, entropy, labels, valid,
+  logp, entropy_out = _math.finish_outputs(picked - lse, entropy, outer_labels, outer_valid,
                                            static.vocab_size)
   out = (logp,) + ((entropy_out,) if static.with_entropy else ())
   return out, (lse, entropy)
@@ -199,12 +198,15 @@ def _linear_logprobs_entropy_fwd(hidden, weight, bias, labels, inv_temp, valid, 
 
 
 def _linear_logprobs_entropy_bwd(static, residuals, cotangents):
-  hidden, weight, bias, labels, inv_temp, valid, lse, entropy = residuals
+  primals = residuals[:3]
+  hidden, weight, bias, labels, inv_temp, valid, lse, entropy = _math.unify_varying(
+      residuals, static.vocab_axis)
   g_logp = _math.symbolic_zero_to_none(cotangents[0])
   g_entropy = _math.symbolic_zero_to_none(cotangents[1]) if static.with_entropy else None
   no_bias_grad = None if bias is None else jnp.zeros_like(bias)
   if g_logp is None and g_entropy is None:
-    return (jnp.zeros_like(hidden), jnp.zeros_like(weight), no_bias_grad, None, None, None)
+    return (jnp.zeros_like(primals[0]), jnp.zeros_like(primals[1]),
+            None if bias is None else jnp.zeros_like(primals[2]), None, None, None)
 
   num_tokens, num_columns = hidden.shape[0], weight.shape[1]
   chunk, block = static.chunk, static.block
@@ -258,13 +260,14 @@ def _linear_logprobs_entropy_bwd(static, residuals, cotangents):
           d_bias, jnp.where(fresh, db_block.astype(bias.dtype), old_b), col, 0)
     return (d_hidden, d_weight, d_bias), None
 
-  d_hidden = _math.varying_like(jnp.zeros_like(hidden, dtype), static.vocab_axis)
-  d_hidden = d_hidden + jnp.zeros_like(weight[0, 0], dtype)
-  carry = (d_hidden, jnp.zeros_like(weight), no_bias_grad)
+  carry = (jnp.zeros_like(hidden, dtype), jnp.zeros_like(weight), no_bias_grad)
   (d_hidden, d_weight, d_bias), _ = lax.scan(block_step, carry, jnp.arange(n_blocks))
   if static.vocab_axis is not None:
     d_hidden = lax.psum(d_hidden, static.vocab_axis)  # partial sums over vocab shards
-  return (d_hidden.astype(hidden.dtype), d_weight, d_bias, None, None, None)
+  grads = (d_hidden.astype(hidden.dtype), d_weight, d_bias)
+  grads = tuple(None if g is None else _math.reduce_to_varying(g, p)
+                for g, p in zip(grads, primals))
+  return grads + (None, None, None)
 
 
 _linear_logprobs_entropy.defvjp(_linear_logprobs_entropy_fwd, _linear_logprobs_entropy_bwd,

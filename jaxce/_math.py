@@ -173,14 +173,42 @@ def symbolic_zero_to_none(cotangent):
   return None if isinstance(cotangent, SymbolicZero) else cotangent
 
 
-def varying_like(x, vocab_axis):
-  """``x`` typed as varying over ``vocab_axis`` (a scan carry that receives varying
-  values must start varying; a plain zeros is not). No-op outside shard_map."""
-  if vocab_axis is None:
-    return x
-  axes = vocab_axis if isinstance(vocab_axis, tuple) else (vocab_axis,)
-  missing = tuple(a for a in axes if a not in getattr(jax.typeof(x), "vma", axes))
-  return lax.pcast(x, missing, to="varying") if missing else x
+def _vma(x):
+  """The manual mesh axes ``x`` varies over (``aval.mat.varying`` in JAX >= 0.10,
+  ``aval.vma`` before); empty outside shard_map."""
+  aval = jax.typeof(x)
+  mat = getattr(aval, "mat", None)
+  return frozenset(mat.varying if mat is not None else getattr(aval, "vma", ()))
+
+
+def _axes(vocab_axis):
+  return () if vocab_axis is None else (
+      vocab_axis if isinstance(vocab_axis, tuple) else (vocab_axis,))
+
+
+def unify_varying(arrays, vocab_axis):
+  """Cast every array (``None`` passes through) to vary over the union of the arrays'
+  manual axes and ``vocab_axis``, so that scan carries built from any of them type-check
+  inside ``shard_map``. A no-op outside shard_map; under pmap, where values carry no
+  varying type, the arrays come back unchanged."""
+  union = frozenset(_axes(vocab_axis)).union(*(_vma(a) for a in arrays if a is not None))
+  out = []
+  for a in arrays:
+    missing = () if a is None else tuple(sorted(union - _vma(a)))
+    if missing:
+      try:
+        a = lax.pcast(a, missing, to="varying")
+      except (NameError, ValueError):  # pmap: no varying types to match
+        return tuple(arrays)
+    out.append(a)
+  return tuple(out)
+
+
+def reduce_to_varying(cotangent, primal):
+  """Sum a cotangent over the manual axes its primal does not vary over (the transpose
+  of the implicit broadcast that made the primal varying)."""
+  extra = tuple(sorted(_vma(cotangent) - _vma(primal)))
+  return lax.psum(cotangent, extra) if extra else cotangent
 
 
 def merge_running(m, s, q, m_new):
@@ -195,11 +223,10 @@ def merge_running(m, s, q, m_new):
 
 
 def running_start(num_rows, dtype, with_entropy, like):
-  """Initial ``(m, s, q)`` for an online softmax over vocab blocks (``like`` sets the
-  varying type inside shard_map)."""
-  zeros = jnp.zeros((num_rows,), dtype) + jnp.zeros_like(like, dtype)
-  m = zeros + jnp.finfo(dtype).min
-  return m, zeros, (zeros if with_entropy else None)
+  """Initial ``(m, s, q)`` ``[num_rows]`` for an online softmax over vocab blocks;
+  ``like`` (``[num_rows]``) lends its varying type inside shard_map."""
+  zeros = jnp.zeros_like(like, dtype)
+  return zeros + jnp.finfo(dtype).min, zeros, (zeros if with_entropy else None)
 
 
 def accumulate_tile(m, s, q, z):

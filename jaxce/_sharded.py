@@ -26,10 +26,11 @@ def _check_mesh(mesh, vocab_axis, batch_axis):
 def _token_options(kw, labels, ndim):
   """Split per-token array options (temperature, where) out as extra shard_map inputs."""
   arrays = {}
-  for name, dtype in (("temperature", jnp.float32), ("where", jnp.bool_)):
+  for name in ("temperature", "where"):
     value = kw.pop(name, None)
     if value is not None and jnp.ndim(value) > 0:
-      arrays[name] = _checks.broadcast_token_array(name, value, labels.shape, dtype)
+      value = _checks.as_array(name, value)
+      arrays[name] = _checks.broadcast_token_array(name, value, labels.shape, value.dtype)
     elif value is not None:
       kw[name] = value
   return arrays

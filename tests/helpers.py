@@ -1,0 +1,60 @@
+"""Shared test helpers: adversarial inputs, float64 references, tolerances."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jaxce
+from jaxce import reference
+
+# Max abs error allowed against the float64 reference, by input dtype, for outputs
+# (log-prob, entropy) and for gradients. f32 inputs are exact up to f32 rounding of
+# O(10)-sized logits; bf16/f16 inputs are checked separately against the plain-JAX error.
+TOLERANCE = {
+    jnp.float64: dict(value=1e-10, grad=1e-10),
+    jnp.float32: dict(value=2e-4, grad=2e-5),
+}
+
+
+def adversarial_logits(rng, shape, *, scale=4.0, offset=0.0, peak=25.0, banned=0.0):
+  """Peaked, shifted logits: one dominant column per row, a global offset, optional
+  -inf (banned) columns. Returned as float64 numpy."""
+  x = rng.normal(size=shape) * scale + offset
+  rows = np.prod(shape[:-1], dtype=int)
+  flat = x.reshape(rows, shape[-1])
+  flat[np.arange(rows), rng.integers(0, shape[-1], rows)] += peak
+  if banned:
+    flat[rng.random(flat.shape) < banned] = -np.inf
+  return flat.reshape(shape)
+
+
+def weighted_loss(fn, *arrays, labels, cot_logp, cot_entropy, **kw):
+  """``sum(a * logp) + sum(b * entropy)`` with per-token cotangents a, b."""
+  logp, entropy = fn(*arrays, labels, **kw)
+  loss = jnp.sum(cot_logp * logp)
+  if entropy is not None and cot_entropy is not None:
+    loss = loss + jnp.sum(cot_entropy * entropy)
+  return loss
+
+
+def value_and_grads(fn, arrays, argnums, **kw):
+  """``(logp, entropy), grads`` of the weighted loss w.r.t. ``arrays[argnums]``."""
+  outputs = fn(*arrays, kw["labels"], **{k: v for k, v in kw.items()
+                                          if k not in ("labels", "cot_logp", "cot_entropy")})
+  grads = jax.grad(lambda *a: weighted_loss(fn, *a, **kw), argnums)(*arrays)
+  return outputs, grads
+
+
+def assert_close(actual, expected, atol, what):
+  actual = np.asarray(actual, np.float64)
+  expected = np.asarray(expected, np.float64)
+  assert actual.shape == expected.shape, f"{what}: shape {actual.shape} != {expected.shape}"
+  assert not np.isnan(actual).any(), f"{what}: NaN in result"
+  err = np.max(np.abs(actual - expected)) if actual.size else 0.0
+  assert err <= atol, f"{what}: max abs error {err:.3e} > {atol:.1e}"
+
+
+__all__ = ["TOLERANCE", "adversarial_logits", "assert_close", "jaxce", "reference",
+           "value_and_grads", "weighted_loss"]

@@ -34,14 +34,14 @@ DEFAULT_VOCAB_BLOCK = 16384
 
 def linear_logprobs_and_entropy(hidden, weight, labels, *, bias=None, logit_softcap=None,
                                 temperature=1.0, where=None, vocab_size=None, chunk_size=None,
-                                vocab_axis=None, return_entropy=True, vocab_block_size=None):
+                                vocab_axis=None, return_entropy=True, vocab_block_size=None,
+                                weight_layout="dv"):
   """Per-token log-prob and entropy of ``softmax(softcap(hidden @ weight + bias) / T)``.
 
   Args:
     hidden: ``[..., D]`` bf16, f16 or f32.
     weight: ``[D, V]`` (``V = V_local`` with ``vocab_axis``), a Flax ``Linear`` kernel;
-      tied embeddings pass ``embedding.T`` (under ``jit`` the transpose is folded into
-      the matmuls, not materialized).
+      or ``[V, D]`` with ``weight_layout="vd"``.
     labels: int ``[...]`` = ``hidden.shape[:-1]``, global ids; negative ids are ignored.
     bias: optional ``[V]``.
     logit_softcap: optional float c > 0: logits become ``c * tanh(logits / c)`` before the
@@ -50,7 +50,10 @@ def linear_logprobs_and_entropy(hidden, weight, labels, *, bias=None, logit_soft
       :func:`jaxce.logprobs_and_entropy`.
     chunk_size: tokens per tile; ``None`` plans it from a 64 MiB f32 tile budget.
     vocab_block_size: vocab columns per tile; ``None``: ``min(V, 16384)``.
-
+    weight_layout: ``"dv"`` (``weight`` is ``[D, V]``) or ``"vd"`` (``[V, D]``: tied
+      embeddings pass the embedding table itself). Either way the matmuls read the array
+      as stored; passing ``embedding.T`` with ``"dv"`` also works but XLA may then copy
+      the table and the gradient into the other layout.
   Returns:
     ``(logp, entropy)`` float32 of ``labels.shape`` (entropy ``None`` when
     ``return_entropy=False``). Gradients flow to ``hidden``, ``weight`` and ``bias`` in
@@ -65,14 +68,18 @@ def linear_logprobs_and_entropy(hidden, weight, labels, *, bias=None, logit_soft
   labels = _checks.as_array("labels", labels)
   _checks.check_float("hidden", hidden)
   _checks.check_float("weight", weight)
-  if weight.ndim != 2 or weight.shape[0] != hidden.shape[-1]:
-    raise ValueError(f"weight must have shape [D, V] with D = hidden.shape[-1] = "
-                     f"{hidden.shape[-1]}, got {weight.shape=}")
+  if weight_layout not in ("dv", "vd"):
+    raise ValueError(f'weight_layout must be "dv" ([D, V]) or "vd" ([V, D]), got {weight_layout=!r}')
+  vocab_dim = 1 if weight_layout == "dv" else 0
+  if weight.ndim != 2 or weight.shape[1 - vocab_dim] != hidden.shape[-1]:
+    expected = "[D, V]" if vocab_dim else "[V, D]"
+    raise ValueError(f"weight must have shape {expected} (weight_layout={weight_layout!r}) with "
+                     f"D = hidden.shape[-1] = {hidden.shape[-1]}, got {weight.shape=}")
   _checks.check_labels(labels, hidden.shape[:-1], "hidden.shape[:-1]")
   _checks.check_chunk_size(chunk_size)
   if vocab_block_size is not None:
     _checks.check_chunk_size(vocab_block_size)
-  num_columns = weight.shape[1]
+  num_columns = weight.shape[vocab_dim]
   if bias is not None:
     bias = _checks.as_array("bias", bias)
     _checks.check_float("bias", bias)
@@ -100,7 +107,7 @@ def linear_logprobs_and_entropy(hidden, weight, labels, *, bias=None, logit_soft
                    mask_vocab=vocab_size if vocab_size < num_columns * shards else None,
                    chunk=chunk, block=block, vocab_axis=vocab_axis,
                    softcap=None if logit_softcap is None else float(logit_softcap),
-                   with_entropy=return_entropy)
+                   with_entropy=return_entropy, vocab_dim=vocab_dim)
   out = _linear_logprobs_entropy(
       hidden.reshape(num_tokens, hidden.shape[-1]), weight, bias,
       labels.reshape(-1).astype(jnp.int32), inv_temp.reshape(-1), valid.reshape(-1), static)
@@ -112,7 +119,7 @@ def linear_logprobs_and_entropy(hidden, weight, labels, *, bias=None, logit_soft
 class _Static(tuple):
   """Hashable bundle of the static (Python) options of one call."""
   _fields = ("vocab_size", "mask_vocab", "chunk", "block", "vocab_axis", "softcap",
-             "with_entropy")
+             "with_entropy", "vocab_dim")
 
   def __new__(cls, **kw):
     return super().__new__(cls, tuple(kw[f] for f in cls._fields))
@@ -121,10 +128,17 @@ class _Static(tuple):
     return self[self._fields.index(name)]
 
 
-def _tile_logits(hidden_rows, weight_cols, bias_cols, softcap):
+def _contract(a, b, a_dim, b_dim):
+  """``a`` and ``b`` contracted over one dimension each, f32 (f64) accumulation."""
+  dtype = _math.compute_dtype(a.dtype)
+  return lax.dot_general(a, b.astype(a.dtype), (((a_dim,), (b_dim,)), ((), ())),
+                         preferred_element_type=dtype)
+
+
+def _tile_logits(hidden_rows, weight_cols, bias_cols, softcap, vocab_dim):
   """``[C, Vb]`` f32 logits of one tile (input-dtype operands, f32 accumulation)."""
   dtype = _math.compute_dtype(hidden_rows.dtype)
-  x = jnp.matmul(hidden_rows, weight_cols.astype(hidden_rows.dtype), preferred_element_type=dtype)
+  x = _contract(hidden_rows, weight_cols, 1, 1 - vocab_dim)
   if bias_cols is not None:
     x = x + bias_cols.astype(dtype)
   if softcap is not None:
@@ -146,7 +160,7 @@ def _linear_logprobs_entropy(hidden, weight, bias, labels, inv_temp, valid, stat
 
 
 def _forward(hidden, weight, bias, labels, inv_temp, valid, static):
-  num_tokens, num_columns = hidden.shape[0], weight.shape[1]
+  num_tokens, num_columns = hidden.shape[0], weight.shape[static.vocab_dim]
   chunk, block = static.chunk, static.block
   n_blocks, n_chunks = _grid(num_tokens, num_columns, chunk, block)
   shard_start = _math.shard_column_start(num_columns, static.vocab_axis)
@@ -160,13 +174,13 @@ def _forward(hidden, weight, bias, labels, inv_temp, valid, static):
   def block_step(carry, j):
     col = _chunking.chunk_start(j, num_columns, block)
     first_column = shard_start + j * block  # earlier blocks own the columns below
-    w_cols = lax.dynamic_slice_in_dim(weight, col, block, 1)
+    w_cols = lax.dynamic_slice_in_dim(weight, col, block, static.vocab_dim)
     b_cols = None if bias is None else lax.dynamic_slice_in_dim(bias, col, block, 0)
 
     def chunk_step(carry, i):
       start = _chunking.chunk_start(i, num_tokens, chunk)
       rows = lambda a: lax.dynamic_slice_in_dim(a, start, chunk, 0)
-      x = _tile_logits(rows(hidden), w_cols, b_cols, static.softcap)
+      x = _tile_logits(rows(hidden), w_cols, b_cols, static.softcap, static.vocab_dim)
       z = _math.scaled_logits(x, rows(inv_temp), shard_start + col, static.mask_vocab,
                               first_column)
       m, s, q, picked = (None if c is None else rows(c) for c in carry)
@@ -192,7 +206,7 @@ def _forward(hidden, weight, bias, labels, inv_temp, valid, static):
 
 def _linear_logprobs_entropy_fwd(hidden, weight, bias, labels, inv_temp, valid, static):
   hidden, weight, bias, labels, inv_temp, valid = (
-      p.value for p in (hidden, weight, bias, labels, inv_temp, valid))
+      None if p is None else p.value for p in (hidden, weight, bias, labels, inv_temp, valid))
   out, (lse, entropy) = _forward(hidden, weight, bias, labels, inv_temp, valid, static)
   return out, (hidden, weight, bias, labels, inv_temp, valid, lse, entropy)
 
@@ -208,17 +222,18 @@ def _linear_logprobs_entropy_bwd(static, residuals, cotangents):
     return (jnp.zeros_like(primals[0]), jnp.zeros_like(primals[1]),
             None if bias is None else jnp.zeros_like(primals[2]), None, None, None)
 
-  num_tokens, num_columns = hidden.shape[0], weight.shape[1]
+  num_tokens, num_columns = hidden.shape[0], weight.shape[static.vocab_dim]
   chunk, block = static.chunk, static.block
   n_blocks, n_chunks = _grid(num_tokens, num_columns, chunk, block)
   shard_start = _math.shard_column_start(num_columns, static.vocab_axis)
   dtype = _math.compute_dtype(hidden.dtype)
+  vocab_dim = static.vocab_dim
 
   def block_step(carry, j):
     d_hidden, d_weight, d_bias = carry
     col = _chunking.chunk_start(j, num_columns, block)
     first_column = shard_start + j * block
-    w_cols = lax.dynamic_slice_in_dim(weight, col, block, 1)
+    w_cols = lax.dynamic_slice_in_dim(weight, col, block, vocab_dim)
     b_cols = None if bias is None else lax.dynamic_slice_in_dim(bias, col, block, 0)
 
     def chunk_step(carry, i):
@@ -226,7 +241,7 @@ def _linear_logprobs_entropy_bwd(static, residuals, cotangents):
       start = _chunking.chunk_start(i, num_tokens, chunk)
       rows = lambda a: None if a is None else lax.dynamic_slice_in_dim(a, start, chunk, 0)
       h = rows(hidden)
-      x = _tile_logits(h, w_cols, b_cols, static.softcap)
+      x = _tile_logits(h, w_cols, b_cols, static.softcap, vocab_dim)
       z = _math.scaled_logits(x, rows(inv_temp), shard_start + col, static.mask_vocab,
                               first_column)
       label_column = rows(labels) - (shard_start + col)
@@ -238,8 +253,9 @@ def _linear_logprobs_entropy_bwd(static, residuals, cotangents):
       if static.softcap is not None:
         dx = dx * (1 - jnp.square(x / static.softcap))
       d = dx.astype(weight.dtype)
-      dw_block = dw_block + jnp.matmul(h.T, d.astype(h.dtype), preferred_element_type=dtype)
-      dh_rows = jnp.matmul(d, w_cols.T, preferred_element_type=dtype)
+      # d W block in the weight's layout: [D, Vb] = hᵀ d, or [Vb, D] = dᵀ h.
+      dw_block = dw_block + (_contract(h, d, 0, 0) if vocab_dim else _contract(d, h, 0, 0))
+      dh_rows = _contract(d, w_cols, 1, vocab_dim)
       d_hidden = lax.dynamic_update_slice_in_dim(
           d_hidden, rows(d_hidden) + dh_rows, start, 0)
       db_block = None if db_block is None else db_block + jnp.sum(dx, axis=0)
@@ -251,9 +267,10 @@ def _linear_logprobs_entropy_bwd(static, residuals, cotangents):
         chunk_step, (d_hidden, dw_block, db_block), jnp.arange(n_chunks))
     # The clamped last block overlaps columns an earlier block wrote: keep those.
     fresh = _chunking.fresh_rows(j, col, block)
-    old_w = lax.dynamic_slice_in_dim(d_weight, col, block, 1)
+    old_w = lax.dynamic_slice_in_dim(d_weight, col, block, vocab_dim)
+    fresh_w = fresh[None, :] if vocab_dim else fresh[:, None]
     d_weight = lax.dynamic_update_slice_in_dim(
-        d_weight, jnp.where(fresh[None, :], dw_block.astype(weight.dtype), old_w), col, 1)
+        d_weight, jnp.where(fresh_w, dw_block.astype(weight.dtype), old_w), col, vocab_dim)
     if bias is not None:
       old_b = lax.dynamic_slice_in_dim(d_bias, col, block, 0)
       d_bias = lax.dynamic_update_slice_in_dim(

@@ -84,8 +84,8 @@ def sharded_linear_logprobs_and_entropy(hidden, weight, labels, *, mesh, vocab_a
 
   Args:
     hidden: global ``[B, ..., D]``, the first dim split over ``batch_axis`` if given.
-    weight: global ``[D, V]``, the vocab split over ``vocab_axis``; ``bias`` (in ``kw``)
-      ``[V]`` likewise.
+    weight: global ``[D, V]`` (``[V, D]`` with ``weight_layout="vd"``), the vocab split
+      over ``vocab_axis``; ``bias`` (in ``kw``) ``[V]`` likewise.
     labels: global int ``[B, ...]``.
     **kw: any keyword of :func:`jaxce.linear_logprobs_and_entropy`.
 
@@ -97,8 +97,9 @@ def sharded_linear_logprobs_and_entropy(hidden, weight, labels, *, mesh, vocab_a
   labels = jnp.asarray(labels)
   hidden = jnp.asarray(hidden)
   bias = kw.pop("bias", None)
+  weight_spec = P(vocab_axis, None) if kw.get("weight_layout") == "vd" else P(None, vocab_axis)
   arrays, specs = [hidden, jnp.asarray(weight)], [
-      P(*(tuple(_token_spec(hidden.ndim - 1, batch_axis)) + (None,))), P(None, vocab_axis)]
+      P(*(tuple(_token_spec(hidden.ndim - 1, batch_axis)) + (None,))), weight_spec]
 
   def kernel(h, w, *rest, **options):
     *b, labels_local = rest

@@ -1,0 +1,107 @@
+"""The fused LM-head path against the float64 reference: values and all three gradients."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.test_util import check_grads
+
+from helpers import TOLERANCE, assert_close, jaxce, reference, value_and_grads
+
+
+def _case(seed, shape, dim, num_columns, vocab_size=None, ignore=0.2):
+  rng = np.random.default_rng(seed)
+  hidden = rng.normal(size=shape + (dim,))
+  weight = rng.normal(size=(dim, num_columns)) * 2 / np.sqrt(dim)
+  weight[:, rng.integers(0, num_columns, 3)] *= 6  # a few peaked columns
+  bias = rng.normal(size=num_columns) - 3.0
+  labels = rng.integers(0, vocab_size or num_columns, shape)
+  labels[rng.random(shape) < ignore] = -100
+  loss_kw = dict(labels=labels, cot_logp=rng.normal(size=shape), cot_entropy=rng.normal(size=shape))
+  return rng, hidden, weight, bias, loss_kw
+
+
+def _check(hidden, weight, bias, dtype, loss_kw, **kw):
+  arrays = tuple(jnp.asarray(a, dtype) for a in (hidden, weight, bias))
+  f = lambda h, w, b, labels, **k: jaxce.linear_logprobs_and_entropy(h, w, labels, bias=b, **k)
+  fr = lambda h, w, b, labels, **k: reference.linear_logprobs_and_entropy(h, w, labels, bias=b, **k)
+  (logp, ent), grads = value_and_grads(f, arrays, (0, 1, 2), **loss_kw, **kw)
+  ref_kw = {k: v for k, v in kw.items() if k not in ("chunk_size", "vocab_block_size")}
+  (logp_r, ent_r), grads_r = value_and_grads(
+      fr, tuple(jnp.asarray(a, jnp.float64) for a in arrays), (0, 1, 2), **loss_kw, **ref_kw)
+  tol = TOLERANCE[dtype]
+  assert_close(logp, logp_r, tol["value"], "logp")
+  assert_close(ent, ent_r, tol["value"], "entropy")
+  for name, g, gr, a in zip(("d hidden", "d weight", "d bias"), grads, grads_r, arrays):
+    assert g.dtype == a.dtype
+    assert_close(g, gr, tol["grad"] * 10, name)  # sums over T or V of f32 products
+  return logp, ent, grads
+
+
+@pytest.mark.parametrize("chunk_size,vocab_block_size", [
+    (1, 1009), (7, 100), (13, 333), (36, 1009), (37, 64), (100, 2000), (None, None)])
+def test_tilings_match_reference(chunk_size, vocab_block_size):
+  _, h, w, b, loss_kw = _case(0, (37,), 24, 1009)
+  _check(h, w, b, jnp.float32, loss_kw, chunk_size=chunk_size, vocab_block_size=vocab_block_size,
+         temperature=0.8)
+
+
+def test_float64_is_exact_with_softcap_temperature_mask_padding():
+  rng, h, w, b, loss_kw = _case(1, (3, 7), 17, 517, vocab_size=500)
+  where = rng.random((3, 7)) < 0.8
+  _check(h, w, b, jnp.float64, loss_kw, chunk_size=4, vocab_block_size=96, logit_softcap=5.0,
+         temperature=rng.uniform(0.5, 1.5, (3, 1)), vocab_size=500, where=where)
+
+
+def test_check_grads_float64():
+  _, h, w, b, loss_kw = _case(2, (5,), 6, 23, ignore=0.0)
+  labels = loss_kw["labels"]
+  f = lambda h, w, b: jaxce.linear_logprobs_and_entropy(
+      h, w, labels, bias=b, chunk_size=2, vocab_block_size=10, logit_softcap=3.0)
+  check_grads(f, (h, w, b), order=1, modes=["rev"])
+
+
+@pytest.mark.parametrize("layout", ["dv_of_transpose", "vd"])
+def test_tied_embedding(layout):
+  rng, h, w, _, loss_kw = _case(3, (11,), 16, 301)
+  embedding = jnp.asarray(w.T, jnp.float32)  # [V, D]
+  labels = loss_kw["labels"]
+  kw = dict(chunk_size=4, vocab_block_size=64)
+  if layout == "vd":
+    fn = lambda h, e, l: jaxce.linear_logprobs_and_entropy(h, e, l, weight_layout="vd", **kw)
+  else:
+    fn = lambda h, e, l: jaxce.linear_logprobs_and_entropy(h, e.T, l, **kw)
+  loss = lambda fn, h, e: jnp.sum(loss_kw["cot_logp"] * fn(h, e, labels)[0])
+  g = jax.jit(jax.grad(lambda h, e: loss(fn, h, e), (0, 1)))(h, embedding)
+  gr = jax.grad(lambda h, e: loss(lambda h, e, l: reference.linear_logprobs_and_entropy(h, e.T, l),
+                                  h, e), (0, 1))(h, jnp.asarray(embedding, jnp.float64))
+  assert_close(g[0], gr[0], 2e-4, "d hidden")
+  assert_close(g[1], gr[1], 2e-4, "d embedding")
+
+
+def test_bf16_no_worse_than_plain_jax():
+  _, h, w, b, loss_kw = _case(4, (40,), 64, 777)
+  arrays = tuple(jnp.asarray(a, jnp.bfloat16) for a in (h, w, b))
+  f = lambda h, w, b, labels, **k: jaxce.linear_logprobs_and_entropy(h, w, labels, bias=b, **k)
+  fr = lambda h, w, b, labels, **k: reference.linear_logprobs_and_entropy(h, w, labels, bias=b, **k)
+  (lp, en), g = value_and_grads(f, arrays, (0, 1, 2), chunk_size=16, vocab_block_size=200, **loss_kw)
+  (lp_p, en_p), g_p = value_and_grads(fr, arrays, (0, 1, 2), **loss_kw)
+  (lp_r, en_r), g_r = value_and_grads(
+      fr, tuple(jnp.asarray(a, jnp.float64) for a in arrays), (0, 1, 2), **loss_kw)
+  rel = lambda a, r: np.linalg.norm(np.asarray(a, np.float64) - r) / np.linalg.norm(r)
+  for name, a, p, r in [("logp", lp, lp_p, lp_r), ("entropy", en, en_p, en_r)] + [
+      (f"grad{i}", g[i], g_p[i], g_r[i]) for i in range(3)]:
+    assert rel(a, r) <= rel(p, r) * 1.1 + 1e-3, f"{name}: {rel(a, r):.2e} vs plain {rel(p, r):.2e}"
+
+
+def test_unused_entropy_and_no_bias():
+  _, h, w, _, loss_kw = _case(5, (10,), 8, 50)
+  labels, a = loss_kw["labels"], loss_kw["cot_logp"]
+  f = lambda h, w: jnp.sum(a * jaxce.linear_logprobs_and_entropy(h, w, labels, chunk_size=3,
+                                                                 vocab_block_size=16)[0])
+  fr = lambda h, w: jnp.sum(a * reference.linear_logprobs_and_entropy(h, w, labels)[0])
+  for g, gr in zip(jax.grad(f, (0, 1))(h, w), jax.grad(fr, (0, 1))(h, w)):
+    assert_close(g, gr, 1e-10, "grad")
+  logp, ent = jaxce.linear_logprobs_and_entropy(h, w, labels, return_entropy=False)
+  assert ent is None
+  assert_close(logp, reference.linear_logprobs_and_entropy(h, w, labels)[0], 1e-10, "logp")

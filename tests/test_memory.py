@@ -1,0 +1,104 @@
+"""Memory and cost from XLA's compiled plan (exact and deterministic on CPU)."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from helpers import jaxce, reference
+
+V, CHUNK = 4096, 64
+TILE = CHUNK * V * 4  # one f32 [chunk, V] tile
+
+
+def _compiled(f, *args, donate=()):
+  return jax.jit(f, donate_argnums=donate).lower(*args).compile()
+
+
+def _loss(fn, labels, adv, entropy_coef=0.01):
+  def loss(*arrays):
+    logp, entropy = fn(*arrays, labels)
+    return jnp.sum(adv * logp) + entropy_coef * jnp.sum(entropy)
+  return loss
+
+
+def _inputs(tokens):
+  return (jnp.zeros((tokens, V), jnp.float32), jnp.zeros((tokens,), jnp.int32),
+          jnp.ones((tokens,), jnp.float32))
+
+
+def _temp_bytes(fn, tokens, donate=()):
+  x, labels, adv = _inputs(tokens)
+  return _compiled(jax.grad(_loss(fn, labels, adv)), x, donate=donate).memory_analysis().temp_size_in_bytes
+
+
+def test_logits_path_temp_memory_is_flat_in_tokens():
+  chunked = lambda x, l: jaxce.logprobs_and_entropy(x, l, chunk_size=CHUNK)
+  small, large = _temp_bytes(chunked, 512), _temp_bytes(chunked, 4096)
+  assert large <= small + 4096 * 64, (small, large)  # O(T) vectors only
+  assert large <= 3 * TILE, f"{large / TILE:.2f} tiles"
+  ref_small, ref_large = _temp_bytes(reference.logprobs_and_entropy, 512), _temp_bytes(
+      reference.logprobs_and_entropy, 4096)
+  assert ref_large >= 7 * ref_small and ref_large >= 4096 * V * 4  # the reference grows with T
+
+
+@pytest.mark.parametrize("tokens", [4096, 4100])  # chunk divides T; ragged last chunk
+def test_overwrite_logits_needs_no_gradient_buffer(tokens):
+  inplace = lambda x, l: jaxce.logprobs_and_entropy(x, l, chunk_size=CHUNK, overwrite_logits=True)
+  plan = lambda fn: _compiled(jax.grad(_loss(fn, *_inputs(tokens)[1:])), _inputs(tokens)[0],
+                              donate=(0,)).memory_analysis()
+  donated = plan(inplace)
+  assert donated.temp_size_in_bytes <= 3 * TILE, f"{donated.temp_size_in_bytes / TILE:.2f} tiles"
+  assert donated.alias_size_in_bytes == tokens * V * 4  # the gradient is the logits' buffer
+  fresh = plan(lambda x, l: jaxce.logprobs_and_entropy(x, l, chunk_size=CHUNK))
+  assert fresh.temp_size_in_bytes >= tokens * V * 4  # without it: a second [T, V] buffer
+
+
+def test_unused_entropy_costs_no_backward_work():
+  x, labels, adv = _inputs(512)
+  f = lambda x: jaxce.logprobs_and_entropy(x, labels, chunk_size=CHUNK)
+  flops = lambda g: _cost(_compiled(g, x))
+  unused = flops(jax.grad(lambda x: jnp.sum(adv * f(x)[0])))
+  stopped = flops(jax.grad(lambda x: (lambda o: jnp.sum(adv * o[0]) + jnp.sum(
+      jax.lax.stop_gradient(o[1])))(f(x))))
+  zero_cotangent = flops(jax.grad(lambda x: (lambda o: jnp.sum(adv * o[0]) + 0.0 * jnp.sum(o[1]))(f(x))))
+  assert unused == stopped
+  assert unused < 0.6 * zero_cotangent, (unused, zero_cotangent)
+
+
+def _cost(compiled):
+  cost = compiled.cost_analysis()
+  cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+  return cost["flops"] + cost.get("transcendentals", 0)
+
+
+def _largest_buffer_elements(hlo_text):
+  sizes = [1]
+  for dims in re.findall(r"\[([\d,]+)\]", hlo_text):
+    n = 1
+    for d in dims.split(","):
+      n *= int(d)
+    sizes.append(n)
+  return max(sizes)
+
+
+@pytest.mark.parametrize("layout", ["dv", "vd"])
+def test_linear_path_never_holds_tokens_by_vocab(layout):
+  dim, block, chunk = 64, 512, 128
+
+  def plan(tokens):
+    h, labels, adv = jnp.zeros((tokens, dim)), jnp.zeros((tokens,), jnp.int32), jnp.ones((tokens,))
+    w = jnp.zeros((dim, V) if layout == "dv" else (V, dim))  # "vd": a tied embedding table
+    fn = lambda h, w, l: jaxce.linear_logprobs_and_entropy(
+        h, w, l, chunk_size=chunk, vocab_block_size=block, weight_layout=layout)
+    return _compiled(jax.grad(_loss(fn, labels, adv), (0, 1)), h, w)
+
+  small, large = plan(512), plan(4096)
+  assert _largest_buffer_elements(large.as_text()) < 4096 * V // 8
+  grow = large.memory_analysis().temp_size_in_bytes - small.memory_analysis().temp_size_in_bytes
+  assert grow <= (4096 - 512) * (dim * 4 + 64), grow  # the f32 d-hidden accumulator + O(T)
+  # Working set: two f32 tiles, the f32 [D, block] accumulator, the f32 [T, D] accumulator;
+  # no copy of the weight or of its gradient (V * D * 4 bytes = 1 MiB here) in either layout.
+  budget = 2 * chunk * block * 4 + dim * block * 4 + 4096 * dim * 4 + 4096 * 64
+  assert large.memory_analysis().temp_size_in_bytes <= budget

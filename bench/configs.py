@@ -1,0 +1,231 @@
+"""Benchmark configurations and the named suites.
+
+A :class:`Config` is one row of the results: one implementation, one input path, one
+mode, one shape. A suite is a list of :class:`Group` s (a grid of implementations x modes
+x token counts), expanded into configs in an order that lets the driver skip a larger T
+once a smaller one ran out of memory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Optional, Sequence
+
+IMPLS = ("jaxce", "jax_plain", "jax_scan_remat", "optax", "tokamax", "torch_eager", "liger",
+         "cce")
+TORCH_IMPLS = ("torch_eager", "liger", "cce")
+# Peers that return only the log-prob: their rows use c = 0 (no entropy term).
+LOGP_ONLY_IMPLS = ("optax", "tokamax", "liger", "cce")
+# The module each optional peer needs; a missing one gives an "error" row, no process.
+REQUIRES = {"optax": "optax", "tokamax": "tokamax", "torch_eager": "torch",
+            "liger": "liger_kernel", "cce": "cut_cross_entropy"}
+# Impls that chunk over tokens (the others ignore ``chunk_size``; their rows keep None).
+CHUNKED_IMPLS = ("jaxce", "jax_scan_remat")
+# Which impl runs which input path.
+SUPPORTS = {
+    "logits": ("jaxce", "jax_plain", "jax_scan_remat", "optax", "torch_eager"),
+    "linear": ("jaxce", "jax_plain", "jax_scan_remat", "tokamax", "torch_eager", "liger",
+               "cce"),
+}
+# Variants: "default"; "logp_only" (c = 0, entropy not computed); "inplace" (jaxce, logits
+# donated and overwritten by the gradient); "train_step" (hidden @ W -> logits as an
+# intermediate of one jitted step -> loss -> grads of hidden and W; jaxce and jax_plain).
+VARIANTS = ("default", "logp_only", "inplace", "train_step")
+MODES = ("fwd", "fwd_bwd")
+ENTROPY_COEF = 0.01
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+  """One benchmark configuration (one results row).
+
+  Attributes:
+    impl: one of :data:`IMPLS`.
+    input: ``"logits"`` (``[T, V]`` logits given) or ``"linear"`` (``hidden [T, D]`` and
+      ``W [D, V]`` given; the LM head is part of the measured function).
+    mode: ``"fwd"`` (log-probs and entropies, no gradient) or ``"fwd_bwd"`` (value and
+      gradient of ``sum(adv * logp) + c * sum(H)``).
+    T, V: tokens and vocabulary columns (global, before any sharding).
+    D: hidden size for the linear input (``None`` for logits).
+    dtype: input dtype name (``"bfloat16"``, ``"float16"``, ``"float32"``).
+    chunk_size: tokens per chunk for the chunked impls (``None``: the impl's default).
+    n_devices: devices the arrays are split over (vocab axis); 0 means all visible.
+    variant: one of :data:`VARIANTS`.
+    repeats: timed calls after the warm-up (fewer when one call is slow).
+  """
+  impl: str
+  input: str
+  mode: str
+  T: int
+  V: int
+  D: Optional[int] = None
+  dtype: str = "bfloat16"
+  chunk_size: Optional[int] = None
+  n_devices: int = 1
+  variant: str = "default"
+  repeats: int = 5
+
+  @property
+  def entropy(self) -> bool:
+    """Whether the loss has the entropy term (``c = 0.01``) or is log-prob only."""
+    return self.impl not in LOGP_ONLY_IMPLS and self.variant != "logp_only"
+
+  @property
+  def coef(self) -> float:
+    return ENTROPY_COEF if self.entropy else 0.0
+
+  @property
+  def name(self) -> str:
+    """``impl`` or ``impl:variant``, as ``--impl`` accepts it."""
+    return self.impl if self.variant == "default" else f"{self.impl}:{self.variant}"
+
+  def to_json(self) -> str:
+    return json.dumps(dataclasses.asdict(self))
+
+  @classmethod
+  def from_json(cls, text: str) -> "Config":
+    return cls(**json.loads(text))
+
+  def invalid(self) -> Optional[str]:
+    """Why this combination cannot run (``None`` when it can)."""
+    if self.impl not in SUPPORTS.get(self.input, ()):
+      return f"{self.impl} has no {self.input} path"
+    if self.variant == "inplace" and (self.impl, self.input, self.mode) != (
+        "jaxce", "logits", "fwd_bwd"):
+      return "inplace is a jaxce logits fwd_bwd variant"
+    if self.variant == "train_step" and (self.impl not in ("jaxce", "jax_plain")
+                                         or self.input != "linear" or self.mode != "fwd_bwd"):
+      return "train_step is a jaxce / jax_plain linear fwd_bwd variant"
+    if self.variant == "logp_only" and self.impl in LOGP_ONLY_IMPLS:
+      return "already log-prob only"
+    if self.input == "linear" and not self.D:
+      return "the linear input needs D"
+    return None
+
+
+def row_key(row) -> tuple:
+  """The identity of a results row (a dict) or config: re-running it replaces the row."""
+  get = row.get if isinstance(row, dict) else lambda k, d=None: getattr(row, k, d)
+  return (get("impl"), get("variant", "default"), get("input"), get("mode"), get("T"),
+          get("V"), get("D"), get("dtype"), get("chunk_size"), get("n_devices"))
+
+
+@dataclasses.dataclass(frozen=True)
+class Group:
+  """A grid of configs: every (impl spec, mode, T, chunk size) with the other fields fixed.
+
+  ``impls`` holds ``"impl"`` or ``"impl:variant"`` specs; impossible combinations (say the
+  in-place variant in ``fwd`` mode) are dropped on expansion.
+  """
+  input: str
+  impls: Sequence[str]
+  Ts: Sequence[int]
+  V: int
+  D: Optional[int] = None
+  modes: Sequence[str] = MODES
+  dtype: str = "bfloat16"
+  chunk_sizes: Sequence[Optional[int]] = (None,)
+  n_devices: int = 1
+
+
+def _spec(spec: str) -> tuple[str, str]:
+  impl, _, variant = spec.partition(":")
+  return impl, variant or "default"
+
+
+def _cpu_groups(Ts, V, D):
+  """jaxce and plain JAX in both modes; the other peers and variants in fwd_bwd only."""
+  peers = dict(modes=("fwd_bwd",))
+  return [
+      Group("logits", ("jaxce", "jax_plain"), Ts, V),
+      Group("logits", ("jaxce:inplace", "jax_scan_remat", "optax", "torch_eager"), Ts, V,
+            **peers),
+      Group("linear", ("jaxce", "jax_plain"), Ts, V, D),
+      Group("linear", ("jaxce:logp_only", "jax_scan_remat", "tokamax", "torch_eager",
+                       "jaxce:train_step", "jax_plain:train_step"), Ts, V, D, **peers),
+  ]
+
+
+_GPU_T = (8192, 32768, 131072)
+_GPU_V, _GPU_D = 151936, 4096
+_GPU_LOGITS = ("jaxce", "jaxce:inplace", "jax_plain", "jax_scan_remat", "optax", "torch_eager")
+_GPU_LINEAR = ("jaxce", "jaxce:logp_only", "jax_plain", "jax_scan_remat", "tokamax",
+               "torch_eager", "liger", "cce", "jaxce:train_step", "jax_plain:train_step")
+
+SUITES = {
+    # Default: a couple of minutes on 2 CPU cores; XLA's compiled memory plan and time.
+    "cpu": _cpu_groups((128, 512, 2048), 16384, 64),
+    # The CI smoke test: tiny shapes, a 2-device sharded row (simulated CPU devices).
+    "smoke": [
+        Group("logits", ("jaxce", "jax_plain"), (64, 200), 1000),
+        Group("logits", ("jaxce:inplace", "jax_scan_remat", "optax"), (200,), 1000,
+              modes=("fwd_bwd",), chunk_sizes=(64,)),
+        Group("linear", ("jaxce", "jax_plain", "jaxce:train_step", "jax_plain:train_step"),
+              (200,), 1000, 32),
+        Group("logits", ("jaxce", "jax_plain"), (200,), 1000, modes=("fwd_bwd",),
+              n_devices=2),
+        Group("linear", ("jaxce",), (200,), 1000, 32, modes=("fwd_bwd",), n_devices=2),
+    ],
+    # One GPU: the headline numbers (V = 151936, bf16; D = 4096 on the fused path).
+    "gpu": [Group("logits", _GPU_LOGITS, _GPU_T, _GPU_V),
+            Group("linear", _GPU_LINEAR, _GPU_T, _GPU_V, _GPU_D)],
+    # All visible GPUs, vocabulary split: jaxce's shard_map vs plain JAX under jit.
+    "gpu-sharded": [
+        Group("logits", ("jaxce", "jaxce:inplace", "jax_plain"), _GPU_T, _GPU_V, n_devices=0),
+        Group("linear", ("jaxce", "jaxce:logp_only", "jax_plain"), _GPU_T, _GPU_V, _GPU_D,
+              n_devices=0),
+    ],
+    # Chunk-size sweeps for jaxce (issue 5, target 6: the default within 5 % of the best).
+    "sweep": [
+        Group("logits", ("jaxce",), (32768,), _GPU_V, modes=("fwd_bwd",),
+              chunk_sizes=(None, 128, 256, 512, 1024, 2048, 4096)),
+        Group("linear", ("jaxce",), (32768,), _GPU_V, _GPU_D, modes=("fwd_bwd",),
+              chunk_sizes=(None, 512, 1024, 2048, 4096, 8192)),
+    ],
+    "sweep-cpu": [
+        Group("logits", ("jaxce",), (4096,), 32768, modes=("fwd_bwd",),
+              chunk_sizes=(None, 64, 128, 256, 512, 1024, 4096)),
+        Group("linear", ("jaxce",), (4096,), 32768, 128, modes=("fwd_bwd",),
+              chunk_sizes=(None, 256, 512, 1024, 2048, 4096)),
+    ],
+}
+DEFAULT_SUITE = "cpu"
+
+
+def expand(groups: Sequence[Group], *, impls=None, inputs=None, modes=None, Ts=None, V=None,
+           D=None, dtype=None, chunk_sizes=None, repeats=5) -> list[Config]:
+  """The configs of a suite, with command-line overrides and filters applied.
+
+  Args:
+    groups: the suite.
+    impls: keep only these ``impl`` or ``impl:variant`` names (``None``: all).
+    inputs, modes: keep only these input paths / modes.
+    Ts, V, D, dtype, chunk_sizes: replace the suite's values.
+    repeats: timed calls per config.
+
+  Returns:
+    Valid configs, ordered by group, mode, impl, chunk size, then ascending T.
+  """
+  out, seen = [], set()
+  for g in groups:
+    if inputs and g.input not in inputs:
+      continue
+    for mode in g.modes:
+      if modes and mode not in modes:
+        continue
+      for spec in g.impls:
+        impl, variant = _spec(spec)
+        name = impl if variant == "default" else spec
+        if impls and impl not in impls and name not in impls:
+          continue
+        for chunk in (chunk_sizes if chunk_sizes is not None else g.chunk_sizes):
+          for T in sorted(Ts or g.Ts):
+            c = Config(impl=impl, input=g.input, mode=mode, T=T, V=V or g.V,
+                       D=(D or g.D) if g.input == "linear" else None, dtype=dtype or g.dtype,
+                       chunk_size=chunk if impl in CHUNKED_IMPLS else None, n_devices=g.n_devices, variant=variant,
+                       repeats=repeats)
+            if c.invalid() is None and row_key(c) not in seen:
+              seen.add(row_key(c))
+              out.append(c)
+  return out

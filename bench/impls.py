@@ -1,0 +1,200 @@
+"""The JAX implementations, each built into one function ready for ``jax.jit``.
+
+Every implementation computes per-token ``logp`` (and ``H`` unless log-prob only) of
+``softmax(x)`` with ``x`` the logits (``input="logits"``) or ``hidden @ W``
+(``input="linear"``). ``fwd`` returns ``(logp, H)``; ``fwd_bwd`` returns the value and
+gradients of ``sum(adv * logp) + c * sum(H)`` with respect to the float inputs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from typing import Callable, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from bench.configs import Config
+
+VOCAB_AXIS = "v"
+# Where each input lives: the vocab dim split over the mesh, everything else replicated.
+SPECS = {"logits": P(None, VOCAB_AXIS), "weight": P(None, VOCAB_AXIS), "hidden": P(),
+         "labels": P(), "adv": P()}
+SCAN_CHUNK = 1024  # jax_scan_remat's chunk when the config gives none
+
+
+@dataclasses.dataclass
+class Built:
+  """A configuration ready to compile.
+
+  Attributes:
+    fn: takes the arrays named in ``names``, in that order.
+    names: input names (keys of :func:`bench.inputs.host_inputs`).
+    donate: ``donate_argnums`` for ``jax.jit``.
+    chunk_used: tokens per chunk the implementation actually uses (``None``: unchunked).
+    note: anything a reader of the row must know.
+  """
+  fn: Callable
+  names: tuple
+  donate: tuple = ()
+  chunk_used: Optional[int] = None
+  note: str = ""
+
+
+def plain_logprobs_entropy(x, labels, with_entropy=True):
+  """``jax.nn.log_softmax(x.astype(f32))`` and its entropy: what users write by hand.
+
+  Materializes ``[T, V]`` f32 arrays (and autodiff keeps them for the backward).
+  """
+  logp_all = jax.nn.log_softmax(x.astype(jnp.float32), axis=-1)
+  logp = jnp.take_along_axis(logp_all, labels[:, None], axis=-1)[:, 0]
+  if not with_entropy:
+    return logp, None
+  return logp, -jnp.sum(jnp.exp(logp_all) * logp_all, axis=-1)
+
+
+def _divisor_at_most(total, size):
+  """The largest divisor of ``total`` that is ``<= size`` (reshape-able chunks)."""
+  size = max(1, min(size, total))
+  while total % size:
+    size -= 1
+  return size
+
+
+def _scan_remat(per_chunk, chunked, shared, labels, chunk):
+  """``per_chunk(*chunk_arrays, *shared, labels_chunk)`` over token chunks, remat body."""
+  T = labels.shape[0]
+  n = T // chunk
+  xs = tuple(a.reshape((n, chunk) + a.shape[1:]) for a in chunked) + (labels.reshape(n, chunk),)
+
+  @jax.checkpoint
+  def body(_, args):
+    *arrays, lab = args
+    logp, entropy = per_chunk(*arrays, *shared, lab)
+    return None, (logp, entropy)
+
+  _, (logp, entropy) = lax.scan(body, None, xs)
+  return logp.reshape(T), None if entropy is None else entropy.reshape(T)
+
+
+def _matmul(hidden, weight):
+  """The LM head as a model computes it: input-dtype logits."""
+  return hidden @ weight
+
+
+def _tokamax_implementation():
+  """tokamax's chunked XLA implementation where this version has one, else its default."""
+  try:
+    from tokamax._src.ops.linear_softmax_cross_entropy_loss import api
+    return "chunked_xla" if "chunked_xla" in api.IMPLEMENTATIONS else None
+  except Exception:  # pylint: disable=broad-except  # private layout changed: use default
+    return None
+
+
+def _per_token_fn(config: Config, mesh: Mesh, n_devices: int):
+  """``(f, chunk_used, note)``: f maps the float arrays and labels to ``(logp, H)``."""
+  import jaxce
+  from jaxce import _chunking
+  entropy = config.entropy
+  kw = dict(chunk_size=config.chunk_size, return_entropy=entropy)
+  sharded = n_devices > 1
+  shard_kw = dict(mesh=mesh, vocab_axis=VOCAB_AXIS) if sharded else {}
+  v_local = config.V // n_devices
+  impl, linear = config.impl, config.input == "linear"
+
+  if config.variant == "train_step":
+    if impl == "jaxce":
+      fn = jaxce.sharded_logprobs_and_entropy if sharded else jaxce.logprobs_and_entropy
+      f = lambda h, w, lab: fn(_matmul(h, w), lab, overwrite_logits=True, **shard_kw, **kw)
+      return f, _chunking.plan_chunk_size(config.T, v_local, config.chunk_size), ""
+    return (lambda h, w, lab: plain_logprobs_entropy(_matmul(h, w), lab, entropy)), None, ""
+
+  if impl == "jaxce":
+    if linear:
+      fn = jaxce.sharded_linear_logprobs_and_entropy if sharded else \
+          jaxce.linear_logprobs_and_entropy
+      f = lambda h, w, lab: fn(h, w, lab, **shard_kw, **kw)
+      from jaxce._linear import DEFAULT_VOCAB_BLOCK
+      chunk = _chunking.plan_chunk_size(config.T, min(DEFAULT_VOCAB_BLOCK, v_local),
+                                        config.chunk_size)
+      return f, chunk, ""
+    fn = jaxce.sharded_logprobs_and_entropy if sharded else jaxce.logprobs_and_entropy
+    overwrite = config.variant == "inplace"
+    f = lambda x, lab: fn(x, lab, overwrite_logits=overwrite, **shard_kw, **kw)
+    return f, _chunking.plan_chunk_size(config.T, v_local, config.chunk_size), ""
+
+  if impl == "jax_plain":
+    if linear:
+      return (lambda h, w, lab: plain_logprobs_entropy(_matmul(h, w), lab, entropy)), None, ""
+    return (lambda x, lab: plain_logprobs_entropy(x, lab, entropy)), None, ""
+
+  if impl == "jax_scan_remat":
+    chunk = _divisor_at_most(config.T, config.chunk_size or SCAN_CHUNK)
+    if linear:
+      per_chunk = lambda h, w, lab: plain_logprobs_entropy(_matmul(h, w), lab, entropy)
+      f = lambda h, w, lab: _scan_remat(per_chunk, (h,), (w,), lab, chunk)
+    else:
+      per_chunk = lambda x, lab: plain_logprobs_entropy(x, lab, entropy)
+      f = lambda x, lab: _scan_remat(per_chunk, (x,), (), lab, chunk)
+    return f, chunk, ""
+
+  if impl == "optax":
+    import optax
+    f = lambda x, lab: (-optax.softmax_cross_entropy_with_integer_labels(
+        x.astype(jnp.float32), lab), None)
+    return f, None, "input upcast to f32 first"
+
+  raise ValueError(f"no per-token JAX function for {config.impl}")
+
+
+def build(config: Config, devices) -> Built:
+  """The function to jit for ``config`` on ``devices`` (the vocab split over them)."""
+  n_devices = len(devices)
+  mesh = Mesh(np.array(devices), (VOCAB_AXIS,))
+  floats = ("logits",) if config.input == "logits" else ("hidden", "weight")
+  names = floats + (("labels",) if config.mode == "fwd" else ("labels", "adv"))
+  donate = (0,) if config.variant == "inplace" else ()
+
+  if config.impl == "tokamax":
+    import tokamax
+    from absl import flags
+    if not flags.FLAGS.is_parsed():  # tokamax reads absl flags from sys.argv: not ours
+      flags.FLAGS([sys.argv[0]])
+    implementation = _tokamax_implementation()
+    note = (f"tokamax {getattr(tokamax, '__version__', '?')} "
+            f"implementation={implementation or 'default'}; reduction='sum' (no per-token "
+            "weights): fwd returns sum(logp), fwd_bwd differentiates sum(logp)")
+
+    def sum_logp(h, w, lab):
+      return -tokamax.linear_softmax_cross_entropy_loss(
+          h, lab, w, reduction="sum", implementation=implementation)
+
+    if config.mode == "fwd":
+      return Built(sum_logp, names, note=note)
+    return Built(jax.value_and_grad(lambda h, w, lab, adv: sum_logp(h, w, lab),
+                                    argnums=(0, 1)), names, note=note)
+
+  f, chunk_used, note = _per_token_fn(config, mesh, n_devices)
+  if config.mode == "fwd":
+    return Built(f, names, donate, chunk_used, note)
+
+  coef, n = config.coef, len(floats)
+
+  def loss(*args):
+    *arrays, labels, adv = args
+    logp, entropy = f(*arrays, labels)
+    total = jnp.sum(adv * logp)
+    return total if entropy is None else total + coef * jnp.sum(entropy)
+
+  return Built(jax.value_and_grad(loss, argnums=tuple(range(n))), names, donate, chunk_used,
+               note)
+
+
+def shardings(names, devices) -> dict:
+  """``NamedSharding`` of each input over a 1-D mesh of ``devices``."""
+  mesh = Mesh(np.array(devices), (VOCAB_AXIS,))
+  return {name: NamedSharding(mesh, SPECS[name]) for name in names}

@@ -1,0 +1,186 @@
+"""Results files: merge rows into ``<slug>.json``, write the ``.md`` table and the plot.
+
+    python -m bench.report bench/results/cpu.json     # rewrite cpu.md and cpu_memory.png
+
+JSON schema (issue 4; extra keys are documented in bench/README.md)::
+
+    {"device": str, "n_devices": int, "jax": str, "hbm_GBps": float, "bf16_tflops": float,
+     "commit": str,
+     "rows": [{"impl": str, "input": "logits" | "linear", "mode": "fwd" | "fwd_bwd",
+               "T": int, "V": int, "D": int | null, "dtype": str, "chunk_size": int | null,
+               "n_devices": int, "status": "ok" | "oom" | "error",
+               "peak_extra_bytes": int, "logits_bytes": int, "ms": float,
+               "floor_ms": float, ...}]}
+
+``peak_extra_bytes`` and ``ms`` are null in rows whose status is not ``"ok"``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+from bench.configs import row_key
+
+STATUSES = ("ok", "oom", "error")
+GiB = 2**30
+
+
+def load(path: str) -> dict | None:
+  if not os.path.exists(path):
+    return None
+  with open(path) as f:
+    return json.load(f)
+
+
+def merge(old: dict | None, new: dict) -> dict:
+  """``new``'s top-level facts and rows, plus ``old``'s rows that ``new`` does not redo.
+
+  A new row that did not run because its package is missing (``"skipped"`` set) does not
+  replace a row measured earlier where the package was installed.
+  """
+  old_rows = {row_key(r): r for r in (old or {}).get("rows", [])}
+  rows = {}
+  for r in new["rows"]:
+    previous = old_rows.get(row_key(r))
+    rows[row_key(r)] = previous if r.get("skipped") and previous and not previous.get(
+        "skipped") else r
+  kept = [r for k, r in old_rows.items() if k not in rows]
+  return dict(new, rows=sort_rows(kept + list(rows.values())))
+
+
+def sort_rows(rows):
+  order = {"default": 0, "logp_only": 1, "inplace": 2, "train_step": 3}
+  return sorted(rows, key=lambda r: (
+      r["n_devices"], r["input"], r["mode"], r["T"], r["D"] or 0, r["dtype"],
+      r["chunk_size"] or 0, r["impl"] != "jaxce", r["impl"], order.get(r.get("variant"), 9)))
+
+
+def name(row) -> str:
+  variant = row.get("variant", "default")
+  return row["impl"] if variant == "default" else f"{row['impl']}:{variant}"
+
+
+def _fmt(value, spec):
+  return "–" if value is None else format(value, spec)
+
+
+def table(rows) -> str:
+  """A markdown table of ``rows``: memory in GiB and as a multiple of the logits' bytes,
+  time in ms and as a multiple of the floor."""
+  head = ("| impl | input | mode | T | V | D | dtype | chunk | dev | status | extra GiB "
+          "| × logits | ms | floor ms | × floor | memory from |")
+  lines = [head, "|" + "---|" * head.count(" | ") + "---|"]
+  for r in rows:
+    chunk = r["chunk_size"] if r["chunk_size"] is not None else (
+        f"auto ({r['chunk_used']})" if r.get("chunk_used") else "–")
+    status = r["status"] if r["status"] == "ok" else f"**{r['status']}**"
+    extra = None if r["peak_extra_bytes"] is None else r["peak_extra_bytes"] / GiB
+    lines.append(
+        f"| {name(r)}{'' if r.get('entropy', True) else ' (logp)'} | {r['input']} "
+        f"| {r['mode']} | {r['T']} | {r['V']} | {_fmt(r['D'], 'd')} | {r['dtype']} | {chunk} "
+        f"| {r['n_devices']} | {status} | {_fmt(extra, '.3f')} | {_fmt(r.get('x_logits'), '.2f')} "
+        f"| {_fmt(r['ms'], '.2f')} | {_fmt(r['floor_ms'], '.2f')} "
+        f"| {_fmt(r.get('x_floor'), '.2f')} | {r.get('memory_source') or '–'} |")
+  return "\n".join(lines)
+
+
+def markdown(results: dict) -> str:
+  rates = ", ".join(f"{k} {v:.3g}" for k, v in results.get("matmul_tflops", {}).items())
+  parts = [
+      f"# Benchmark results: {results['device']} × {results['n_devices']}",
+      "",
+      f"JAX {results['jax']}, commit `{results['commit'][:12]}`"
+      f"{' (uncommitted changes)' if results.get('dirty') else ''}, {results.get('date', '')}. "
+      f"Floors measured in the same run: HBM {results['hbm_GBps']:.1f} GB/s, "
+      f"matmul TFLOP/s: {rates or results['bf16_tflops']}.",
+      "",
+      "Loss `sum(adv * logp) + c * sum(H)`, c = 0.01 (0 for log-prob-only rows, marked "
+      "(logp)). Extra memory = peak minus the inputs, per device; `× logits` = extra / "
+      "(T·V·itemsize per device); `× floor` = time / floor (bench/NOTES.md defines the "
+      "floors). memory from: `device_peak` = measured allocator peak, `xla_plan` = XLA's "
+      "compiled memory plan (CPU), `torch_cuda_peak`, `host_rss`.",
+      "",
+      table(results["rows"]),
+  ]
+  errors = [r for r in results["rows"] if r["status"] != "ok" and r.get("error")]
+  if errors:
+    parts += ["", "## Rows that did not run", ""]
+    parts += [f"- {name(r)} {r['input']} {r['mode']} T={r['T']} n={r['n_devices']}: "
+              f"{r['status']}: {r['error'].splitlines()[0][:200]}" for r in errors]
+  notes = sorted({f"{name(r)}: {r['note']}" for r in results["rows"] if r.get("note")})
+  if notes:
+    parts += ["", "## Notes", ""] + [f"- {n}" for n in notes]
+  return "\n".join(parts) + "\n"
+
+
+def plot(results: dict, path: str) -> None:
+  """Peak extra memory vs T (fwd_bwd), one line per implementation, one panel per path."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  rows = [r for r in results["rows"] if r["mode"] == "fwd_bwd"]
+  inputs = [i for i in ("logits", "linear") if any(r["input"] == i for r in rows)] or ["logits"]
+  fig, axes = plt.subplots(1, len(inputs), figsize=(6.5 * len(inputs), 4.8), squeeze=False)
+  for ax, inp in zip(axes[0], inputs):
+    lines = {}
+    for r in rows:
+      if r["input"] == inp:
+        label = name(r) + ("" if r.get("entropy", True) else " (logp)") + (
+            f" ×{r['n_devices']} dev" if r["n_devices"] > 1 else "") + (
+            f" chunk {r['chunk_size']}" if r["chunk_size"] is not None else "")
+        lines.setdefault(label, []).append(r)
+    for label, group in sorted(lines.items()):
+      ok = sorted((r["T"], r["peak_extra_bytes"] / GiB) for r in group
+                  if r["status"] == "ok" and r["peak_extra_bytes"] is not None)
+      style = "-" if label.startswith("jaxce") else "--"
+      line, = ax.plot([t for t, _ in ok], [m for _, m in ok], style, marker="o", label=label)
+      failed = sorted(r["T"] for r in group if r["status"] == "oom")
+      if failed:
+        ax.plot(failed, [1.0] * len(failed), "x", color=line.get_color(), markersize=10,
+                transform=ax.get_xaxis_transform(), clip_on=False)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("tokens T")
+    ax.set_ylabel("peak extra memory per device (GiB)")
+    example = next((r for r in rows if r["input"] == inp), None)
+    shape = "" if example is None else f"V={example['V']}" + (
+        f", D={example['D']}" if example["D"] else "") + f", {example['dtype']}"
+    ax.set_title(f"{inp} path, fwd+bwd ({shape})", fontsize=10)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7)
+  sources = sorted({r.get("memory_source") for r in rows if r.get("memory_source")})
+  fig.suptitle(f"{results['device']} × {results['n_devices']}, JAX {results['jax']} "
+               f"(memory: {', '.join(sources)}; × = out of memory)", fontsize=10)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+
+
+def write(results: dict, json_path: str) -> dict:
+  """Write ``results`` to ``json_path`` and its ``.md`` table and ``_memory.png`` plot."""
+  stem = json_path[:-len(".json")] if json_path.endswith(".json") else json_path
+  os.makedirs(os.path.dirname(os.path.abspath(json_path)), exist_ok=True)
+  with open(json_path, "w") as f:
+    json.dump(results, f, indent=1)
+    f.write("\n")
+  with open(stem + ".md", "w") as f:
+    f.write(markdown(results))
+  plot(results, stem + "_memory.png")
+  return dict(json=json_path, md=stem + ".md", png=stem + "_memory.png")
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description="Rewrite a results JSON's table and plot.")
+  parser.add_argument("json", help="bench/results/<slug>.json")
+  args = parser.parse_args(argv)
+  results = load(args.json)
+  if results is None:
+    raise SystemExit(f"no such file: {args.json}")
+  for path in write(results, args.json).values():
+    print(path)
+
+
+if __name__ == "__main__":
+  main()

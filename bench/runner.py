@@ -1,0 +1,151 @@
+"""One configuration in this (fresh) process; prints one ``BENCH_ROW {json}`` line.
+
+    python -m bench.runner --json '{"impl": "jaxce", "input": "logits", ...}'
+    python -m bench.runner --json '[{...}, {...}]'   # several, one row each (CPU only)
+    python -m bench.runner --probe --dtypes bfloat16,float32   # device facts + floors
+
+Peak device memory can only be read, never reset, inside a process, so the driver
+(``python -m bench``) starts one process per configuration. The JAX procedure:
+
+1. compile from abstract shapes (``jit(f).lower(ShapeDtypeStruct...).compile()``) before
+   any input exists, so compile-time scratch (autotuning) does not sit on top of them;
+2. make the inputs with numpy on the host and ``device_put`` them; note the bytes in use;
+3. one warm-up call, then the median of up to ``repeats`` calls (fewer when a call is
+   slow), each timed to ``block_until_ready``; each call's outputs are deleted before the
+   next (two live gradients would double the figure); donated inputs are put back;
+4. extra memory = ``peak_bytes_in_use`` minus the bytes in use after step 2, per device
+   (``memory_source="device_peak"``); where the device keeps no statistics (CPU), XLA's
+   compiled plan: temp + output - aliased bytes (``memory_source="xla_plan"``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+import traceback
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+from bench import inputs  # noqa: E402  (numpy only; no JAX import before the env is set)
+from bench.configs import TORCH_IMPLS, Config  # noqa: E402
+
+ROW_PREFIX = "BENCH_ROW "
+PROBE_PREFIX = "BENCH_PROBE "
+# Seconds of timed calls per config after the warm-up (at least one call).
+REPEAT_BUDGET_S = 2.0
+
+
+def _plan_bytes(compiled) -> int | None:
+  """XLA's planned extra bytes per device: temp + output - aliased (donated) bytes."""
+  try:
+    m = compiled.memory_analysis()
+    return int(m.temp_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes)
+  except Exception:  # pylint: disable=broad-except  # not every backend plans memory
+    return None
+
+
+def _stats(devices, key):
+  stats = [d.memory_stats() for d in devices]
+  return None if any(s is None or key not in s for s in stats) else [s[key] for s in stats]
+
+
+def run_jax(config: Config, host: dict) -> dict:
+  import jax
+  import numpy as np
+  from bench import impls
+  available = jax.devices()
+  n = config.n_devices or len(available)
+  if n > len(available):
+    raise ValueError(f"needs {n} devices, {len(available)} visible")
+  devices = available[:n]
+  built = impls.build(config, devices)
+  shardings = impls.shardings(built.names, devices)
+  abstract = [jax.ShapeDtypeStruct(host[k].shape, host[k].dtype, sharding=shardings[k])
+              for k in built.names]
+  compiled = jax.jit(built.fn, donate_argnums=built.donate).lower(*abstract).compile()
+  plan = _plan_bytes(compiled)
+
+  def put(name):
+    return jax.block_until_ready(jax.device_put(host[name], shardings[name]))
+
+  args = [put(k) for k in built.names]
+  base = _stats(devices, "bytes_in_use")
+
+  def timed():
+    start = time.perf_counter()
+    out = compiled(*args)
+    jax.block_until_ready(out)
+    seconds = time.perf_counter() - start
+    del out
+    for i in built.donate:  # the call consumed these buffers: put fresh ones (untimed)
+      args[i] = put(built.names[i])
+    return seconds
+
+  warm = timed()
+  repeats = max(1, min(config.repeats, int(REPEAT_BUDGET_S / max(warm, 1e-9))))
+  times = [timed() for _ in range(repeats)]
+  peak = _stats(devices, "peak_bytes_in_use")
+  if peak is not None and base is not None:
+    extra, source = max(p - b for p, b in zip(peak, base)), "device_peak"
+  else:
+    extra, source = plan, "xla_plan"
+  return dict(ms=float(np.median(times)) * 1e3, ms_all=[t * 1e3 for t in times],
+              repeats=repeats, peak_extra_bytes=extra, plan_extra_bytes=plan,
+              memory_source=source, n_devices=n, chunk_used=built.chunk_used,
+              note=built.note, device=devices[0].device_kind)
+
+
+def classify(error: BaseException | str) -> str:
+  """``"oom"`` for an out-of-memory failure (XLA or PyTorch), else ``"error"``."""
+  text = str(error)
+  oom = ("RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower()
+         or type(error).__name__ == "OutOfMemoryError")
+  return "oom" if oom else "error"
+
+
+def run(config: Config) -> dict:
+  """The row fields this process can fill: timing, memory, status (no floors)."""
+  row = dict(status="ok", error=None, ms=None, peak_extra_bytes=None,
+             logits_bytes=None, memory_source=None)
+  try:
+    host = inputs.host_inputs(config)
+    if config.impl in TORCH_IMPLS:
+      from bench import impls_torch
+      row.update(impls_torch.run(config, host, REPEAT_BUDGET_S))
+    else:
+      row.update(run_jax(config, host))
+  except Exception as e:  # pylint: disable=broad-except  # every failure becomes a row
+    row.update(status=classify(e), error=f"{type(e).__name__}: {e}"[:2000],
+               traceback=traceback.format_exc()[-4000:])
+  return row
+
+
+def probe(dtypes) -> dict:
+  """Device kind and count, JAX version and the measured floors of device 0."""
+  import jax
+  from bench import floors
+  device = jax.devices()[0]
+  facts = dict(platform=device.platform, device=device.device_kind,
+               n_devices=jax.device_count(), jax=jax.__version__)
+  facts.update(floors.measure(dtypes))
+  return facts
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--json", help="a Config as JSON, or a list of them")
+  parser.add_argument("--probe", action="store_true", help="print device facts and floors")
+  parser.add_argument("--dtypes", default="bfloat16", help="matmul dtypes for --probe")
+  args = parser.parse_args(argv)
+  if args.probe:
+    print(PROBE_PREFIX + json.dumps(probe(args.dtypes.split(","))), flush=True)
+    return
+  payload = json.loads(args.json)
+  for fields in (payload if isinstance(payload, list) else [payload]):
+    print(ROW_PREFIX + json.dumps(run(Config(**fields))), flush=True)
+
+
+if __name__ == "__main__":
+  main()

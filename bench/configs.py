@@ -134,24 +134,36 @@ def _spec(spec: str) -> tuple[str, str]:
   return impl, variant or "default"
 
 
+_BWD = dict(modes=("fwd_bwd",))
+
+
 def _cpu_groups(Ts, V, D):
   """jaxce and plain JAX in both modes; the other peers and variants in fwd_bwd only."""
-  peers = dict(modes=("fwd_bwd",))
   return [
       Group("logits", ("jaxce", "jax_plain"), Ts, V),
       Group("logits", ("jaxce:inplace", "jax_scan_remat", "optax", "torch_eager"), Ts, V,
-            **peers),
+            **_BWD),
       Group("linear", ("jaxce", "jax_plain"), Ts, V, D),
       Group("linear", ("jaxce:logp_only", "jax_scan_remat", "tokamax", "torch_eager",
-                       "jaxce:train_step", "jax_plain:train_step"), Ts, V, D, **peers),
+                       "jaxce:train_step", "jax_plain:train_step"), Ts, V, D, **_BWD),
   ]
 
 
 _GPU_T = (8192, 32768, 131072)
 _GPU_V, _GPU_D = 151936, 4096
-_GPU_LOGITS = ("jaxce", "jaxce:inplace", "jax_plain", "jax_scan_remat", "optax", "torch_eager")
-_GPU_LINEAR = ("jaxce", "jaxce:logp_only", "jax_plain", "jax_scan_remat", "tokamax",
-               "torch_eager", "liger", "cce", "jaxce:train_step", "jax_plain:train_step")
+
+
+def _gpu_groups(Ts):
+  """The one-GPU suite: every peer; variants and the chunked peers in fwd_bwd only."""
+  return [
+      Group("logits", ("jaxce", "jax_plain", "torch_eager"), Ts, _GPU_V),
+      Group("logits", ("jaxce:inplace", "jax_scan_remat", "optax"), Ts, _GPU_V, **_BWD),
+      Group("linear", ("jaxce", "jax_plain", "tokamax", "torch_eager", "liger", "cce"), Ts,
+            _GPU_V, _GPU_D),
+      Group("linear", ("jaxce:logp_only", "jax_scan_remat", "jaxce:train_step",
+                       "jax_plain:train_step"), Ts, _GPU_V, _GPU_D, **_BWD),
+  ]
+
 
 SUITES = {
     # Default: a couple of minutes on 2 CPU cores; XLA's compiled memory plan and time.
@@ -160,34 +172,36 @@ SUITES = {
     "smoke": [
         Group("logits", ("jaxce", "jax_plain"), (64, 200), 1000),
         Group("logits", ("jaxce:inplace", "jax_scan_remat", "optax"), (200,), 1000,
-              modes=("fwd_bwd",), chunk_sizes=(64,)),
+              chunk_sizes=(64,), **_BWD),
         Group("linear", ("jaxce", "jax_plain", "jaxce:train_step", "jax_plain:train_step"),
               (200,), 1000, 32),
-        Group("logits", ("jaxce", "jax_plain"), (200,), 1000, modes=("fwd_bwd",),
-              n_devices=2),
-        Group("linear", ("jaxce",), (200,), 1000, 32, modes=("fwd_bwd",), n_devices=2),
+        Group("logits", ("jaxce", "jax_plain"), (200,), 1000, n_devices=2, **_BWD),
+        Group("linear", ("jaxce",), (200,), 1000, 32, n_devices=2, **_BWD),
     ],
     # One GPU: the headline numbers (V = 151936, bf16; D = 4096 on the fused path).
-    "gpu": [Group("logits", _GPU_LOGITS, _GPU_T, _GPU_V),
-            Group("linear", _GPU_LINEAR, _GPU_T, _GPU_V, _GPU_D)],
-    # All visible GPUs, vocabulary split: jaxce's shard_map vs plain JAX under jit.
+    "gpu": _gpu_groups(_GPU_T),
+    # All visible GPUs, vocabulary split: jaxce's shard_map vs plain JAX under jit, and the
+    # one-device figures at T = 32768 on the same machine to compare with (issue 5, target 5).
     "gpu-sharded": [
-        Group("logits", ("jaxce", "jaxce:inplace", "jax_plain"), _GPU_T, _GPU_V, n_devices=0),
-        Group("linear", ("jaxce", "jaxce:logp_only", "jax_plain"), _GPU_T, _GPU_V, _GPU_D,
-              n_devices=0),
+        Group("logits", ("jaxce", "jax_plain"), _GPU_T, _GPU_V, n_devices=0),
+        Group("logits", ("jaxce:inplace",), _GPU_T, _GPU_V, n_devices=0, **_BWD),
+        Group("linear", ("jaxce", "jax_plain"), _GPU_T, _GPU_V, _GPU_D, n_devices=0),
+        Group("linear", ("jaxce:logp_only",), _GPU_T, _GPU_V, _GPU_D, n_devices=0, **_BWD),
+        Group("logits", ("jaxce", "jax_plain"), (32768,), _GPU_V, **_BWD),
+        Group("linear", ("jaxce", "jax_plain"), (32768,), _GPU_V, _GPU_D, **_BWD),
     ],
     # Chunk-size sweeps for jaxce (issue 5, target 6: the default within 5 % of the best).
     "sweep": [
-        Group("logits", ("jaxce",), (32768,), _GPU_V, modes=("fwd_bwd",),
-              chunk_sizes=(None, 128, 256, 512, 1024, 2048, 4096)),
-        Group("linear", ("jaxce",), (32768,), _GPU_V, _GPU_D, modes=("fwd_bwd",),
-              chunk_sizes=(None, 512, 1024, 2048, 4096, 8192)),
+        Group("logits", ("jaxce",), (32768,), _GPU_V,
+              chunk_sizes=(None, 128, 256, 512, 1024, 2048, 4096), **_BWD),
+        Group("linear", ("jaxce",), (32768,), _GPU_V, _GPU_D,
+              chunk_sizes=(None, 512, 1024, 2048, 4096, 8192), **_BWD),
     ],
     "sweep-cpu": [
-        Group("logits", ("jaxce",), (4096,), 32768, modes=("fwd_bwd",),
-              chunk_sizes=(None, 64, 128, 256, 512, 1024, 4096)),
-        Group("linear", ("jaxce",), (4096,), 32768, 128, modes=("fwd_bwd",),
-              chunk_sizes=(None, 256, 512, 1024, 2048, 4096)),
+        Group("logits", ("jaxce",), (4096,), 32768,
+              chunk_sizes=(None, 64, 128, 256, 512, 1024, 4096), **_BWD),
+        Group("linear", ("jaxce",), (4096,), 32768, 128,
+              chunk_sizes=(None, 256, 512, 1024, 2048, 4096), **_BWD),
     ],
 }
 DEFAULT_SUITE = "cpu"
@@ -223,8 +237,8 @@ def expand(groups: Sequence[Group], *, impls=None, inputs=None, modes=None, Ts=N
           for T in sorted(Ts or g.Ts):
             c = Config(impl=impl, input=g.input, mode=mode, T=T, V=V or g.V,
                        D=(D or g.D) if g.input == "linear" else None, dtype=dtype or g.dtype,
-                       chunk_size=chunk if impl in CHUNKED_IMPLS else None, n_devices=g.n_devices, variant=variant,
-                       repeats=repeats)
+                       chunk_size=chunk if impl in CHUNKED_IMPLS else None,
+                       n_devices=g.n_devices, variant=variant, repeats=repeats)
             if c.invalid() is None and row_key(c) not in seen:
               seen.add(row_key(c))
               out.append(c)

@@ -9,6 +9,7 @@ gradients of ``sum(adv * logp) + c * sum(H)`` with respect to the float inputs.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import sys
 from typing import Callable, Optional
 
@@ -95,10 +96,26 @@ def _tokamax_implementation():
     return None
 
 
+def _planned_chunk(num_tokens, num_columns, chunk_size):
+  """The chunk jaxce uses, from its private planner (the request if that API moved)."""
+  try:
+    from jaxce import _chunking
+    return int(_chunking.plan_chunk_size(num_tokens, num_columns, chunk_size))
+  except Exception:  # pylint: disable=broad-except  # private API: report nothing
+    return chunk_size
+
+
+def _in_place_options() -> dict:
+  """``overwrite_logits=True`` where this jaxce version has the option (older versions
+  need it for the gradient to take the dead logits' buffer; newer ones do it unasked)."""
+  import jaxce
+  params = inspect.signature(jaxce.logprobs_and_entropy).parameters
+  return {"overwrite_logits": True} if "overwrite_logits" in params else {}
+
+
 def _per_token_fn(config: Config, mesh: Mesh, n_devices: int):
   """``(f, chunk_used, note)``: f maps the float arrays and labels to ``(logp, H)``."""
   import jaxce
-  from jaxce import _chunking
   entropy = config.entropy
   kw = dict(chunk_size=config.chunk_size, return_entropy=entropy)
   sharded = n_devices > 1
@@ -109,8 +126,10 @@ def _per_token_fn(config: Config, mesh: Mesh, n_devices: int):
   if config.variant == "train_step":
     if impl == "jaxce":
       fn = jaxce.sharded_logprobs_and_entropy if sharded else jaxce.logprobs_and_entropy
-      f = lambda h, w, lab: fn(_matmul(h, w), lab, overwrite_logits=True, **shard_kw, **kw)
-      return f, _chunking.plan_chunk_size(config.T, v_local, config.chunk_size), ""
+      in_place = _in_place_options()
+      f = lambda h, w, lab: fn(_matmul(h, w), lab, **in_place, **shard_kw, **kw)
+      note = "overwrite_logits=True" if in_place else ""
+      return f, _planned_chunk(config.T, v_local, config.chunk_size), note
     return (lambda h, w, lab: plain_logprobs_entropy(_matmul(h, w), lab, entropy)), None, ""
 
   if impl == "jaxce":
@@ -118,14 +137,14 @@ def _per_token_fn(config: Config, mesh: Mesh, n_devices: int):
       fn = jaxce.sharded_linear_logprobs_and_entropy if sharded else \
           jaxce.linear_logprobs_and_entropy
       f = lambda h, w, lab: fn(h, w, lab, **shard_kw, **kw)
-      from jaxce._linear import DEFAULT_VOCAB_BLOCK
-      chunk = _chunking.plan_chunk_size(config.T, min(DEFAULT_VOCAB_BLOCK, v_local),
-                                        config.chunk_size)
-      return f, chunk, ""
+      block = getattr(sys.modules["jaxce._linear"], "DEFAULT_VOCAB_BLOCK", v_local)
+      return f, _planned_chunk(config.T, min(block, v_local), config.chunk_size), ""
     fn = jaxce.sharded_logprobs_and_entropy if sharded else jaxce.logprobs_and_entropy
-    overwrite = config.variant == "inplace"
-    f = lambda x, lab: fn(x, lab, overwrite_logits=overwrite, **shard_kw, **kw)
-    return f, _chunking.plan_chunk_size(config.T, v_local, config.chunk_size), ""
+    in_place = _in_place_options() if config.variant == "inplace" else {}
+    f = lambda x, lab: fn(x, lab, **in_place, **shard_kw, **kw)
+    note = "logits donated" + (", overwrite_logits=True" if in_place else "") if \
+        config.variant == "inplace" else ""
+    return f, _planned_chunk(config.T, v_local, config.chunk_size), note
 
   if impl == "jax_plain":
     if linear:

@@ -43,7 +43,8 @@ def _per_token(config: Config):
   if config.impl == "torch_eager":
     return (lambda t: eager(t["hidden"] @ t["weight_vd"].T, t["labels"])), names
   if config.impl == "liger":
-    from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+    from liger_kernel.transformers.fused_linear_cross_entropy import (
+        LigerFusedLinearCrossEntropyLoss)
     loss = LigerFusedLinearCrossEntropyLoss(reduction="none")
 
     def liger(t):

@@ -1,0 +1,128 @@
+"""The benchmark's smoke suite end to end on CPU: ``python -m bench --suite smoke``.
+
+One subprocess runs the whole suite (about 30 s on 2 cores) into a temporary results
+directory; the tests then check the JSON schema of issue 4, the table and the plot, and
+that merging a second run replaces rows instead of duplicating them.
+"""
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+from bench import configs, report
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+TOP_LEVEL = {"device": str, "n_devices": int, "jax": str, "hbm_GBps": float,
+             "bf16_tflops": float, "commit": str, "rows": list}
+ROW = {"impl": str, "input": str, "mode": str, "T": int, "V": int, "D": (int, type(None)),
+       "dtype": str, "chunk_size": (int, type(None)), "n_devices": int, "status": str,
+       "peak_extra_bytes": int, "logits_bytes": int, "ms": float, "floor_ms": float}
+
+
+def _run_smoke(out_dir, *extra):
+  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
+  proc = subprocess.run([sys.executable, "-m", "bench", "--suite", "smoke", "--repeats", "2",
+                         "--out", str(out_dir), *extra], cwd=ROOT, env=env,
+                        capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+  return proc
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+  out = tmp_path_factory.mktemp("bench")
+  proc = _run_smoke(out)
+  with open(out / "cpu.json") as f:
+    return out, json.load(f), proc.stdout
+
+
+def _check_type(value, expected, what):
+  # bool is an int subclass in Python; a bool is never a valid count or size here.
+  assert not isinstance(value, bool), f"{what}: got bool {value!r}"
+  assert isinstance(value, expected), f"{what}: {value!r} is not {expected}"
+
+
+def test_top_level_schema(smoke):
+  _, results, _ = smoke
+  for key, kind in TOP_LEVEL.items():
+    assert key in results, f"missing top-level key {key}"
+    _check_type(results[key], kind, key)
+  assert results["hbm_GBps"] > 0 and results["bf16_tflops"] > 0
+  assert results["n_devices"] >= 2, "the smoke suite's sharded rows need 2 devices"
+  assert len(results["commit"]) in (0, 40)
+
+
+def test_row_schema(smoke):
+  _, results, _ = smoke
+  rows = results["rows"]
+  assert len(rows) == len(configs.expand(configs.SUITES["smoke"]))
+  for i, row in enumerate(rows):
+    assert row["status"] in report.STATUSES, row
+    assert row["input"] in ("logits", "linear") and row["mode"] in configs.MODES, row
+    assert row["impl"] in configs.IMPLS and row["variant"] in configs.VARIANTS, row
+    for key, kind in ROW.items():
+      assert key in row, f"row {i} misses {key}"
+      if row["status"] != "ok" and key in ("peak_extra_bytes", "ms"):
+        assert row[key] is None, f"row {i}: failed rows carry no {key}"
+        continue
+      _check_type(row[key], kind, f"row {i} {key}")
+    assert (row["D"] is None) == (row["input"] == "logits"), row
+    assert row["floor_ms"] > 0 and math.isfinite(row["floor_ms"]), row
+    assert row["logits_bytes"] == row["T"] * (row["V"] // row["n_devices"]) * 2, row
+
+
+def test_jaxce_and_plain_ran_in_both_modes(smoke):
+  _, results, _ = smoke
+  failed = [r for r in results["rows"] if r["status"] != "ok"]
+  assert not failed, [(report.name(r), r["error"]) for r in failed]
+  for impl in ("jaxce", "jax_plain"):
+    for mode in configs.MODES:
+      for inp in ("logits", "linear"):
+        rows = [r for r in results["rows"] if (r["impl"], r["variant"], r["mode"], r["input"])
+                == (impl, "default", mode, inp) and r["n_devices"] == 1]
+        assert rows, f"no {impl} {inp} {mode} row"
+        for r in rows:
+          assert r["ms"] > 0 and r["floor_ms"] > 0 and r["peak_extra_bytes"] > 0, r
+          assert r["memory_source"] == "xla_plan", r
+  sharded = {(r["impl"], r["input"]) for r in results["rows"] if r["n_devices"] == 2}
+  assert {("jaxce", "logits"), ("jax_plain", "logits"), ("jaxce", "linear")} <= sharded
+
+
+def test_memory_ordering(smoke):
+  """The plan of jaxce's logits backward holds fewer bytes than plain JAX's."""
+  _, results, _ = smoke
+  extra = {(r["impl"], r["T"]): r["peak_extra_bytes"] for r in results["rows"]
+           if (r["input"], r["mode"], r["variant"], r["n_devices"]) ==
+           ("logits", "fwd_bwd", "default", 1)}
+  for T in (64, 200):
+    assert extra[("jaxce", T)] < extra[("jax_plain", T)], extra
+
+
+def test_table_and_plot_written(smoke):
+  out, results, stdout = smoke
+  md = (out / "cpu.md").read_text()
+  assert md.startswith("# Benchmark results")
+  assert md.count("\n| jaxce") >= 6 and "| jax_plain" in md
+  assert "| impl |" in stdout, "the run prints its table"
+  png = (out / "cpu_memory.png").read_bytes()
+  assert png.startswith(b"\x89PNG") and len(png) > 10_000
+
+
+def test_rerun_merges_rows(smoke, tmp_path):
+  out, results, _ = smoke
+  path = tmp_path / "cpu.json"
+  path.write_text(json.dumps(results))
+  _run_smoke(tmp_path, "--impl", "jaxce", "--input", "logits", "--mode", "fwd", "--T", "64,300")
+  merged = json.loads(path.read_text())
+  keys = [configs.row_key(r) for r in merged["rows"]]
+  assert len(keys) == len(set(keys)), "a re-run duplicated rows"
+  assert len(merged["rows"]) == len(results["rows"]) + 1  # T=300 is new, T=64 replaced
+  new = [r for r in merged["rows"] if r["impl"] == "jaxce" and r["mode"] == "fwd"
+         and r["input"] == "logits" and r["n_devices"] == 1]
+  assert sorted(r["T"] for r in new) == [64, 200, 300]
+  assert all("commit" in r and "date" in r for r in new)

@@ -13,9 +13,11 @@ import math
 import jax.numpy as jnp
 from jax import lax
 
-# Bytes of one f32 [chunk, V_local] tile the default plan aims for. Large enough that
-# per-step overheads vanish, small enough to stay near L2 on a GPU and in cache on a CPU.
-DEFAULT_TILE_BYTES = 64 * 2**20
+# Bytes of one f32 [chunk, V_local] tile the default plan aims for. XLA fuses the upcast
+# and scaling into the reductions, so the tile is a notional working set; what matters
+# is the number of loop steps, each of which costs a few kernel launches. Measured on an
+# H200 (V = 151936, bf16): chunks of 1024-2048 tokens are fastest, 110 are 1.7x slower.
+DEFAULT_TILE_BYTES = 2**30
 
 
 def plan_chunk_size(num_tokens: int, num_columns: int, chunk_size: int | None,

@@ -15,8 +15,7 @@ from jaxce import _checks, _chunking, _math
 
 
 def logprobs_and_entropy(logits, labels, *, temperature=1.0, where=None, vocab_size=None,
-                         chunk_size=None, vocab_axis=None, return_entropy=True,
-                         overwrite_logits=False):
+                         chunk_size=None, vocab_axis=None, return_entropy=True):
   """Per-token log-probability of the label and entropy of softmax(logits / temperature).
 
   Args:
@@ -29,22 +28,22 @@ def logprobs_and_entropy(logits, labels, *, temperature=1.0, where=None, vocab_s
     vocab_size: logical vocabulary when the columns are padded; global column ids
       ``>= vocab_size`` are excluded from the softmax. A kept label ``>= vocab_size`` is a
       ``ValueError`` for concrete inputs and a NaN log-prob under ``jit``.
-    chunk_size: tokens per scan step; ``None`` plans one from a 64 MiB f32 tile budget.
+    chunk_size: tokens per step of the forward scan; ``None`` plans one (see
+      ``jaxce._chunking.plan_chunk_size``); ``>= T`` runs a single pass.
     vocab_axis: mesh axis name (or tuple) the last dim is split over, when called inside
       ``shard_map`` / ``pmap``. Shard k holds ids ``[k * V_local, (k + 1) * V_local)``.
     return_entropy: when False the entropy is neither computed nor returned (``None``).
-    overwrite_logits: the backward writes the gradient chunk by chunk into the logits'
-      own buffer. Pass True when the logits are dead after the backward (donated, or an
-      intermediate of a jitted training step): the gradient then costs no new memory.
-      Otherwise XLA first copies the logits (one extra read and write).
 
   Returns:
     ``(logp, entropy)``, float32 arrays of ``labels.shape`` (entropy ``None`` when
     ``return_entropy=False``).
 
-  Memory: forward keeps the logits plus two ``[T]`` float32 vectors as residuals;
-  the gradient is one array like ``logits`` (none with ``overwrite_logits``) plus a few
-  ``[chunk, V_local]`` f32 tiles of working set, independent of T.
+  Memory: the forward scans over token chunks with a working set of a few
+  ``[chunk, V_local]`` f32 tiles and keeps the logits plus two ``[T]`` vectors as
+  residuals. The backward is one fused elementwise pass that reads the logits and writes
+  the gradient (an array like ``logits``), with no temporaries; when the logits are dead
+  after it (donated, or an intermediate of a jitted training step) XLA writes the
+  gradient into their buffer and the backward needs no new memory at all.
   """
   logits = _checks.as_array("logits", logits)
   labels = _checks.as_array("labels", labels)
@@ -70,15 +69,15 @@ def logprobs_and_entropy(logits, labels, *, temperature=1.0, where=None, vocab_s
   out = _logprobs_entropy(
       logits.reshape(num_tokens, num_columns), labels.reshape(-1).astype(jnp.int32),
       inv_temp.reshape(-1), valid.reshape(-1), vocab_size, mask_vocab, chunk, vocab_axis,
-      return_entropy, overwrite_logits)
+      return_entropy)
   logp = out[0].reshape(labels.shape)
   entropy = out[1].reshape(labels.shape) if return_entropy else None
   return logp, entropy
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8, 9))
+@partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8))
 def _logprobs_entropy(x, labels, inv_temp, valid, vocab_size, mask_vocab, chunk, vocab_axis,
-                      with_entropy, overwrite):
+                      with_entropy):
   """``x [T, V_local]`` -> ``(logp [T],)`` or ``(logp [T], entropy [T])``, float32."""
   out, _ = _forward(x, labels, inv_temp, valid, vocab_size, mask_vocab, chunk, vocab_axis,
                     with_entropy)
@@ -105,14 +104,14 @@ def _forward(x, labels, inv_temp, valid, vocab_size, mask_vocab, chunk, vocab_ax
 
 
 def _logprobs_entropy_fwd(x, labels, inv_temp, valid, vocab_size, mask_vocab, chunk,
-                          vocab_axis, with_entropy, overwrite):
+                          vocab_axis, with_entropy):
   x, labels, inv_temp, valid = (p.value for p in (x, labels, inv_temp, valid))
   out, (lse, entropy) = _forward(x, labels, inv_temp, valid, vocab_size, mask_vocab, chunk,
                                  vocab_axis, with_entropy)
   return out, (x, labels, inv_temp, valid, lse, entropy)
 
 
-def _logprobs_entropy_bwd(vocab_size, mask_vocab, chunk, vocab_axis, with_entropy, overwrite,
+def _logprobs_entropy_bwd(vocab_size, mask_vocab, chunk, vocab_axis, with_entropy,
                           residuals, cotangents):
   x, labels, inv_temp, valid, lse, entropy = residuals
   g_logp = _math.symbolic_zero_to_none(cotangents[0])
@@ -120,41 +119,13 @@ def _logprobs_entropy_bwd(vocab_size, mask_vocab, chunk, vocab_axis, with_entrop
   if g_logp is None and g_entropy is None:
     return (jnp.zeros_like(x), None, None, None)
 
-  num_tokens, num_columns = x.shape
-  column_start = _math.shard_column_start(num_columns, vocab_axis)
-  n = _chunking.num_chunks(num_tokens, chunk)
-
-  def chunk_grad(x_rows, start):
-    rows = lambda a: None if a is None else lax.dynamic_slice_in_dim(a, start, chunk, 0)
-    z = _math.scaled_logits(x_rows, rows(inv_temp), column_start, mask_vocab)
-    dz = _math.logit_grad(z, rows(labels) - column_start, rows(lse), rows(entropy),
-                          rows(g_logp), rows(g_entropy), rows(valid))
-    return (dz * rows(inv_temp)[:, None].astype(dz.dtype)).astype(x.dtype)
-
-  if not overwrite and n * chunk == num_tokens:
-    # Stacked per-chunk outputs reshape into [T, V] for free: no initialised buffer.
-    def step(_, i):
-      start = i * chunk
-      return None, chunk_grad(lax.dynamic_slice_in_dim(x, start, chunk, 0), start)
-    _, dx = lax.scan(step, None, jnp.arange(n))
-    return (dx.reshape(x.shape), None, None, None)
-
-  # A [T, V] buffer carried through the loop and written chunk by chunk: the logits
-  # themselves (in place when XLA can alias them) or zeros for a ragged last chunk.
-  def step(buffer, i):
-    start = _chunking.chunk_start(i, num_tokens, chunk)
-    source = buffer if overwrite else x
-    x_rows = lax.dynamic_slice_in_dim(source, start, chunk, 0)
-    dx_rows = chunk_grad(x_rows, start)
-    if overwrite and n * chunk != num_tokens:
-      # The clamped last chunk overlaps rows that already hold gradients: keep them.
-      fresh = _chunking.fresh_rows(i, start, chunk)
-      dx_rows = jnp.where(fresh[:, None], dx_rows, x_rows)
-    return lax.dynamic_update_slice_in_dim(buffer, dx_rows, start, 0), None
-
-  init = x if overwrite else jnp.zeros_like(x)
-  dx, _ = lax.scan(step, init, jnp.arange(n))
-  return (dx, None, None, None)
+  # One elementwise pass over [T, V_local]: read the logits, write the gradient. XLA
+  # fuses it into a single loop with no temporaries, and writes into the logits' own
+  # buffer when they are dead afterwards (donated, or an intermediate of a jitted step).
+  column_start = _math.shard_column_start(x.shape[1], vocab_axis)
+  z = _math.scaled_logits(x, inv_temp, column_start, mask_vocab)
+  dz = _math.logit_grad(z, labels - column_start, lse, entropy, g_logp, g_entropy, valid)
+  return ((dz * inv_temp[:, None].astype(dz.dtype)).astype(x.dtype), None, None, None)
 
 
 _logprobs_entropy.defvjp(_logprobs_entropy_fwd, _logprobs_entropy_bwd, symbolic_zeros=True)

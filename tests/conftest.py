@@ -13,3 +13,5 @@ if "xla_force_host_platform_device_count" not in flags:
 import jax  # noqa: E402
 
 jax.config.update("jax_enable_x64", True)
+# Tests check the maths, not TF32 rounding: on GPUs, float32 matmuls default to TF32.
+jax.config.update("jax_default_matmul_precision", "highest")

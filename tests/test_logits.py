@@ -21,7 +21,7 @@ def _case(seed, shape, num_columns, vocab_size=None, ignore=0.2):
 def _check(logits, dtype, loss_kw, **kw):
   x = jnp.asarray(logits, dtype)
   (logp, ent), grad = value_and_grads(jaxce.logprobs_and_entropy, (x,), 0, **loss_kw, **kw)
-  ref_kw = {k: v for k, v in kw.items() if k not in ("chunk_size", "overwrite_logits")}
+  ref_kw = {k: v for k, v in kw.items() if k != "chunk_size"}
   (logp_ref, ent_ref), grad_ref = value_and_grads(
       reference.logprobs_and_entropy, (jnp.asarray(x, jnp.float64),), 0, **loss_kw, **ref_kw)
   tol = TOLERANCE[dtype]
@@ -42,19 +42,12 @@ def test_chunk_sizes_match_reference(chunk_size):
   _check(logits, jnp.float32, loss_kw, chunk_size=chunk_size)
 
 
-@pytest.mark.parametrize("overwrite_logits", [False, True])
-@pytest.mark.parametrize("chunk_size", [4, 5, 12])  # divides T, ragged, single pass
-def test_overwrite_logits_gives_same_gradient(chunk_size, overwrite_logits):
-  _, logits, labels, loss_kw = _case(1, (12,), 257)
-  _check(logits, jnp.float32, loss_kw, chunk_size=chunk_size, overwrite_logits=overwrite_logits)
-
-
-def test_overwrite_logits_donated_under_jit():
+def test_donated_logits_under_jit():
   _, logits, labels, loss_kw = _case(2, (10,), 131)
   expected = jax.grad(lambda x: jnp.sum(
       loss_kw["cot_logp"] * reference.logprobs_and_entropy(x, labels)[0]))(logits)
   step = jax.jit(jax.grad(lambda x: jnp.sum(loss_kw["cot_logp"] * jaxce.logprobs_and_entropy(
-      x, labels, chunk_size=3, overwrite_logits=True)[0])), donate_argnums=0)
+      x, labels, chunk_size=3)[0])), donate_argnums=0)
   assert_close(step(jnp.asarray(logits, jnp.float32)), expected, 2e-5, "donated grad")
 
 

@@ -44,15 +44,27 @@ def test_logits_path_temp_memory_is_flat_in_tokens():
 
 
 @pytest.mark.parametrize("tokens", [4096, 4100])  # chunk divides T; ragged last chunk
-def test_overwrite_logits_needs_no_gradient_buffer(tokens):
-  inplace = lambda x, l: jaxce.logprobs_and_entropy(x, l, chunk_size=CHUNK, overwrite_logits=True)
-  plan = lambda fn: _compiled(jax.grad(_loss(fn, *_inputs(tokens)[1:])), _inputs(tokens)[0],
-                              donate=(0,)).memory_analysis()
-  donated = plan(inplace)
-  assert donated.temp_size_in_bytes <= 3 * TILE, f"{donated.temp_size_in_bytes / TILE:.2f} tiles"
-  assert donated.alias_size_in_bytes == tokens * V * 4  # the gradient is the logits' buffer
-  fresh = plan(lambda x, l: jaxce.logprobs_and_entropy(x, l, chunk_size=CHUNK))
-  assert fresh.temp_size_in_bytes >= tokens * V * 4  # without it: a second [T, V] buffer
+def test_donated_logits_take_the_gradient(tokens):
+  """The backward writes the gradient into the dead logits' buffer: no second [T, V]."""
+  x, labels, adv = _inputs(tokens)
+  fn = lambda x, l: jaxce.logprobs_and_entropy(x, l, chunk_size=CHUNK)
+  plan = _compiled(jax.grad(_loss(fn, labels, adv)), x, donate=(0,)).memory_analysis()
+  assert plan.temp_size_in_bytes <= 3 * TILE, f"{plan.temp_size_in_bytes / TILE:.2f} tiles"
+  assert plan.alias_size_in_bytes == tokens * V * 4
+
+
+def test_logits_as_intermediate_of_a_training_step():
+  """model -> logits -> jaxce -> grads: the peak holds one [T, V] buffer, not two."""
+  tokens, dim = 2048, 32
+  h, labels, adv = (jnp.zeros((tokens, dim), jnp.float32), jnp.zeros((tokens,), jnp.int32),
+                    jnp.ones((tokens,), jnp.float32))
+  w = jnp.zeros((dim, V), jnp.float32)
+  step = lambda fn: jax.grad(lambda w: _loss(fn, labels, adv)(h @ w))
+  chunked = _compiled(step(lambda x, l: jaxce.logprobs_and_entropy(x, l, chunk_size=CHUNK)), w)
+  plain = _compiled(step(reference.logprobs_and_entropy), w)
+  logits_bytes = tokens * V * 4
+  assert chunked.memory_analysis().temp_size_in_bytes <= logits_bytes + 3 * TILE
+  assert plain.memory_analysis().temp_size_in_bytes >= 2 * logits_bytes
 
 
 def test_unused_entropy_costs_no_backward_work():
@@ -88,8 +100,9 @@ def test_linear_path_never_holds_tokens_by_vocab(layout):
   dim, block, chunk = 64, 512, 128
 
   def plan(tokens):
-    h, labels, adv = jnp.zeros((tokens, dim)), jnp.zeros((tokens,), jnp.int32), jnp.ones((tokens,))
-    w = jnp.zeros((dim, V) if layout == "dv" else (V, dim))  # "vd": a tied embedding table
+    h, labels, adv = (jnp.zeros((tokens, dim), jnp.float32), jnp.zeros((tokens,), jnp.int32),
+                      jnp.ones((tokens,), jnp.float32))
+    w = jnp.zeros((dim, V) if layout == "dv" else (V, dim), jnp.float32)  # "vd": a tied embedding table
     fn = lambda h, w, l: jaxce.linear_logprobs_and_entropy(
         h, w, l, chunk_size=chunk, vocab_block_size=block, weight_layout=layout)
     return _compiled(jax.grad(_loss(fn, labels, adv), (0, 1)), h, w)

@@ -1,0 +1,156 @@
+"""The GRPO step as several processes, each owning part of one data x vocab mesh.
+
+    python -m examples.multihost                    # 2 processes x 4 CPU devices, mesh 4,2
+    python -m examples.multihost --num-processes 2 --local-devices 2 -- --mesh 2,2 --vocab 4096
+
+The launcher starts ``--num-processes`` copies of this module on this machine (CPU, with
+``--local-devices`` simulated devices each); every copy calls
+
+    jax.distributed.initialize(coordinator_address="localhost:<port>",
+                               num_processes=N, process_id=i)
+
+exactly as on a multi-host GPU cluster (where the coordinator is host 0's address and each
+process sees its host's GPUs), builds the same host data (:func:`examples.grpo.
+synthetic_problem`), places only its own shards (``jax.make_array_from_callback``) and runs
+:func:`examples.train.train_on_rollouts` on the global mesh, twice:
+
+* ``data_across``: each process holds whole ``vocab`` groups; gradients are reduced across
+  processes, jaxce's collectives stay inside one (the usual layout: tensor parallel on the
+  fast links);
+* ``vocab_across``: each ``vocab`` group spans the processes, so jaxce's ``pmax`` / ``psum``
+  over the vocabulary cross them.
+
+Process 0 prints the metrics and, with ``--out``, saves the final parameters and metrics to
+an ``.npz``. Everything is bounded in time: the launcher kills the processes after
+``--timeout`` seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+LAYOUTS = ("data_across", "vocab_across")
+
+
+def parse_args(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  p.add_argument("--num-processes", type=int, default=2)
+  p.add_argument("--local-devices", type=int, default=4, help="CPU devices per process")
+  p.add_argument("--timeout", type=float, default=120.0, help="seconds, then kill them all")
+  p.add_argument("--out", default=None, help=".npz for params and metrics (process 0)")
+  p.add_argument("--process-id", type=int, default=None, help="(worker) this process")
+  p.add_argument("--coordinator", default=None, help="(worker) host:port of process 0")
+  p.add_argument("problem", nargs="*", help="flags of examples.grpo, after --")
+  return p.parse_args(argv)
+
+
+def free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("localhost", 0))
+    return s.getsockname()[1]
+
+
+def layout_devices(layout: str, data: int, vocab: int):
+  """The global devices in mesh order (row-major ``[data, vocab]``) for ``layout``."""
+  import jax
+  devices = np.asarray(jax.devices())  # process 0's devices first
+  if layout == "data_across":
+    return devices
+  return devices.reshape(vocab, data).T.ravel()
+
+
+def worker(args):
+  """One process: join the cluster, train on the global mesh, report from process 0."""
+  import jax
+  jax.config.update("jax_num_cpu_devices", args.local_devices)
+  jax.config.update("jax_cpu_collectives_implementation", "gloo")  # cross-process CPU
+  jax.distributed.initialize(coordinator_address=args.coordinator,
+                             num_processes=args.num_processes, process_id=args.process_id)
+  from examples import grpo
+  from examples.train import make_mesh, train_on_rollouts
+
+  problem = grpo.parse_args(args.problem)
+  data, vocab = grpo.mesh_shape(problem) or (jax.device_count() // 2, 2)
+  _, cfg, optimizer = grpo.configs(problem)
+  graphdef, params, ref_params, rollouts = grpo.synthetic_problem(problem)
+  results = {}
+  for layout in LAYOUTS:
+    mesh = make_mesh(data, vocab, layout_devices(layout, data, vocab))
+    final, history = train_on_rollouts(graphdef, params, ref_params, rollouts, cfg=cfg,
+                                       optimizer=optimizer, num_steps=problem.inner_steps,
+                                       mesh=mesh)
+    for i, leaf in enumerate(jax.tree.leaves(final)):
+      results[f"{layout}/param/{i}"] = leaf
+    for key in history[0]:
+      results[f"{layout}/{key}"] = np.array([h[key] for h in history])
+    if jax.process_index() == 0:
+      for step, metrics in enumerate(history):
+        print(f"{layout} ({data}x{vocab} mesh over {jax.process_count()} processes) step "
+              f"{step}  " + "  ".join(f"{k} {v:.6f}" for k, v in metrics.items()), flush=True)
+  if jax.process_index() == 0 and args.out:
+    np.savez(args.out, **results)
+  jax.distributed.shutdown()
+
+
+def worker_env():
+  """This environment minus any simulated-device flag (each worker sets its own), on CPU,
+  with this checkout importable."""
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  flags = [f for f in env.get("XLA_FLAGS", "").split()
+           if "xla_force_host_platform_device_count" not in f]
+  env["XLA_FLAGS"] = " ".join(flags)
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+  return env
+
+
+def launch(problem=(), *, num_processes=2, local_devices=4, timeout=120.0, out=None):
+  """Run the workers to completion; returns each one's combined stdout/stderr.
+
+  Raises ``RuntimeError`` (with every worker's output) when a worker fails or the
+  ``timeout`` (seconds, for all of them together) runs out; the workers are killed then.
+  """
+  coordinator = f"localhost:{free_port()}"
+  base = [sys.executable, "-m", "examples.multihost", "--num-processes", str(num_processes),
+          "--local-devices", str(local_devices), "--coordinator", coordinator]
+  base += ["--out", out] if out else []
+  procs = [subprocess.Popen(base + ["--process-id", str(i), "--", *problem], env=worker_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+           for i in range(num_processes)]
+  deadline = time.monotonic() + timeout
+  outputs, failed = [], None
+  for i, proc in enumerate(procs):
+    try:
+      outputs.append(proc.communicate(timeout=max(deadline - time.monotonic(), 0.1))[0])
+    except subprocess.TimeoutExpired:
+      failed = failed or f"process {i} still running after {timeout:.0f} s"
+      for p in procs:
+        p.kill()
+      outputs.append(proc.communicate()[0])
+      continue
+    if proc.returncode:
+      failed = failed or f"process {i} exited with {proc.returncode}"
+  if failed:
+    raise RuntimeError(failed + "".join(f"\n--- process {i} ---\n{o}"
+                                        for i, o in enumerate(outputs)))
+  return outputs
+
+
+def main(argv=None):
+  args = parse_args(argv)
+  if args.process_id is not None:
+    return worker(args)
+  outputs = launch(args.problem, num_processes=args.num_processes,
+                   local_devices=args.local_devices, timeout=args.timeout, out=args.out)
+  print("\n".join(line for line in outputs[0].splitlines() if "step" in line))
+
+
+if __name__ == "__main__":
+  main()

@@ -120,28 +120,38 @@ def plot(results: dict, path: str) -> None:
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
+  import matplotlib.ticker
   rows = [r for r in results["rows"] if r["mode"] == "fwd_bwd"]
   inputs = [i for i in ("logits", "linear") if any(r["input"] == i for r in rows)] or ["logits"]
   fig, axes = plt.subplots(1, len(inputs), figsize=(6.5 * len(inputs), 4.8), squeeze=False)
+
+  def label(r):
+    return name(r) + ("" if r.get("entropy", True) else " (logp)") + (
+        f" ×{r['n_devices']} dev" if r["n_devices"] > 1 else "") + (
+        f" chunk {r['chunk_size']}" if r["chunk_size"] is not None else "")
+
+  keys = sorted({label(r) for r in rows})
+  palette = plt.get_cmap("tab10" if len(keys) <= 10 else "tab20").colors
+  colors = {k: palette[i % len(palette)] for i, k in enumerate(keys)}
   for ax, inp in zip(axes[0], inputs):
     lines = {}
     for r in rows:
       if r["input"] == inp:
-        label = name(r) + ("" if r.get("entropy", True) else " (logp)") + (
-            f" ×{r['n_devices']} dev" if r["n_devices"] > 1 else "") + (
-            f" chunk {r['chunk_size']}" if r["chunk_size"] is not None else "")
-        lines.setdefault(label, []).append(r)
-    for label, group in sorted(lines.items()):
+        lines.setdefault(label(r), []).append(r)
+    for key, group in sorted(lines.items()):
       ok = sorted((r["T"], r["peak_extra_bytes"] / GiB) for r in group
                   if r["status"] == "ok" and r["peak_extra_bytes"] is not None)
-      style = "-" if label.startswith("jaxce") else "--"
-      line, = ax.plot([t for t, _ in ok], [m for _, m in ok], style, marker="o", label=label)
+      style = "-" if key.startswith("jaxce") else "--"
+      ax.plot([t for t, _ in ok], [m for _, m in ok], style, marker="o", label=key,
+              color=colors[key])
       failed = sorted(r["T"] for r in group if r["status"] == "oom")
       if failed:
-        ax.plot(failed, [1.0] * len(failed), "x", color=line.get_color(), markersize=10,
+        ax.plot(failed, [1.0] * len(failed), "x", color=colors[key], markersize=10,
                 transform=ax.get_xaxis_transform(), clip_on=False)
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
+    ax.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda y, _: f"{y:g}"))
+    ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     ax.set_xlabel("tokens T")
     ax.set_ylabel("peak extra memory per device (GiB)")
     example = next((r for r in rows if r["input"] == inp), None)

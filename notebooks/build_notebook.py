@@ -110,9 +110,9 @@ PRESETS = {
                   peak_chunks={"logits": [], "fused": []}, time_reps=2),
     # One GPU: Qwen-2.5's padded vocabulary, a 32k-token RL step, a 4096-wide LM head.
     "gpu": dict(T=32768, V=151936, D=4096, Ts=[2048, 4096, 8192, 16384, 32768],
-                chunks={"logits": [16, 32, 64, 128, 256, 512, 1024, 2048, 4096],
-                        "fused": [128, 256, 512, 1024, 2048, 4096, 8192]},
-                peak_chunks={"logits": [16, 64, 256, 1024, 4096], "fused": [256, 1024, 4096]},
+                chunks={"logits": [16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192],
+                        "fused": [128, 256, 512, 1024, 2048, 4096, 8192, 16384]},
+                peak_chunks={"logits": [16, 64, 256, 1024, 4096], "fused": [256, 2048, 16384]},
                 time_reps=5),
 }
 CFG = PRESETS[SIZE]
@@ -231,12 +231,13 @@ path's vocab block and `s` the input dtype's bytes, what a jaxce call adds is:
 | fused path | k · C·Vb·4 | T·D·s + D·V_l·s (`d hidden`, `d W`) + T·D·4 + D·Vb·4 (f32 accumulators) + k · C·Vb·4 |
 
 plus O(T): a few `[T]` f32 vectors (log-probs, entropies, the saved `lse` and `H`).
-`k` counts the live f32 `[C, columns]` tiles. The docstrings promise "a few" (logits
-path, `jaxce/_logits.py`) and "one or two" (fused path, `jaxce/_linear.py`; one in its
-forward), so the plots draw the model as a band: from 1 tile and no `[T]` vector to
-2 tiles and 4 `[T]` vectors. Nothing else may grow with T: no `[T, V]` f32 copy, no
-softmax saved for the backward. Plain JAX has no such bound: it materialises f32
-`[T, V]` arrays, several of them in the backward.
+`k` counts the live f32 `[C, columns]` tiles. The docstrings (printed below) promise
+"a few" tiles of working set on the logits path, whose upcast XLA may fuse into the
+reductions so that no tile is materialised at all, and "one or two" on the fused path,
+where the matmul's f32 output is a real tile. So the plots draw the model as a band:
+from 0 (logits path) or 1 (fused path) tile, to 2 tiles and 4 `[T]` vectors. Nothing else may grow with T: no `[T, V]` f32 copy, no softmax saved for the
+backward. Plain JAX has no such bound: it materialises f32 `[T, V]` arrays, several of
+them in the backward.
 """)
 
 code("""
@@ -253,7 +254,15 @@ def model_extra(c, tiles, vectors):
 
 
 def band(c):
-  return model_extra(c, 1, 0), model_extra(c, 2, 4)
+  # low: 0 (logits path) or 1 (fused path) tile, and the forward's two outputs;
+  # high: 2 tiles and 4 [T] vectors.
+  low = model_extra(c, 0 if c["path"] == "logits" else 1, 2 if c["mode"] == "fwd" else 0)
+  return low, model_extra(c, 2, 4)
+
+
+for fn in (jaxce.logprobs_and_entropy, jaxce.linear_logprobs_and_entropy):
+  memory = fn.__doc__[fn.__doc__.index("Memory:"):].strip()
+  print(f"{fn.__name__}:\\n  " + " ".join(memory.split()) + "\\n")
 
 
 _compiled, _plans, _compile_seconds = {}, {}, [0.0]
@@ -360,12 +369,15 @@ what grows with the chunk (the slope: k, in tiles) from a fixed part the model d
 not list (the intercept), and the last column says at how many chunk sizes the plan
 lies in the model's band.
 
-What the CPU plans show, and why (the lines printed below are for the device that ran
-this notebook; XLA's GPU compiler fuses differently, so compare):
+What the CPU plans of this jaxce version show, and why (checked in XLA's buffer
+assignment dump, `XLA_FLAGS=--xla_dump_to=DIR`; the lines printed below are for the
+device that ran this notebook, and XLA's GPU compiler fuses differently, so compare):
 
-* **Logits path**: one tile in both passes. The forward fuses upcast, max, sums and the
-  label pick into one pass over the chunk; the backward recomputes the softmax and writes
-  each chunk's gradient straight into the output, one tile of f32 `dz` at most.
+* **Logits path, forward**: one f32 tile (the CPU backend materialises the upcast chunk
+  that the max, the sums and the label pick read).
+* **Logits path, forward + backward**: the gradient and no tile. The backward is one
+  elementwise pass without temporaries, and the forward's tiles are dead before the
+  gradient is written, so XLA places them inside the gradient's own buffer.
 * **Fused path, forward**: two tiles (the matmul's f32 logits and their exponentials for
   the online softmax) plus one f32 `[D, Vb]` block: the column slice `W[:, block]` is
   copied out once per vocab block. The docstring says "one f32 tile"; the plan says two,
@@ -374,8 +386,7 @@ this notebook; XLA's GPU compiler fuses differently, so compare):
   blocks beyond the model's fixed part (the `W` column slice again, and the block's `d W`
   in the weight's dtype before it is written into `d W`). These blocks do not grow with
   T or the chunk: small next to `d W` at real sizes, but they dominate at small chunks.
-* A chunk of T or more is a single pass: the backward then needs no tile beyond the
-  gradient itself (the fit leaves such chunk sizes out).
+* A chunk of T or more is a single pass; the fit leaves such chunk sizes out.
 """)
 
 code("""
@@ -434,8 +445,8 @@ md("""
 Median wall time of one jitted fwd+bwd call on this machine (inputs already on the
 device, the previous call's outputs dropped first). Very small chunks pay per-step
 overhead (and, on the fused path, narrow matmuls); very large ones spill the tile out of
-cache. The default aims at a 64 MiB tile. Cases whose plan does not fit the device are
-skipped.
+cache. The default's tile budget is discussed in the last section. Cases whose plan does
+not fit the device are skipped.
 """)
 
 code("""
@@ -498,8 +509,8 @@ for n in SHARDS:
   for impl, mode in (("jaxce", "fwd"), ("jaxce", "fwd+bwd"), ("plain", "fwd+bwd")):
     c = dict(case("logits", impl, mode), shards=n, dtype=shard_dtype)
     row[impl, mode] = plan(c, mesh)["extra"]
-    if impl == "jaxce":
-      row["chunk"], row["band", mode] = chunk_of(c), band(c)
+    if (impl, mode) == ("jaxce", "fwd+bwd"):
+      row["chunk"], row["band"] = chunk_of(c), band(c)
   rows.append(row)
   print(f"{n} shard(s) on {mesh_devices[0].platform}, chunk {row['chunk']:5d}, per device: "
         f"jaxce fwd {in_units(row['jaxce', 'fwd']):8.2f}, "
@@ -508,9 +519,8 @@ for n in SHARDS:
 
 fig, ax = plt.subplots(figsize=(7, 4.5), constrained_layout=True)
 ns = [r["n"] for r in rows]
-for mode, color in (("fwd", "C1"), ("fwd+bwd", "C2")):
-  ax.fill_between(ns, *in_units(np.array([r["band", mode] for r in rows]).T), color=color,
-                  alpha=0.25, label=f"model, {mode}")
+ax.fill_between(ns, *in_units(np.array([r["band"] for r in rows]).T), color="C2",
+                alpha=0.3, label="model, fwd+bwd")
 ax.plot(ns, in_units([r["jaxce", "fwd+bwd"] for r in rows]), "o-", color="C0",
         label="jaxce fwd+bwd, plan")
 ax.plot(ns, in_units([r["jaxce", "fwd"] for r in rows]), "^-", color="C4", label="jaxce fwd, plan")
@@ -529,19 +539,28 @@ md("""
 ## What `chunk_size=None` picks, and why
 
 `jaxce._chunking.plan_chunk_size` sizes one f32 `[C, columns]` tile to a fixed budget,
-`DEFAULT_TILE_BYTES` = 64 MiB: big enough that per-step overhead vanishes, small enough
-to stay near the GPU's L2 (and a CPU's caches) and to be negligible next to the
-gradient. So `C = 64 MiB / (4 · columns)`, rounded down to a multiple of 8 and capped at
-T, then moved down to a divisor of T if one lies within a factor 2, so that no ragged
-last chunk is needed (a ragged one is handled without copies anyway). `columns` is
-`V_local` on the logits path and the vocab block `min(V_local, 16384)` on the fused path,
-so the fused path's default does not depend on V. The divisor rule can cost up to half
-the budget: at V = 151936 the cap is 104 tokens, and T = 32768 = 2^15 takes 64.
+`DEFAULT_TILE_BYTES`: `C = DEFAULT_TILE_BYTES / (4 · columns)`, rounded down to a
+multiple of 8 and capped at T, then moved down to a divisor of T if one lies within a
+factor 2, so that no ragged last chunk is needed (a ragged one is handled without copies
+anyway; the divisor rule can cost up to half the budget). `columns` is `V_local` on the
+logits path and the vocab block `min(V_local, DEFAULT_VOCAB_BLOCK)` on the fused path, so
+the fused path's default does not depend on V. The budget trades the tile's memory
+(see the sweeps above) against per-step overhead (see the timings); the library's own
+reasoning for its value is printed first, from its source.
 """)
 
 code("""
-print(f"DEFAULT_TILE_BYTES = {DEFAULT_TILE_BYTES / 2**20:.0f} MiB, "
-      f"DEFAULT_VOCAB_BLOCK = {DEFAULT_VOCAB_BLOCK}")
+import inspect  # noqa: E402
+
+import jaxce._chunking  # noqa: E402
+
+source = inspect.getsource(jaxce._chunking).splitlines()
+at = next(i for i, line in enumerate(source) if line.startswith("DEFAULT_TILE_BYTES ="))
+start = at
+while start > 0 and source[start - 1].startswith("#"):
+  start -= 1
+print("\\n".join(source[start:at + 1]))
+print(f"# = {DEFAULT_TILE_BYTES / 2**20:.0f} MiB; DEFAULT_VOCAB_BLOCK = {DEFAULT_VOCAB_BLOCK}\\n")
 print(f"{'T':>7} {'V':>7} | {'logits C':>8} {'chunks':>6} {'ragged':>6} {'tile MiB':>8} | "
       f"{'fused C':>7} {'chunks':>6} {'tile MiB':>8}")
 for tokens in (1, 1000, 4096, 12000, 32768, 131072):

@@ -78,13 +78,13 @@ def execute_nbclient(nb_json, workdir, timeout):
   import nbformat
   from ipykernel.kernelspec import write_kernel_spec
   from jupyter_client.kernelspec import KernelSpecManager
-  from jupyter_client.manager import KernelManager
+  from jupyter_client.manager import AsyncKernelManager
 
   nb = nbformat.reads(json.dumps(nb_json), as_version=4)
   with tempfile.TemporaryDirectory() as specs:
     write_kernel_spec(path=os.path.join(specs, KERNEL_NAME))  # argv[0] = sys.executable
-    km = KernelManager(kernel_name=KERNEL_NAME,
-                       kernel_spec_manager=KernelSpecManager(kernel_dirs=[specs]))
+    km = AsyncKernelManager(kernel_name=KERNEL_NAME,
+                            kernel_spec_manager=KernelSpecManager(kernel_dirs=[specs]))
     client = nbclient.NotebookClient(
         nb, km=km, kernel_name=KERNEL_NAME, timeout=timeout,
         resources={"metadata": {"path": str(workdir)}})
@@ -93,7 +93,7 @@ def execute_nbclient(nb_json, workdir, timeout):
         f"  cell {cell_index:2d} done at {time.perf_counter() - started:6.1f} s")
     error = None
     try:
-      client.execute()
+      client.execute(cleanup_kc=True)  # shut the kernel down, though we made its manager
     except nbclient.exceptions.CellExecutionError as e:
       error = str(e).strip().splitlines()[-1]
   return json.loads(nbformat.writes(nb)), error

@@ -71,6 +71,12 @@ def test_row_schema(smoke):
         assert row[key] is None, f"row {i}: failed rows carry no {key}"
         continue
       _check_type(row[key], kind, f"row {i} {key}")
+    assert isinstance(row["entropy"], bool) and isinstance(row["commit"], str), row
+    if row["status"] == "ok":
+      assert row["memory_source"] in ("xla_plan", "device_peak", "torch_cuda_peak",
+                                      "host_rss"), row
+      _check_type(row["x_floor"], float, f"row {i} x_floor")
+      _check_type(row["x_logits"], float, f"row {i} x_logits")
     assert (row["D"] is None) == (row["input"] == "logits"), row
     assert row["floor_ms"] > 0 and math.isfinite(row["floor_ms"]), row
     assert row["logits_bytes"] == row["T"] * (row["V"] // row["n_devices"]) * 2, row
@@ -126,3 +132,53 @@ def test_rerun_merges_rows(smoke, tmp_path):
          and r["input"] == "logits" and r["n_devices"] == 1]
   assert sorted(r["T"] for r in new) == [64, 200, 300]
   assert all("commit" in r and "date" in r for r in new)
+
+
+class _Progress:
+  def write(self, _):
+    pass
+
+  def update(self, _):
+    pass
+
+
+def test_oom_skips_larger_T_and_missing_peers_start_no_process(monkeypatch):
+  from bench import __main__ as driver
+  started = []
+
+  def fake_batch(batch, timeout, done):
+    for c in batch:
+      started.append((c.impl, c.T))
+      ok = c.T < 64
+      done(c, dict(status="ok" if ok else "oom", ms=1.0 if ok else None,
+                   peak_extra_bytes=10 if ok else None,
+                   error=None if ok else "RESOURCE_EXHAUSTED: Out of memory"))
+
+  monkeypatch.setattr(driver, "_run_batch", fake_batch)
+  monkeypatch.setitem(configs.REQUIRES, "cce", "a_module_that_is_not_installed")
+  todo = configs.expand(configs.SUITES["smoke"], impls=["jaxce"], inputs=["logits"],
+                        modes=["fwd"], Ts=[32, 64, 200])
+  todo.append(configs.Config(impl="cce", input="linear", mode="fwd_bwd", T=64, V=1000, D=32))
+  facts = dict(hbm_GBps=1.0, matmul_tflops={"bfloat16": 1.0})
+  rows = driver.run_suite(todo, facts, True, 1, {}, _Progress())
+  assert started == [("jaxce", 32), ("jaxce", 64)]
+  assert [r["status"] for r in rows] == ["ok", "oom", "oom", "error"]
+  assert "not run: out of memory at T=64" in rows[2]["error"]
+  assert rows[3]["skipped"] == "not installed" and rows[3]["peak_extra_bytes"] is None
+  assert rows[0]["x_floor"] == rows[0]["ms"] / rows[0]["floor_ms"]
+
+  # A not-installed row never replaces a measured one; any other new row does.
+  measured = dict(rows[3], status="ok", skipped=None, ms=2.0, peak_extra_bytes=5)
+  merged = report.merge({"rows": [measured, dict(rows[0], ms=9.0)]}, {"rows": rows})
+  by_impl_T = {(r["impl"], r["T"]): r for r in merged["rows"]}
+  assert len(merged["rows"]) == 4
+  assert by_impl_T[("cce", 64)]["status"] == "ok"
+  assert by_impl_T[("jaxce", 32)]["ms"] == 1.0
+
+
+def test_oom_classification():
+  from bench.runner import classify
+  assert classify(RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate")) \
+      == "oom"
+  assert classify(RuntimeError("CUDA out of memory. Tried to allocate 9.3 GiB")) == "oom"
+  assert classify(ValueError("weight must have shape [D, V]")) == "error"

@@ -14,10 +14,11 @@ import jax.numpy as jnp
 from jax import lax
 
 # Bytes of one f32 [chunk, V_local] tile the default plan aims for. XLA fuses the upcast
-# and scaling into the reductions, so the tile is a notional working set; what matters
-# is the number of loop steps, each of which costs a few kernel launches. Measured on an
-# H200 (V = 151936, bf16): chunks of 1024-2048 tokens are fastest, 110 are 1.7x slower.
-DEFAULT_TILE_BYTES = 2**30
+# and scaling into the row reductions, so the tile is never materialized: the real working
+# set is the reductions' partial sums, about 1% of it. Fewer, larger steps are faster:
+# measured on an H200 (T = 32768, V = 151936, bf16, forward), 1024-token chunks take
+# 8.1 ms, 8192 7.5 ms, one pass 7.2 ms; 110-token chunks 13.5 ms (bench/NOTES.md).
+DEFAULT_TILE_BYTES = 4 * 2**30
 
 
 def plan_chunk_size(num_tokens: int, num_columns: int, chunk_size: int | None,

@@ -160,53 +160,14 @@ def chunk_statistics(x, labels, inv_temp, valid, column_start, vocab_size, mask_
   """
   z = scaled_logits(x, inv_temp, column_start, mask_vocab)
   picked = label_logit(x, labels, inv_temp, column_start)
-  if ONE_PASS:
-    m, s, q = online_sums(z, with_entropy)
-    m, s, q, picked = combine_shards(m, s, q, picked, vocab_axis)
-    lse, entropy = finish_statistics(m, s, q)
-  else:
-    m = row_max(z, vocab_axis)
-    sums = tile_sums(z, m, with_entropy)
-    reduced = jnp.stack(sums + (picked,))
-    if vocab_axis is not None:
-      reduced = lax.psum(reduced, vocab_axis)
-    picked = reduced[-1]
-    lse, entropy = finish_statistics(m, reduced[0], reduced[1] if with_entropy else None)
-  logp, entropy_out = finish_outputs(picked - lse, entropy, labels, valid, vocab_size)
+  m = row_max(z, vocab_axis)
+  sums = tile_sums(z, m, with_entropy)
+  reduced = jnp.stack(sums + (picked,))
+  if vocab_axis is not None:
+    reduced = lax.psum(reduced, vocab_axis)
+  lse, entropy = finish_statistics(m, reduced[0], reduced[1] if with_entropy else None)
+  logp, entropy_out = finish_outputs(reduced[-1] - lse, entropy, labels, valid, vocab_size)
   return logp, lse, entropy_out
-
-
-ONE_PASS = True
-
-
-def online_sums(z, with_entropy):
-  """Row ``(m, s, q)`` of ``[C, V]`` z in ONE pass: a variadic reduction whose combiner
-  merges two partial online-softmax states with a single exp.
-
-  ``m`` is the row max (stop-gradient; ``-inf`` for an all ``-inf`` row),
-  ``s = sum exp(z - m)`` and ``q = sum exp(z - m) (z - m)``. Each element enters as the
-  state ``(z, 1, 0)``.
-  """
-  def combine(a, b):
-    a_big = a[0] >= b[0]
-    big = [jnp.where(a_big, u, v) for u, v in zip(a, b)]
-    small = [jnp.where(a_big, v, u) for u, v in zip(a, b)]
-    gap = small[0] - big[0]  # <= 0; NaN when both are -inf
-    scale = jnp.exp(gap)
-    keep = scale > 0  # drops -inf states (and the NaN of two -inf maxima)
-    s = big[1] + jnp.where(keep, scale * small[1], 0)
-    q = big[2] + jnp.where(keep, scale * (small[2] + gap * small[1]), 0)
-    return big[0], s, q
-
-  z = lax.stop_gradient(z)
-  ones, zeros = jnp.ones_like(z), jnp.zeros_like(z)
-  init = (jnp.array(-jnp.inf, z.dtype), jnp.array(0, z.dtype), jnp.array(0, z.dtype))
-  m, s, q = lax.reduce((z, ones, zeros), init, lambda a, b: combine(a, b), (1,))
-  # Same conventions as the two-pass path: a finite shift for rows with no finite max.
-  finite = jnp.isfinite(m)
-  m_safe = jnp.where(finite, m, 0)
-  s = jnp.where(finite, s, jnp.where(jnp.isneginf(m), 0, s))
-  return m_safe, s, (q if with_entropy else None)
 
 
 def symbolic_zero_to_none(cotangent):

@@ -19,7 +19,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from bench.configs import Config
+from bench.configs import IN_PLACE_VARIANTS, Config
 
 VOCAB_AXIS = "v"
 # Where each input lives: the vocab dim split over the mesh, everything else replicated.
@@ -140,10 +140,14 @@ def _per_token_fn(config: Config, mesh: Mesh, n_devices: int):
       block = getattr(sys.modules["jaxce._linear"], "DEFAULT_VOCAB_BLOCK", v_local)
       return f, _planned_chunk(config.T, min(block, v_local), config.chunk_size), ""
     fn = jaxce.sharded_logprobs_and_entropy if sharded else jaxce.logprobs_and_entropy
-    in_place = _in_place_options() if config.variant == "inplace" else {}
+    donated = config.variant in IN_PLACE_VARIANTS
+    in_place = _in_place_options() if donated else {}
     f = lambda x, lab: fn(x, lab, **in_place, **shard_kw, **kw)
-    note = "logits donated" + (", overwrite_logits=True" if in_place else "") if \
-        config.variant == "inplace" else ""
+    note = ""
+    if donated:
+      note = "logits donated" + (", overwrite_logits=True" if in_place else "") + (
+          "; jax.grad: gradient only, no loss value" if config.variant == "inplace_grad"
+          else "; jax.value_and_grad")
     return f, _planned_chunk(config.T, v_local, config.chunk_size), note
 
   if impl == "jax_plain":
@@ -176,7 +180,7 @@ def build(config: Config, devices) -> Built:
   mesh = Mesh(np.array(devices), (VOCAB_AXIS,))
   floats = ("logits",) if config.input == "logits" else ("hidden", "weight")
   names = floats + (("labels",) if config.mode == "fwd" else ("labels", "adv"))
-  donate = (0,) if config.variant == "inplace" else ()
+  donate = (0,) if config.variant in IN_PLACE_VARIANTS else ()
 
   if config.impl == "tokamax":
     import tokamax
@@ -209,8 +213,8 @@ def build(config: Config, devices) -> Built:
     total = jnp.sum(adv * logp)
     return total if entropy is None else total + coef * jnp.sum(entropy)
 
-  return Built(jax.value_and_grad(loss, argnums=tuple(range(n))), names, donate, chunk_used,
-               note)
+  transform = jax.grad if config.variant == "inplace_grad" else jax.value_and_grad
+  return Built(transform(loss, argnums=tuple(range(n))), names, donate, chunk_used, note)
 
 
 def shardings(names, devices) -> dict:

@@ -47,31 +47,13 @@ from jaxce import reference
 ENTROPY_WEIGHT = 0.01
 
 
-@functools.cache
-def fused_grad_needs_bias() -> bool:
-  """True when this jaxce's fused backward fails without a bias (reported library bug).
-
-  The notebook then passes a zero bias, which adds O(V) memory, nothing else.
-  """
-  h, w, labels = jnp.ones((2, 2)), jnp.ones((2, 3)), jnp.zeros((2,), jnp.int32)
-  try:
-    jax.grad(lambda h: jaxce.linear_logprobs_and_entropy(h, w, labels)[0].sum())(h)
-    return False
-  except AttributeError:
-    return True
-
-
 def _entry(case):
   """The per-token function of a case, with the chunking options bound."""
   path, impl = case["path"], case["impl"]
   module = jaxce if impl == "jaxce" else reference
   options = {"chunk_size": case.get("chunk")} if impl == "jaxce" else {}
-  if path == "logits":
-    return functools.partial(module.logprobs_and_entropy, **options)
-  fn = functools.partial(module.linear_logprobs_and_entropy, **options)
-  if impl == "jaxce" and case["mode"] == "fwd+bwd" and fused_grad_needs_bias():
-    return lambda h, w, labels: fn(h, w, labels, bias=jnp.zeros((w.shape[1],), w.dtype))
-  return fn
+  fn = module.logprobs_and_entropy if path == "logits" else module.linear_logprobs_and_entropy
+  return functools.partial(fn, **options)
 
 
 def _sharded_entry(case, mesh):

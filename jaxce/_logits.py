@@ -11,11 +11,12 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxce import _checks, _chunking, _math
+from jaxce import _checks, _chunking, _math, _pallas
 
 
 def logprobs_and_entropy(logits, labels, *, temperature=1.0, where=None, vocab_size=None,
-                         chunk_size=None, vocab_axis=None, return_entropy=True):
+                         chunk_size=None, vocab_axis=None, return_entropy=True,
+                         implementation=None):
   """Per-token log-probability of the label and entropy of softmax(logits / temperature).
 
   Args:
@@ -33,6 +34,9 @@ def logprobs_and_entropy(logits, labels, *, temperature=1.0, where=None, vocab_s
     vocab_axis: mesh axis name (or tuple) the last dim is split over, when called inside
       ``shard_map`` / ``pmap``. Shard k holds ids ``[k * V_local, (k + 1) * V_local)``.
     return_entropy: when False the entropy is neither computed nor returned (``None``).
+    implementation: forward statistics by ``"xla"`` (two fused passes per chunk of
+      tokens) or ``"pallas"`` (one pass, a Triton kernel; interpreted off GPUs, for
+      tests). ``None``: ``"pallas"`` on GPUs for bf16/f16/f32 logits, else ``"xla"``.
 
   Returns:
     ``(logp, entropy)``, float32 arrays of ``labels.shape`` (entropy ``None`` when
@@ -65,29 +69,43 @@ def logprobs_and_entropy(logits, labels, *, temperature=1.0, where=None, vocab_s
     return zeros, (zeros if return_entropy else None)
   num_tokens = labels.size
   chunk = _chunking.plan_chunk_size(num_tokens, num_columns, chunk_size)
+  if implementation is None:  # Pallas inside shard_map is not supported by JAX's interpreter
+    implementation = "pallas" if (jax.default_backend() == "gpu" and not _math.varying_axes(
+        logits) and logits.dtype != jnp.float64) else "xla"
+  if implementation not in ("xla", "pallas"):
+    raise ValueError(f'implementation must be None, "xla" or "pallas", got {implementation=!r}')
   mask_vocab = vocab_size if vocab_size < num_columns * shards else None
   out = _logprobs_entropy(
       logits.reshape(num_tokens, num_columns), labels.reshape(-1).astype(jnp.int32),
       inv_temp.reshape(-1), valid.reshape(-1), vocab_size, mask_vocab, chunk, vocab_axis,
-      return_entropy)
+      return_entropy, implementation)
   logp = out[0].reshape(labels.shape)
   entropy = out[1].reshape(labels.shape) if return_entropy else None
   return logp, entropy
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8))
+@partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8, 9))
 def _logprobs_entropy(x, labels, inv_temp, valid, vocab_size, mask_vocab, chunk, vocab_axis,
-                      with_entropy):
+                      with_entropy, implementation):
   """``x [T, V_local]`` -> ``(logp [T],)`` or ``(logp [T], entropy [T])``, float32."""
   out, _ = _forward(x, labels, inv_temp, valid, vocab_size, mask_vocab, chunk, vocab_axis,
-                    with_entropy)
+                    with_entropy, implementation)
   return out
 
 
 def _forward(x, labels, inv_temp, valid, vocab_size, mask_vocab, chunk, vocab_axis,
-             with_entropy):
+             with_entropy, implementation):
   num_tokens, num_columns = x.shape
   column_start = _math.shard_column_start(num_columns, vocab_axis)
+  if implementation == "pallas":
+    limit = num_columns if mask_vocab is None else jnp.clip(
+        mask_vocab - column_start, 0, num_columns)
+    m, s, q = _pallas.row_statistics(x, inv_temp, limit, with_entropy)
+    picked = _math.label_logit(x, labels, inv_temp, column_start)
+    m, s, q, picked = _math.combine_shards(m, s, q if with_entropy else None, picked, vocab_axis)
+    lse, entropy = _math.finish_statistics(m, s, q)
+    logp, entropy_out = _math.finish_outputs(picked - lse, entropy, labels, valid, vocab_size)
+    return (logp,) + ((entropy_out,) if with_entropy else ()), (lse, entropy_out)
 
   def step(_, i):
     start = _chunking.chunk_start(i, num_tokens, chunk)
@@ -104,15 +122,15 @@ def _forward(x, labels, inv_temp, valid, vocab_size, mask_vocab, chunk, vocab_ax
 
 
 def _logprobs_entropy_fwd(x, labels, inv_temp, valid, vocab_size, mask_vocab, chunk,
-                          vocab_axis, with_entropy):
+                          vocab_axis, with_entropy, implementation):
   x, labels, inv_temp, valid = (p.value for p in (x, labels, inv_temp, valid))
   out, (lse, entropy) = _forward(x, labels, inv_temp, valid, vocab_size, mask_vocab, chunk,
-                                 vocab_axis, with_entropy)
+                                 vocab_axis, with_entropy, implementation)
   return out, (x, labels, inv_temp, valid, lse, entropy)
 
 
 def _logprobs_entropy_bwd(vocab_size, mask_vocab, chunk, vocab_axis, with_entropy,
-                          residuals, cotangents):
+                          implementation, residuals, cotangents):
   x, labels, inv_temp, valid, lse, entropy = residuals
   g_logp = _math.symbolic_zero_to_none(cotangents[0])
   g_entropy = _math.symbolic_zero_to_none(cotangents[1]) if with_entropy else None

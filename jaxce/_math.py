@@ -174,7 +174,7 @@ def symbolic_zero_to_none(cotangent):
   return None if isinstance(cotangent, SymbolicZero) else cotangent
 
 
-def _vma(x):
+def varying_axes(x):
   """The manual mesh axes ``x`` varies over (``aval.mat.varying`` in JAX >= 0.10,
   ``aval.vma`` before); empty outside shard_map."""
   aval = jax.typeof(x)
@@ -192,10 +192,10 @@ def unify_varying(arrays, vocab_axis):
   manual axes and ``vocab_axis``, so that scan carries built from any of them type-check
   inside ``shard_map``. A no-op outside shard_map; under pmap, where values carry no
   varying type, the arrays come back unchanged."""
-  union = frozenset(_axes(vocab_axis)).union(*(_vma(a) for a in arrays if a is not None))
+  union = frozenset(_axes(vocab_axis)).union(*(varying_axes(a) for a in arrays if a is not None))
   out = []
   for a in arrays:
-    missing = () if a is None else tuple(sorted(union - _vma(a)))
+    missing = () if a is None else tuple(sorted(union - varying_axes(a)))
     if missing:
       try:
         a = lax.pcast(a, missing, to="varying")
@@ -208,7 +208,7 @@ def unify_varying(arrays, vocab_axis):
 def reduce_to_varying(cotangent, primal):
   """Sum a cotangent over the manual axes its primal does not vary over (the transpose
   of the implicit broadcast that made the primal varying)."""
-  extra = tuple(sorted(_vma(cotangent) - _vma(primal)))
+  extra = tuple(sorted(varying_axes(cotangent) - varying_axes(primal)))
   return lax.psum(cotangent, extra) if extra else cotangent
 
 

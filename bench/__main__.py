@@ -104,12 +104,11 @@ def probe(dtypes, n_devices, timeout) -> dict:
 
 
 def device_slug(facts: dict) -> str:
-  """``cpu``, ``nvidia-h100``, ``nvidia-h200-x2``: device kind (first two words) + count."""
+  """``cpu``, ``nvidia-h100-x1``, ``nvidia-h200-x2``: device kind (two words) + count."""
   if facts["platform"] == "cpu":
     return "cpu"
   words = re.sub(r"[^a-z0-9]+", " ", facts["device"].lower()).split()
-  slug = "-".join(words[:2]) or facts["platform"]
-  return slug + (f"-x{facts['n_devices']}" if facts["n_devices"] > 1 else "")
+  return f"{'-'.join(words[:2]) or facts['platform']}-x{facts['n_devices']}"
 
 
 def git(*args) -> str:

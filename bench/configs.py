@@ -177,8 +177,7 @@ SUITES = {
     "smoke": [
         Group("logits", ("jaxce", "jax_plain"), (64, 200), 1000),
         Group("logits", ("jaxce:inplace", "jaxce:inplace_grad", "jax_scan_remat", "optax"),
-              (200,), 1000,
-              chunk_sizes=(64,), **_BWD),
+              (200,), 1000, **_BWD),
         Group("linear", ("jaxce", "jax_plain", "jaxce:train_step", "jax_plain:train_step"),
               (200,), 1000, 32),
         Group("logits", ("jaxce", "jax_plain"), (200,), 1000, n_devices=2, **_BWD),

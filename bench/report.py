@@ -104,6 +104,12 @@ def markdown(results: dict) -> str:
       "",
       table(results["rows"]),
   ]
+  sweeps = sweep_summary(results["rows"])
+  if sweeps:
+    parts += ["", "## Chunk-size sweeps: the default chunk vs the best one", "",
+              "| impl | input | mode | T | V | D | dev | default chunk | ms | best chunk | ms "
+              "| default / best |", "|" + "---|" * 12]
+    parts += sweeps
   errors = [r for r in results["rows"] if r["status"] != "ok" and r.get("error")]
   if errors:
     parts += ["", "## Rows that did not run", ""]
@@ -115,20 +121,41 @@ def markdown(results: dict) -> str:
   return "\n".join(parts) + "\n"
 
 
+def sweep_summary(rows) -> list[str]:
+  """Table lines comparing ``chunk_size=None`` with the fastest explicit chunk size, for
+  every configuration measured at several chunk sizes (issue 5, target 6)."""
+  groups = {}
+  for r in rows:
+    if r["status"] == "ok" and r["ms"]:
+      key = row_key(r)[:8] + row_key(r)[9:]  # all but chunk_size
+      groups.setdefault(key, []).append(r)
+  lines = []
+  for group in groups.values():
+    default = [r for r in group if r["chunk_size"] is None]
+    explicit = [r for r in group if r["chunk_size"] is not None]
+    if default and explicit:
+      d, best = default[0], min(explicit, key=lambda r: r["ms"])
+      lines.append(f"| {name(d)} | {d['input']} | {d['mode']} | {d['T']} | {d['V']} "
+                   f"| {_fmt(d['D'], 'd')} | {d['n_devices']} | {_fmt(d.get('chunk_used'), 'd')} "
+                   f"| {d['ms']:.2f} | {best['chunk_size']} | {best['ms']:.2f} "
+                   f"| {d['ms'] / best['ms']:.3f} |")
+  return lines
+
+
 def plot(results: dict, path: str) -> None:
-  """Peak extra memory vs T (fwd_bwd), one line per implementation, one panel per path."""
+  """Peak extra memory vs T (fwd_bwd, default chunk sizes), one line per implementation,
+  one panel per path."""
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
   import matplotlib.ticker
-  rows = [r for r in results["rows"] if r["mode"] == "fwd_bwd"]
+  rows = [r for r in results["rows"] if r["mode"] == "fwd_bwd" and r["chunk_size"] is None]
   inputs = [i for i in ("logits", "linear") if any(r["input"] == i for r in rows)] or ["logits"]
   fig, axes = plt.subplots(1, len(inputs), figsize=(6.5 * len(inputs), 4.8), squeeze=False)
 
   def label(r):
     return name(r) + ("" if r.get("entropy", True) else " (logp)") + (
-        f" ×{r['n_devices']} dev" if r["n_devices"] > 1 else "") + (
-        f" chunk {r['chunk_size']}" if r["chunk_size"] is not None else "")
+        f" ×{r['n_devices']} dev" if r["n_devices"] > 1 else "")
 
   keys = sorted({label(r) for r in rows})
   palette = plt.get_cmap("tab10" if len(keys) <= 10 else "tab20").colors

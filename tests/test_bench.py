@@ -182,3 +182,23 @@ def test_oom_classification():
       == "oom"
   assert classify(RuntimeError("CUDA out of memory. Tried to allocate 9.3 GiB")) == "oom"
   assert classify(ValueError("weight must have shape [D, V]")) == "error"
+
+
+def test_device_slug():
+  from bench.__main__ import device_slug
+  assert device_slug(dict(platform="cpu", device="cpu", n_devices=8)) == "cpu"
+  assert device_slug(dict(platform="gpu", device="NVIDIA H100 80GB HBM3",
+                          n_devices=1)) == "nvidia-h100-x1"
+  assert device_slug(dict(platform="gpu", device="NVIDIA H200", n_devices=2)) == \
+      "nvidia-h200-x2"
+
+
+def test_sweep_summary_compares_default_with_best_chunk():
+  base = dict(impl="jaxce", variant="default", input="logits", mode="fwd_bwd", T=4096,
+              V=1000, D=None, dtype="bfloat16", n_devices=1, status="ok")
+  rows = [dict(base, chunk_size=None, chunk_used=512, ms=11.0),
+          dict(base, chunk_size=256, ms=10.0), dict(base, chunk_size=1024, ms=12.0),
+          dict(base, T=64, chunk_size=None, ms=1.0)]  # no sweep at T=64: no line
+  lines = report.sweep_summary(rows)
+  assert len(lines) == 1
+  assert "| 512 | 11.00 | 256 | 10.00 | 1.100 |" in lines[0]

@@ -30,6 +30,10 @@ from jaxce import _checks, _chunking, _math
 # Vocab columns per tile when none is given: few enough blocks that the f32 ``d hidden``
 # accumulator is touched only ``V / 16384`` times, big enough for efficient matmuls.
 DEFAULT_VOCAB_BLOCK = 16384
+# Bytes of one f32 [chunk, block] tile (materialized: it is a matmul output). Measured on
+# an H200 (T = 32768, D = 4096, V = 151936, bf16, fwd+bwd): [2048, 16384] tiles 310 ms,
+# [1024, 16384] 325 ms, [2048, 8192] 313 ms, [4096, 4096] 322 ms.
+TILE_BYTES = 128 * 2**20
 
 
 def linear_logprobs_and_entropy(hidden, weight, labels, *, bias=None, logit_softcap=None,
@@ -48,7 +52,7 @@ def linear_logprobs_and_entropy(hidden, weight, labels, *, bias=None, logit_soft
       temperature (Gemma 2 style).
     temperature, where, vocab_size, vocab_axis, return_entropy: as in
       :func:`jaxce.logprobs_and_entropy`.
-    chunk_size: tokens per tile; ``None`` plans it from a 64 MiB f32 tile budget.
+    chunk_size: tokens per tile; ``None`` plans it from a 128 MiB f32 tile budget.
     vocab_block_size: vocab columns per tile; ``None``: ``min(V, 16384)``.
     weight_layout: ``"dv"`` (``weight`` is ``[D, V]``) or ``"vd"`` (``[V, D]``: tied
       embeddings pass the embedding table itself). Either way the matmuls read the array
@@ -59,9 +63,10 @@ def linear_logprobs_and_entropy(hidden, weight, labels, *, bias=None, logit_soft
     ``return_entropy=False``). Gradients flow to ``hidden``, ``weight`` and ``bias`` in
     their own dtypes.
 
-  Memory: no ``[T, V]`` array. Forward: one f32 tile plus O(T). Backward: ``d hidden``
-  and ``d weight`` (the outputs), an f32 ``[T, D]`` accumulator, an f32 ``[D, Vb]``
-  accumulator and one or two f32 tiles.
+  Memory: no ``[T, V]`` array. Forward: two f32 ``[chunk, Vb]`` tiles, the weight block
+  being read and O(T). Backward: ``d hidden`` and ``d weight`` (the outputs), an f32
+  ``[T, D]`` accumulator for ``d hidden``, an f32 ``[D, Vb]`` accumulator for the
+  weight block and two f32 tiles.
   """
   hidden = _checks.as_array("hidden", hidden)
   weight = _checks.as_array("weight", weight)
@@ -102,7 +107,7 @@ def linear_logprobs_and_entropy(hidden, weight, labels, *, bias=None, logit_soft
     return zeros, (zeros if return_entropy else None)
   num_tokens = labels.size
   block = min(vocab_block_size or DEFAULT_VOCAB_BLOCK, num_columns)
-  chunk = _chunking.plan_chunk_size(num_tokens, block, chunk_size)
+  chunk = _chunking.plan_chunk_size(num_tokens, block, chunk_size, TILE_BYTES)
   static = _Static(vocab_size=vocab_size,
                    mask_vocab=vocab_size if vocab_size < num_columns * shards else None,
                    chunk=chunk, block=block, vocab_axis=vocab_axis,

@@ -21,7 +21,7 @@ def _case(seed, shape, num_columns, vocab_size=None, ignore=0.2):
 def _check(logits, dtype, loss_kw, **kw):
   x = jnp.asarray(logits, dtype)
   (logp, ent), grad = value_and_grads(jaxce.logprobs_and_entropy, (x,), 0, **loss_kw, **kw)
-  ref_kw = {k: v for k, v in kw.items() if k != "chunk_size"}
+  ref_kw = {k: v for k, v in kw.items() if k not in ("chunk_size", "implementation")}
   (logp_ref, ent_ref), grad_ref = value_and_grads(
       reference.logprobs_and_entropy, (jnp.asarray(x, jnp.float64),), 0, **loss_kw, **ref_kw)
   tol = TOLERANCE[dtype]
@@ -179,3 +179,25 @@ def test_unused_outputs_get_no_gradient_work():
   g_ent = jax.grad(lambda x: jnp.sum(b * f(x)[1]))(logits)
   g_ent_ref = jax.grad(lambda x: jnp.sum(b * reference.logprobs_and_entropy(x, labels)[1]))(logits)
   assert_close(g_ent, g_ent_ref, 1e-10, "entropy-only grad")
+
+
+@pytest.mark.parametrize("case", ["peaked", "padded_shifted", "banned", "tiny_vocab"])
+def test_pallas_forward_matches_reference(case):
+  """The GPU kernel, run in Pallas interpret mode: same values and gradients."""
+  rng = np.random.default_rng(16)
+  num_columns, vocab_size, offset, banned = {
+      "peaked": (1009, None, 0.0, 0.0), "padded_shifted": (4100, 4097, -300.0, 0.0),
+      "banned": (515, None, 0.0, 0.3), "tiny_vocab": (3, None, 0.0, 0.0)}[case]
+  logits = adversarial_logits(rng, (6, num_columns), offset=offset, banned=banned)
+  labels = rng.integers(0, vocab_size or num_columns, 6)
+  labels[2] = -100
+  if banned:
+    labels = np.array([int(np.flatnonzero(np.isfinite(r))[-1]) for r in logits])
+  loss_kw = dict(labels=labels, cot_logp=rng.normal(size=6), cot_entropy=rng.normal(size=6))
+  _check(logits, jnp.float32, loss_kw, implementation="pallas", vocab_size=vocab_size,
+         temperature=rng.uniform(0.5, 2.0, 6))
+
+
+def test_implementation_is_checked():
+  with pytest.raises(ValueError, match="implementation"):
+    jaxce.logprobs_and_entropy(jnp.zeros((2, 5)), jnp.zeros(2, jnp.int32), implementation="cuda")

@@ -236,7 +236,7 @@ def main(argv=None):
   with tqdm(total=len(todo), desc=args.suite, unit="cfg", file=sys.stderr) as progress:
     rows = run_suite(todo, facts, fresh, args.timeout, stamp, progress)
   results = dict(device=facts["device"], n_devices=facts["n_devices"], jax=facts["jax"],
-                 platform=facts["platform"], hbm_GBps=facts["hbm_GBps"],
+                 platform=facts["platform"], host=facts["host"], hbm_GBps=facts["hbm_GBps"],
                  bf16_tflops=facts["bf16_tflops"], matmul_tflops=facts["matmul_tflops"],
                  commit=commit, dirty=dirty, date=date, rows=rows)
   path = os.path.join(args.out, f"{slug}.json")

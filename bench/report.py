@@ -53,7 +53,7 @@ def merge(old: dict | None, new: dict) -> dict:
 def sort_rows(rows):
   order = {"default": 0, "logp_only": 1, "inplace": 2, "inplace_grad": 3, "train_step": 4}
   return sorted(rows, key=lambda r: (
-      r["n_devices"], r["input"], r["mode"], r["T"], r["D"] or 0, r["dtype"],
+      r["n_devices"], r["input"] != "logits", r["mode"], r["T"], r["D"] or 0, r["dtype"],
       r["chunk_size"] or 0, r["impl"] != "jaxce", r["impl"], order.get(r.get("variant"), 9)))
 
 
@@ -91,7 +91,8 @@ def markdown(results: dict) -> str:
   parts = [
       f"# Benchmark results: {results['device']} × {results['n_devices']}",
       "",
-      f"JAX {results['jax']}, commit `{results['commit'][:12]}`"
+      f"JAX {results['jax']}, host {results.get('host', '?')}, "
+      f"commit `{results['commit'][:12]}`"
       f"{' (uncommitted changes)' if results.get('dirty') else ''}, {results.get('date', '')}. "
       f"Floors measured in the same run: HBM {results['hbm_GBps']:.1f} GB/s, "
       f"matmul TFLOP/s: {rates or results['bf16_tflops']}.",

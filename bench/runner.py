@@ -142,13 +142,24 @@ def run(config: Config) -> dict:
   return row
 
 
+def _host_cpu() -> str:
+  """The host CPU's model name and core count (context for CPU rows)."""
+  model = ""
+  try:
+    with open("/proc/cpuinfo") as f:
+      model = next((l.split(":", 1)[1].strip() for l in f if l.startswith("model name")), "")
+  except OSError:
+    pass
+  return f"{model or 'unknown CPU'}, {os.cpu_count()} cores"
+
+
 def probe(dtypes) -> dict:
   """Device kind and count, JAX version and the measured floors of device 0."""
   import jax
   from bench import floors
   device = jax.devices()[0]
   facts = dict(platform=device.platform, device=device.device_kind,
-               n_devices=jax.device_count(), jax=jax.__version__)
+               n_devices=jax.device_count(), jax=jax.__version__, host=_host_cpu())
   facts.update(floors.measure(dtypes))
   return facts
 

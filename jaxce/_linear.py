@@ -20,6 +20,7 @@ block is clamped back inside the array; its overlap is masked so nothing counts 
 from __future__ import annotations
 
 from functools import partial
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -103,7 +104,7 @@ def linear_logprobs_and_entropy(hidden, weight, labels, *, bias=None, logit_soft
   _checks.check_labels_in_range(labels, valid, vocab_size)
 
   if labels.size == 0:
-    zeros = jnp.zeros(labels.shape, jnp.float32)
+    zeros = jnp.zeros(labels.shape, _math.compute_dtype(hidden.dtype))
     return zeros, (zeros if return_entropy else None)
   num_tokens = labels.size
   block = min(vocab_block_size or DEFAULT_VOCAB_BLOCK, num_columns)
@@ -121,16 +122,16 @@ def linear_logprobs_and_entropy(hidden, weight, labels, *, bias=None, logit_soft
   return logp, entropy
 
 
-class _Static(tuple):
-  """Hashable bundle of the static (Python) options of one call."""
-  _fields = ("vocab_size", "mask_vocab", "chunk", "block", "vocab_axis", "softcap",
-             "with_entropy", "vocab_dim")
-
-  def __new__(cls, **kw):
-    return super().__new__(cls, tuple(kw[f] for f in cls._fields))
-
-  def __getattr__(self, name):
-    return self[self._fields.index(name)]
+class _Static(NamedTuple):
+  """The static (Python, hashable) options of one call."""
+  vocab_size: int
+  mask_vocab: int | None
+  chunk: int
+  block: int
+  vocab_axis: object
+  softcap: float | None
+  with_entropy: bool
+  vocab_dim: int
 
 
 def _contract(a, b, a_dim, b_dim):
@@ -152,10 +153,8 @@ def _tile_logits(hidden_rows, weight_cols, bias_cols, softcap, vocab_dim):
 
 
 def _grid(num_tokens, num_columns, chunk, block):
-  """Static loop sizes and the traced tile origin helpers."""
-  n_blocks = _chunking.num_chunks(num_columns, block)
-  n_chunks = _chunking.num_chunks(num_tokens, chunk)
-  return n_blocks, n_chunks
+  """``(vocab blocks, token chunks)``: the static trip counts of the two loops."""
+  return _chunking.num_chunks(num_columns, block), _chunking.num_chunks(num_tokens, chunk)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(6,))

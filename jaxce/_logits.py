@@ -65,7 +65,7 @@ def logprobs_and_entropy(logits, labels, *, temperature=1.0, where=None, vocab_s
   _checks.check_labels_in_range(labels, valid, vocab_size)
 
   if labels.size == 0:
-    zeros = jnp.zeros(labels.shape, jnp.float32)
+    zeros = jnp.zeros(labels.shape, _math.compute_dtype(logits.dtype))
     return zeros, (zeros if return_entropy else None)
   num_tokens = labels.size
   chunk = _chunking.plan_chunk_size(num_tokens, num_columns, chunk_size)

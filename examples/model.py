@@ -89,6 +89,11 @@ def init(cfg: ModelConfig, seed: int):
   return nnx.split(CausalLM(cfg, rngs=nnx.Rngs(seed)), nnx.Param)
 
 
+def abstract_graphdef(cfg: ModelConfig):
+  """The graph definition alone, with no parameter computed (e.g. for another dtype)."""
+  return nnx.split(nnx.eval_shape(lambda: CausalLM(cfg, rngs=nnx.Rngs(0))), nnx.Param)[0]
+
+
 def lm_head_kernel(model: CausalLM):
   """The ``[D, V]`` LM head kernel as an array (a tied model would return ``embedding.T``)."""
   return model.lm_head.kernel[...]

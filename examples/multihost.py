@@ -12,13 +12,13 @@ The launcher starts ``--num-processes`` copies of this module on this machine (C
 exactly as on a multi-host GPU cluster (where the coordinator is host 0's address and each
 process sees its host's GPUs), builds the same host data (:func:`examples.grpo.
 synthetic_problem`), places only its own shards (``jax.make_array_from_callback``) and runs
-:func:`examples.train.train_on_rollouts` on the global mesh, twice:
+:func:`examples.train.train_on_rollouts` on the global mesh, once per ``--layouts``:
 
 * ``data_across``: each process holds whole ``vocab`` groups; gradients are reduced across
   processes, jaxce's collectives stay inside one (the usual layout: tensor parallel on the
   fast links);
-* ``vocab_across``: each ``vocab`` group spans the processes, so jaxce's ``pmax`` / ``psum``
-  over the vocabulary cross them.
+* ``crossed``: every ``data`` group and every ``vocab`` group spans the processes, so both
+  the gradient reduction and jaxce's ``pmax`` / ``psum`` over the vocabulary cross them.
 
 Process 0 prints the metrics and, with ``--out``, saves the final parameters and metrics to
 an ``.npz``. Everything is bounded in time: the launcher kills the processes after
@@ -36,7 +36,7 @@ import time
 
 import numpy as np
 
-LAYOUTS = ("data_across", "vocab_across")
+LAYOUTS = ("data_across", "crossed")
 
 
 def parse_args(argv=None):
@@ -44,6 +44,8 @@ def parse_args(argv=None):
   p.add_argument("--num-processes", type=int, default=2)
   p.add_argument("--local-devices", type=int, default=4, help="CPU devices per process")
   p.add_argument("--timeout", type=float, default=120.0, help="seconds, then kill them all")
+  p.add_argument("--layouts", default=",".join(LAYOUTS), help="comma-separated, of "
+                 f"{LAYOUTS}")
   p.add_argument("--out", default=None, help=".npz for params and metrics (process 0)")
   p.add_argument("--process-id", type=int, default=None, help="(worker) this process")
   p.add_argument("--coordinator", default=None, help="(worker) host:port of process 0")
@@ -60,10 +62,18 @@ def free_port() -> int:
 def layout_devices(layout: str, data: int, vocab: int):
   """The global devices in mesh order (row-major ``[data, vocab]``) for ``layout``."""
   import jax
-  devices = np.asarray(jax.devices())  # process 0's devices first
   if layout == "data_across":
-    return devices
-  return devices.reshape(vocab, data).T.ravel()
+    return jax.devices()  # process 0's devices first: whole mesh rows per process
+  if layout != "crossed":
+    raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+  # Mesh cell (i, j) goes to process (i + j) mod P: a Latin square, so every row (vocab
+  # group) and every column (data group) holds devices of different processes.
+  local = [iter(jax.local_devices(process_index=p)) for p in range(jax.process_count())]
+  try:
+    return [next(local[(i + j) % len(local)]) for i in range(data) for j in range(vocab)]
+  except StopIteration:
+    raise ValueError(f"a crossed {data} x {vocab} mesh needs the process count to divide "
+                     "data or vocab") from None
 
 
 def worker(args):
@@ -81,7 +91,7 @@ def worker(args):
   _, cfg, optimizer = grpo.configs(problem)
   graphdef, params, ref_params, rollouts = grpo.synthetic_problem(problem)
   results = {}
-  for layout in LAYOUTS:
+  for layout in args.layouts.split(","):
     mesh = make_mesh(data, vocab, layout_devices(layout, data, vocab))
     final, history = train_on_rollouts(graphdef, params, ref_params, rollouts, cfg=cfg,
                                        optimizer=optimizer, num_steps=problem.inner_steps,
@@ -99,19 +109,24 @@ def worker(args):
   jax.distributed.shutdown()
 
 
-def worker_env():
-  """This environment minus any simulated-device flag (each worker sets its own), on CPU,
-  with this checkout importable."""
-  env = dict(os.environ, JAX_PLATFORMS="cpu")
-  flags = [f for f in env.get("XLA_FLAGS", "").split()
-           if "xla_force_host_platform_device_count" not in f]
-  env["XLA_FLAGS"] = " ".join(flags)
+def subprocess_env(**overrides):
+  """This environment with ``overrides`` and this checkout importable (``-m examples.*``)."""
+  env = dict(os.environ, **overrides)
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
   return env
 
 
-def launch(problem=(), *, num_processes=2, local_devices=4, timeout=120.0, out=None):
+def worker_env():
+  """On CPU, minus any simulated-device flag (each worker sets its own count)."""
+  env = subprocess_env(JAX_PLATFORMS="cpu")
+  env["XLA_FLAGS"] = " ".join(f for f in env.get("XLA_FLAGS", "").split()
+                              if "xla_force_host_platform_device_count" not in f)
+  return env
+
+
+def launch(problem=(), *, num_processes=2, local_devices=4, layouts=LAYOUTS, timeout=120.0,
+           out=None):
   """Run the workers to completion; returns each one's combined stdout/stderr.
 
   Raises ``RuntimeError`` (with every worker's output) when a worker fails or the
@@ -119,7 +134,8 @@ def launch(problem=(), *, num_processes=2, local_devices=4, timeout=120.0, out=N
   """
   coordinator = f"localhost:{free_port()}"
   base = [sys.executable, "-m", "examples.multihost", "--num-processes", str(num_processes),
-          "--local-devices", str(local_devices), "--coordinator", coordinator]
+          "--local-devices", str(local_devices), "--layouts", ",".join(layouts),
+          "--coordinator", coordinator]
   base += ["--out", out] if out else []
   procs = [subprocess.Popen(base + ["--process-id", str(i), "--", *problem], env=worker_env(),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -148,7 +164,8 @@ def main(argv=None):
   if args.process_id is not None:
     return worker(args)
   outputs = launch(args.problem, num_processes=args.num_processes,
-                   local_devices=args.local_devices, timeout=args.timeout, out=args.out)
+                   local_devices=args.local_devices, layouts=args.layouts.split(","),
+                   timeout=args.timeout, out=args.out)
   print("\n".join(line for line in outputs[0].splitlines() if "step" in line))
 
 

@@ -92,25 +92,35 @@ class Runner:
     score: ``(params, tokens, mask)`` -> no-gradient log-probs ``[B, S-1]``.
     step: ``(params, opt_state, batch)`` -> ``(params, opt_state, metrics)``; donates the
       params and the optimizer state.
-    init: ``params`` -> optimizer state.
   """
 
   def __init__(self, graphdef, cfg: GRPOConfig, optimizer, *, mesh=None, pmap=False):
     if mesh is not None and pmap:
       raise ValueError("pass a mesh or pmap=True, not both")
-    self.mesh, self.pmap = mesh, pmap
+    self.mesh, self.pmap, self.optimizer = mesh, pmap, optimizer
     self.devices = jax.local_device_count() if pmap else 1
     self.score = self.compile(partial(policy_logprobs, graphdef=graphdef, cfg=cfg, mesh=mesh))
     self.step = self.compile(
         partial(train_step, graphdef=graphdef, cfg=cfg, optimizer=optimizer, mesh=mesh,
                 pmap_axis=DATA if pmap else None), donate_argnums=(0, 1))
-    self.init = self.compile(optimizer.init)
+    self._init = self.compile(optimizer.init)
 
   def compile(self, fn, donate_argnums=()):
     """``jax.pmap`` (axis ``"data"``) or ``jax.jit`` of ``fn``, as the layout needs."""
     if self.pmap:
       return jax.pmap(fn, axis_name=DATA, donate_argnums=donate_argnums)
     return jax.jit(fn, donate_argnums=donate_argnums)
+
+  def init(self, params):
+    """Optimizer state for (placed) ``params``; on a mesh each leaf is sharded like its
+    parameter (a jitted ``init`` alone would put its constant zeros on one device)."""
+    if self.mesh is None:
+      return self._init(params)
+    shardings = optax.tree_map_params(
+        self.optimizer, lambda _, sharding: sharding,
+        jax.eval_shape(self.optimizer.init, params), jax.tree.map(lambda x: x.sharding, params),
+        transform_non_params=lambda _: NamedSharding(self.mesh, P()))
+    return jax.jit(self.optimizer.init, out_shardings=shardings)(params)
 
   def place_params(self, params):
     """Host ``nnx.Param`` state -> device arrays for this layout."""

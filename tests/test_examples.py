@@ -1,0 +1,158 @@
+"""The GRPO example (examples/): jaxce's step matches a plain-JAX float64 step.
+
+From the same seed, the same rollouts and the same drifted reference policy, ``STEPS`` SGD
+steps of the GRPO loss (clipped ratio, KL to the reference, entropy bonus, prompt and
+padding masks, temperature 0.7) with log-probs and entropies from jaxce in float32 give the
+parameters and metrics of the same steps written with ``jax.nn.log_softmax`` in float64: on
+one device, on a data x vocab mesh, under pmap and as two processes.
+
+Tolerances, float32 against the float64 reference (``helpers.TOLERANCE``):
+* metrics (loss, KL, entropy, clip fraction: means of per-token log-prob and entropy
+  terms): the ``value`` tolerance;
+* parameters: per SGD step, ``lr`` times the ``grad`` tolerance, plus the float32 rounding
+  of ``theta + update`` (half an ulp of the largest parameter). The float64 jaxce step uses
+  the same rule with the float64 table, so it checks the maths to ~1e-10.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from helpers import TOLERANCE, assert_close
+from jax.sharding import PartitionSpec as P
+
+from examples import grpo, multihost
+from examples import model as model_lib
+from examples.train import Runner, make_mesh, train_on_rollouts
+
+# A tiny problem: V = 1000 (divides over 2, 4 and 8 shards, no power of two), 8 sequences
+# of 6 + 6 tokens with random prompt and completion lengths.
+FLAGS = ["--vocab", "1000", "--d-model", "32", "--heads", "2", "--layers", "2",
+         "--prompts", "4", "--group-size", "2", "--prompt-len", "6", "--completion-len", "6",
+         "--inner-steps", "3", "--optimizer", "sgd", "--lr", "0.01", "--temperature", "0.7",
+         "--clip-eps", "0.2", "--kl-coef", "0.1", "--entropy-coef", "0.05"]
+ARGS = grpo.parse_args(FLAGS)
+STEPS, LR = ARGS.inner_steps, ARGS.lr
+
+
+@pytest.fixture(scope="module")
+def problem():
+  model_cfg, cfg, optimizer = grpo.configs(ARGS)
+  graphdef, params, ref_params, rollouts = grpo.synthetic_problem(ARGS)
+  return dict(model_cfg=model_cfg, cfg=cfg, optimizer=optimizer, graphdef=graphdef,
+              params=params, ref_params=ref_params, rollouts=rollouts)
+
+
+def run(problem, dtype=jnp.float32, **kw):
+  """``(params, history)`` after STEPS steps; ``kw`` overrides GRPOConfig fields or passes
+  ``mesh`` / ``pmap``."""
+  layout = {k: kw.pop(k) for k in ("mesh", "pmap") if k in kw}
+  graphdef, cast = problem["graphdef"], lambda tree: tree
+  if dtype != jnp.float32:
+    model_cfg = dataclasses.replace(problem["model_cfg"], dtype=dtype, param_dtype=dtype)
+    graphdef = model_lib.abstract_graphdef(model_cfg)
+    cast = lambda tree: jax.tree.map(lambda x: x.astype(dtype), tree)
+  return train_on_rollouts(graphdef, cast(problem["params"]), cast(problem["ref_params"]),
+                           problem["rollouts"], cfg=dataclasses.replace(problem["cfg"], **kw),
+                           optimizer=problem["optimizer"], num_steps=STEPS, **layout)
+
+
+@pytest.fixture(scope="module")
+def reference(problem):
+  """The plain-JAX (``jax.nn.log_softmax``) steps in float64."""
+  params, history = run(problem, jnp.float64, path="plain")
+  # The steps must move: parameters far beyond the tolerance, ratios clipped at some step.
+  moved = max(np.max(np.abs(a - b)) for a, b in
+              zip(jax.tree.leaves(params), jax.tree.leaves(problem["params"])))
+  assert moved > 100 * param_tolerance(problem["params"], jnp.float32)
+  assert max(h["clip_fraction"] for h in history) > 0
+  assert all(h["kl"] > 0 and h["entropy"] > 0 for h in history)
+  return params, history
+
+
+def param_tolerance(params, dtype):
+  biggest = max(np.max(np.abs(x)) for x in jax.tree.leaves(params))
+  ulp = np.spacing(np.asarray(biggest, dtype))
+  return STEPS * (LR * TOLERANCE[dtype]["grad"] + 0.5 * ulp)
+
+
+def assert_matches(result, reference, params0, dtype=jnp.float32, what=""):
+  (params, history), (ref_params, ref_history) = result, reference
+  assert len(history) == len(ref_history) == STEPS
+  for step, (h, ref) in enumerate(zip(history, ref_history)):
+    assert h.keys() == ref.keys(), what
+    for key in h:
+      assert_close(h[key], ref[key], TOLERANCE[dtype]["value"], f"{what} step {step} {key}")
+  atol = param_tolerance(params0, dtype)
+  leaves = jax.tree_util.tree_leaves_with_path(params)
+  for (path, p), r in zip(leaves, jax.tree.leaves(ref_params)):
+    assert_close(p, r, atol, f"{what} {jax.tree_util.keystr(path)}")
+
+
+@pytest.mark.parametrize("path", ["linear", "logits"])
+def test_one_device(problem, reference, path):
+  assert_matches(run(problem, path=path), reference, problem["params"], what=path)
+
+
+def test_one_device_float64(problem, reference):
+  assert_matches(run(problem, jnp.float64, path="linear"), reference, problem["params"],
+                 jnp.float64, "float64")
+
+
+def test_mesh(problem, reference):
+  """jit + shard_map on a 2 x 4 (data x vocab) mesh of simulated CPU devices."""
+  mesh = make_mesh(2, 4, jax.devices()[:8])
+  assert_matches(run(problem, mesh=mesh), reference, problem["params"], what="mesh")
+
+
+def test_mesh_optimizer_state_sharding(problem):
+  """Adam's moments are split like their parameters (the LM head kernel over vocab), not
+  gathered on one device."""
+  mesh = make_mesh(2, 4, jax.devices()[:8])
+  runner = Runner(problem["graphdef"], problem["cfg"], optax.adam(1e-3), mesh=mesh)
+  params = runner.place_params(problem["params"])
+  adam = runner.init(params)[0]
+  kernel = params["lm_head"]["kernel"][...]
+  assert kernel.sharding.spec == P(None, "vocab")
+  for moments in (adam.mu, adam.nu):
+    for p, m in zip(jax.tree.leaves(params), jax.tree.leaves(moments)):
+      assert m.sharding.is_equivalent_to(p.sharding, p.ndim), (m.sharding, p.sharding)
+
+
+def test_pmap(problem, reference):
+  """Data parallel over the 8 local devices, one sequence each, gradients pmean-ed."""
+  assert jax.local_device_count() == 8
+  assert_matches(run(problem, pmap=True), reference, problem["params"], what="pmap")
+
+
+def test_two_processes(problem, reference, tmp_path):
+  """Two processes x 2 CPU devices, jax.distributed on localhost, one 2 x 2 mesh whose data
+  groups and vocab groups both span the processes (jaxce's collectives cross them)."""
+  out = tmp_path / "result.npz"
+  multihost.launch([*FLAGS, "--mesh", "2,2"], num_processes=2, local_devices=2,
+                   layouts=["crossed"], timeout=150, out=str(out))
+  result = np.load(out)
+  structure = jax.tree.structure(problem["params"])
+  leaves = [result[f"crossed/param/{i}"] for i in range(structure.num_leaves)]
+  keys = reference[1][0].keys()
+  history = [{k: float(result[f"crossed/{k}"][s]) for k in keys} for s in range(STEPS)]
+  assert_matches((jax.tree.unflatten(structure, leaves), history), reference,
+                 problem["params"], what="two processes")
+
+
+def test_entropy_coef_zero(problem, reference):
+  """Coefficient 0 with the entropy logged (computed, gradient-free) == the term dropped
+  (``return_entropy=False``), within the float32 tolerance (the two programs round in a
+  different order); the entropy term itself moves the parameters 100 x more."""
+  logged = run(problem, entropy_coef=0.0, log_entropy=True)
+  dropped = run(problem, entropy_coef=0.0, log_entropy=False)
+  assert "entropy" in logged[1][0] and "entropy" not in dropped[1][0]
+  without_entropy = [{k: v for k, v in h.items() if k != "entropy"} for h in logged[1]]
+  assert_matches((logged[0], without_entropy), dropped, problem["params"], what="coef 0")
+  with_bonus = reference[0]  # entropy_coef=0.05
+  diff = max(np.max(np.abs(a - b)) for a, b in
+             zip(jax.tree.leaves(logged[0]), jax.tree.leaves(with_bonus)))
+  assert diff > 100 * param_tolerance(problem["params"], jnp.float32)

@@ -226,8 +226,11 @@ def main(argv=None):
   facts = probe(sorted({c.dtype for c in todo}), max(c.n_devices for c in todo), args.timeout)
   fresh = args.fresh or facts["platform"] != "cpu"
   slug = args.device_slug or device_slug(facts)
-  commit = git("rev-parse", "HEAD")
-  dirty = bool(git("status", "--porcelain", "--", "bench", "jaxce"))
+  # A machine that receives a copy of the tree without .git (the GPU lease) names the
+  # commit it was sent from in JAXCE_COMMIT; the sender makes sure the tree was clean.
+  commit = git("rev-parse", "HEAD") or os.environ.get("JAXCE_COMMIT", "")
+  dirty = (bool(git("status", "--porcelain", "--", "bench", "jaxce"))
+           if git("rev-parse", "HEAD") else not commit)
   date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
   stamp = dict(commit=commit, date=date, suite=args.suite)
   print(f"{facts['device']} × {facts['n_devices']} ({slug}), JAX {facts['jax']}: "

@@ -32,6 +32,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 
 import numpy as np
@@ -80,7 +81,10 @@ def worker(args):
   """One process: join the cluster, train on the global mesh, report from process 0."""
   import jax
   jax.config.update("jax_num_cpu_devices", args.local_devices)
-  jax.config.update("jax_cpu_collectives_implementation", "gloo")  # cross-process CPU
+  try:  # cross-process collectives on CPU (the default in recent JAX)
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  except AttributeError:  # a JAX without the option
+    pass
   jax.distributed.initialize(coordinator_address=args.coordinator,
                              num_processes=args.num_processes, process_id=args.process_id)
   from examples import grpo
@@ -130,31 +134,40 @@ def launch(problem=(), *, num_processes=2, local_devices=4, layouts=LAYOUTS, tim
   """Run the workers to completion; returns each one's combined stdout/stderr.
 
   Raises ``RuntimeError`` (with every worker's output) when a worker fails or the
-  ``timeout`` (seconds, for all of them together) runs out; the workers are killed then.
+  ``timeout`` (seconds, for all of them together) runs out; then every worker still
+  running is killed at once (the others would wait for it in a collective).
   """
   coordinator = f"localhost:{free_port()}"
   base = [sys.executable, "-m", "examples.multihost", "--num-processes", str(num_processes),
           "--local-devices", str(local_devices), "--layouts", ",".join(layouts),
           "--coordinator", coordinator]
   base += ["--out", out] if out else []
+  logs = [tempfile.TemporaryFile("w+") for _ in range(num_processes)]
   procs = [subprocess.Popen(base + ["--process-id", str(i), "--", *problem], env=worker_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-           for i in range(num_processes)]
+                            stdout=log, stderr=subprocess.STDOUT, text=True)
+           for i, log in enumerate(logs)]
   deadline = time.monotonic() + timeout
-  outputs, failed = [], None
-  for i, proc in enumerate(procs):
-    try:
-      outputs.append(proc.communicate(timeout=max(deadline - time.monotonic(), 0.1))[0])
-    except subprocess.TimeoutExpired:
-      failed = failed or f"process {i} still running after {timeout:.0f} s"
-      for p in procs:
-        p.kill()
-      outputs.append(proc.communicate()[0])
-      continue
-    if proc.returncode:
-      failed = failed or f"process {i} exited with {proc.returncode}"
+  failed = None
+  while failed is None and any(p.poll() is None for p in procs):
+    codes = [p.poll() for p in procs]
+    if any(code not in (None, 0) for code in codes):
+      failed = f"process {next(i for i, c in enumerate(codes) if c)} exited with an error"
+    elif time.monotonic() > deadline:
+      failed = f"still running after {timeout:.0f} s"
+    time.sleep(0.05)
+  for p in procs:
+    if p.poll() is None:
+      p.kill()
+    p.wait()
+  if failed is None and any(p.returncode for p in procs):
+    failed = "a process exited with an error"
+  outputs = []
+  for log in logs:
+    log.seek(0)
+    outputs.append(log.read())
+    log.close()
   if failed:
-    raise RuntimeError(failed + "".join(f"\n--- process {i} ---\n{o}"
+    raise RuntimeError(failed + "".join(f"\n--- process {i} ---\n{o[-5000:]}"
                                         for i, o in enumerate(outputs)))
   return outputs
 

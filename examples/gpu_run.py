@@ -33,6 +33,7 @@ PATHS = ("linear", "plain", "logits")
 
 
 def parse_args(argv=None):
+  """Sizes, paths and the time budget; `--child` marks a measuring child process."""
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   p.add_argument("--out", required=True, help="JSON results")
   p.add_argument("--paths", default=",".join(PATHS), help=f"comma-separated, of {PATHS}")

@@ -32,6 +32,7 @@ PAD, EOS = 0, 1
 
 
 def parse_args(argv=None) -> argparse.Namespace:
+  """The example's flags (sizes, loss options, layout); also used by the tests."""
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                               formatter_class=argparse.ArgumentDefaultsHelpFormatter)
   p.add_argument("--vocab", type=int, default=32768)

@@ -41,6 +41,7 @@ LAYOUTS = ("data_across", "crossed")
 
 
 def parse_args(argv=None):
+  """Launcher and worker flags; the example's own flags follow `--`."""
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   p.add_argument("--num-processes", type=int, default=2)
   p.add_argument("--local-devices", type=int, default=4, help="CPU devices per process")

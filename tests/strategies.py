@@ -242,6 +242,33 @@ def options_of(case: Case, **overrides):
   return tuple(sorted(options.items()))
 
 
+def simple_inputs(path, shape, *, columns, hidden=8, seed=0, dtype=np.float32):
+  """``(diff, rest, cot)`` of one path (see :func:`jaxce_eager`), numpy in ``dtype``:
+  peaked logits (or ``hidden [*shape, D]``, ``weight [D, V]``, ``bias [V]`` with O(4)
+  logits), labels ``[*shape]`` and per-token cotangents ``[*shape]``."""
+  rng = np.random.default_rng(seed)
+  labels = rng.integers(0, columns, shape).astype(np.int32)
+  if path == "logits":
+    diff = dict(logits=adversarial_logits(rng, shape + (columns,)))
+  else:
+    diff = dict(hidden=rng.normal(size=shape + (hidden,)),
+                weight=rng.normal(size=(hidden, columns)) * 4 / np.sqrt(hidden),
+                bias=rng.normal(size=columns))
+  diff = {k: a.astype(dtype) for k, a in diff.items()}
+  cot = tuple(rng.normal(size=shape).astype(np.float32) for _ in range(2))
+  return diff, dict(labels=labels), cot
+
+
+def run_jaxce(path, inputs, *, shards=1, jit=True, use="both", **options):
+  """jaxce's ``((logp, entropy), grads)`` as numpy for :func:`simple_inputs`-like
+  ``inputs``, jitted (:data:`jaxce_jit`) or eagerly, options as keywords."""
+  diff, rest, cot = jax.tree.map(jnp.asarray, inputs)
+  fn = jaxce_jit if jit else jaxce_eager
+  out = fn(diff, rest, cot, path=path, shards=shards, use=use,
+           options=tuple(sorted(options.items())))
+  return jax.tree.map(np.asarray, out)
+
+
 def _arrays(case, inputs, dtype):
   diff, rest, cot = inputs
   return ({k: jnp.asarray(a, dtype) for k, a in diff.items()},

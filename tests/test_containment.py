@@ -5,37 +5,17 @@ per-token cotangents for both outputs. T = 10 with chunk_size = 4 clamps the las
 to rows 6..9, so rows 6 and 7 are computed twice: bad values are put there as well.
 """
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers import adversarial_logits
-from strategies import jaxce_eager, jaxce_jit
+from strategies import run_jaxce as _run
+from strategies import simple_inputs
 
 T, V, D, CHUNK = 10, 24, 8, 4
 
 
-def _inputs(path, seed=0, shape=(T,)):
-  """``(diff, rest, cot)`` f32 numpy inputs of one path (see strategies.jaxce_eager)."""
-  rng = np.random.default_rng(seed)
-  labels = rng.integers(0, V, shape).astype(np.int32)
-  if path == "logits":
-    diff = dict(logits=adversarial_logits(rng, shape + (V,)).astype(np.float32))
-  else:
-    diff = dict(hidden=rng.normal(size=shape + (D,)).astype(np.float32),
-                weight=(rng.normal(size=(D, V)) * 4 / np.sqrt(D)).astype(np.float32),
-                bias=rng.normal(size=V).astype(np.float32))
-  cot = tuple(rng.normal(size=shape).astype(np.float32) for _ in range(2))
-  return diff, dict(labels=labels), cot
-
-
-def _run(path, inputs, *, shards=1, jit=True, **options):
-  """``((logp, entropy), grads)`` as numpy, options as keywords."""
-  diff, rest, cot = jax.tree.map(jnp.asarray, inputs)
-  fn = jaxce_jit if jit else jaxce_eager
-  out = fn(diff, rest, cot, path=path, shards=shards, options=tuple(sorted(options.items())))
-  return jax.tree.map(np.asarray, out)
+def _inputs(path, shape=(T,)):
+  return simple_inputs(path, shape, columns=V, hidden=D)
 
 
 def _token_grad(path, grads):

@@ -333,9 +333,10 @@ def lse_precision_allowance(case: Case, inputs, name: str) -> float:
 
   The backward's ``p = exp(z - lse)`` carries a common relative error ``e_t`` on every
   column of token t, ``|e_t| <= 2 ulp(max_v |z_tv|)`` (f32 rounding of z and of lse). So
-  ``d z_tv`` is off by at most ``e_t p_tv (|a_t| + |b_t| |log p_tv + H_t|)`` (a, b the
-  cotangents), divided by T and propagated through the backward's matmuls with absolute
-  values. Computed in float64 numpy from the case's inputs.
+  ``d z_tv = a_t (onehot - p_tv) - b_t p_tv (log p_tv + H_t)`` (a, b the cotangents) is
+  off by at most ``e_t p_tv (|a_t| + |b_t| (|log p_tv + H_t| + 1))``; divided by T and
+  propagated through the backward's matmuls with absolute values. Computed in float64
+  numpy from the case's inputs.
   """
   _, rest, cot = inputs
   logits = _logits64(case, inputs)
@@ -345,11 +346,11 @@ def lse_precision_allowance(case: Case, inputs, name: str) -> float:
   m = np.max(z, axis=1, keepdims=True)
   log_p = z - m - np.log(np.sum(np.exp(z - m), axis=1, keepdims=True))
   p = np.exp(log_p)
-  plogp = p * np.where(p > 0, log_p, 0.0)
-  entropy = -np.sum(plogp, axis=1, keepdims=True)
+  log_p = np.where(p > 0, log_p, 0.0)
+  entropy = -np.sum(p * log_p, axis=1, keepdims=True)
   a = np.abs(cot[0])[:, None] if case.use in ("both", "logp") else 0.0
   b = np.abs(cot[1])[:, None] if case.use in ("both", "entropy") else 0.0
-  bound = p * a + b * np.abs(plogp + p * entropy)
+  bound = p * (a + b * (np.abs(log_p + entropy) + 1))
   ulp = np.spacing(np.max(np.where(np.isfinite(z), np.abs(z), 0), axis=1).astype(np.float32))
   bound = bound * (2 * ulp.astype(np.float64) / t)[:, None]
   kept = rest["labels"] >= 0

@@ -73,6 +73,7 @@ class Case:
   bias: bool           # linear path: pass a bias (always, unless "flat" logits)
   implementation: str | None  # logits path: None (default), "xla" or "pallas"
   weight_layout: str   # linear path: "dv" (weight [D, V]) or "vd" (weight [V, D])
+  softcap: float | None  # linear path: logit_softcap (never with -inf "banned" logits)
   seed: int
 
   @property
@@ -107,6 +108,7 @@ def cases(draw, path=None, shards=None):
       return_entropy=use != "logp" or draw(st.booleans()), bias=bias,
       implementation=implementation,
       weight_layout=draw(st.sampled_from(("dv", "vd"))) if linear else "dv",
+      softcap=draw(st.sampled_from((None, None, 30.0))) if linear and kind != "banned" else None,
       seed=draw(st.integers(0, 2**31 - 1)))
 
 
@@ -235,7 +237,8 @@ def options_of(case: Case, **overrides):
   options = dict(vocab_size=case.vocab_size, chunk_size=case.chunk_size,
                  return_entropy=case.return_entropy)
   if case.path == "linear":
-    options.update(vocab_block_size=case.block, weight_layout=case.weight_layout)
+    options.update(vocab_block_size=case.block, weight_layout=case.weight_layout,
+                   logit_softcap=case.softcap)
   elif case.implementation is not None:
     options["implementation"] = case.implementation
   options.update(overrides)
@@ -306,6 +309,8 @@ def run_references(case: Case, inputs):
   exact_diff, rest, cot = _arrays(case, inputs, jnp.float64)
   plain_diff = {k: a.astype(DTYPES[case.dtype]) for k, a in exact_diff.items()}
   options = (("return_entropy", case.return_entropy), ("vocab_size", case.vocab_size))
+  if case.softcap is not None:
+    options += (("logit_softcap", case.softcap),)
   out = _references(exact_diff, plain_diff, rest, cot, path=case.path, use=case.use,
                     options=options)
   return jax.tree.map(np.asarray, out)
@@ -321,11 +326,15 @@ def logit_scale(case: Case, inputs) -> float:
 
 
 def _logits64(case: Case, inputs):
-  """``[T, V]`` float64 logits of the case (the fused path's ``hidden @ weight + bias``)."""
+  """``[T, V]`` float64 logits of the case (the fused path's
+  ``softcap(hidden @ weight + bias)``)."""
   diff = inputs[0]
   if case.path == "logits":
     return diff["logits"]
-  return diff["hidden"] @ diff["weight"] + diff.get("bias", 0.0)
+  logits = diff["hidden"] @ diff["weight"] + diff.get("bias", 0.0)
+  if case.softcap is not None:
+    logits = case.softcap * np.tanh(logits / case.softcap)
+  return logits
 
 
 def lse_precision_allowance(case: Case, inputs, name: str) -> float:

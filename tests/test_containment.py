@@ -45,14 +45,17 @@ def _poison(path, inputs, row, value, column=3):
   return diff, rest, cot
 
 
-@pytest.mark.parametrize("path,shards", [("logits", 1), ("logits", 2), ("linear", 1),
-                                         ("linear", 2)])
-def test_bad_value_stays_in_its_token(path, shards):
+@pytest.mark.parametrize("path,shards,options", [
+    ("logits", 1, {}), ("logits", 1, dict(implementation="pallas")), ("logits", 2, {}),
+    ("linear", 1, {}), ("linear", 2, {})], ids=["logits", "pallas", "logits-2", "linear",
+                                                 "linear-2"])
+def test_bad_value_stays_in_its_token(path, shards, options):
   inputs = _inputs(path)
-  clean = _run(path, inputs, shards=shards, chunk_size=CHUNK)
+  clean = _run(path, inputs, shards=shards, chunk_size=CHUNK, **options)
   for value in (np.nan, np.inf, -np.inf):
     for row in (0, 6, 7, 9):
-      result = _run(path, _poison(path, inputs, row, value), shards=shards, chunk_size=CHUNK)
+      result = _run(path, _poison(path, inputs, row, value), shards=shards, chunk_size=CHUNK,
+                    **options)
       others = np.arange(T) != row
       _assert_rows_equal(path, result, clean, others)
       (logp, entropy), _ = result

@@ -114,27 +114,26 @@ def test_static_error_names_the_argument(fn, args, kwargs, error, match, jit):
     (linear_fn, ("h", WEIGHT, LABELS), "hidden"),
     (linear_fn, (HIDDEN, None, LABELS), "weight"),
     (linear_fn, (HIDDEN, WEIGHT, {"labels": 1}), "labels"),
-])
+], ids=["logits-str", "labels-str", "labels-none", "hidden-str", "weight-none", "labels-dict"])
 def test_non_array_input_names_the_argument(fn, args, name):
   with pytest.raises(TypeError, match=rf"{name} must be an array, got"):
     fn(*args)
 
 
-@pytest.mark.parametrize("option,name", [("temperature", "temperature"), ("bias", "bias"),
-                                         ("where", "where")])
-def test_non_array_option_names_the_argument(option, name):
-  fn = linear_fn if option == "bias" else None
-  with pytest.raises(TypeError, match=rf"{name} must be an array"):
-    if fn is None:
-      logits_fn(LOGITS, LABELS, **{option: "hot"})
-    else:
-      fn(HIDDEN, WEIGHT, LABELS, **{option: "hot"})
+@pytest.mark.parametrize("fn,args,option", [
+    (logits_fn, (LOGITS, LABELS), "temperature"), (logits_fn, (LOGITS, LABELS), "where"),
+    (linear_fn, (HIDDEN, WEIGHT, LABELS), "bias")], ids=["temperature", "where", "bias"])
+def test_non_array_option_names_the_argument(fn, args, option):
+  with pytest.raises(TypeError, match=rf"{option} must be an array"):
+    fn(*args, **{option: "hot"})
 
 
-@pytest.mark.parametrize("temperature", [0.0, -1.0, np.nan, np.array([1, 1, 0, 1, 1], np.float32),
-                                         np.array([1, 1, 1, -2, 1], np.float32)])
+@pytest.mark.parametrize("temperature", [
+    0.0, -1.0, np.nan, np.array([1, 1, 0, 1, 1], np.float32),
+    np.array([1, 1, 1, -2, 1], np.float32)], ids=["0", "-1", "nan", "one-0", "one-negative"])
 @pytest.mark.parametrize("fn,args", [(logits_fn, (LOGITS, LABELS)),
-                                     (linear_fn, (HIDDEN, WEIGHT, LABELS))])
+                                     (linear_fn, (HIDDEN, WEIGHT, LABELS))],
+                         ids=["logits", "linear"])
 def test_bad_temperature_raises_eagerly(fn, args, temperature):
   with pytest.raises(ValueError, match=r"temperature must be > 0"):
     fn(*args, temperature=temperature)
@@ -152,7 +151,8 @@ def test_bad_python_temperature_raises_under_jit(path, temperature):
     jax.jit(lambda *a: fn(*a, temperature=temperature))(*args)
 
 
-@pytest.mark.parametrize("fn,args", [(logits_fn, (LOGITS,)), (linear_fn, (HIDDEN, WEIGHT))])
+@pytest.mark.parametrize("fn,args", [(logits_fn, (LOGITS,)), (linear_fn, (HIDDEN, WEIGHT))],
+                         ids=["logits", "linear"])
 def test_out_of_range_label_names_its_position(fn, args):
   labels = LABELS.copy()
   labels[3] = V
@@ -172,7 +172,8 @@ def test_out_of_range_label_names_its_position(fn, args):
   fn(*shaped, np.where(batch < 6, batch, -100).astype(np.int32), vocab_size=6)
 
 
-@pytest.mark.parametrize("fn,args", [(logits_fn, (LOGITS,)), (linear_fn, (HIDDEN, WEIGHT))])
+@pytest.mark.parametrize("fn,args", [(logits_fn, (LOGITS,)), (linear_fn, (HIDDEN, WEIGHT))],
+                         ids=["logits", "linear"])
 def test_out_of_range_label_under_jit_gives_nan_there(fn, args):
   labels = LABELS.copy()
   labels[1], labels[3] = 6, 7  # padded columns: inside the array, outside the vocabulary
@@ -184,7 +185,7 @@ def test_out_of_range_label_under_jit_gives_nan_there(fn, args):
 @pytest.mark.parametrize("fn,args,name", [
     (logits_fn, (np.zeros((T, 0), np.float32), np.full(T, -100, np.int32)), "logits"),
     (linear_fn, (HIDDEN, np.zeros((D, 0), np.float32), np.full(T, -100, np.int32)), "weight"),
-])
+], ids=["logits", "linear"])
 @pytest.mark.xfail(strict=True, reason="bug: a vocabulary of 0 columns fails with an unclear "
                    "error ('zero-size array to reduction operation max', ZeroDivisionError)")
 def test_zero_columns_names_the_argument(fn, args, name):
@@ -228,7 +229,7 @@ def _arrays(path, columns=V):
     (dict(chunk_size=0), ValueError, r"chunk_size"),
     (dict(vocab_size=V + 1), ValueError, r"vocab_size=9 is larger than the 8 columns"),
     (dict(where=np.ones(T, np.int32)), TypeError, r"where must be a bool array"),
-])
+], ids=["vocab-axis", "batch-axis", "chunk", "vocab-size", "where"])
 def test_sharded_option_errors_name_the_argument(path, kw, error, match):
   with pytest.raises(error, match=match):
     _sharded(path, **kw)(*_arrays(path))
@@ -267,7 +268,7 @@ def test_sharded_out_of_range_label_raises(path):
 
 @pytest.mark.xfail(strict=True, reason="bug: a concrete temperature <= 0 passed to a wrapper is "
                    "traced inside shard_map and not checked (NaN gradients)")
-@pytest.mark.parametrize("temperature", [0.0, np.zeros(T, np.float32)])
+@pytest.mark.parametrize("temperature", [0.0, np.zeros(T, np.float32)], ids=["scalar", "array"])
 def test_sharded_bad_temperature_raises(temperature):
   with pytest.raises(ValueError, match=r"temperature must be > 0"):
     _sharded("logits", temperature=temperature)(*_arrays("logits"))

@@ -96,11 +96,13 @@ def _tokamax_implementation():
     return None
 
 
-def _planned_chunk(num_tokens, num_columns, chunk_size):
-  """The chunk jaxce uses, from its private planner (the request if that API moved)."""
+def _planned_chunk(num_tokens, num_columns, chunk_size, linear=False):
+  """The chunk jaxce uses, from its private planner (the request if that API moved): the
+  fused path plans with its own tile budget (``jaxce._linear.TILE_BYTES``)."""
   try:
-    from jaxce import _chunking
-    return int(_chunking.plan_chunk_size(num_tokens, num_columns, chunk_size))
+    from jaxce import _chunking, _linear
+    args = (_linear.TILE_BYTES,) if linear else ()
+    return int(_chunking.plan_chunk_size(num_tokens, num_columns, chunk_size, *args))
   except Exception:  # pylint: disable=broad-except  # private API: report nothing
     return chunk_size
 
@@ -138,7 +140,7 @@ def _per_token_fn(config: Config, mesh: Mesh, n_devices: int):
           jaxce.linear_logprobs_and_entropy
       f = lambda h, w, lab: fn(h, w, lab, **shard_kw, **kw)
       block = getattr(sys.modules["jaxce._linear"], "DEFAULT_VOCAB_BLOCK", v_local)
-      return f, _planned_chunk(config.T, min(block, v_local), config.chunk_size), ""
+      return f, _planned_chunk(config.T, min(block, v_local), config.chunk_size, True), ""
     fn = jaxce.sharded_logprobs_and_entropy if sharded else jaxce.logprobs_and_entropy
     donated = config.variant in IN_PLACE_VARIANTS
     in_place = _in_place_options() if donated else {}

@@ -153,14 +153,17 @@ def _oom_key(config: Config):
   return configs.row_key(config)[:4] + configs.row_key(config)[5:]
 
 
-def run_suite(todo, facts, fresh, timeout, stamp, progress):
-  """Run ``todo`` (a list of configs); returns the finished rows in order."""
+def run_suite(todo, facts, fresh, timeout, stamp, progress, save=None):
+  """Run ``todo`` (a list of configs); returns the finished rows in order. ``save``, if
+  given, receives the rows finished so far after each one (a killed run keeps them)."""
   rows = {}
   oom_at = {}  # an OOM at T skips the same config at larger T (memory grows with T)
 
   def done(config, fields):
     row = finish_row(config, fields, facts, stamp)
     rows[configs.row_key(config)] = row
+    if save is not None:
+      save(list(rows.values()))
     if row["status"] == "oom":
       oom_at.setdefault(_oom_key(config), config.T)
     extra = "" if row["peak_extra_bytes"] is None else f"{row['peak_extra_bytes'] / 2**30:.3f} GiB"
@@ -236,15 +239,19 @@ def main(argv=None):
   print(f"{facts['device']} × {facts['n_devices']} ({slug}), JAX {facts['jax']}: "
         f"HBM {facts['hbm_GBps']:.1f} GB/s, bf16 {facts['bf16_tflops']:.3g} TFLOP/s; "
         f"{len(todo)} configurations, {'one process each' if fresh else 'batched'}")
-  with tqdm(total=len(todo), desc=args.suite, unit="cfg", file=sys.stderr) as progress:
-    rows = run_suite(todo, facts, fresh, args.timeout, stamp, progress)
-  results = dict(device=facts["device"], n_devices=facts["n_devices"], jax=facts["jax"],
-                 platform=facts["platform"], host=facts["host"], hbm_GBps=facts["hbm_GBps"],
-                 bf16_tflops=facts["bf16_tflops"], matmul_tflops=facts["matmul_tflops"],
-                 commit=commit, dirty=dirty, date=date, rows=rows)
   path = os.path.join(args.out, f"{slug}.json")
-  merged = report.merge(report.load(path), results)
-  written = report.write(merged, path)
+  previous = report.load(path)
+
+  def save(rows):
+    results = dict(device=facts["device"], n_devices=facts["n_devices"], jax=facts["jax"],
+                   platform=facts["platform"], host=facts["host"], hbm_GBps=facts["hbm_GBps"],
+                   bf16_tflops=facts["bf16_tflops"], matmul_tflops=facts["matmul_tflops"],
+                   commit=commit, dirty=dirty, date=date, rows=rows)
+    return report.write(report.merge(previous, results), path)
+
+  with tqdm(total=len(todo), desc=args.suite, unit="cfg", file=sys.stderr) as progress:
+    rows = run_suite(todo, facts, fresh, args.timeout, stamp, progress, save=save)
+  written = save(rows)
   print()
   print(report.table(report.sort_rows(rows)))
   print()

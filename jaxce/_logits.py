@@ -36,15 +36,16 @@ def logprobs_and_entropy(logits, labels, *, temperature=1.0, where=None, vocab_s
     return_entropy: when False the entropy is neither computed nor returned (``None``).
     implementation: forward statistics by ``"xla"`` (two fused passes per chunk of
       tokens) or ``"pallas"`` (one pass, a Triton kernel; interpreted off GPUs, for
-      tests). ``None``: ``"pallas"`` on GPUs for bf16/f16/f32 logits, else ``"xla"``.
+      tests). ``None``: ``"pallas"`` on GPUs for bf16/f16/f32 logits outside
+      ``shard_map``, else ``"xla"``.
 
   Returns:
     ``(logp, entropy)``, float32 arrays of ``labels.shape`` (entropy ``None`` when
     ``return_entropy=False``).
 
-  Memory: the forward scans over token chunks with a working set of a few
-  ``[chunk, V_local]`` f32 tiles and keeps the logits plus two ``[T]`` vectors as
-  residuals. The backward is one fused elementwise pass that reads the logits and writes
+  Memory: the forward keeps the logits plus two ``[T]`` vectors as residuals; its working
+  set is O(T) with the Pallas kernel and the reductions' partial sums of one
+  ``[chunk, V_local]`` tile (about 1% of it) with XLA. The backward is one fused elementwise pass that reads the logits and writes
   the gradient (an array like ``logits``), with no temporaries; when the logits are dead
   after it (donated, or an intermediate of a jitted training step) XLA writes the
   gradient into their buffer and the backward needs no new memory at all.
@@ -69,7 +70,10 @@ def logprobs_and_entropy(logits, labels, *, temperature=1.0, where=None, vocab_s
     return zeros, (zeros if return_entropy else None)
   num_tokens = labels.size
   chunk = _chunking.plan_chunk_size(num_tokens, num_columns, chunk_size)
-  if implementation is None:  # Pallas inside shard_map is not supported by JAX's interpreter
+  # Inside shard_map the kernel lowers on GPUs (checked by scripts/gpu_probe_pallas.py on a
+  # one-GPU mesh) but JAX's Pallas interpreter cannot run it there, so CI could not test
+  # it: the default keeps XLA's forward for sharded calls.
+  if implementation is None:
     implementation = "pallas" if (jax.default_backend() == "gpu" and not _math.varying_axes(
         logits) and logits.dtype != jnp.float64) else "xla"
   if implementation not in ("xla", "pallas"):

@@ -5,8 +5,8 @@ a few fixed values (so compiled plans are reused across examples: compilation do
 the run time), dtype, chunking, shard count, temperature, masks, padded vocabulary and a
 kind of adversarial logits. :func:`make_inputs` turns it into arrays; :func:`run` computes
 outputs and gradients of ``sum(a * logp) + sum(b * entropy)`` (random per-token a, b) with
-jaxce or with the plain reference, in one jitted call whose plan is cached by the case's
-static options.
+jaxce, :func:`run_references` with the plain reference (on float64 and on the input dtype),
+each in one jitted call whose plan is cached by the static options.
 """
 
 from __future__ import annotations

@@ -82,7 +82,7 @@ def test_logits_path_matches_reference(case):
   _check_case(case)
 
 
-@hypothesis_settings(20)
+@hypothesis_settings(15)
 @given(cases(path="linear"))
 def test_linear_path_matches_reference(case):
   _check_case(case)
@@ -101,7 +101,7 @@ def _rounding_tolerance(case, inputs, expected, is_grad):
   return tol
 
 
-@hypothesis_settings(15)
+@hypothesis_settings(12)
 @given(cases(), st.data())
 def test_chunking_and_sharding_do_not_change_results(case, data):
   inputs = make_inputs(case)

@@ -35,11 +35,16 @@ def check_labels(labels, leading_shape, leading_name: str):
         f"labels must have shape {leading_name} = {tuple(leading_shape)}, got {labels.shape=}")
 
 
-def check_chunk_size(chunk_size):
-  if chunk_size is None:
+def check_chunk_size(value, name="chunk_size"):
+  if value is None:
     return
-  if isinstance(chunk_size, bool) or not isinstance(chunk_size, (int, np.integer)) or chunk_size < 1:
-    raise ValueError(f"chunk_size must be None or an int >= 1, got {chunk_size=!r}")
+  if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+    raise ValueError(f"{name} must be None or an int >= 1, got {name}={value!r}")
+
+
+def check_columns(name, num_columns):
+  if num_columns < 1:
+    raise ValueError(f"{name} has no vocabulary columns (V = 0); expected V >= 1")
 
 
 def broadcast_token_array(name: str, value, shape, dtype):
@@ -56,13 +61,22 @@ def broadcast_token_array(name: str, value, shape, dtype):
 def inverse_temperature(temperature, shape, dtype=jnp.float32):
   """``[*shape]`` 1/T in ``dtype`` (the compute dtype) with no gradient; concrete
   values must be > 0."""
-  t = as_array("temperature", temperature)
+  check_temperature(temperature)
+  t = broadcast_token_array("temperature", as_array("temperature", temperature), shape, dtype)
+  return lax.stop_gradient(1.0 / t)
+
+
+def check_temperature(temperature):
+  """Type, and > 0 wherever the value is known now (Python and numpy numbers too, which
+  would turn into traced arrays under jit before a later check could see them)."""
+  t = as_array("temperature", temperature) if not isinstance(temperature, jax.core.Tracer) \
+      else temperature
   if not jnp.issubdtype(t.dtype, jnp.floating) and not jnp.issubdtype(t.dtype, jnp.integer):
     raise TypeError(f"temperature must be a float or float array, got {t.dtype=}")
-  t = broadcast_token_array("temperature", t, shape, dtype)
-  if is_concrete(t) and t.size and not bool(jnp.all(t > 0)):
-    raise ValueError(f"temperature must be > 0 everywhere, got min {float(jnp.min(t))}")
-  return lax.stop_gradient(1.0 / t)
+  if is_concrete(temperature):
+    host = np.asarray(temperature, np.float64)
+    if host.size and not np.all(host > 0):
+      raise ValueError(f"temperature must be > 0 everywhere, got min {host.min()}")
 
 
 def valid_mask(labels, where):

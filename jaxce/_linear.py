@@ -83,9 +83,9 @@ def linear_logprobs_and_entropy(hidden, weight, labels, *, bias=None, logit_soft
                      f"D = hidden.shape[-1] = {hidden.shape[-1]}, got {weight.shape=}")
   _checks.check_labels(labels, hidden.shape[:-1], "hidden.shape[:-1]")
   _checks.check_chunk_size(chunk_size)
-  if vocab_block_size is not None:
-    _checks.check_chunk_size(vocab_block_size)
+  _checks.check_chunk_size(vocab_block_size, "vocab_block_size")
   num_columns = weight.shape[vocab_dim]
+  _checks.check_columns("weight", num_columns)
   if bias is not None:
     bias = _checks.as_array("bias", bias)
     _checks.check_float("bias", bias)
@@ -114,7 +114,7 @@ def linear_logprobs_and_entropy(hidden, weight, labels, *, bias=None, logit_soft
                    chunk=chunk, block=block, vocab_axis=vocab_axis,
                    softcap=None if logit_softcap is None else float(logit_softcap),
                    with_entropy=return_entropy, vocab_dim=vocab_dim)
-  out = _linear_logprobs_entropy(
+  out = _jitted_linear_logprobs_entropy(
       hidden.reshape(num_tokens, hidden.shape[-1]), weight, bias,
       labels.reshape(-1).astype(jnp.int32), inv_temp.reshape(-1), valid.reshape(-1), static)
   logp = out[0].reshape(labels.shape)
@@ -201,23 +201,23 @@ def _forward(hidden, weight, bias, labels, inv_temp, valid, static):
 
   (m, s, q, picked), _ = lax.scan(block_step, (m, s, q, picked), jnp.arange(n_blocks))
   m, s, q, picked = _math.combine_shards(m, s, q, picked, static.vocab_axis)
-  lse, entropy = _math.finish_statistics(m, s, q)
-  logp, entropy_out = _math.finish_outputs(picked - lse, entropy, outer_labels, outer_valid,
-                                           static.vocab_size)
+  log_s, entropy = _math.finish_statistics(s, q)
+  logp, entropy_out = _math.finish_outputs((picked - m) - log_s, entropy, outer_labels,
+                                           outer_valid, static.vocab_size)
   out = (logp,) + ((entropy_out,) if static.with_entropy else ())
-  return out, (lse, entropy)
+  return out, (m, log_s, entropy)
 
 
 def _linear_logprobs_entropy_fwd(hidden, weight, bias, labels, inv_temp, valid, static):
   hidden, weight, bias, labels, inv_temp, valid = (
       None if p is None else p.value for p in (hidden, weight, bias, labels, inv_temp, valid))
-  out, (lse, entropy) = _forward(hidden, weight, bias, labels, inv_temp, valid, static)
-  return out, (hidden, weight, bias, labels, inv_temp, valid, lse, entropy)
+  out, stats = _forward(hidden, weight, bias, labels, inv_temp, valid, static)
+  return out, (hidden, weight, bias, labels, inv_temp, valid) + stats
 
 
 def _linear_logprobs_entropy_bwd(static, residuals, cotangents):
   primals = residuals[:3]
-  hidden, weight, bias, labels, inv_temp, valid, lse, entropy = _math.unify_varying(
+  hidden, weight, bias, labels, inv_temp, valid, shift, log_sum, entropy = _math.unify_varying(
       residuals, static.vocab_axis)
   g_logp = _math.symbolic_zero_to_none(cotangents[0])
   g_entropy = _math.symbolic_zero_to_none(cotangents[1]) if static.with_entropy else None
@@ -246,13 +246,14 @@ def _linear_logprobs_entropy_bwd(static, residuals, cotangents):
       rows = lambda a: None if a is None else lax.dynamic_slice_in_dim(a, start, chunk, 0)
       h = rows(hidden)
       x = _tile_logits(h, w_cols, b_cols, static.softcap, vocab_dim)
+      keep = rows(valid) & _chunking.fresh_rows(i, start, chunk)
+      h = jnp.where(keep[:, None], h, 0)  # an ignored row's NaN must not reach d W as 0 * NaN
       z = _math.scaled_logits(x, rows(inv_temp), shard_start + col, static.mask_vocab,
                               first_column)
       label_column = rows(labels) - (shard_start + col)
       label_column = jnp.where(rows(labels) >= first_column, label_column, -1)
-      keep = rows(valid) & _chunking.fresh_rows(i, start, chunk)
-      dz = _math.logit_grad(z, label_column, rows(lse), rows(entropy), rows(g_logp),
-                            rows(g_entropy), keep)
+      dz = _math.logit_grad(z, label_column, rows(shift), rows(log_sum), rows(entropy),
+                            rows(g_logp), rows(g_entropy), keep)
       dx = dz * rows(inv_temp)[:, None].astype(dtype)
       if static.softcap is not None:
         dx = dx * (1 - jnp.square(x / static.softcap))
@@ -293,3 +294,5 @@ def _linear_logprobs_entropy_bwd(static, residuals, cotangents):
 
 _linear_logprobs_entropy.defvjp(_linear_logprobs_entropy_fwd, _linear_logprobs_entropy_bwd,
                                 symbolic_zeros=True)
+# Jitted once per static configuration, so repeated eager calls do not recompile.
+_jitted_linear_logprobs_entropy = jax.jit(_linear_logprobs_entropy, static_argnums=(6,))

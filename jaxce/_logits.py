@@ -43,7 +43,7 @@ def logprobs_and_entropy(logits, labels, *, temperature=1.0, where=None, vocab_s
     ``(logp, entropy)``, float32 arrays of ``labels.shape`` (entropy ``None`` when
     ``return_entropy=False``).
 
-  Memory: the forward keeps the logits plus two ``[T]`` vectors as residuals; its working
+  Memory: the forward keeps the logits plus three ``[T]`` vectors as residuals; its working
   set is O(T) with the Pallas kernel and the reductions' partial sums of one
   ``[chunk, V_local]`` tile (about 1% of it) with XLA. The backward is one fused elementwise pass that reads the logits and writes
   the gradient (an array like ``logits``), with no temporaries; when the logits are dead
@@ -56,6 +56,7 @@ def logprobs_and_entropy(logits, labels, *, temperature=1.0, where=None, vocab_s
   _checks.check_labels(labels, logits.shape[:-1], "logits.shape[:-1]")
   _checks.check_chunk_size(chunk_size)
   num_columns = logits.shape[-1]
+  _checks.check_columns("logits", num_columns)
   shards = _checks.vocab_shards(vocab_axis)
   vocab_size = _checks.check_vocab_size(
       vocab_size, num_columns * shards,
@@ -79,7 +80,7 @@ def logprobs_and_entropy(logits, labels, *, temperature=1.0, where=None, vocab_s
   if implementation not in ("xla", "pallas"):
     raise ValueError(f'implementation must be None, "xla" or "pallas", got {implementation=!r}')
   mask_vocab = vocab_size if vocab_size < num_columns * shards else None
-  out = _logprobs_entropy(
+  out = _jitted_logprobs_entropy(
       logits.reshape(num_tokens, num_columns), labels.reshape(-1).astype(jnp.int32),
       inv_temp.reshape(-1), valid.reshape(-1), vocab_size, mask_vocab, chunk, vocab_axis,
       return_entropy, implementation)
@@ -107,35 +108,36 @@ def _forward(x, labels, inv_temp, valid, vocab_size, mask_vocab, chunk, vocab_ax
     m, s, q = _pallas.row_statistics(x, inv_temp, limit, with_entropy)
     picked = _math.label_logit(x, labels, inv_temp, column_start)
     m, s, q, picked = _math.combine_shards(m, s, q if with_entropy else None, picked, vocab_axis)
-    lse, entropy = _math.finish_statistics(m, s, q)
-    logp, entropy_out = _math.finish_outputs(picked - lse, entropy, labels, valid, vocab_size)
-    return (logp,) + ((entropy_out,) if with_entropy else ()), (lse, entropy_out)
+    log_s, entropy = _math.finish_statistics(s, q)
+    logp, entropy_out = _math.finish_outputs((picked - m) - log_s, entropy, labels, valid,
+                                             vocab_size)
+    return (logp,) + ((entropy_out,) if with_entropy else ()), (m, log_s, entropy_out)
 
   def step(_, i):
     start = _chunking.chunk_start(i, num_tokens, chunk)
     rows = lambda a: lax.dynamic_slice_in_dim(a, start, chunk, 0)
-    logp, lse, entropy = _math.chunk_statistics(
+    logp, m, log_s, entropy = _math.chunk_statistics(
         rows(x), rows(labels), rows(inv_temp), rows(valid), column_start, vocab_size,
         mask_vocab, vocab_axis, with_entropy)
-    return None, (logp, lse) + ((entropy,) if with_entropy else ())
+    return None, (logp, m, log_s) + ((entropy,) if with_entropy else ())
 
   _, stacked = lax.scan(step, None, jnp.arange(_chunking.num_chunks(num_tokens, chunk)))
-  logp, lse, *entropy = (_chunking.unchunk(s, num_tokens) for s in stacked)
-  # Residuals: lse and the entropy ([T] each; ignored rows hold 0 and get no gradient).
-  return (logp,) + tuple(entropy), (lse, entropy[0] if with_entropy else None)
+  logp, m, log_s, *entropy = (_chunking.unchunk(s, num_tokens) for s in stacked)
+  # Residuals: m, log s and the entropy ([T] each; ignored rows get no gradient).
+  return (logp,) + tuple(entropy), (m, log_s, entropy[0] if with_entropy else None)
 
 
 def _logprobs_entropy_fwd(x, labels, inv_temp, valid, vocab_size, mask_vocab, chunk,
                           vocab_axis, with_entropy, implementation):
   x, labels, inv_temp, valid = (p.value for p in (x, labels, inv_temp, valid))
-  out, (lse, entropy) = _forward(x, labels, inv_temp, valid, vocab_size, mask_vocab, chunk,
-                                 vocab_axis, with_entropy, implementation)
-  return out, (x, labels, inv_temp, valid, lse, entropy)
+  out, stats = _forward(x, labels, inv_temp, valid, vocab_size, mask_vocab, chunk,
+                        vocab_axis, with_entropy, implementation)
+  return out, (x, labels, inv_temp, valid) + stats
 
 
 def _logprobs_entropy_bwd(vocab_size, mask_vocab, chunk, vocab_axis, with_entropy,
                           implementation, residuals, cotangents):
-  x, labels, inv_temp, valid, lse, entropy = residuals
+  x, labels, inv_temp, valid, shift, log_sum, entropy = residuals
   g_logp = _math.symbolic_zero_to_none(cotangents[0])
   g_entropy = _math.symbolic_zero_to_none(cotangents[1]) if with_entropy else None
   if g_logp is None and g_entropy is None:
@@ -146,8 +148,12 @@ def _logprobs_entropy_bwd(vocab_size, mask_vocab, chunk, vocab_axis, with_entrop
   # buffer when they are dead afterwards (donated, or an intermediate of a jitted step).
   column_start = _math.shard_column_start(x.shape[1], vocab_axis)
   z = _math.scaled_logits(x, inv_temp, column_start, mask_vocab)
-  dz = _math.logit_grad(z, labels - column_start, lse, entropy, g_logp, g_entropy, valid)
+  dz = _math.logit_grad(z, labels - column_start, shift, log_sum, entropy, g_logp, g_entropy,
+                        valid)
   return ((dz * inv_temp[:, None].astype(dz.dtype)).astype(x.dtype), None, None, None)
 
 
 _logprobs_entropy.defvjp(_logprobs_entropy_fwd, _logprobs_entropy_bwd, symbolic_zeros=True)
+# Jitted once per static configuration, so repeated eager calls do not recompile; inside
+# an outer jit (or shard_map) it is inlined.
+_jitted_logprobs_entropy = jax.jit(_logprobs_entropy, static_argnums=(4, 5, 6, 7, 8, 9))

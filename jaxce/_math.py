@@ -8,10 +8,10 @@ one pass over the tile; nothing here allocates more than the tile.
     z    = x * (1/T)                      excluded columns (id >= vocab_size) are -inf
     m    = pmax(stop_gradient(max_v z))
     s    = psum(sum_v exp(z - m))
-    lse  = m + log s
-    logp = psum(z[label]) - lse
-    H    = log s - psum(sum_v exp(z - m) * (z - m)) / s
-    dz   = g_logp * (onehot(label) - p) - g_H * p * (log p + H)
+    log p = (z - m) - log s               m and log s kept apart: z - m is exact where
+    logp  = psum(z[label]) - m - log s    z is near m, so log p is as accurate as the
+    H     = log s - psum(sum_v exp(z - m) * (z - m)) / s        plain log_softmax
+    dz    = g_logp * (onehot(label) - p) - g_H * p * (log p + H)
 """
 
 from __future__ import annotations
@@ -76,28 +76,29 @@ def tile_sums(z, m, with_entropy):
   return sums
 
 
-def finish_statistics(m, sum_exp, sum_exp_shifted):
-  """lse and entropy from the all-reduced sums (``[C]`` each; entropy None if not asked)."""
+def finish_statistics(sum_exp, sum_exp_shifted):
+  """``(log s, entropy)`` from the all-reduced sums (``[C]`` each; entropy None if not
+  asked). The log-normalizer is ``m + log s``; the two stay apart (see the module doc)."""
   log_s = jnp.log(sum_exp)
-  lse = m + log_s
   entropy = None if sum_exp_shifted is None else log_s - sum_exp_shifted / sum_exp
-  return lse, entropy
+  return log_s, entropy
 
 
-def logit_grad(z, label_column, lse, entropy, g_logp, g_entropy, valid):
+def logit_grad(z, label_column, shift, log_sum, entropy, g_logp, g_entropy, valid):
   """d loss / d z for one tile, in the compute dtype.
 
   Args:
     z: ``[C, V_tile]`` scaled, masked logits.
     label_column: ``[C]`` label id minus the tile's first column id (any int; only
       values inside ``[0, V_tile)`` hit a column).
-    lse, entropy: ``[C]`` saved statistics (entropy only needed when g_entropy is given).
+    shift, log_sum, entropy: ``[C]`` saved statistics ``m``, ``log s`` and H (H only
+      needed when g_entropy is given).
     g_logp, g_entropy: ``[C]`` cotangents, or ``None`` for a symbolic zero.
     valid: ``[C]`` bool; rows that are False get an exactly zero gradient.
   """
-  log_p = z - lse[:, None]
+  log_p = (z - shift[:, None]) - log_sum[:, None]
   p = jnp.exp(log_p)
-  coef = jnp.zeros_like(lse) if g_logp is None else g_logp
+  coef = jnp.zeros_like(shift) if g_logp is None else g_logp
   coef = coef[:, None]
   if g_entropy is not None:
     # -inf columns have p == 0: keep their log p out of the product.
@@ -155,8 +156,8 @@ def chunk_statistics(x, labels, inv_temp, valid, column_start, vocab_size, mask_
     mask_vocab: ``vocab_size`` when some columns must be masked, else ``None``.
 
   Returns:
-    ``(logp, lse, entropy or None)``, ``[C]`` each; logp and entropy are float32 and 0 at
-    ignored rows, lse is in the compute dtype. One pmax and one psum over ``vocab_axis``.
+    ``(logp, m, log s, entropy or None)``, ``[C]`` each in the compute dtype; logp and
+    entropy are 0 at ignored rows. One pmax and one psum over ``vocab_axis``.
   """
   z = scaled_logits(x, inv_temp, column_start, mask_vocab)
   picked = label_logit(x, labels, inv_temp, column_start)
@@ -165,9 +166,10 @@ def chunk_statistics(x, labels, inv_temp, valid, column_start, vocab_size, mask_
   reduced = jnp.stack(sums + (picked,))
   if vocab_axis is not None:
     reduced = lax.psum(reduced, vocab_axis)
-  lse, entropy = finish_statistics(m, reduced[0], reduced[1] if with_entropy else None)
-  logp, entropy_out = finish_outputs(reduced[-1] - lse, entropy, labels, valid, vocab_size)
-  return logp, lse, entropy_out
+  log_s, entropy = finish_statistics(reduced[0], reduced[1] if with_entropy else None)
+  logp, entropy_out = finish_outputs((reduced[-1] - m) - log_s, entropy, labels, valid,
+                                     vocab_size)
+  return logp, m, log_s, entropy_out
 
 
 def symbolic_zero_to_none(cotangent):

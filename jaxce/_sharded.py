@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
@@ -15,12 +17,30 @@ def _token_spec(ndim, batch_axis):
   return P(*((batch_axis,) + (None,) * (ndim - 1))) if ndim else P()
 
 
-def _check_mesh(mesh, vocab_axis, batch_axis):
+def _check_call(mesh, vocab_axis, batch_axis, num_columns, columns_name, labels, leading_shape,
+                leading_name, kw):
+  """What can be checked on the global arrays before shard_map traces them: the mesh and
+  its axes, the vocabulary's split, and the concrete values (labels in range, temperature)
+  whose errors would otherwise become NaN inside the traced body."""
+  if not isinstance(mesh, jax.sharding.Mesh):
+    raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
   names = set(mesh.axis_names)
   for name, axis in (("vocab_axis", vocab_axis), ("batch_axis", batch_axis)):
     for a in (axis if isinstance(axis, tuple) else (axis,)):
       if a is not None and a not in names:
         raise ValueError(f"{name}={axis!r} is not an axis of the mesh {mesh.axis_names}")
+  shards = math.prod(mesh.shape[a] for a in (
+      vocab_axis if isinstance(vocab_axis, tuple) else (vocab_axis,)))
+  if num_columns % shards:
+    raise ValueError(
+        f"{columns_name} has {num_columns} vocabulary columns, which do not split evenly over "
+        f"the {shards} shards of vocab_axis={vocab_axis!r}: pad the columns to a multiple of "
+        f"{shards} and pass vocab_size={num_columns}")
+  _checks.check_labels(labels, leading_shape, leading_name)
+  if kw.get("temperature") is not None:
+    _checks.check_temperature(kw["temperature"])
+  vocab_size = _checks.check_vocab_size(kw.get("vocab_size"), num_columns, columns_name)
+  _checks.check_labels_in_range(labels, _checks.valid_mask(labels, kw.get("where")), vocab_size)
 
 
 def _token_options(kw, labels, ndim):
@@ -49,8 +69,11 @@ def _run(kernel, arrays, specs, labels, mesh, vocab_axis, batch_axis, kw):
     return (logp, entropy) if return_entropy else logp
 
   out_specs = (token_spec, token_spec) if return_entropy else token_spec
-  f = jax.shard_map(body, mesh=mesh, in_specs=tuple(specs) + (token_spec,) * (1 + len(names)),
-                    out_specs=out_specs)
+  # jit: an eager shard_map cannot run a custom_vjp with symbolic zeros; under an outer
+  # jit this is inlined.
+  f = jax.jit(jax.shard_map(body, mesh=mesh,
+                            in_specs=tuple(specs) + (token_spec,) * (1 + len(names)),
+                            out_specs=out_specs))
   out = f(*arrays, labels, *token_arrays.values())
   return out if return_entropy else (out, None)
 
@@ -70,9 +93,11 @@ def sharded_logprobs_and_entropy(logits, labels, *, mesh, vocab_axis, batch_axis
   Returns:
     ``(logp, entropy)`` global float32 arrays of ``labels.shape``, split like the labels.
   """
-  _check_mesh(mesh, vocab_axis, batch_axis)
-  labels = jnp.asarray(labels)
-  logits = jnp.asarray(logits)
+  logits = _checks.as_array("logits", logits)
+  labels = _checks.as_array("labels", labels)
+  _checks.check_float("logits", logits)
+  _check_call(mesh, vocab_axis, batch_axis, logits.shape[-1], "logits", labels,
+              logits.shape[:-1], "logits.shape[:-1]", kw)
   spec = P(*(tuple(_token_spec(logits.ndim - 1, batch_axis)) + (vocab_axis,)))
   return _run(logprobs_and_entropy, (logits,), (spec,), labels, mesh, vocab_axis, batch_axis,
               dict(kw))
@@ -93,12 +118,20 @@ def sharded_linear_logprobs_and_entropy(hidden, weight, labels, *, mesh, vocab_a
     ``(logp, entropy)`` global float32 arrays of ``labels.shape``. ``d hidden`` is
     reduced over ``vocab_axis`` inside; ``d weight`` stays split.
   """
-  _check_mesh(mesh, vocab_axis, batch_axis)
-  labels = jnp.asarray(labels)
-  hidden = jnp.asarray(hidden)
+  hidden = _checks.as_array("hidden", hidden)
+  weight = _checks.as_array("weight", weight)
+  labels = _checks.as_array("labels", labels)
+  _checks.check_float("hidden", hidden)
+  _checks.check_float("weight", weight)
+  vocab_dim = 0 if kw.get("weight_layout") == "vd" else 1
+  if weight.ndim != 2:
+    raise ValueError(f"weight must be 2-D ([D, V], or [V, D] with weight_layout='vd'), got "
+                     f"{weight.shape=}")
+  _check_call(mesh, vocab_axis, batch_axis, weight.shape[vocab_dim], "weight", labels,
+              hidden.shape[:-1], "hidden.shape[:-1]", kw)
   bias = kw.pop("bias", None)
-  weight_spec = P(vocab_axis, None) if kw.get("weight_layout") == "vd" else P(None, vocab_axis)
-  arrays, specs = [hidden, jnp.asarray(weight)], [
+  weight_spec = P(vocab_axis, None) if vocab_dim == 0 else P(None, vocab_axis)
+  arrays, specs = [hidden, weight], [
       P(*(tuple(_token_spec(hidden.ndim - 1, batch_axis)) + (None,))), weight_spec]
 
   def kernel(h, w, *rest, **options):
@@ -106,6 +139,6 @@ def sharded_linear_logprobs_and_entropy(hidden, weight, labels, *, mesh, vocab_a
     return linear_logprobs_and_entropy(h, w, labels_local, bias=b[0] if b else None, **options)
 
   if bias is not None:
-    arrays.append(jnp.asarray(bias))
+    arrays.append(_checks.as_array("bias", bias))
     specs.append(P(vocab_axis))
   return _run(kernel, tuple(arrays), specs, labels, mesh, vocab_axis, batch_axis, dict(kw))

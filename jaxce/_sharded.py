@@ -33,7 +33,7 @@ def _check_call(mesh, vocab_axis, batch_axis, num_columns, columns_name, labels,
       vocab_axis if isinstance(vocab_axis, tuple) else (vocab_axis,)))
   if num_columns % shards:
     raise ValueError(
-        f"{columns_name} has {num_columns} vocabulary columns, which do not split evenly over "
+        f"{columns_name} has {num_columns} vocabulary columns, which do not divide evenly over "
         f"the {shards} shards of vocab_axis={vocab_axis!r}: pad the columns to a multiple of "
         f"{shards} and pass vocab_size={num_columns}")
   _checks.check_labels(labels, leading_shape, leading_name)

@@ -36,14 +36,6 @@ def hypothesis_settings(max_examples):
                   suppress_health_check=[HealthCheck.too_slow])
 
 
-# Library bugs still open (each has a strict-xfail regression test); the property tests
-# work around them until the entry is removed:
-# - "lse precision": the backward forms log p = z - lse with lse = max + log(sum) rounded
-#   to one f32, so p is off by up to ulp(max |z|) relative, where plain JAX is off by
-#   ~eps (test_properties.py::test_gradient_precision_at_large_logits); meanwhile
-#   gradients get that much extra tolerance.
-KNOWN_BUGS = frozenset({"lse precision"})
-
 TOKENS = (1, 5, 13, 32)
 LOCAL_COLUMNS = (7, 16, 33)  # per shard: V = shards * this
 HIDDEN = (4, 16)
@@ -337,44 +329,6 @@ def _logits64(case: Case, inputs):
   return logits
 
 
-def lse_precision_allowance(case: Case, inputs, name: str) -> float:
-  """Extra gradient error from the open "lse precision" bug (see KNOWN_BUGS).
-
-  The backward's ``p = exp(z - lse)`` carries a common relative error ``e_t`` on every
-  column of token t, ``|e_t| <= 2 ulp(max_v |z_tv|)`` (f32 rounding of z and of lse). So
-  ``d z_tv = a_t (onehot - p_tv) - b_t p_tv (log p_tv + H_t)`` (a, b the cotangents) is
-  off by at most ``e_t p_tv (|a_t| + |b_t| (|log p_tv + H_t| + 1))``; divided by T and
-  propagated through the backward's matmuls with absolute values. Computed in float64
-  numpy from the case's inputs.
-  """
-  _, rest, cot = inputs
-  logits = _logits64(case, inputs)
-  t = np.broadcast_to(rest.get("temperature", 1.0), (case.tokens,)).astype(np.float64)
-  z = logits / t[:, None]
-  z[:, case.logical_vocab:] = -np.inf
-  m = np.max(z, axis=1, keepdims=True)
-  log_p = z - m - np.log(np.sum(np.exp(z - m), axis=1, keepdims=True))
-  p = np.exp(log_p)
-  log_p = np.where(p > 0, log_p, 0.0)
-  entropy = -np.sum(p * log_p, axis=1, keepdims=True)
-  a = np.abs(cot[0])[:, None] if case.use in ("both", "logp") else 0.0
-  b = np.abs(cot[1])[:, None] if case.use in ("both", "entropy") else 0.0
-  bound = p * (a + b * (np.abs(log_p + entropy) + 1))
-  ulp = np.spacing(np.max(np.where(np.isfinite(z), np.abs(z), 0), axis=1).astype(np.float32))
-  bound = bound * (2 * ulp.astype(np.float64) / t)[:, None]
-  kept = rest["labels"] >= 0
-  if "where" in rest:
-    kept = kept & rest["where"]
-  bound[~kept] = 0
-  if name == "logits":
-    return float(np.max(bound, initial=0.0))
-  if name == "hidden":
-    return float(np.max(bound @ np.abs(inputs[0]["weight"]).T, initial=0.0))
-  if name == "weight":
-    return float(np.max(np.abs(inputs[0]["hidden"]).T @ bound, initial=0.0))
-  return float(np.max(np.sum(bound, axis=0), initial=0.0))  # bias
-
-
 def max_error(actual, expected):
   """Max abs difference as float64 (0 for empty arrays); NaN when either has a NaN."""
   actual = np.asarray(actual, np.float64)
@@ -416,7 +370,5 @@ def assert_as_accurate_as_plain_jax(case: Case, result, inputs):
     atol = plain_err + tol["grad" if is_grad else "value"]
     if is_grad and case.path == "linear" and case.dtype == "bfloat16" and want.size:
       atol += 2.0**-7 * np.max(np.abs(want))
-    if is_grad and "lse precision" in KNOWN_BUGS and want.size:
-      atol += lse_precision_allowance(case, inputs, name[2:])
     assert err <= atol, (f"{name}: max abs error {err:.3e} vs float64 > plain-JAX "
                          f"{case.dtype} error {plain_err:.3e} + margin {atol - plain_err:.1e}")

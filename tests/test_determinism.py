@@ -59,7 +59,6 @@ def test_repeated_eager_calls_are_bitwise_identical_and_match_jit(path):
   _assert_within_ulps(first, run_jaxce(path, inputs, chunk_size=8), 4, "eager vs jit")
 
 
-@pytest.mark.xfail(strict=True, raises=NotImplementedError, reason=EAGER_SHARDED_BUG)
 @pytest.mark.parametrize("path", ["logits", "linear"])
 def test_sharded_wrappers_work_eagerly(path):
   """A plain forward call, no jit and no grad (under grad or jit they work)."""
@@ -139,9 +138,6 @@ def _compilations(call):
   return len(_compiles)
 
 
-@pytest.mark.xfail(strict=True, reason="bug: every eager call of the public functions "
-                   "compiles again (their lax.scan closures are new each call): ~0.4 s per "
-                   "call for a 37 x 1008 problem; jit the private kernels with static options")
 @pytest.mark.parametrize("path", ["logits", "linear"])
 def test_repeated_eager_calls_do_not_recompile(path):
   # A shape no other test uses, so that the first call must compile.

@@ -139,9 +139,6 @@ def test_bad_temperature_raises_eagerly(fn, args, temperature):
     fn(*args, temperature=temperature)
 
 
-@pytest.mark.xfail(strict=True, reason="bug: a Python-number temperature <= 0 is concrete but "
-                   "goes unchecked under jit (it is converted to a traced array before the "
-                   "check): temperature=-1.0 gives finite wrong numbers, 0.0 gives NaN")
 @pytest.mark.parametrize("temperature", [0.0, -1.0])
 @pytest.mark.parametrize("path", ["logits", "linear"])
 def test_bad_python_temperature_raises_under_jit(path, temperature):
@@ -186,15 +183,11 @@ def test_out_of_range_label_under_jit_gives_nan_there(fn, args):
     (logits_fn, (np.zeros((T, 0), np.float32), np.full(T, -100, np.int32)), "logits"),
     (linear_fn, (HIDDEN, np.zeros((D, 0), np.float32), np.full(T, -100, np.int32)), "weight"),
 ], ids=["logits", "linear"])
-@pytest.mark.xfail(strict=True, reason="bug: a vocabulary of 0 columns fails with an unclear "
-                   "error ('zero-size array to reduction operation max', ZeroDivisionError)")
 def test_zero_columns_names_the_argument(fn, args, name):
   with pytest.raises(ValueError, match=name):
     fn(*args)
 
 
-@pytest.mark.xfail(strict=True, reason="bug: a bad vocab_block_size is reported as "
-                   "'chunk_size must be None or an int >= 1, got chunk_size=0'")
 @pytest.mark.parametrize("block", [0, 2.5])
 def test_bad_vocab_block_size_names_the_argument(block):
   with pytest.raises(ValueError, match=r"vocab_block_size"):
@@ -244,10 +237,6 @@ def test_sharded_label_errors_name_the_argument(path):
     _sharded(path)(*arrays[:-1], LABELS[:3])
 
 
-@pytest.mark.xfail(strict=True, reason="bug: columns that do not divide over the shards fail "
-                   "inside shard_map with 'shard_map applied to the function 'body' was given "
-                   "argument arrays with axis sizes that are not evenly divisible' and "
-                   "'args[0]', naming neither the argument nor vocab_axis")
 @pytest.mark.parametrize("path", ["logits", "linear"])
 def test_sharded_indivisible_vocab_names_the_argument(path):
   name = "logits" if path == "logits" else "weight"
@@ -255,9 +244,6 @@ def test_sharded_indivisible_vocab_names_the_argument(path):
     _sharded(path, shards=4)(*_arrays(path, columns=V - 2))
 
 
-@pytest.mark.xfail(strict=True, reason="bug: the wrappers check nothing before shard_map, "
-                   "where values are traced: a concrete out-of-range label gives NaN, not the "
-                   "ValueError naming its position")
 def test_sharded_out_of_range_label_raises():
   """(Both wrappers share ``_sharded._run``; the logits one stands for both.)"""
   labels = LABELS.copy()
@@ -266,17 +252,12 @@ def test_sharded_out_of_range_label_raises():
     _sharded("logits")(LOGITS, labels)
 
 
-@pytest.mark.xfail(strict=True, reason="bug: a concrete temperature <= 0 passed to a wrapper is "
-                   "traced inside shard_map and not checked (NaN gradients)")
 @pytest.mark.parametrize("temperature", [0.0, np.zeros(T, np.float32)], ids=["scalar", "array"])
 def test_sharded_bad_temperature_raises(temperature):
   with pytest.raises(ValueError, match=r"temperature must be > 0"):
     _sharded("logits", temperature=temperature)(*_arrays("logits"))
 
 
-@pytest.mark.xfail(strict=True, reason="bug: the wrappers call jnp.asarray on their inputs "
-                   "without naming them: 'Value 'abc' with dtype <U3 is not a valid JAX array "
-                   "type'; mesh=None raises AttributeError")
 @pytest.mark.parametrize("bad", ["logits", "mesh"])
 def test_sharded_non_array_inputs_name_the_argument(bad):
   arrays = ("abc", LABELS) if bad == "logits" else _arrays("logits")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 
@@ -19,17 +20,21 @@ from jax import lax
 # measured on an H200 (T = 32768, V = 151936, bf16, forward), 1024-token chunks take
 # 8.1 ms, 8192 7.5 ms, one pass 7.2 ms; 110-token chunks 13.5 ms (bench/NOTES.md).
 DEFAULT_TILE_BYTES = 4 * 2**30
+# XLA's CPU backend does materialize the f32 tile (about four of them per step), so CPUs
+# plan from a small budget.
+CPU_TILE_BYTES = 64 * 2**20
 
 
 def plan_chunk_size(num_tokens: int, num_columns: int, chunk_size: int | None,
-                    tile_bytes: int = DEFAULT_TILE_BYTES) -> int:
+                    tile_bytes: int | None = None) -> int:
   """Tokens per scan step.
 
   Args:
     num_tokens: T (> 0).
     num_columns: columns each step holds for a token (V_local, or a vocab block).
     chunk_size: the user's choice, or ``None`` to plan from ``tile_bytes``.
-    tile_bytes: working-set budget of one f32 ``[chunk, num_columns]`` tile.
+    tile_bytes: working-set budget of one f32 ``[chunk, num_columns]`` tile; ``None``:
+      ``CPU_TILE_BYTES`` on CPUs, ``DEFAULT_TILE_BYTES`` elsewhere.
 
   Returns:
     ``min(chunk_size, T)``; when planning, the largest chunk under the budget,
@@ -38,6 +43,8 @@ def plan_chunk_size(num_tokens: int, num_columns: int, chunk_size: int | None,
   """
   if chunk_size is not None:
     return min(chunk_size, num_tokens)
+  if tile_bytes is None:
+    tile_bytes = CPU_TILE_BYTES if jax.default_backend() == "cpu" else DEFAULT_TILE_BYTES
   cap = max(1, min(num_tokens, tile_bytes // (4 * max(num_columns, 1))))
   if cap >= 8:
     cap -= cap % 8

@@ -16,21 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxce
+from _timing import bench
 from jaxce import reference
-
-
-def bench(f, *args, repeats=10):
-  out = f(*args)
-  jax.block_until_ready(out)
-  del out
-  times = []
-  for _ in range(repeats):
-    t = time.perf_counter()
-    out = f(*args)
-    jax.block_until_ready(out)
-    times.append(time.perf_counter() - t)
-    del out
-  return float(np.median(times) * 1e3)
 
 
 def floors():

@@ -4,10 +4,8 @@ achievable single-pass XLA speeds (copy, row max) on the same device. Prints JSO
 (The one-pass variadic-reduction variant it once compared lives at commit "math: one-pass
 online-softmax statistics", see bench/NOTES.md.)"""
 
-import json
 import os
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax
@@ -15,24 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxce
-
-
-def bench(f, *args, repeats=15):
-  out = f(*args)
-  jax.block_until_ready(out)
-  del out
-  times = []
-  for _ in range(repeats):
-    t = time.perf_counter()
-    out = f(*args)
-    jax.block_until_ready(out)
-    times.append(time.perf_counter() - t)
-    del out
-  return float(np.median(times) * 1e3)
-
-
-def emit(**row):
-  print(json.dumps(row), flush=True)
+from _timing import bench, emit
 
 
 rng = np.random.default_rng(0)

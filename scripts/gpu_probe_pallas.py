@@ -1,9 +1,7 @@
 """Development probe: the Pallas one-pass forward vs XLA on the logits path (GPU)."""
 
-import json
 import os
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax
@@ -12,25 +10,8 @@ import numpy as np
 from jax.sharding import Mesh
 
 import jaxce
+from _timing import bench, emit
 from jaxce import _pallas, reference
-
-
-def bench(f, *args, repeats=15):
-  out = f(*args)
-  jax.block_until_ready(out)
-  del out
-  times = []
-  for _ in range(repeats):
-    t = time.perf_counter()
-    out = f(*args)
-    jax.block_until_ready(out)
-    times.append(time.perf_counter() - t)
-    del out
-  return float(np.median(times) * 1e3)
-
-
-def emit(**row):
-  print(json.dumps(row), flush=True)
 
 
 rng = np.random.default_rng(0)

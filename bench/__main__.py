@@ -232,7 +232,7 @@ def main(argv=None):
   # A machine that receives a copy of the tree without .git (the GPU lease) names the
   # commit it was sent from in JAXCE_COMMIT; the sender makes sure the tree was clean.
   commit = git("rev-parse", "HEAD") or os.environ.get("JAXCE_COMMIT", "")
-  dirty = (bool(git("status", "--porcelain", "--", "bench", "jaxce"))
+  dirty = (bool(git("status", "--porcelain", "--", "bench", "jaxce", ":!bench/results"))
            if git("rev-parse", "HEAD") else not commit)
   date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
   stamp = dict(commit=commit, date=date, suite=args.suite)

@@ -43,7 +43,7 @@ def _check_call(mesh, vocab_axis, batch_axis, num_columns, columns_name, labels,
   _checks.check_labels_in_range(labels, _checks.valid_mask(labels, kw.get("where")), vocab_size)
 
 
-def _token_options(kw, labels, ndim):
+def _token_options(kw, labels):
   """Split per-token array options (temperature, where) out as extra shard_map inputs."""
   arrays = {}
   for name in ("temperature", "where"):
@@ -57,7 +57,7 @@ def _token_options(kw, labels, ndim):
 
 
 def _run(kernel, arrays, specs, labels, mesh, vocab_axis, batch_axis, kw):
-  token_arrays = _token_options(kw, labels, labels.ndim)
+  token_arrays = _token_options(kw, labels)
   token_spec = _token_spec(labels.ndim, batch_axis)
   names = list(token_arrays)
   return_entropy = kw.get("return_entropy", True)

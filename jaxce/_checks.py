@@ -13,9 +13,9 @@ def is_concrete(*values) -> bool:
 
 
 def as_array(name: str, value):
-  if isinstance(value, (jax.Array, np.ndarray)) or hasattr(value, "__jax_array__"):
-    return jnp.asarray(value)
-  if isinstance(value, (list, tuple, int, float, bool, np.generic)):
+  """``value`` as a jax array; anything that is not array-like is a TypeError naming it."""
+  if (isinstance(value, (jax.Array, np.ndarray, np.generic, list, tuple, int, float, bool))
+      or hasattr(value, "__jax_array__")):
     return jnp.asarray(value)
   raise TypeError(f"{name} must be an array, got {type(value).__name__}")
 

@@ -9,7 +9,6 @@ gradients of ``sum(adv * logp) + c * sum(H)`` with respect to the float inputs.
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import sys
 from typing import Callable, Optional
 
@@ -107,14 +106,6 @@ def _planned_chunk(num_tokens, num_columns, chunk_size, linear=False):
     return chunk_size
 
 
-def _in_place_options() -> dict:
-  """``overwrite_logits=True`` where this jaxce version has the option (older versions
-  need it for the gradient to take the dead logits' buffer; newer ones do it unasked)."""
-  import jaxce
-  params = inspect.signature(jaxce.logprobs_and_entropy).parameters
-  return {"overwrite_logits": True} if "overwrite_logits" in params else {}
-
-
 def _per_token_fn(config: Config, mesh: Mesh, n_devices: int):
   """``(f, chunk_used, note)``: f maps the float arrays and labels to ``(logp, H)``."""
   import jaxce
@@ -128,10 +119,8 @@ def _per_token_fn(config: Config, mesh: Mesh, n_devices: int):
   if config.variant == "train_step":
     if impl == "jaxce":
       fn = jaxce.sharded_logprobs_and_entropy if sharded else jaxce.logprobs_and_entropy
-      in_place = _in_place_options()
-      f = lambda h, w, lab: fn(_matmul(h, w), lab, **in_place, **shard_kw, **kw)
-      note = "overwrite_logits=True" if in_place else ""
-      return f, _planned_chunk(config.T, v_local, config.chunk_size), note
+      f = lambda h, w, lab: fn(_matmul(h, w), lab, **shard_kw, **kw)
+      return f, _planned_chunk(config.T, v_local, config.chunk_size), ""
     return (lambda h, w, lab: plain_logprobs_entropy(_matmul(h, w), lab, entropy)), None, ""
 
   if impl == "jaxce":
@@ -143,11 +132,10 @@ def _per_token_fn(config: Config, mesh: Mesh, n_devices: int):
       return f, _planned_chunk(config.T, min(block, v_local), config.chunk_size, True), ""
     fn = jaxce.sharded_logprobs_and_entropy if sharded else jaxce.logprobs_and_entropy
     donated = config.variant in IN_PLACE_VARIANTS
-    in_place = _in_place_options() if donated else {}
-    f = lambda x, lab: fn(x, lab, **in_place, **shard_kw, **kw)
+    f = lambda x, lab: fn(x, lab, **shard_kw, **kw)
     note = ""
     if donated:
-      note = "logits donated" + (", overwrite_logits=True" if in_place else "") + (
+      note = "logits donated" + (
           "; jax.grad: gradient only, no loss value" if config.variant == "inplace_grad"
           else "; jax.value_and_grad")
     return f, _planned_chunk(config.T, v_local, config.chunk_size), note

@@ -22,7 +22,9 @@ import time
 from bench.configs import Config
 
 
-def _median_seconds(fn, *args, repeats):
+def median_seconds(fn, *args, repeats):
+  """Median wall seconds of ``fn(*args)`` after one warm-up call; each call's outputs are
+  dropped before the next."""
   import jax
   import numpy as np
   jax.block_until_ready(fn(*args))
@@ -48,14 +50,14 @@ def measure(dtypes=("bfloat16",)) -> dict:
   big = device.platform != "cpu"
   n_copy = (2**29 if big else 2**24)  # f32 elements: 2 GiB / 64 MiB
   x = jax.device_put(jnp.zeros((n_copy,), jnp.float32), device)
-  seconds = _median_seconds(jax.jit(jnp.copy), x, repeats=20 if big else 5)
+  seconds = median_seconds(jax.jit(jnp.copy), x, repeats=20 if big else 5)
   del x
   hbm = 2 * 4 * n_copy / seconds / 1e9
   n = 8192 if big else 512
   rates = {}
   for dtype in dict.fromkeys(("bfloat16",) + tuple(dtypes)):
     a = jax.device_put(jnp.ones((n, n), dtype), device)
-    seconds = _median_seconds(jax.jit(jnp.matmul), a, a, repeats=20 if big else 5)
+    seconds = median_seconds(jax.jit(jnp.matmul), a, a, repeats=20 if big else 5)
     rates[dtype] = 2 * n**3 / seconds / 1e12
     del a
   return dict(hbm_GBps=hbm, matmul_tflops=rates, bf16_tflops=rates["bfloat16"])

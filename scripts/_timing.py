@@ -1,26 +1,16 @@
 """Timing helpers shared by the GPU development probes in this folder."""
 
 import json
-import time
+import os
+import sys
 
-import jax
-import numpy as np
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench.floors import median_seconds  # noqa: E402
 
 
 def bench(f, *args, repeats=15):
-  """Median wall time in ms of ``f(*args)`` after one warm-up call; each call's outputs
-  are dropped before the next."""
-  out = f(*args)
-  jax.block_until_ready(out)
-  del out
-  times = []
-  for _ in range(repeats):
-    t = time.perf_counter()
-    out = f(*args)
-    jax.block_until_ready(out)
-    times.append(time.perf_counter() - t)
-    del out
-  return float(np.median(times) * 1e3)
+  """Median wall time in ms of ``f(*args)`` (bench.floors.median_seconds)."""
+  return 1e3 * median_seconds(f, *args, repeats=repeats)
 
 
 def emit(**row):

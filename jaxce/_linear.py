@@ -35,7 +35,6 @@ DEFAULT_VOCAB_BLOCK = 16384
 # an H200 (T = 32768, D = 4096, V = 151936, bf16, fwd+bwd): [2048, 16384] tiles 310 ms,
 # [1024, 16384] 325 ms, [2048, 8192] 313 ms, [4096, 4096] 322 ms.
 TILE_BYTES = 128 * 2**20
-_STACKED_DW = False  # probe: d W of a block as one GEMM over all tokens' stacked d tiles
 
 
 def linear_logprobs_and_entropy(hidden, weight, labels, *, bias=None, logit_softcap=None,
@@ -234,15 +233,6 @@ def _linear_logprobs_entropy_bwd(static, residuals, cotangents):
   dtype = _math.compute_dtype(hidden.dtype)
   vocab_dim = static.vocab_dim
 
-  if _STACKED_DW:
-    # Rows in the order the chunks visit them (clamped last chunk included), ignored
-    # and repeated rows zeroed: d W of a block is then one GEMM over all of them.
-    starts = _chunking.chunk_start(jnp.arange(n_chunks), num_tokens, chunk)
-    row_ids = (starts[:, None] + jnp.arange(chunk)[None, :]).reshape(-1)
-    row_fresh = (row_ids >= jnp.arange(n_chunks * chunk)) & valid[row_ids]
-    h_stacked = hidden if n_chunks * chunk == num_tokens else hidden[row_ids]
-    h_stacked = jnp.where(row_fresh[:, None], h_stacked, 0)
-
   def block_step(carry, j):
     d_hidden, d_weight, d_bias = carry
     col = _chunking.chunk_start(j, num_columns, block)
@@ -268,23 +258,18 @@ def _linear_logprobs_entropy_bwd(static, residuals, cotangents):
       if static.softcap is not None:
         dx = dx * (1 - jnp.square(x / static.softcap))
       d = dx.astype(weight.dtype)
+      # d W block in the weight's layout: [D, Vb] = hᵀ d, or [Vb, D] = dᵀ h.
+      dw_block = dw_block + (_contract(h, d, 0, 0) if vocab_dim else _contract(d, h, 0, 0))
       dh_rows = _contract(d, w_cols, 1, vocab_dim)
       d_hidden = lax.dynamic_update_slice_in_dim(
           d_hidden, rows(d_hidden) + dh_rows, start, 0)
       db_block = None if db_block is None else db_block + jnp.sum(dx, axis=0)
-      if _STACKED_DW:
-        return (d_hidden, dw_block, db_block), d
-      dw_block = dw_block + (_contract(h, d, 0, 0) if vocab_dim else _contract(d, h, 0, 0))
       return (d_hidden, dw_block, db_block), None
 
-    dw_block = None if _STACKED_DW else jnp.zeros_like(w_cols, dtype)
+    dw_block = jnp.zeros_like(w_cols, dtype)
     db_block = None if bias is None else jnp.zeros_like(b_cols, dtype)
-    (d_hidden, dw_block, db_block), d_tiles = lax.scan(
+    (d_hidden, dw_block, db_block), _ = lax.scan(
         chunk_step, (d_hidden, dw_block, db_block), jnp.arange(n_chunks))
-    if _STACKED_DW:
-      d_stacked = d_tiles.reshape(n_chunks * chunk, block)
-      dw_block = (_contract(h_stacked, d_stacked, 0, 0) if vocab_dim
-                  else _contract(d_stacked, h_stacked, 0, 0))
     # The clamped last block overlaps columns an earlier block wrote: keep those.
     fresh = _chunking.fresh_rows(j, col, block)
     old_w = lax.dynamic_slice_in_dim(d_weight, col, block, vocab_dim)

@@ -1,6 +1,7 @@
 """Development probe (GPU), round 2: where the fused path's time goes, the stacked-d-W
-backward, the training step's second [T, V] buffer, and multi-row / prefetching variants
-of the Pallas forward. Prints JSON lines; writes a profile and HLO dumps under --out.
+backward (jaxce._linear._STACKED_DW, commit ecf1253; removed after this probe: 1-2%
+faster for 50% more working memory, bench/NOTES.md), the training step's second
+[T, V] buffer, and multi-row / prefetching variants of the Pallas forward. Prints JSON lines; writes a profile and HLO dumps under --out.
 
     python scripts/gpu_probe_round2.py --out DIR [--parts fused,train,pallas]
 """

@@ -32,9 +32,10 @@ SUPPORTS = {
 # donated so the gradient can take their buffer; value and gradient like every row);
 # "inplace_grad" (the same, gradient only: ``jax.grad``, no loss value returned);
 # "train_step" (hidden @ W -> logits as an intermediate of one jitted step -> loss ->
-# grads of hidden and W; jaxce and jax_plain).
+# grads of hidden and W; jaxce and jax_plain); "new_buffer" (jaxce's logits path with
+# ``backward_in_place=False``: the gradient gets a new array, for logits kept alive).
 IN_PLACE_VARIANTS = ("inplace", "inplace_grad")
-VARIANTS = ("default", "logp_only") + IN_PLACE_VARIANTS + ("train_step",)
+VARIANTS = ("default", "logp_only") + IN_PLACE_VARIANTS + ("train_step", "new_buffer")
 MODES = ("fwd", "fwd_bwd")
 ENTROPY_COEF = 0.01
 
@@ -94,8 +95,8 @@ class Config:
     """Why this combination cannot run (``None`` when it can)."""
     if self.impl not in SUPPORTS.get(self.input, ()):
       return f"{self.impl} has no {self.input} path"
-    if self.variant in IN_PLACE_VARIANTS and (self.impl, self.input, self.mode) != (
-        "jaxce", "logits", "fwd_bwd"):
+    if self.variant in IN_PLACE_VARIANTS + ("new_buffer",) and (
+        self.impl, self.input, self.mode) != ("jaxce", "logits", "fwd_bwd"):
       return f"{self.variant} is a jaxce logits fwd_bwd variant"
     if self.variant == "train_step" and (self.impl not in ("jaxce", "jax_plain")
                                          or self.input != "linear" or self.mode != "fwd_bwd"):
@@ -161,8 +162,8 @@ def _gpu_groups(Ts):
   """The one-GPU suite: every peer; variants and the chunked peers in fwd_bwd only."""
   return [
       Group("logits", ("jaxce", "jax_plain", "torch_eager"), Ts, _GPU_V),
-      Group("logits", ("jaxce:inplace", "jaxce:inplace_grad", "jax_scan_remat", "optax"), Ts,
-            _GPU_V, **_BWD),
+      Group("logits", ("jaxce:inplace", "jaxce:inplace_grad", "jaxce:new_buffer",
+                       "jax_scan_remat", "optax"), Ts, _GPU_V, **_BWD),
       Group("linear", ("jaxce", "jax_plain", "tokamax", "torch_eager", "liger", "cce"), Ts,
             _GPU_V, _GPU_D),
       Group("linear", ("jaxce:logp_only", "jax_scan_remat", "jaxce:train_step",
@@ -176,8 +177,8 @@ SUITES = {
     # The CI smoke test: tiny shapes, a 2-device sharded row (simulated CPU devices).
     "smoke": [
         Group("logits", ("jaxce", "jax_plain"), (64, 200), 1000),
-        Group("logits", ("jaxce:inplace", "jaxce:inplace_grad", "jax_scan_remat", "optax"),
-              (200,), 1000, **_BWD),
+        Group("logits", ("jaxce:inplace", "jaxce:inplace_grad", "jaxce:new_buffer",
+                         "jax_scan_remat", "optax"), (200,), 1000, **_BWD),
         Group("linear", ("jaxce", "jax_plain", "jaxce:train_step", "jax_plain:train_step"),
               (200,), 1000, 32),
         Group("logits", ("jaxce", "jax_plain"), (200,), 1000, n_devices=2, **_BWD),
@@ -189,8 +190,8 @@ SUITES = {
     # one-device figures at T = 32768 on the same machine to compare with (issue 5, target 5).
     "gpu-sharded": [
         Group("logits", ("jaxce", "jax_plain"), _GPU_T, _GPU_V, n_devices=0),
-        Group("logits", ("jaxce:inplace", "jaxce:inplace_grad"), _GPU_T, _GPU_V, n_devices=0,
-              **_BWD),
+        Group("logits", ("jaxce:inplace", "jaxce:inplace_grad", "jaxce:new_buffer"), _GPU_T,
+              _GPU_V, n_devices=0, **_BWD),
         Group("linear", ("jaxce", "jax_plain"), _GPU_T, _GPU_V, _GPU_D, n_devices=0),
         Group("linear", ("jaxce:logp_only",), _GPU_T, _GPU_V, _GPU_D, n_devices=0, **_BWD),
         Group("logits", ("jaxce", "jax_plain"), (32768,), _GPU_V, **_BWD),

@@ -131,9 +131,11 @@ def _per_token_fn(config: Config, mesh: Mesh, n_devices: int):
       block = getattr(sys.modules["jaxce._linear"], "DEFAULT_VOCAB_BLOCK", v_local)
       return f, _planned_chunk(config.T, min(block, v_local), config.chunk_size, True), ""
     fn = jaxce.sharded_logprobs_and_entropy if sharded else jaxce.logprobs_and_entropy
+    if config.variant == "new_buffer":
+      kw["backward_in_place"] = False
     donated = config.variant in IN_PLACE_VARIANTS
     f = lambda x, lab: fn(x, lab, **shard_kw, **kw)
-    note = ""
+    note = "backward_in_place=False" if config.variant == "new_buffer" else ""
     if donated:
       note = "logits donated" + (
           "; jax.grad: gradient only, no loss value" if config.variant == "inplace_grad"

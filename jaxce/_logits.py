@@ -16,7 +16,7 @@ from jaxce import _checks, _chunking, _math, _pallas
 
 def logprobs_and_entropy(logits, labels, *, temperature=1.0, where=None, vocab_size=None,
                          chunk_size=None, vocab_axis=None, return_entropy=True,
-                         implementation=None):
+                         implementation=None, backward_in_place=True):
   """Per-token log-probability of the label and entropy of softmax(logits / temperature).
 
   Args:
@@ -38,6 +38,13 @@ def logprobs_and_entropy(logits, labels, *, temperature=1.0, where=None, vocab_s
       tokens) or ``"pallas"`` (one pass, a Triton kernel; interpreted off GPUs, for
       tests). ``None``: ``"pallas"`` on GPUs for bf16/f16/f32 logits outside
       ``shard_map``, else ``"xla"``.
+    backward_in_place: ``True``: the backward walks the logits in chunks of tokens and
+      overwrites each chunk with its gradient, so when the logits are dead afterwards
+      (donated, or an intermediate of a jitted training step) the gradient takes their
+      buffer; when they are still alive XLA copies them first (one more read and write
+      of the logits, no more memory). ``False``: one fused pass writes the gradient into
+      a new array: faster when the caller keeps the logits alive, but XLA's GPU buffer
+      assignment then gives the gradient its own buffer even when the logits are dead.
 
   Returns:
     ``(logp, entropy)``, float32 arrays of ``labels.shape`` (entropy ``None`` when
@@ -45,10 +52,9 @@ def logprobs_and_entropy(logits, labels, *, temperature=1.0, where=None, vocab_s
 
   Memory: the forward keeps the logits plus three ``[T]`` vectors as residuals; its working
   set is O(T) with the Pallas kernel and the reductions' partial sums of one
-  ``[chunk, V_local]`` tile (about 1% of it) with XLA. The backward is one fused elementwise pass that reads the logits and writes
-  the gradient (an array like ``logits``), with no temporaries; when the logits are dead
-  after it (donated, or an intermediate of a jitted training step) XLA writes the
-  gradient into their buffer and the backward needs no new memory at all.
+  ``[chunk, V_local]`` tile (about 1% of it) with XLA. The backward reads the logits once
+  and writes the gradient (an array like ``logits``) with no temporaries; see
+  ``backward_in_place`` for when that array is the logits' own buffer.
   """
   logits = _checks.as_array("logits", logits)
   labels = _checks.as_array("labels", labels)
@@ -83,15 +89,15 @@ def logprobs_and_entropy(logits, labels, *, temperature=1.0, where=None, vocab_s
   out = _jitted_logprobs_entropy(
       logits.reshape(num_tokens, num_columns), labels.reshape(-1).astype(jnp.int32),
       inv_temp.reshape(-1), valid.reshape(-1), vocab_size, mask_vocab, chunk, vocab_axis,
-      return_entropy, implementation)
+      return_entropy, implementation, bool(backward_in_place))
   logp = out[0].reshape(labels.shape)
   entropy = out[1].reshape(labels.shape) if return_entropy else None
   return logp, entropy
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8, 9))
+@partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8, 9, 10))
 def _logprobs_entropy(x, labels, inv_temp, valid, vocab_size, mask_vocab, chunk, vocab_axis,
-                      with_entropy, implementation):
+                      with_entropy, implementation, in_place):
   """``x [T, V_local]`` -> ``(logp [T],)`` or ``(logp [T], entropy [T])``, float32."""
   out, _ = _forward(x, labels, inv_temp, valid, vocab_size, mask_vocab, chunk, vocab_axis,
                     with_entropy, implementation)
@@ -128,7 +134,7 @@ def _forward(x, labels, inv_temp, valid, vocab_size, mask_vocab, chunk, vocab_ax
 
 
 def _logprobs_entropy_fwd(x, labels, inv_temp, valid, vocab_size, mask_vocab, chunk,
-                          vocab_axis, with_entropy, implementation):
+                          vocab_axis, with_entropy, implementation, in_place):
   x, labels, inv_temp, valid = (p.value for p in (x, labels, inv_temp, valid))
   out, stats = _forward(x, labels, inv_temp, valid, vocab_size, mask_vocab, chunk,
                         vocab_axis, with_entropy, implementation)
@@ -136,24 +142,42 @@ def _logprobs_entropy_fwd(x, labels, inv_temp, valid, vocab_size, mask_vocab, ch
 
 
 def _logprobs_entropy_bwd(vocab_size, mask_vocab, chunk, vocab_axis, with_entropy,
-                          implementation, residuals, cotangents):
+                          implementation, in_place, residuals, cotangents):
   x, labels, inv_temp, valid, shift, log_sum, entropy = residuals
   g_logp = _math.symbolic_zero_to_none(cotangents[0])
   g_entropy = _math.symbolic_zero_to_none(cotangents[1]) if with_entropy else None
   if g_logp is None and g_entropy is None:
     return (jnp.zeros_like(x), None, None, None)
-
-  # One elementwise pass over [T, V_local]: read the logits, write the gradient. XLA
-  # fuses it into a single loop with no temporaries, and writes into the logits' own
-  # buffer when they are dead afterwards (donated, or an intermediate of a jitted step).
   column_start = _math.shard_column_start(x.shape[1], vocab_axis)
-  z = _math.scaled_logits(x, inv_temp, column_start, mask_vocab)
-  dz = _math.logit_grad(z, labels - column_start, shift, log_sum, entropy, g_logp, g_entropy,
-                        valid)
-  return ((dz * inv_temp[:, None].astype(dz.dtype)).astype(x.dtype), None, None, None)
+
+  def gradient(x, rows):
+    """d loss / d logits of the logits rows ``x`` (``rows`` slices the [T] vectors)."""
+    z = _math.scaled_logits(x, rows(inv_temp), column_start, mask_vocab)
+    dz = _math.logit_grad(z, rows(labels) - column_start, rows(shift), rows(log_sum),
+                          rows(entropy), rows(g_logp), rows(g_entropy), rows(valid))
+    return (dz * rows(inv_temp)[:, None].astype(dz.dtype)).astype(x.dtype)
+
+  if not in_place:
+    # One elementwise pass over [T, V_local] into a new array.
+    return (gradient(x, lambda a: a), None, None, None)
+
+  # The logits buffer is the loop carry; each step overwrites one chunk of rows with
+  # its gradient (XLA updates a loop carry in place, copying it first only when the
+  # logits are still needed after the backward). A ragged tail is one static step.
+  num_tokens = x.shape[0]
+  full, tail = divmod(num_tokens, chunk)
+
+  def overwrite(x, start, size):
+    rows = lambda a: None if a is None else lax.dynamic_slice_in_dim(a, start, size, 0)
+    return lax.dynamic_update_slice_in_dim(x, gradient(rows(x), rows), start, 0)
+
+  x = lax.fori_loop(0, full, lambda i, x: overwrite(x, i * chunk, chunk), x)
+  if tail:
+    x = overwrite(x, full * chunk, tail)
+  return (x, None, None, None)
 
 
 _logprobs_entropy.defvjp(_logprobs_entropy_fwd, _logprobs_entropy_bwd, symbolic_zeros=True)
 # Jitted once per static configuration, so repeated eager calls do not recompile; inside
 # an outer jit (or shard_map) it is inlined.
-_jitted_logprobs_entropy = jax.jit(_logprobs_entropy, static_argnums=(4, 5, 6, 7, 8, 9))
+_jitted_logprobs_entropy = jax.jit(_logprobs_entropy, static_argnums=(4, 5, 6, 7, 8, 9, 10))

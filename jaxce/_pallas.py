@@ -20,47 +20,54 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-# Columns loaded per step: 16 bf16 per thread with 8 warps. Measured on an H200 (T = 32768,
-# V = 151936): 2048 -> 5.9 ms, 4096 -> 5.5 ms, 8192 -> 5.9 ms forward.
-MAX_BLOCK = 4096
+# Columns loaded per step and warps per program. Measured on an H200 (T = 32768,
+# V = 151936, bf16, forward statistics alone; scripts/gpu_probe_round{3,4}.py): 2048
+# columns with 4 warps 4.61 ms; 4096 with 8 warps 4.95 ms; 8192 with 16 warps 6.04 ms;
+# the earlier kernel (three cross-lane reductions per block) 5.54 ms.
+MAX_BLOCK = 2048
+NUM_WARPS = 4
 
 
 def _row_kernel(x_ref, inv_temp_ref, limit_ref, m_ref, s_ref, q_ref, *, block, with_entropy):
   """Statistics of one row ``x_ref [V_local]``; columns ``>= limit`` are excluded.
 
-  One running state per row, updated once per block of columns (block max, then one
-  exp per element). A variant with one state per lane (no cross-lane reductions in the
-  loop) measured slower on an H200: 6.3 vs 5.5 ms at T = 32768 (bench/NOTES.md).
+  The running max ``m`` is one number per row (one cross-lane max per block); the sums
+  ``s`` and ``q`` are kept per lane, rescaled by the same ``exp(m_old - m_new)``, and
+  reduced across lanes once at the end. The next block is loaded before the current one
+  is processed, so a load is always in flight. (A variant with a max per lane needs a
+  second exp per element and measured slower: 6.3 vs 5.5 ms, bench/NOTES.md.)
   """
   num_columns = x_ref.shape[0]
   inv_temp = inv_temp_ref[...]
   limit = limit_ref[...]
   lanes = lax.iota(jnp.int32, block)
   floor = jnp.finfo(jnp.float32).min
+  num_blocks = pl.cdiv(num_columns, block)
+
+  def load(i):
+    # The last block is clamped back inside the row; columns an earlier block read are
+    # masked in ``step``, so nothing is read out of bounds and nothing counts twice.
+    return plgpu.load(x_ref.at[pl.ds(jnp.minimum(i * block, num_columns - block), block)])
 
   def step(i, carry):
-    m, s, q = carry
-    # The last block is clamped back inside the row; columns an earlier block read are
-    # masked, so nothing is read out of bounds and nothing counts twice.
-    start = jnp.minimum(i * block, num_columns - block)
-    columns = start + lanes
+    m, s, q, x = carry
+    x_next = load(jnp.minimum(i + 1, num_blocks - 1))
+    columns = jnp.minimum(i * block, num_columns - block) + lanes
     keep = (columns >= i * block) & (columns < limit)
-    x = plgpu.load(x_ref.at[pl.ds(start, block)])
     z = jnp.where(keep, x.astype(jnp.float32) * inv_temp, -jnp.inf)
     m_new = jnp.maximum(m, jnp.maximum(jnp.max(z), floor))
+    scale = jnp.exp(m - m_new)
     shifted = z - m_new
     e = jnp.exp(shifted)
-    scale = jnp.exp(m - m_new)
-    s_new = s * scale + jnp.sum(e)
     if with_entropy:
-      q = scale * (q + (m - m_new) * s) + jnp.sum(jnp.where(e > 0, e * shifted, 0.0))
-    return m_new, s_new, q
+      q = scale * (q + (m - m_new) * s) + jnp.where(e > 0, e * shifted, 0.0)
+    return m_new, s * scale + e, q, x_next
 
-  zero = jnp.float32(0)
-  m, s, q = lax.fori_loop(0, pl.cdiv(num_columns, block), step, (floor, zero, zero))
+  zero = jnp.zeros((block,), jnp.float32)
+  m, s, q, _ = lax.fori_loop(0, num_blocks, step, (floor, zero, zero, load(0)))
   m_ref[...] = m
-  s_ref[...] = s
-  q_ref[...] = q
+  s_ref[...] = jnp.sum(s)
+  q_ref[...] = jnp.sum(q)
 
 
 def _scalar_like(x):
@@ -95,7 +102,8 @@ def row_statistics(x, inv_temp, limit, with_entropy):
       partial(_row_kernel, block=block, with_entropy=with_entropy),
       out_shape=(scalar, scalar, scalar),
       grid=(),
-      compiler_params=plgpu.CompilerParams(num_warps=8 if block >= 2048 else 4, num_stages=3),
+      compiler_params=plgpu.CompilerParams(num_warps=NUM_WARPS if block >= 1024 else 2,
+                                           num_stages=1),
       interpret=jax.default_backend() != "gpu",
       name="jaxce_row_statistics",
   )

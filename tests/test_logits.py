@@ -21,7 +21,8 @@ def _case(seed, shape, num_columns, vocab_size=None, ignore=0.2):
 def _check(logits, dtype, loss_kw, **kw):
   x = jnp.asarray(logits, dtype)
   (logp, ent), grad = value_and_grads(jaxce.logprobs_and_entropy, (x,), 0, **loss_kw, **kw)
-  ref_kw = {k: v for k, v in kw.items() if k not in ("chunk_size", "implementation")}
+  ref_kw = {k: v for k, v in kw.items()
+            if k not in ("chunk_size", "implementation", "backward_in_place")}
   (logp_ref, ent_ref), grad_ref = value_and_grads(
       reference.logprobs_and_entropy, (jnp.asarray(x, jnp.float64),), 0, **loss_kw, **ref_kw)
   tol = TOLERANCE[dtype]
@@ -40,6 +41,13 @@ def _check(logits, dtype, loss_kw, **kw):
 def test_chunk_sizes_match_reference(chunk_size):
   _, logits, labels, loss_kw = _case(0, (37,), 1009)
   _check(logits, jnp.float32, loss_kw, chunk_size=chunk_size)
+
+
+@pytest.mark.parametrize("chunk_size", [7, 37, 38])  # ragged tail; exact; one step
+@pytest.mark.parametrize("in_place", [True, False])
+def test_both_backward_formulations_match_reference(chunk_size, in_place):
+  _, logits, labels, loss_kw = _case(11, (37,), 1009)
+  _check(logits, jnp.float32, loss_kw, chunk_size=chunk_size, backward_in_place=in_place)
 
 
 def test_donated_logits_under_jit():

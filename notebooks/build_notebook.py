@@ -463,7 +463,12 @@ for path in ("logits", "fused"):
     if plan(c)["extra"] + plan(c)["argument"] > 0.9 * LIMIT:
       print(f"{path} {c['impl']}: skipped, its plan does not fit the device")
       continue
-    times[key(c)] = mh.run_time(_compiled[key(c)], arrays, CFG["time_reps"])
+    try:
+      times[key(c)] = mh.run_time(_compiled[key(c)], arrays, CFG["time_reps"])
+    except jax.errors.JaxRuntimeError as error:  # e.g. a fragmented device heap
+      if "RESOURCE_EXHAUSTED" not in str(error):
+        raise
+      print(f"{path} {c['impl']} chunk {chunk_of(c)}: out of memory on this device")
   del arrays
   plain_ms = times.get(key(cases[-1]), float("nan")) * 1e3
   print(f"{path} path, T = {T}: plain JAX {plain_ms:.1f} ms; jaxce "

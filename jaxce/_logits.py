@@ -40,13 +40,14 @@ def logprobs_and_entropy(logits, labels, *, temperature=1.0, where=None, vocab_s
       ``shard_map``, else ``"xla"``.
     backward_in_place: ``False`` (default): one fused pass writes the gradient; donated
       logits are reused by XLA, but as an intermediate of a jitted step XLA's GPU plan
-      gives the gradient its own buffer. ``True``: the backward walks the logits in chunks of tokens and
-      overwrites each chunk with its gradient, so when the logits are dead afterwards
-      (donated, or an intermediate of a jitted training step) the gradient takes their
-      buffer; when they are still alive XLA copies them first (one more read and write
-      of the logits, no more memory). Measured on an H200 (T = 32768, V = 151936, bf16,
-      bench/results/nvidia-h200-x1.json): a training step's plan 10.7 GiB instead of two
-      [T, V] buffers, but 19.4 vs 12.2 ms standalone (the loop body is split in two).
+      gives the gradient its own buffer. ``True``: the backward walks the logits in
+      chunks of tokens and overwrites each chunk with its gradient, so when the logits
+      are dead afterwards (donated, or an intermediate of a jitted training step) the
+      gradient takes their buffer; when they are still alive XLA copies them first (one
+      more read and write of the logits, no more memory). Measured on an H200 (T = 32768,
+      V = 151936, bf16, bench/results/nvidia-h200-x1-4a285da.json): a training step's
+      plan 10.7 GiB instead of two [T, V] buffers, but 19.4 vs 12.2 ms standalone (XLA
+      splits the loop body in two fusions with a [chunk, V] bool temporary).
 
   Returns:
     ``(logp, entropy)``, float32 arrays of ``labels.shape`` (entropy ``None`` when

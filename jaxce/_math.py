@@ -101,10 +101,8 @@ def logit_grad(z, label_column, shift, log_sum, entropy, g_logp, g_entropy, vali
   coef = jnp.zeros_like(shift) if g_logp is None else g_logp
   coef = coef[:, None]
   if g_entropy is not None:
-    # -inf columns have p == 0: keep their log p out of the product. The test is on log p,
-    # not on p: a mask of ``exp(..) > 0`` made XLA's GPU fusion split the in-place backward
-    # loop in two (a [chunk, V] bool mask written and read, the exp computed twice).
-    coef = coef + g_entropy[:, None] * (jnp.where(log_p > -jnp.inf, log_p, 0) + entropy[:, None])
+    # -inf columns have p == 0: keep their log p out of the product.
+    coef = coef + g_entropy[:, None] * (jnp.where(p > 0, log_p, 0) + entropy[:, None])
   dz = -p * coef
   if g_logp is not None:
     hit = lax.broadcasted_iota(jnp.int32, z.shape, 1) == label_column[:, None]

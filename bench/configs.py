@@ -32,10 +32,13 @@ SUPPORTS = {
 # donated so the gradient can take their buffer; value and gradient like every row);
 # "inplace_grad" (the same, gradient only: ``jax.grad``, no loss value returned);
 # "train_step" (hidden @ W -> logits as an intermediate of one jitted step -> loss ->
-# grads of hidden and W; jaxce and jax_plain); "new_buffer" (jaxce's logits path with
-# ``backward_in_place=False``: the gradient gets a new array, for logits kept alive).
-IN_PLACE_VARIANTS = ("inplace", "inplace_grad")
-VARIANTS = ("default", "logp_only") + IN_PLACE_VARIANTS + ("train_step", "new_buffer")
+# grads of hidden and W; jaxce and jax_plain); "inplace_loop" and "train_step_loop" (the
+# same with ``backward_in_place=True``: the backward overwrites the logits chunk by chunk);
+# "xla" (jaxce with ``implementation="xla"``: XLA's two-pass statistics, not the kernel).
+IN_PLACE_VARIANTS = ("inplace", "inplace_grad", "inplace_loop")
+LOOP_VARIANTS = ("inplace_loop", "train_step_loop")
+TRAIN_STEP_VARIANTS = ("train_step", "train_step_loop")
+VARIANTS = ("default", "logp_only") + IN_PLACE_VARIANTS + TRAIN_STEP_VARIANTS + ("xla",)
 MODES = ("fwd", "fwd_bwd")
 ENTROPY_COEF = 0.01
 
@@ -95,12 +98,15 @@ class Config:
     """Why this combination cannot run (``None`` when it can)."""
     if self.impl not in SUPPORTS.get(self.input, ()):
       return f"{self.impl} has no {self.input} path"
-    if self.variant in IN_PLACE_VARIANTS + ("new_buffer",) and (
+    if self.variant in IN_PLACE_VARIANTS and (
         self.impl, self.input, self.mode) != ("jaxce", "logits", "fwd_bwd"):
       return f"{self.variant} is a jaxce logits fwd_bwd variant"
-    if self.variant == "train_step" and (self.impl not in ("jaxce", "jax_plain")
-                                         or self.input != "linear" or self.mode != "fwd_bwd"):
-      return "train_step is a jaxce / jax_plain linear fwd_bwd variant"
+    if self.variant in TRAIN_STEP_VARIANTS and (
+        self.impl not in ("jaxce", "jax_plain") or self.input != "linear"
+        or self.mode != "fwd_bwd" or (self.impl != "jaxce" and self.variant in LOOP_VARIANTS)):
+      return f"{self.variant} is a jaxce (train_step: or jax_plain) linear fwd_bwd variant"
+    if self.variant == "xla" and self.impl != "jaxce":
+      return "xla is a jaxce variant"
     if self.variant == "logp_only" and self.impl in LOGP_ONLY_IMPLS:
       return "already log-prob only"
     if self.input == "linear" and not self.D:
@@ -162,12 +168,14 @@ def _gpu_groups(Ts):
   """The one-GPU suite: every peer; variants and the chunked peers in fwd_bwd only."""
   return [
       Group("logits", ("jaxce", "jax_plain", "torch_eager"), Ts, _GPU_V),
-      Group("logits", ("jaxce:inplace", "jaxce:inplace_grad", "jaxce:new_buffer",
+      Group("logits", ("jaxce:xla",), Ts, _GPU_V),
+      Group("logits", ("jaxce:inplace", "jaxce:inplace_grad", "jaxce:inplace_loop",
                        "jax_scan_remat", "optax"), Ts, _GPU_V, **_BWD),
       Group("linear", ("jaxce", "jax_plain", "tokamax", "torch_eager", "liger", "cce"), Ts,
             _GPU_V, _GPU_D),
-      Group("linear", ("jaxce:logp_only", "jax_scan_remat", "jaxce:train_step",
-                       "jax_plain:train_step"), Ts, _GPU_V, _GPU_D, **_BWD),
+      Group("linear", ("jaxce:logp_only", "jaxce:xla", "jax_scan_remat", "jaxce:train_step",
+                       "jaxce:train_step_loop", "jax_plain:train_step"), Ts, _GPU_V, _GPU_D,
+            **_BWD),
   ]
 
 
@@ -177,10 +185,10 @@ SUITES = {
     # The CI smoke test: tiny shapes, a 2-device sharded row (simulated CPU devices).
     "smoke": [
         Group("logits", ("jaxce", "jax_plain"), (64, 200), 1000),
-        Group("logits", ("jaxce:inplace", "jaxce:inplace_grad", "jaxce:new_buffer",
-                         "jax_scan_remat", "optax"), (200,), 1000, **_BWD),
-        Group("linear", ("jaxce", "jax_plain", "jaxce:train_step", "jax_plain:train_step"),
-              (200,), 1000, 32),
+        Group("logits", ("jaxce:inplace", "jaxce:inplace_grad", "jaxce:inplace_loop",
+                         "jaxce:xla", "jax_scan_remat", "optax"), (200,), 1000, **_BWD),
+        Group("linear", ("jaxce", "jax_plain", "jaxce:train_step", "jaxce:train_step_loop",
+                         "jax_plain:train_step"), (200,), 1000, 32),
         Group("logits", ("jaxce", "jax_plain"), (200,), 1000, n_devices=2, **_BWD),
         Group("linear", ("jaxce",), (200,), 1000, 32, n_devices=2, **_BWD),
     ],
@@ -190,7 +198,7 @@ SUITES = {
     # one-device figures at T = 32768 on the same machine to compare with (issue 5, target 5).
     "gpu-sharded": [
         Group("logits", ("jaxce", "jax_plain"), _GPU_T, _GPU_V, n_devices=0),
-        Group("logits", ("jaxce:inplace", "jaxce:inplace_grad", "jaxce:new_buffer"), _GPU_T,
+        Group("logits", ("jaxce:inplace", "jaxce:inplace_grad", "jaxce:inplace_loop"), _GPU_T,
               _GPU_V, n_devices=0, **_BWD),
         Group("linear", ("jaxce", "jax_plain"), _GPU_T, _GPU_V, _GPU_D, n_devices=0),
         Group("linear", ("jaxce:logp_only",), _GPU_T, _GPU_V, _GPU_D, n_devices=0, **_BWD),

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import time
 
-from bench.configs import Config
+from bench.configs import TRAIN_STEP_VARIANTS, Config
 
 
 def median_seconds(fn, *args, repeats):
@@ -80,6 +80,6 @@ def floor_ms(config: Config, n_devices: int, hbm_GBps: float, matmul_tflops: dic
   if config.input == "logits":
     return memory_ms
   matmul = 2 * config.T * config.D * V / (matmul_tflops[config.dtype] * 1e12) * 1e3
-  if config.variant == "train_step":
+  if config.variant in TRAIN_STEP_VARIANTS:
     return 3 * matmul + memory_ms
   return (1 if config.mode == "fwd" else 4) * matmul

@@ -18,7 +18,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from bench.configs import IN_PLACE_VARIANTS, Config
+from bench.configs import IN_PLACE_VARIANTS, LOOP_VARIANTS, TRAIN_STEP_VARIANTS, Config
 
 VOCAB_AXIS = "v"
 # Where each input lives: the vocab dim split over the mesh, everything else replicated.
@@ -106,6 +106,12 @@ def _planned_chunk(num_tokens, num_columns, chunk_size, linear=False):
     return chunk_size
 
 
+def _options_note(kw) -> str:
+  """The non-default jaxce options of a variant, for the row's ``note``."""
+  return ", ".join(f"{k}={v!r}" for k, v in kw.items()
+                   if k in ("backward_in_place", "implementation"))
+
+
 def _per_token_fn(config: Config, mesh: Mesh, n_devices: int):
   """``(f, chunk_used, note)``: f maps the float arrays and labels to ``(logp, H)``."""
   import jaxce
@@ -116,11 +122,15 @@ def _per_token_fn(config: Config, mesh: Mesh, n_devices: int):
   v_local = config.V // n_devices
   impl, linear = config.impl, config.input == "linear"
 
-  if config.variant == "train_step":
+  if config.variant in LOOP_VARIANTS:
+    kw["backward_in_place"] = True
+  if config.variant == "xla":
+    kw["implementation"] = "xla"
+  if config.variant in TRAIN_STEP_VARIANTS:
     if impl == "jaxce":
       fn = jaxce.sharded_logprobs_and_entropy if sharded else jaxce.logprobs_and_entropy
       f = lambda h, w, lab: fn(_matmul(h, w), lab, **shard_kw, **kw)
-      return f, _planned_chunk(config.T, v_local, config.chunk_size), ""
+      return f, _planned_chunk(config.T, v_local, config.chunk_size), _options_note(kw)
     return (lambda h, w, lab: plain_logprobs_entropy(_matmul(h, w), lab, entropy)), None, ""
 
   if impl == "jaxce":
@@ -129,17 +139,15 @@ def _per_token_fn(config: Config, mesh: Mesh, n_devices: int):
           jaxce.linear_logprobs_and_entropy
       f = lambda h, w, lab: fn(h, w, lab, **shard_kw, **kw)
       block = getattr(sys.modules["jaxce._linear"], "DEFAULT_VOCAB_BLOCK", v_local)
-      return f, _planned_chunk(config.T, min(block, v_local), config.chunk_size, True), ""
+      return (f, _planned_chunk(config.T, min(block, v_local), config.chunk_size, True),
+              _options_note(kw))
     fn = jaxce.sharded_logprobs_and_entropy if sharded else jaxce.logprobs_and_entropy
-    if config.variant == "new_buffer":
-      kw["backward_in_place"] = False
-    donated = config.variant in IN_PLACE_VARIANTS
     f = lambda x, lab: fn(x, lab, **shard_kw, **kw)
-    note = "backward_in_place=False" if config.variant == "new_buffer" else ""
-    if donated:
-      note = "logits donated" + (
-          "; jax.grad: gradient only, no loss value" if config.variant == "inplace_grad"
-          else "; jax.value_and_grad")
+    note = _options_note(kw)
+    if config.variant in IN_PLACE_VARIANTS:
+      note = "; ".join(filter(None, ["logits donated", (
+          "jax.grad: gradient only, no loss value" if config.variant == "inplace_grad"
+          else "jax.value_and_grad"), note]))
     return f, _planned_chunk(config.T, v_local, config.chunk_size), note
 
   if impl == "jax_plain":

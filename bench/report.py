@@ -21,6 +21,7 @@ import argparse
 import json
 import os
 
+from bench import configs
 from bench.configs import row_key
 
 STATUSES = ("ok", "oom", "error")
@@ -51,8 +52,7 @@ def merge(old: dict | None, new: dict) -> dict:
 
 
 def sort_rows(rows):
-  order = {"default": 0, "logp_only": 1, "inplace": 2, "inplace_grad": 3, "new_buffer": 4,
-           "train_step": 5}
+  order = {v: i for i, v in enumerate(configs.VARIANTS)}
   return sorted(rows, key=lambda r: (
       r["n_devices"], r["input"] != "logits", r["mode"], r["T"], r["D"] or 0, r["dtype"],
       r["chunk_size"] or 0, r["impl"] != "jaxce", r["impl"], order.get(r.get("variant"), 9)))

@@ -8,6 +8,8 @@ accumulation) for each tile:
 
 * forward: an online softmax folds each tile into per-token running sums ``(m, s, q)``
   and the label's logit, ``[T]`` f32 each; shards combine them with one pmax + one psum.
+  The tile's own statistics take two XLA passes over it, or one with the Pallas kernel
+  of ``_pallas`` (the default on GPUs).
 * backward: each tile's ``d logits`` (cast to the weight's dtype) feeds two matmuls:
   ``d W_block = hidden_chunkᵀ @ d`` accumulates in f32 over the token chunks of the
   block and is then written once; ``d hidden += d @ W_blockᵀ`` accumulates in an f32
@@ -26,7 +28,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxce import _checks, _chunking, _math
+from jaxce import _checks, _chunking, _math, _pallas
 
 # Vocab columns per tile when none is given: few enough blocks that the f32 ``d hidden``
 # accumulator is touched only ``V / 16384`` times, big enough for efficient matmuls.
@@ -40,7 +42,7 @@ TILE_BYTES = 128 * 2**20
 def linear_logprobs_and_entropy(hidden, weight, labels, *, bias=None, logit_softcap=None,
                                 temperature=1.0, where=None, vocab_size=None, chunk_size=None,
                                 vocab_axis=None, return_entropy=True, vocab_block_size=None,
-                                weight_layout="dv"):
+                                weight_layout="dv", implementation=None):
   """Per-token log-prob and entropy of ``softmax(softcap(hidden @ weight + bias) / T)``.
 
   Args:
@@ -59,6 +61,10 @@ def linear_logprobs_and_entropy(hidden, weight, labels, *, bias=None, logit_soft
       embeddings pass the embedding table itself). Either way the matmuls read the array
       as stored; passing ``embedding.T`` with ``"dv"`` also works but XLA may then copy
       the table and the gradient into the other layout.
+    implementation: the forward's statistics of each f32 tile by ``"xla"`` (two fused
+      passes over the tile: the max, then the sums) or ``"pallas"`` (one pass, the
+      Triton kernel of the logits path; interpreted off GPUs, for tests). ``None``:
+      as :func:`jaxce.logprobs_and_entropy` decides.
   Returns:
     ``(logp, entropy)`` float32 of ``labels.shape`` (entropy ``None`` when
     ``return_entropy=False``). Gradients flow to ``hidden``, ``weight`` and ``bias`` in
@@ -113,7 +119,8 @@ def linear_logprobs_and_entropy(hidden, weight, labels, *, bias=None, logit_soft
                    mask_vocab=vocab_size if vocab_size < num_columns * shards else None,
                    chunk=chunk, block=block, vocab_axis=vocab_axis,
                    softcap=None if logit_softcap is None else float(logit_softcap),
-                   with_entropy=return_entropy, vocab_dim=vocab_dim)
+                   with_entropy=return_entropy, vocab_dim=vocab_dim,
+                   pallas=_pallas.resolve_implementation(implementation, hidden) == "pallas")
   out = _jitted_linear_logprobs_entropy(
       hidden.reshape(num_tokens, hidden.shape[-1]), weight, bias,
       labels.reshape(-1).astype(jnp.int32), inv_temp.reshape(-1), valid.reshape(-1), static)
@@ -132,6 +139,7 @@ class _Static(NamedTuple):
   softcap: float | None
   with_entropy: bool
   vocab_dim: int
+  pallas: bool = False
 
 
 def _contract(a, b, a_dim, b_dim):
@@ -185,10 +193,19 @@ def _forward(hidden, weight, bias, labels, inv_temp, valid, static):
       start = _chunking.chunk_start(i, num_tokens, chunk)
       rows = lambda a: lax.dynamic_slice_in_dim(a, start, chunk, 0)
       x = _tile_logits(rows(hidden), w_cols, b_cols, static.softcap, static.vocab_dim)
-      z = _math.scaled_logits(x, rows(inv_temp), shard_start + col, static.mask_vocab,
-                              first_column)
       m, s, q, picked = (None if c is None else rows(c) for c in carry)
-      new = _math.accumulate_tile(m, s, q, z)
+      if static.pallas:  # the tile's own columns: global ids in [first_column, mask_vocab)
+        tile_start = shard_start + col
+        limit = block if static.mask_vocab is None else jnp.clip(
+            static.mask_vocab - tile_start, 0, block)
+        tile_m, tile_s, tile_q = _pallas.row_statistics(
+            x, rows(inv_temp), limit, static.with_entropy, start=first_column - tile_start)
+        new = _math.merge_statistics(m, s, q, tile_m, tile_s,
+                                     tile_q if static.with_entropy else None)
+      else:
+        z = _math.scaled_logits(x, rows(inv_temp), shard_start + col, static.mask_vocab,
+                                first_column)
+        new = _math.accumulate_tile(m, s, q, z)
       new += (picked + _math.label_logit(x, rows(labels), rows(inv_temp), shard_start + col,
                                          first_column),)
       fresh = _chunking.fresh_rows(i, start, chunk)  # the clamped chunk's overlap is done

@@ -80,14 +80,7 @@ def logprobs_and_entropy(logits, labels, *, temperature=1.0, where=None, vocab_s
     return zeros, (zeros if return_entropy else None)
   num_tokens = labels.size
   chunk = _chunking.plan_chunk_size(num_tokens, num_columns, chunk_size)
-  # Inside shard_map the kernel lowers on GPUs (checked by scripts/gpu_probe_pallas.py on a
-  # one-GPU mesh) but JAX's Pallas interpreter cannot run it there, so CI could not test
-  # it: the default keeps XLA's forward for sharded calls.
-  if implementation is None:
-    implementation = "pallas" if (jax.default_backend() == "gpu" and not _math.varying_axes(
-        logits) and logits.dtype != jnp.float64) else "xla"
-  if implementation not in ("xla", "pallas"):
-    raise ValueError(f'implementation must be None, "xla" or "pallas", got {implementation=!r}')
+  implementation = _pallas.resolve_implementation(implementation, logits)
   mask_vocab = vocab_size if vocab_size < num_columns * shards else None
   out = _jitted_logprobs_entropy(
       logits.reshape(num_tokens, num_columns), labels.reshape(-1).astype(jnp.int32),

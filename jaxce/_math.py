@@ -241,6 +241,15 @@ def accumulate_tile(m, s, q, z):
   return m_new, s + sums[0], (None if q is None else q + sums[1])
 
 
+def merge_statistics(m, s, q, other_m, other_s, other_q):
+  """One ``(m, s, q)`` from two of the same rows over disjoint columns (``[C]`` each;
+  ``q`` and ``other_q`` both ``None`` without the entropy)."""
+  m_new = jnp.maximum(m, other_m)
+  s, q = merge_running(m, s, q, m_new)
+  other_s, other_q = merge_running(other_m, other_s, other_q, m_new)
+  return m_new, s + other_s, (None if q is None else q + other_q)
+
+
 def combine_shards(m, s, q, picked, vocab_axis):
   """All-reduce running sums and the label logit over ``vocab_axis``: one pmax, one psum."""
   if vocab_axis is None:

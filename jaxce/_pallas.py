@@ -1,11 +1,11 @@
-"""One-pass forward statistics for the logits path as a Pallas (Triton) kernel on GPUs.
+"""One-pass forward statistics of logits rows as a Pallas (Triton) kernel on GPUs.
 
 XLA computes the row statistics in two passes over the logits (the max, then the sums
 of exp); this kernel reads each row once. One program per token walks the row in blocks
 of ``block`` columns with an online softmax: running ``m`` (max), ``s = sum exp(z - m)``
 and ``q = sum exp(z - m) (z - m)``, rescaled when the max grows. The label's logit is
-gathered outside (T elements) and shards combine ``(m, s, q)`` outside, exactly as the
-fused linear path does, so the maths stays in ``_math``.
+gathered outside (T elements) and shards (or, on the fused path, vocab blocks) combine
+``(m, s, q)`` outside with ``_math``'s functions, so the maths stays there.
 
 On other platforms the same kernel runs in Pallas interpret mode (for tests only).
 """
@@ -20,6 +20,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from jaxce import _math
+
 # Columns loaded per step and warps per program. Measured on an H200 (T = 32768,
 # V = 151936, bf16, forward statistics alone; scripts/gpu_probe_round{3,4}.py): 2048
 # columns with 4 warps 4.61 ms; 4096 with 8 warps 4.95 ms; 8192 with 16 warps 6.04 ms;
@@ -28,8 +30,9 @@ MAX_BLOCK = 2048
 NUM_WARPS = 4
 
 
-def _row_kernel(x_ref, inv_temp_ref, limit_ref, m_ref, s_ref, q_ref, *, block, with_entropy):
-  """Statistics of one row ``x_ref [V_local]``; columns ``>= limit`` are excluded.
+def _row_kernel(x_ref, inv_temp_ref, start_ref, limit_ref, m_ref, s_ref, q_ref, *, block,
+                with_entropy):
+  """Statistics of one row ``x_ref [V_local]`` over the columns in ``[start, limit)``.
 
   The running max ``m`` is one number per row (one cross-lane max per block); the sums
   ``s`` and ``q`` are kept per lane, rescaled by the same ``exp(m_old - m_new)``, and
@@ -39,6 +42,7 @@ def _row_kernel(x_ref, inv_temp_ref, limit_ref, m_ref, s_ref, q_ref, *, block, w
   """
   num_columns = x_ref.shape[0]
   inv_temp = inv_temp_ref[...]
+  start = start_ref[...]
   limit = limit_ref[...]
   lanes = lax.iota(jnp.int32, block)
   floor = jnp.finfo(jnp.float32).min
@@ -53,7 +57,7 @@ def _row_kernel(x_ref, inv_temp_ref, limit_ref, m_ref, s_ref, q_ref, *, block, w
     m, s, q, x = carry
     x_next = load(jnp.minimum(i + 1, num_blocks - 1))
     columns = jnp.minimum(i * block, num_columns - block) + lanes
-    keep = (columns >= i * block) & (columns < limit)
+    keep = (columns >= jnp.maximum(i * block, start)) & (columns < limit)
     z = jnp.where(keep, x.astype(jnp.float32) * inv_temp, -jnp.inf)
     m_new = jnp.maximum(m, jnp.maximum(jnp.max(z), floor))
     scale = jnp.exp(m - m_new)
@@ -70,6 +74,19 @@ def _row_kernel(x_ref, inv_temp_ref, limit_ref, m_ref, s_ref, q_ref, *, block, w
   q_ref[...] = jnp.sum(q)
 
 
+def resolve_implementation(implementation, x):
+  """``"pallas"`` or ``"xla"`` for statistics of rows like ``x``; ``None`` picks the kernel
+  on GPUs for bf16/f16/f32 outside ``shard_map`` (inside it the kernel lowers on GPUs,
+  checked by scripts/gpu_probe_pallas.py on a one-GPU mesh, but JAX's Pallas interpreter
+  cannot run it there, so CI could not test it)."""
+  if implementation is None:
+    return "pallas" if (jax.default_backend() == "gpu" and x.dtype != jnp.float64
+                        and not _math.varying_axes(x)) else "xla"
+  if implementation not in ("xla", "pallas"):
+    raise ValueError(f'implementation must be None, "xla" or "pallas", got {implementation=!r}')
+  return implementation
+
+
 def _scalar_like(x):
   """A float32 scalar output that varies over the same shard_map axes as ``x``
   (``check_vma`` needs it spelled out: ``manual_axis_type`` in JAX >= 0.10, ``vma`` before)."""
@@ -82,14 +99,16 @@ def _scalar_like(x):
   return jax.ShapeDtypeStruct((), jnp.float32)
 
 
-def row_statistics(x, inv_temp, limit, with_entropy):
-  """Per-row ``(m, s, q)`` of ``z = x * inv_temp`` over the columns ``< limit``.
+def row_statistics(x, inv_temp, limit, with_entropy, start=0):
+  """Per-row ``(m, s, q)`` of ``z = x * inv_temp`` over the columns in ``[start, limit)``.
 
   Args:
     x: ``[T, V_local]`` logits, any float dtype; read once.
     inv_temp: ``[T]`` float32.
     limit: int32 scalar: columns at or beyond it are excluded (the padded vocabulary).
     with_entropy: compute ``q`` (else it is returned as zeros).
+    start: int32 scalar: columns below it are excluded (on the fused path, the columns of
+      a clamped last vocab block that an earlier block already covered).
 
   Returns:
     ``(m, s, q)``, ``[T]`` float32 each. ``m`` starts at ``finfo.min``, so a row with
@@ -107,5 +126,6 @@ def row_statistics(x, inv_temp, limit, with_entropy):
       interpret=jax.default_backend() != "gpu",
       name="jaxce_row_statistics",
   )
-  return jax.vmap(call, in_axes=(0, 0, None))(x, inv_temp.astype(jnp.float32),
-                                              jnp.asarray(limit, jnp.int32))
+  return jax.vmap(call, in_axes=(0, 0, None, None))(
+      x, inv_temp.astype(jnp.float32), jnp.asarray(start, jnp.int32),
+      jnp.asarray(limit, jnp.int32))

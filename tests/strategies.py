@@ -63,7 +63,7 @@ class Case:
   use: str             # outputs in the loss: "both", "logp" or "entropy"
   return_entropy: bool
   bias: bool           # linear path: pass a bias (always, unless "flat" logits)
-  implementation: str | None  # logits path: None (default), "xla" or "pallas"
+  implementation: str | None  # None (default), "xla" or "pallas" (one device only)
   weight_layout: str   # linear path: "dv" (weight [D, V]) or "vd" (weight [V, D])
   softcap: float | None  # linear path: logit_softcap (never with -inf "banned" logits)
   seed: int
@@ -87,7 +87,7 @@ def cases(draw, path=None, shards=None):
   # The fused path shifts, bans and peaks its logits through the bias.
   bias = linear and (kind != "flat" or draw(st.booleans()))
   # Pallas (interpreted off GPUs) is not supported inside shard_map.
-  implementation = None if linear or shards > 1 else draw(
+  implementation = None if shards > 1 else draw(
       st.sampled_from((None, None, "xla", "pallas")))
   return Case(
       path=path, tokens=draw(st.sampled_from(TOKENS)), columns=columns,
@@ -231,7 +231,7 @@ def options_of(case: Case, **overrides):
   if case.path == "linear":
     options.update(vocab_block_size=case.block, weight_layout=case.weight_layout,
                    logit_softcap=case.softcap)
-  elif case.implementation is not None:
+  if case.implementation is not None:
     options["implementation"] = case.implementation
   options.update(overrides)
   return tuple(sorted(options.items()))

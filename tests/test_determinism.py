@@ -76,7 +76,8 @@ def test_sharded_wrappers_work_eagerly(path):
     ("logits", [dict(chunk_size=c) for c in (1, 5, 16, 36, 100)]
      + [dict(implementation="pallas")]),
     ("linear", [dict(chunk_size=c, vocab_block_size=b)
-                for c, b in ((1, 7), (5, 64), (36, None), (100, 7), (5, None))]),
+                for c, b in ((1, 7), (5, 64), (36, None), (100, 7), (5, None))]
+     + [dict(chunk_size=5, vocab_block_size=7, implementation="pallas")]),
 ])
 def test_plans_change_results_only_by_rounding(path, options, dtype):
   """Against the default plan: values and gradients within 16 f32 ulps of their scale

@@ -250,53 +250,58 @@ def _linear_logprobs_entropy_bwd(static, residuals, cotangents):
   dtype = _math.compute_dtype(hidden.dtype)
   vocab_dim = static.vocab_dim
 
-  def block_step(carry, j):
+  def tile_grads(d_hidden, w_cols, b_cols, col, first_column, i):
+    """Tile ``(j, i)``: ``d hidden`` with its rows added, and the tile's f32 ``d W`` and
+    ``d bias`` columns (exactly 0 in a clamped block's overlap and at ignored rows)."""
+    start = _chunking.chunk_start(i, num_tokens, chunk)
+    rows = lambda a: None if a is None else lax.dynamic_slice_in_dim(a, start, chunk, 0)
+    h = rows(hidden)
+    x = _tile_logits(h, w_cols, b_cols, static.softcap, vocab_dim)
+    keep = rows(valid) & _chunking.fresh_rows(i, start, chunk)
+    h = jnp.where(keep[:, None], h, 0)  # an ignored row's NaN must not reach d W as 0 * NaN
+    z = _math.scaled_logits(x, rows(inv_temp), shard_start + col, static.mask_vocab,
+                            first_column)
+    label_column = rows(labels) - (shard_start + col)
+    label_column = jnp.where(rows(labels) >= first_column, label_column, -1)
+    dz = _math.logit_grad(z, label_column, rows(shift), rows(log_sum), rows(entropy),
+                          rows(g_logp), rows(g_entropy), keep)
+    dx = dz * rows(inv_temp)[:, None].astype(dtype)
+    if static.softcap is not None:
+      dx = dx * (1 - jnp.square(x / static.softcap))
+    d = dx.astype(weight.dtype)
+    # d W columns in the weight's layout: [D, Vb] = hᵀ d, or [Vb, D] = dᵀ h.
+    dw_tile = _contract(h, d, 0, 0) if vocab_dim else _contract(d, h, 0, 0)
+    dh_rows = _contract(d, w_cols, 1, vocab_dim)
+    d_hidden = lax.dynamic_update_slice_in_dim(d_hidden, rows(d_hidden) + dh_rows, start, 0)
+    return d_hidden, dw_tile, (None if bias is None else jnp.sum(dx, axis=0))
+
+  # A ragged vocabulary's clamped last block runs first: its overlap with the block before
+  # it gets exact zeros, which that block's own columns then overwrite (no read-back).
+  ragged = num_columns % block != 0
+
+  def block_step(carry, k):
     d_hidden, d_weight, d_bias = carry
+    j = (k + n_blocks - 1) % n_blocks if ragged else k
     col = _chunking.chunk_start(j, num_columns, block)
     first_column = shard_start + j * block
     w_cols = lax.dynamic_slice_in_dim(weight, col, block, vocab_dim)
     b_cols = None if bias is None else lax.dynamic_slice_in_dim(bias, col, block, 0)
+    step = partial(tile_grads, w_cols=w_cols, b_cols=b_cols, col=col,
+                   first_column=first_column)
 
     def chunk_step(carry, i):
       d_hidden, dw_block, db_block = carry
-      start = _chunking.chunk_start(i, num_tokens, chunk)
-      rows = lambda a: None if a is None else lax.dynamic_slice_in_dim(a, start, chunk, 0)
-      h = rows(hidden)
-      x = _tile_logits(h, w_cols, b_cols, static.softcap, vocab_dim)
-      keep = rows(valid) & _chunking.fresh_rows(i, start, chunk)
-      h = jnp.where(keep[:, None], h, 0)  # an ignored row's NaN must not reach d W as 0 * NaN
-      z = _math.scaled_logits(x, rows(inv_temp), shard_start + col, static.mask_vocab,
-                              first_column)
-      label_column = rows(labels) - (shard_start + col)
-      label_column = jnp.where(rows(labels) >= first_column, label_column, -1)
-      dz = _math.logit_grad(z, label_column, rows(shift), rows(log_sum), rows(entropy),
-                            rows(g_logp), rows(g_entropy), keep)
-      dx = dz * rows(inv_temp)[:, None].astype(dtype)
-      if static.softcap is not None:
-        dx = dx * (1 - jnp.square(x / static.softcap))
-      d = dx.astype(weight.dtype)
-      # d W block in the weight's layout: [D, Vb] = hᵀ d, or [Vb, D] = dᵀ h.
-      dw_block = dw_block + (_contract(h, d, 0, 0) if vocab_dim else _contract(d, h, 0, 0))
-      dh_rows = _contract(d, w_cols, 1, vocab_dim)
-      d_hidden = lax.dynamic_update_slice_in_dim(
-          d_hidden, rows(d_hidden) + dh_rows, start, 0)
-      db_block = None if db_block is None else db_block + jnp.sum(dx, axis=0)
-      return (d_hidden, dw_block, db_block), None
+      d_hidden, dw_tile, db_tile = step(d_hidden, i=i)
+      return (d_hidden, dw_block + dw_tile,
+              None if db_block is None else db_block + db_tile), None
 
-    dw_block = jnp.zeros_like(w_cols, dtype)
-    db_block = None if bias is None else jnp.zeros_like(b_cols, dtype)
+    # The first tile starts the block's f32 sums (no zero-filled accumulator to add to).
     (d_hidden, dw_block, db_block), _ = lax.scan(
-        chunk_step, (d_hidden, dw_block, db_block), jnp.arange(n_chunks))
-    # The clamped last block overlaps columns an earlier block wrote: keep those.
-    fresh = _chunking.fresh_rows(j, col, block)
-    old_w = lax.dynamic_slice_in_dim(d_weight, col, block, vocab_dim)
-    fresh_w = fresh[None, :] if vocab_dim else fresh[:, None]
-    d_weight = lax.dynamic_update_slice_in_dim(
-        d_weight, jnp.where(fresh_w, dw_block.astype(weight.dtype), old_w), col, vocab_dim)
+        chunk_step, step(d_hidden, i=0), jnp.arange(1, n_chunks))
+    d_weight = lax.dynamic_update_slice_in_dim(d_weight, dw_block.astype(weight.dtype), col,
+                                               vocab_dim)
     if bias is not None:
-      old_b = lax.dynamic_slice_in_dim(d_bias, col, block, 0)
-      d_bias = lax.dynamic_update_slice_in_dim(
-          d_bias, jnp.where(fresh, db_block.astype(bias.dtype), old_b), col, 0)
+      d_bias = lax.dynamic_update_slice_in_dim(d_bias, db_block.astype(bias.dtype), col, 0)
     return (d_hidden, d_weight, d_bias), None
 
   carry = (jnp.zeros_like(hidden, dtype), jnp.zeros_like(weight), no_bias_grad)

@@ -28,17 +28,24 @@ from jaxce import _math
 # the earlier kernel (three cross-lane reductions per block) 5.54 ms.
 MAX_BLOCK = 2048
 NUM_WARPS = 4
+_LOG2_E = 1.4426950408889634
 
 
 def _row_kernel(x_ref, inv_temp_ref, start_ref, limit_ref, m_ref, s_ref, q_ref, *, block,
                 with_entropy):
   """Statistics of one row ``x_ref [V_local]`` over the columns in ``[start, limit)``.
 
+  ``exp(d)`` is computed as ``exp2(d * log2(e))`` on the shifted logit ``d = z - m``
+  (``exp2`` is one hardware instruction, ``exp`` a longer libdevice routine); scaling
+  ``d`` rather than the logits keeps the rounding relative to ``|z - m|``, not ``|z|``.
+
   The running max ``m`` is one number per row (one cross-lane max per block); the sums
   ``s`` and ``q`` are kept per lane, rescaled by the same ``exp(m_old - m_new)``, and
-  reduced across lanes once at the end. The next block is loaded before the current one
-  is processed, so a load is always in flight. (A variant with a max per lane needs a
-  second exp per element and measured slower: 6.3 vs 5.5 ms, bench/NOTES.md.)
+  reduced across lanes once at the end. Aligned blocks that lie wholly inside
+  ``[start, limit)`` are read without a mask, the next one loaded before the current
+  one is processed; the at most two partial blocks at the ends are masked. (A variant
+  with a max per lane needs a second exp per element and measured slower: 6.3 vs
+  5.5 ms, bench/NOTES.md.)
   """
   num_columns = x_ref.shape[0]
   inv_temp = inv_temp_ref[...]
@@ -46,29 +53,50 @@ def _row_kernel(x_ref, inv_temp_ref, start_ref, limit_ref, m_ref, s_ref, q_ref, 
   limit = limit_ref[...]
   lanes = lax.iota(jnp.int32, block)
   floor = jnp.finfo(jnp.float32).min
-  num_blocks = pl.cdiv(num_columns, block)
 
-  def load(i):
-    # The last block is clamped back inside the row; columns an earlier block read are
-    # masked in ``step``, so nothing is read out of bounds and nothing counts twice.
-    return plgpu.load(x_ref.at[pl.ds(jnp.minimum(i * block, num_columns - block), block)])
+  def load(offset):
+    return plgpu.load(x_ref.at[pl.ds(offset, block)]).astype(jnp.float32) * inv_temp
 
-  def step(i, carry):
-    m, s, q, x = carry
-    x_next = load(jnp.minimum(i + 1, num_blocks - 1))
-    columns = jnp.minimum(i * block, num_columns - block) + lanes
-    keep = (columns >= jnp.maximum(i * block, start)) & (columns < limit)
-    z = jnp.where(keep, x.astype(jnp.float32) * inv_temp, -jnp.inf)
-    m_new = jnp.maximum(m, jnp.maximum(jnp.max(z), floor))
-    scale = jnp.exp(m - m_new)
+  def add(carry, z):
+    """Fold one block ``z [block]`` (scaled logits, -inf where excluded) into carry."""
+    m, s, q = carry
+    m_new = jnp.maximum(m, jnp.max(z))  # m starts at floor: never -inf
+    rescale = jnp.exp2((m - m_new) * _LOG2_E)
     shifted = z - m_new
-    e = jnp.exp(shifted)
+    e = jnp.exp2(shifted * _LOG2_E)
     if with_entropy:
-      q = scale * (q + (m - m_new) * s) + jnp.where(e > 0, e * shifted, 0.0)
-    return m_new, s * scale + e, q, x_next
+      q = rescale * (q + (m - m_new) * s) + jnp.where(e > 0, e * shifted, 0.0)
+    return m_new, s * rescale + e, q
+
+  def add_masked(carry, first, end):
+    """Fold columns ``[first, end)``, which lie inside one aligned block. A block past
+    the last full window is clamped back inside the row: nothing is read out of
+    bounds, and the mask keeps the columns outside ``[first, end)`` out."""
+    offset = jnp.minimum(first - first % block, num_columns - block)
+    columns = offset + lanes
+    return add(carry, jnp.where((columns >= first) & (columns < end), load(offset), -jnp.inf))
+
+  # Whole blocks [lo, hi); a partial head [start, lo * block) and tail [hi * block, limit).
+  lo = (start + block - 1) // block
+  hi = jnp.maximum(limit // block, lo)
+  last_whole = limit // block - 1  # an aligned block that ends inside the row, or -1
+
+  def interior(i, state):
+    # Offsets are multiples of ``block`` (aligned, vectorized loads) inside the row;
+    # the last step reloads its own block instead of reading past ``hi``.
+    carry, y = state
+    return add(carry, y), load(jnp.minimum(i + 1, hi - 1) * block)
 
   zero = jnp.zeros((block,), jnp.float32)
-  m, s, q, _ = lax.fori_loop(0, num_blocks, step, (floor, zero, zero, load(0)))
+  carry = (floor, zero, zero)
+  carry = lax.fori_loop(0, (start % block != 0).astype(jnp.int32),
+                        lambda _, c: add_masked(c, start, jnp.minimum(lo * block, limit)),
+                        carry)
+  first = load(jnp.maximum(jnp.minimum(lo, last_whole), 0) * block)
+  carry, _ = lax.fori_loop(lo, hi, interior, (carry, first))
+  carry = lax.fori_loop(0, (hi * block < limit).astype(jnp.int32),
+                        lambda _, c: add_masked(c, hi * block, limit), carry)
+  m, s, q = carry
   m_ref[...] = m
   s_ref[...] = jnp.sum(s)
   q_ref[...] = jnp.sum(q)

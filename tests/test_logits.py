@@ -206,6 +206,38 @@ def test_pallas_forward_matches_reference(case):
          temperature=rng.uniform(0.5, 2.0, 6))
 
 
+@pytest.mark.parametrize("num_columns,start,limit", [
+    (512, 0, 512),    # whole blocks only
+    (300, 0, 300),    # a tail past the last whole block, read clamped back
+    (300, 5, 300),    # a partial head block
+    (300, 256, 300),  # an aligned start, a tail only
+    (300, 260, 290),  # head and end inside the clamped last block
+    (300, 7, 9),      # a range inside one block
+    (300, 1, 257),    # a head from column 1, a tail of one column
+    (300, 100, 100),  # an empty range
+    (1030, 3, 1029)])
+def test_pallas_row_statistics_column_ranges(num_columns, start, limit):
+  """The kernel's ``(m, s, q)`` over ``[start, limit)`` (Pallas interpret mode) against
+  float64: the log-sum-exp ``m + log s`` and the entropy ``log s - q / s``."""
+  from jaxce import _pallas
+  rng = np.random.default_rng(num_columns + start + limit)
+  logits = adversarial_logits(rng, (3, num_columns), offset=-40.0, peak=0.0)
+  # Peaks at the range's ends and inside it: a column counted twice or left out shows.
+  logits[np.arange(3), [start, max(limit - 1, start), (start + limit) // 2]] += 25.0
+  inv_temp = rng.uniform(0.5, 2.0, 3)
+  m, s, q = (np.asarray(a, np.float64) for a in _pallas.row_statistics(
+      jnp.asarray(logits, jnp.float32), jnp.asarray(inv_temp, jnp.float32), limit, True,
+      start=start))
+  if start == limit:
+    np.testing.assert_array_equal(s, 0.0)
+    return
+  z = np.asarray(jnp.asarray(logits, jnp.float32), np.float64)[:, start:limit] * inv_temp[:, None]
+  lse = np.log(np.sum(np.exp(z - z.max(1, keepdims=True)), 1)) + z.max(1)
+  p = np.exp(z - lse[:, None])
+  assert_close(m + np.log(s), lse, 1e-5, "log-sum-exp")
+  assert_close(np.log(s) - q / s, -np.sum(p * np.log(p), 1), 1e-5, "entropy")
+
+
 def test_implementation_is_checked():
   with pytest.raises(ValueError, match="implementation"):
     jaxce.logprobs_and_entropy(jnp.zeros((2, 5)), jnp.zeros(2, jnp.int32), implementation="cuda")

@@ -1,6 +1,7 @@
 """Results files: merge rows into ``<slug>.json``, write the ``.md`` table and the plot.
 
     python -m bench.report bench/results/cpu.json     # rewrite cpu.md and cpu_memory.png
+    python -m bench.report bench/results/cpu.json --readme-T 4096   # README's table
 
 JSON schema (issue 4; extra keys are documented in bench/README.md)::
 
@@ -87,6 +88,26 @@ def table(rows) -> str:
   return "\n".join(lines)
 
 
+def summary_table(results: dict, T: int) -> str:
+  """README's table: the rows at ``T`` tokens with the default chunk size, one line each."""
+  head = ("| impl | input | mode | T | GPUs | extra memory (per GPU) | × logits bytes | time "
+          "| × floor |")
+  lines = [head, "|" + "---|" * head.count(" | ") + "---|"]
+  for r in sort_rows(results["rows"]):
+    if r["T"] != T or r["chunk_size"] is not None:
+      continue
+    logp = "" if r.get("entropy", True) else " (logp)"
+    if r["status"] != "ok":
+      lines.append(f"| {name(r)}{logp} | {r['input']} | {r['mode']} | {r['T']} "
+                   f"| {r['n_devices']} | **{r['status']}** | – | – | – |")
+      continue
+    lines.append(
+        f"| {name(r)}{logp} | {r['input']} | {r['mode']} | {r['T']} | {r['n_devices']} "
+        f"| {r['peak_extra_bytes'] / GiB:.2f} GiB | {_fmt(r.get('x_logits'), '.2f')} "
+        f"| {r['ms']:.1f} ms | {_fmt(r.get('x_floor'), '.2f')} |")
+  return "\n".join(lines)
+
+
 def markdown(results: dict) -> str:
   rates = ", ".join(f"{k} {v:.3g}" for k, v in results.get("matmul_tflops", {}).items())
   parts = [
@@ -95,8 +116,9 @@ def markdown(results: dict) -> str:
       f"JAX {results['jax']}, host {results.get('host', '?')}, "
       f"commit `{results['commit'][:12]}`"
       f"{' (uncommitted changes)' if results.get('dirty') else ''}, {results.get('date', '')}. "
-      f"Floors measured in the same run: HBM {results['hbm_GBps']:.1f} GB/s, "
-      f"matmul TFLOP/s: {rates or results['bf16_tflops']}.",
+      f"Floors measured by the latest run: HBM {results['hbm_GBps']:.1f} GB/s, "
+      f"matmul TFLOP/s: {rates or results['bf16_tflops']}; each row's floor ms comes "
+      "from the run that measured the row.",
       "",
       "Loss `sum(adv * logp) + c * sum(H)`, c = 0.01 (0 for log-prob-only rows, marked "
       "(logp)). Extra memory = peak minus the inputs, per device; `× logits` = extra / "
@@ -213,10 +235,15 @@ def write(results: dict, json_path: str) -> dict:
 def main(argv=None):
   parser = argparse.ArgumentParser(description="Rewrite a results JSON's table and plot.")
   parser.add_argument("json", help="bench/results/<slug>.json")
+  parser.add_argument("--readme-T", type=int,
+                      help="print README's summary table of the rows at this T instead")
   args = parser.parse_args(argv)
   results = load(args.json)
   if results is None:
     raise SystemExit(f"no such file: {args.json}")
+  if args.readme_T:
+    print(summary_table(results, args.readme_T))
+    return
   for path in write(results, args.json).values():
     print(path)
 

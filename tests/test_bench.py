@@ -202,3 +202,22 @@ def test_sweep_summary_compares_default_with_best_chunk():
   lines = report.sweep_summary(rows)
   assert len(lines) == 1
   assert "| 512 | 11.00 | 256 | 10.00 | 1.100 |" in lines[0]
+
+
+def test_readme_tables_come_from_the_committed_results():
+  """Each README table marked ``<!-- bench-table PATH T=N -->`` is exactly what
+  ``python -m bench.report PATH --readme-T N`` prints: no number in it is typed by hand."""
+  with open(os.path.join(ROOT, "README.md")) as f:
+    lines = f.read().splitlines()
+  marked = [i for i, line in enumerate(lines) if line.startswith("<!-- bench-table ")]
+  assert marked, "README has no generated bench table"
+  for i in marked:
+    path, t_field = lines[i].removeprefix("<!-- bench-table ").removesuffix(" -->").split()
+    with open(os.path.join(ROOT, path)) as f:
+      expected = report.summary_table(json.load(f), int(t_field.removeprefix("T=")))
+    table = []
+    for line in lines[i + 1:]:
+      if not line.startswith("|"):
+        break
+      table.append(line)
+    assert "\n".join(table) == expected, f"README table of {path} is stale: regenerate it"

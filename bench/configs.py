@@ -210,7 +210,7 @@ SUITES = {
         Group("logits", ("jaxce",), (32768,), _GPU_V,
               chunk_sizes=(None, 128, 256, 512, 1024, 2048, 4096), **_BWD),
         Group("linear", ("jaxce",), (32768,), _GPU_V, _GPU_D,
-              chunk_sizes=(None, 512, 1024, 2048, 4096, 8192), **_BWD),
+              chunk_sizes=(None, 512, 1024, 2048, 4096, 8192, 16384), **_BWD),
     ],
     "sweep-cpu": [
         Group("logits", ("jaxce",), (4096,), 32768,
@@ -246,7 +246,7 @@ def expand(groups: Sequence[Group], *, impls=None, inputs=None, modes=None, Ts=N
       for spec in g.impls:
         impl, variant = _spec(spec)
         name = impl if variant == "default" else spec
-        if impls and impl not in impls and name not in impls:
+        if impls and impl not in impls and name not in impls and f"{impl}:{variant}" not in impls:
           continue
         for chunk in (chunk_sizes if chunk_sizes is not None else g.chunk_sizes):
           for T in sorted(Ts or g.Ts):

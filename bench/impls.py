@@ -96,12 +96,13 @@ def _tokamax_implementation():
 
 
 def _planned_chunk(num_tokens, num_columns, chunk_size, linear=False):
-  """The chunk jaxce uses, from its private planner (the request if that API moved): the
-  fused path plans with its own tile budget (``jaxce._linear.TILE_BYTES``)."""
+  """The chunk jaxce uses, from its private planners (the request if that API moved); on
+  the fused path ``num_columns`` is the local vocabulary (``jaxce._linear.plan_tiles``)."""
   try:
     from jaxce import _chunking, _linear
-    args = (_linear.TILE_BYTES,) if linear else ()
-    return int(_chunking.plan_chunk_size(num_tokens, num_columns, chunk_size, *args))
+    if linear:
+      return int(_linear.plan_tiles(num_tokens, num_columns, chunk_size)[0])
+    return int(_chunking.plan_chunk_size(num_tokens, num_columns, chunk_size))
   except Exception:  # pylint: disable=broad-except  # private API: report nothing
     return chunk_size
 
@@ -138,9 +139,7 @@ def _per_token_fn(config: Config, mesh: Mesh, n_devices: int):
       fn = jaxce.sharded_linear_logprobs_and_entropy if sharded else \
           jaxce.linear_logprobs_and_entropy
       f = lambda h, w, lab: fn(h, w, lab, **shard_kw, **kw)
-      block = getattr(sys.modules["jaxce._linear"], "DEFAULT_VOCAB_BLOCK", v_local)
-      return (f, _planned_chunk(config.T, min(block, v_local), config.chunk_size, True),
-              _options_note(kw))
+      return f, _planned_chunk(config.T, v_local, config.chunk_size, True), _options_note(kw)
     fn = jaxce.sharded_logprobs_and_entropy if sharded else jaxce.logprobs_and_entropy
     f = lambda x, lab: fn(x, lab, **shard_kw, **kw)
     note = _options_note(kw)

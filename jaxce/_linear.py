@@ -30,13 +30,32 @@ from jax import lax
 
 from jaxce import _checks, _chunking, _math, _pallas
 
-# Vocab columns per tile when none is given: few enough blocks that the f32 ``d hidden``
-# accumulator is touched only ``V / 16384`` times, big enough for efficient matmuls.
-DEFAULT_VOCAB_BLOCK = 16384
-# Bytes of one f32 [chunk, block] tile (materialized: it is a matmul output). Measured on
-# an H200 (T = 32768, D = 4096, V = 151936, bf16, fwd+bwd): [2048, 16384] tiles 310 ms,
-# [1024, 16384] 325 ms, [2048, 8192] 313 ms, [4096, 4096] 322 ms.
-TILE_BYTES = 128 * 2**20
+# The default tile: [chunk, block] = [8192, 8192] on GPUs. The backward reads and writes
+# the f32 d W block accumulator once per token chunk (8 D V T / chunk bytes in all) and the
+# f32 d hidden accumulator once per vocab block (8 D T V / block bytes), so near-square
+# tiles move the least. Measured on an H200 (T = 32768, D = 4096, V = 151936, bf16,
+# fwd+bwd, scripts/gpu_probe_round7.py): [8192, 8192] 281.6 ms, [4096, 8192] 288.3,
+# [4096, 16384] 289.0, [2048, 16384] 295.0, [8192, 4096] 312.5, [6144, 6144] 326.6
+# (blocks that are not a power of two run slower matmuls).
+DEFAULT_VOCAB_BLOCK = 8192
+# Bytes of one f32 [chunk, block] tile (materialized: it is a matmul output).
+TILE_BYTES = 256 * 2**20
+# XLA's CPU backend is faster with small tiles (bench/NOTES.md, 16).
+CPU_TILE_BYTES = 32 * 2**20
+
+
+def plan_tiles(num_tokens: int, num_columns: int, chunk_size: int | None = None,
+               vocab_block_size: int | None = None) -> tuple[int, int]:
+  """``(chunk, block)``: the tile grid a call runs with.
+
+  ``block = min(vocab_block_size or DEFAULT_VOCAB_BLOCK, num_columns)``; ``chunk`` is
+  ``min(chunk_size, num_tokens)`` or, for ``None``, planned by
+  :func:`jaxce._chunking.plan_chunk_size` from ``TILE_BYTES`` (``CPU_TILE_BYTES`` when
+  JAX's default backend is the CPU).
+  """
+  block = min(vocab_block_size or DEFAULT_VOCAB_BLOCK, num_columns)
+  budget = CPU_TILE_BYTES if jax.default_backend() == "cpu" else TILE_BYTES
+  return _chunking.plan_chunk_size(num_tokens, block, chunk_size, budget), block
 
 
 def linear_logprobs_and_entropy(hidden, weight, labels, *, bias=None, logit_softcap=None,
@@ -55,8 +74,9 @@ def linear_logprobs_and_entropy(hidden, weight, labels, *, bias=None, logit_soft
       temperature (Gemma 2 style).
     temperature, where, vocab_size, vocab_axis, return_entropy: as in
       :func:`jaxce.logprobs_and_entropy`.
-    chunk_size: tokens per tile; ``None`` plans it from a 128 MiB f32 tile budget.
-    vocab_block_size: vocab columns per tile; ``None``: ``min(V, 16384)``.
+    chunk_size: tokens per tile; ``None`` plans it from an f32 tile budget of 256 MiB
+      (32 MiB on CPUs): 8192 tokens with the default block (see :func:`plan_tiles`).
+    vocab_block_size: vocab columns per tile; ``None``: ``min(V, 8192)``.
     weight_layout: ``"dv"`` (``weight`` is ``[D, V]``) or ``"vd"`` (``[V, D]``: tied
       embeddings pass the embedding table itself). Either way the matmuls read the array
       as stored; passing ``embedding.T`` with ``"dv"`` also works but XLA may then copy
@@ -113,8 +133,7 @@ def linear_logprobs_and_entropy(hidden, weight, labels, *, bias=None, logit_soft
     zeros = jnp.zeros(labels.shape, _math.compute_dtype(hidden.dtype))
     return zeros, (zeros if return_entropy else None)
   num_tokens = labels.size
-  block = min(vocab_block_size or DEFAULT_VOCAB_BLOCK, num_columns)
-  chunk = _chunking.plan_chunk_size(num_tokens, block, chunk_size, TILE_BYTES)
+  chunk, block = plan_tiles(num_tokens, num_columns, chunk_size, vocab_block_size)
   static = _Static(vocab_size=vocab_size,
                    mask_vocab=vocab_size if vocab_size < num_columns * shards else None,
                    chunk=chunk, block=block, vocab_axis=vocab_axis,

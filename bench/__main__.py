@@ -49,6 +49,8 @@ def parse_args(argv=None):
   p.add_argument("--dtype", choices=sorted(inputs.DTYPES))
   p.add_argument("--chunk-size", help="comma list of chunk sizes; 'none' = the default")
   p.add_argument("--repeats", type=int, default=5, help="timed calls at most (default 5)")
+  p.add_argument("--repeat-seconds", type=float,
+                 help="seconds of timed calls per config, at most (default 2)")
   p.add_argument("--out", default=RESULTS, help="results directory (default bench/results)")
   p.add_argument("--device-slug", help="results file name (default from the device)")
   p.add_argument("--fresh", action="store_true", help="one process per config on CPU too")
@@ -215,6 +217,8 @@ def _run_batch(batch, timeout, done):
 
 def main(argv=None):
   args = parse_args(argv)
+  if args.repeat_seconds:
+    os.environ["BENCH_REPEAT_SECONDS"] = str(args.repeat_seconds)  # read by the runners
   todo = configs.expand(
       configs.SUITES[args.suite], impls=_list(args.impl), inputs=_list(args.input),
       modes=_list(args.mode), Ts=_list(args.T, int), V=args.V, D=args.D, dtype=args.dtype,

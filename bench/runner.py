@@ -37,8 +37,9 @@ from bench.configs import TORCH_IMPLS, Config  # noqa: E402
 
 ROW_PREFIX = "BENCH_ROW "
 PROBE_PREFIX = "BENCH_PROBE "
-# Seconds of timed calls per config after the warm-up (at least one call).
-REPEAT_BUDGET_S = 2.0
+# Seconds of timed calls per config after the warm-up (at least one call); `python -m
+# bench --repeat-seconds S` sets it through the environment.
+REPEAT_BUDGET_S = float(os.environ.get("BENCH_REPEAT_SECONDS", "2.0"))
 
 
 def _plan_bytes(compiled) -> int | None:

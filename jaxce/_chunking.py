@@ -21,9 +21,9 @@ from jax import lax
 # 8.1 ms, 8192 7.5 ms, one pass 7.2 ms; 110-token chunks 13.5 ms (bench/NOTES.md).
 DEFAULT_TILE_BYTES = 4 * 2**30
 # XLA's CPU backend does materialize the f32 tile (about four of them per step), so CPUs
-# plan from a small budget that keeps a step's tiles in a 32 MiB L3 cache: fwd+bwd at
-# T = 4096, V = 32768 on 2 EPYC cores took 633/618/626 ms with 64/128/256-token chunks
-# (8/16/32 MiB tiles), 709 ms with 512 and 803 ms with 1024 (bench/NOTES.md, 17).
+# plan from a small budget, 16 MiB: fwd+bwd at T = 4096, V = 32768 on 2 EPYC cores (32 MiB
+# L3) took 618 and 612 ms with 128-token chunks (16 MiB tiles) in two runs, 709 and 652 ms
+# with 512 (64 MiB), 803 and 681 ms with 1024 (bench/NOTES.md, 17).
 CPU_TILE_BYTES = 16 * 2**20
 
 

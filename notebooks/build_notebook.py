@@ -80,7 +80,7 @@ import numpy as np  # noqa: E402
 
 import jaxce  # noqa: E402
 from jaxce._chunking import DEFAULT_TILE_BYTES, plan_chunk_size  # noqa: E402  (private)
-from jaxce._linear import DEFAULT_VOCAB_BLOCK  # noqa: E402  (private)
+from jaxce._linear import DEFAULT_VOCAB_BLOCK, TILE_BYTES, plan_tiles  # noqa: E402  (private)
 
 DEVICE = jax.devices()[0]
 ACCEL = DEVICE.platform != "cpu"
@@ -103,8 +103,8 @@ Memory is swept over `chunk_size` at that `T`, and over `T` with `chunk_size=Non
 
 code("""
 PRESETS = {
-    # CI on two CPU cores. V > 16384 so that the fused path has two vocab blocks (the
-    # second one ragged), as at real sizes.
+    # CI on two CPU cores. V = 20000 > 2 × 8192 so that the fused path has several vocab
+    # blocks (the last one ragged), as at real sizes.
     "small": dict(T=1024, V=20000, D=64, Ts=[256, 1024],
                   chunks={"logits": [16, 64, 256, 512], "fused": [16, 128, 512]},
                   peak_chunks={"logits": [], "fused": []}, time_reps=2),
@@ -135,12 +135,15 @@ def case(path, impl, mode, tokens=T, chunk=None, **extra):
 def columns(c):
   # Columns of one tile row: V_local on the logits path, the vocab block on the fused path.
   local = c["V"] // c.get("shards", 1)
-  return local if c["path"] == "logits" else min(local, DEFAULT_VOCAB_BLOCK)
+  return local if c["path"] == "logits" else plan_tiles(c["T"], local)[1]
 
 
 def chunk_of(c):
-  # The chunk jaxce runs with: min(chunk_size, T), or the planned one for None.
-  return plan_chunk_size(c["T"], columns(c), c["chunk"])
+  # The chunk jaxce runs with: min(chunk_size, T), or the planned one for None (the fused
+  # path plans from its own tile budget).
+  if c["path"] == "logits":
+    return plan_chunk_size(c["T"], columns(c), c["chunk"])
+  return plan_tiles(c["T"], c["V"] // c.get("shards", 1), c["chunk"])[0]
 
 
 def in_units(nbytes):
@@ -223,7 +226,7 @@ The output is the gradient, one array like the logits; the temp is the working s
 
 ## The memory model (DESIGN.md)
 
-With `C` the chunk, `V_l` the columns a device holds, `Vb = min(V_l, 16384)` the fused
+With `C` the chunk, `V_l` the columns a device holds, `Vb = min(V_l, 8192)` the fused
 path's vocab block and `s` the input dtype's bytes, what a jaxce call adds is:
 
 | | forward | forward + backward |
@@ -546,13 +549,15 @@ plt.show()
 md("""
 ## What `chunk_size=None` picks, and why
 
-`jaxce._chunking.plan_chunk_size` sizes one f32 `[C, columns]` tile to a fixed budget,
-`DEFAULT_TILE_BYTES`: `C = DEFAULT_TILE_BYTES / (4 · columns)`, rounded down to a
-multiple of 8 and capped at T, then moved down to a divisor of T if one lies within a
-factor 2, so that no ragged last chunk is needed (a ragged one is handled without copies
-anyway; the divisor rule can cost up to half the budget). `columns` is `V_local` on the
-logits path and the vocab block `min(V_local, DEFAULT_VOCAB_BLOCK)` on the fused path, so
-the fused path's default does not depend on V. The budget trades the tile's memory
+`jaxce._chunking.plan_chunk_size` sizes one f32 `[C, columns]` tile to a fixed budget:
+`C = budget / (4 · columns)`, rounded down to a multiple of 8 and capped at T, then moved
+down to a divisor of T if one lies within a factor 2, so that no ragged last chunk is
+needed (a ragged one is handled without copies anyway; the divisor rule can cost up to
+half the budget). On the logits path `columns` is `V_local` and the budget
+`DEFAULT_TILE_BYTES` (`CPU_TILE_BYTES` on CPUs); on the fused path
+(`jaxce._linear.plan_tiles`) `columns` is the vocab block `min(V_local,
+DEFAULT_VOCAB_BLOCK)` and the budget the fused path's own `TILE_BYTES` (a smaller one on
+CPUs), so the fused path's default does not depend on V. The budget trades the tile's memory
 (see the sweeps above) against per-step overhead (see the timings); the library's own
 reasoning for its value is printed first, from its source.
 """)
@@ -568,14 +573,14 @@ start = at
 while start > 0 and source[start - 1].startswith("#"):
   start -= 1
 print("\\n".join(source[start:at + 1]))
-print(f"# = {DEFAULT_TILE_BYTES / 2**20:.0f} MiB; DEFAULT_VOCAB_BLOCK = {DEFAULT_VOCAB_BLOCK}\\n")
+print(f"# = {DEFAULT_TILE_BYTES / 2**20:.0f} MiB; fused path: DEFAULT_VOCAB_BLOCK = "
+      f"{DEFAULT_VOCAB_BLOCK}, TILE_BYTES = {TILE_BYTES / 2**20:.0f} MiB\\n")
 print(f"{'T':>7} {'V':>7} | {'logits C':>8} {'chunks':>6} {'ragged':>6} {'tile MiB':>8} | "
       f"{'fused C':>7} {'chunks':>6} {'tile MiB':>8}")
 for tokens in (1, 1000, 4096, 12000, 32768, 131072):
   for vocab in (32000, 128256, 151936, 262144):
     c = plan_chunk_size(tokens, vocab, None)
-    block = min(vocab, DEFAULT_VOCAB_BLOCK)
-    f = plan_chunk_size(tokens, block, None)
+    f, block = plan_tiles(tokens, vocab)
     print(f"{tokens:7d} {vocab:7d} | {c:8d} {-(-tokens // c):6d} {str(tokens % c != 0):>6} "
           f"{4 * c * vocab / 2**20:8.1f} | {f:7d} {-(-tokens // f):6d} {4 * f * block / 2**20:8.1f}")
 """)

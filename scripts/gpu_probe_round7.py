@@ -3,7 +3,7 @@
 Prediction (bench/NOTES.md, 16): the backward's f32 ``d W`` block accumulator is read and
 written once per token chunk, ``8 D V T / chunk`` bytes in all, and the f32 ``d hidden``
 accumulator once per vocab block, ``8 D T V / block`` bytes; at a fixed tile size both
-sum to the least when chunk ~ block, so [4096, 8192] tiles should beat the default
+sum to the least when chunk ~ block, so [4096, 8192] tiles should beat the then default
 [2048, 16384] at the same tile memory. Prints JSON lines: time of fwd+bwd of
 ``sum(adv * logp) + 0.01 * sum(H)`` and XLA's temp bytes, per shape.
 

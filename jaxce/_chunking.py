@@ -48,6 +48,8 @@ def plan_chunk_size(num_tokens: int, num_columns: int, chunk_size: int | None,
   if tile_bytes is None:
     tile_bytes = CPU_TILE_BYTES if jax.default_backend() == "cpu" else DEFAULT_TILE_BYTES
   cap = max(1, min(num_tokens, tile_bytes // (4 * max(num_columns, 1))))
+  if cap == num_tokens:
+    return cap  # one chunk: rounding it down would only add a step
   if cap >= 8:
     cap -= cap % 8
   for size in range(cap, max(cap // 2, 1) - 1, -1):

@@ -193,6 +193,16 @@ def test_device_slug():
       "nvidia-h200-x2"
 
 
+def test_impl_filter_selects_variants():
+  suite = configs.SUITES["smoke"]
+  variants = lambda impls: {(c.impl, c.variant) for c in configs.expand(suite, impls=impls)}
+  assert variants(["jaxce:default"]) == {("jaxce", "default")}
+  assert variants(["jaxce:default", "jaxce:xla"]) == {("jaxce", "default"), ("jaxce", "xla")}
+  every = variants(["jaxce"])
+  assert ("jaxce", "inplace") in every and ("jaxce", "default") in every
+  assert all(impl == "jaxce" for impl, _ in every)
+
+
 def test_sweep_summary_compares_default_with_best_chunk():
   base = dict(impl="jaxce", variant="default", input="logits", mode="fwd_bwd", T=4096,
               V=1000, D=None, dtype="bfloat16", n_devices=1, status="ok")

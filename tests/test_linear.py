@@ -116,3 +116,22 @@ def test_unused_entropy_and_no_bias():
   logp, ent = jaxce.linear_logprobs_and_entropy(h, w, labels, return_entropy=False)
   assert ent is None
   assert_close(logp, reference.linear_logprobs_and_entropy(h, w, labels)[0], 1e-10, "logp")
+
+
+def test_default_tile_plan(monkeypatch):
+  """The documented defaults: [8192, 8192] tiles on GPUs (256 MiB f32), 32 MiB on CPUs."""
+  from jaxce import _linear
+  assert _linear.plan_tiles(32768, 151936, 3000, 4096) == (3000, 4096)
+  assert _linear.plan_tiles(100, 5000) == (100, 5000)  # both capped by the problem: one tile
+  monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
+  assert _linear.plan_tiles(32768, 151936) == (1024, 8192)
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  assert _linear.plan_tiles(32768, 151936) == (8192, 8192)
+  assert _linear.plan_tiles(12000, 75968) == (6000, 8192)  # a divisor of T within 2x
+
+
+def test_chunk_plan_keeps_one_chunk_when_everything_fits():
+  from jaxce import _chunking
+  assert _chunking.plan_chunk_size(100, 10, None, 2**20) == 100  # not 2 x 50
+  assert _chunking.plan_chunk_size(1000, 1000, None, 4 * 1000 * 300) == 250  # a divisor
+  assert _chunking.plan_chunk_size(1001, 1000, None, 4 * 1000 * 300) == 296  # none: ragged

@@ -550,11 +550,11 @@ md("""
 ## What `chunk_size=None` picks, and why
 
 `jaxce._chunking.plan_chunk_size` sizes one f32 `[C, columns]` tile to a fixed budget:
-`C = budget / (4 · columns)`, rounded down to a multiple of 8 and capped at T, then moved
-down to a divisor of T if one lies within a factor 2, so that no ragged last chunk is
-needed (a ragged one is handled without copies anyway; the divisor rule can cost up to
-half the budget). On the logits path `columns` is `V_local` and the budget
-`DEFAULT_TILE_BYTES` (`CPU_TILE_BYTES` on CPUs); on the fused path
+`C = budget / (4 · columns)`, capped at T (one chunk when all of T fits); otherwise
+rounded down to a multiple of 8 and moved down to a divisor of T if one lies within a
+factor 2, so that no ragged last chunk is needed (a ragged one is handled without copies
+anyway; the divisor rule can cost up to half the budget). On the logits path `columns`
+is `V_local` and the budget `DEFAULT_TILE_BYTES` (`CPU_TILE_BYTES` on CPUs); on the fused path
 (`jaxce._linear.plan_tiles`) `columns` is the vocab block `min(V_local,
 DEFAULT_VOCAB_BLOCK)` and the budget the fused path's own `TILE_BYTES` (a smaller one on
 CPUs), so the fused path's default does not depend on V. The budget trades the tile's memory

@@ -6,7 +6,7 @@ import math
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxce import _checks
 from jaxce._linear import linear_logprobs_and_entropy
@@ -56,6 +56,24 @@ def _token_options(kw, labels):
   return arrays
 
 
+def _placed(arrays, specs, mesh):
+  """``arrays`` split as ``specs`` say. On a mesh with explicit axes (``jax.make_mesh``'s
+  default) every array's type carries its sharding and ``shard_map`` takes only arrays
+  already split as its ``in_specs``; reshard them (no data moves when they already are).
+  Over auto axes ``shard_map`` reshards by itself (and ``reshard`` takes none)."""
+  explicit = {name for name, kind in zip(mesh.axis_names, mesh.axis_types)
+              if kind == jax.sharding.AxisType.Explicit}
+  if not explicit:
+    return arrays
+
+  def explicit_part(entry):
+    names = tuple(n for n in (entry if isinstance(entry, tuple) else (entry,)) if n in explicit)
+    return names if len(names) > 1 else (names[0] if names else None)
+
+  return tuple(jax.sharding.reshard(a, NamedSharding(mesh, P(*map(explicit_part, s))))
+               for a, s in zip(arrays, specs))
+
+
 def _run(kernel, arrays, specs, labels, mesh, vocab_axis, batch_axis, kw):
   token_arrays = _token_options(kw, labels)
   token_spec = _token_spec(labels.ndim, batch_axis)
@@ -69,12 +87,11 @@ def _run(kernel, arrays, specs, labels, mesh, vocab_axis, batch_axis, kw):
     return (logp, entropy) if return_entropy else logp
 
   out_specs = (token_spec, token_spec) if return_entropy else token_spec
+  in_specs = tuple(specs) + (token_spec,) * (1 + len(names))
   # jit: an eager shard_map cannot run a custom_vjp with symbolic zeros; under an outer
   # jit this is inlined.
-  f = jax.jit(jax.shard_map(body, mesh=mesh,
-                            in_specs=tuple(specs) + (token_spec,) * (1 + len(names)),
-                            out_specs=out_specs))
-  out = f(*arrays, labels, *token_arrays.values())
+  f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs))
+  out = f(*_placed((*arrays, labels, *token_arrays.values()), in_specs, mesh))
   return out if return_entropy else (out, None)
 
 

@@ -104,9 +104,10 @@ def _row_kernel(x_ref, inv_temp_ref, start_ref, limit_ref, m_ref, s_ref, q_ref, 
 
 def resolve_implementation(implementation, x):
   """``"pallas"`` or ``"xla"`` for statistics of rows like ``x``; ``None`` picks the kernel
-  on GPUs for bf16/f16/f32 outside ``shard_map`` (inside it the kernel lowers on GPUs,
-  checked by scripts/gpu_probe_pallas.py on a one-GPU mesh, but JAX's Pallas interpreter
-  cannot run it there, so CI could not test it)."""
+  on GPUs for bf16/f16/f32 outside ``shard_map``. Inside it the kernel lowers on GPUs
+  (scripts/gpu_probe_pallas.py, one-GPU mesh), but JAX's Pallas interpreter (0.10.2 and
+  0.12.0.1) fails shard_map's varying-type check inside the kernel once an operand differs
+  per shard (the column limit of a padded vocabulary): CI cannot test it there."""
   if implementation is None:
     return "pallas" if (jax.default_backend() == "gpu" and x.dtype != jnp.float64
                         and not _math.varying_axes(x)) else "xla"

@@ -3,14 +3,14 @@
 Public entry: :func:`linear_logprobs_and_entropy` (re-exported by ``jaxce``).
 
 Both passes walk a grid of ``[C, Vb]`` tiles, vocab blocks outer and token chunks
-inner, recomputing ``hidden_chunk @ weight_block`` (input dtype operands, f32
-accumulation) for each tile:
+inner, recomputing ``hidden_chunk @ weight_block`` for each tile (operands in the
+inputs' common dtype, as ``hidden @ weight`` would promote them; f32 accumulation):
 
 * forward: an online softmax folds each tile into per-token running sums ``(m, s, q)``
   and the label's logit, ``[T]`` f32 each; shards combine them with one pmax + one psum.
   The tile's own statistics take two XLA passes over it, or one with the Pallas kernel
   of ``_pallas`` (the default on GPUs).
-* backward: each tile's ``d logits`` (cast to the weight's dtype) feeds two matmuls:
+* backward: each tile's ``d logits`` (cast to the operand dtype) feeds two matmuls:
   ``d W_block = hidden_chunkᵀ @ d`` accumulates in f32 over the token chunks of the
   block and is then written once; ``d hidden += d @ W_blockᵀ`` accumulates in an f32
   ``[T, D]`` buffer, all-reduced over ``vocab_axis`` once at the end.
@@ -91,6 +91,12 @@ def linear_logprobs_and_entropy(hidden, weight, labels, *, bias=None, logit_soft
     ``return_entropy=False``). Gradients flow to ``hidden``, ``weight`` and ``bias`` in
     their own dtypes.
 
+  Dtypes: the matmuls take ``hidden`` and ``weight`` in their common dtype, as
+  ``hidden @ weight`` does (bf16 hidden with an f32 kernel: f32 matmuls, like the
+  reference). Each tile is cast on the fly; no converted copy of either array is made.
+  For bf16 matmuls with f32 parameters, pass ``kernel.astype(jnp.bfloat16)`` (what Flax's
+  ``Linear(dtype=jnp.bfloat16)`` does); its gradient then comes back in f32 through the cast.
+
   Memory: no ``[T, V]`` array. Forward: two f32 ``[chunk, Vb]`` tiles, the weight block
   being read and O(T). Backward: ``d hidden`` and ``d weight`` (the outputs), an f32
   ``[T, D]`` accumulator for ``d hidden``, an f32 ``[D, Vb]`` accumulator for the
@@ -125,13 +131,14 @@ def linear_logprobs_and_entropy(hidden, weight, labels, *, bias=None, logit_soft
   vocab_size = _checks.check_vocab_size(
       vocab_size, num_columns * shards,
       "weight" if shards == 1 else f"weight across {shards} shards of {vocab_axis!r}")
+  operand_dtype = jnp.promote_types(hidden.dtype, weight.dtype)
   inv_temp = _checks.inverse_temperature(temperature, labels.shape,
-                                          _math.compute_dtype(hidden.dtype))
+                                          _math.compute_dtype(operand_dtype))
   valid = _checks.valid_mask(labels, where)
   _checks.check_labels_in_range(labels, valid, vocab_size)
 
   if labels.size == 0:
-    zeros = jnp.zeros(labels.shape, _math.compute_dtype(hidden.dtype))
+    zeros = jnp.zeros(labels.shape, _math.compute_dtype(operand_dtype))
     return zeros, (zeros if return_entropy else None)
   num_tokens = labels.size
   chunk, block = plan_tiles(num_tokens, num_columns, chunk_size, vocab_block_size)
@@ -140,7 +147,8 @@ def linear_logprobs_and_entropy(hidden, weight, labels, *, bias=None, logit_soft
                    chunk=chunk, block=block, vocab_axis=vocab_axis,
                    softcap=None if logit_softcap is None else float(logit_softcap),
                    with_entropy=return_entropy, vocab_dim=vocab_dim,
-                   pallas=_pallas.resolve_implementation(implementation, hidden) == "pallas")
+                   pallas=_pallas.resolve_implementation(implementation, hidden,
+                                                         weight) == "pallas")
   out = _jitted_linear_logprobs_entropy(
       hidden.reshape(num_tokens, hidden.shape[-1]), weight, bias,
       labels.reshape(-1).astype(jnp.int32), inv_temp.reshape(-1), valid.reshape(-1), static)
@@ -163,15 +171,17 @@ class _Static(NamedTuple):
 
 
 def _contract(a, b, a_dim, b_dim):
-  """``a`` and ``b`` contracted over one dimension each, f32 (f64) accumulation."""
-  dtype = _math.compute_dtype(a.dtype)
-  return lax.dot_general(a, b.astype(a.dtype), (((a_dim,), (b_dim,)), ((), ())),
-                         preferred_element_type=dtype)
+  """``a`` and ``b`` contracted over one dimension each, in their common dtype with f32
+  (f64) accumulation."""
+  operand_dtype = jnp.promote_types(a.dtype, b.dtype)
+  return lax.dot_general(a.astype(operand_dtype), b.astype(operand_dtype),
+                         (((a_dim,), (b_dim,)), ((), ())),
+                         preferred_element_type=_math.compute_dtype(operand_dtype))
 
 
 def _tile_logits(hidden_rows, weight_cols, bias_cols, softcap, vocab_dim):
-  """``[C, Vb]`` f32 logits of one tile (input-dtype operands, f32 accumulation)."""
-  dtype = _math.compute_dtype(hidden_rows.dtype)
+  """``[C, Vb]`` f32 logits of one tile (f32 accumulation)."""
+  dtype = _math.compute_dtype(jnp.promote_types(hidden_rows.dtype, weight_cols.dtype))
   x = _contract(hidden_rows, weight_cols, 1, 1 - vocab_dim)
   if bias_cols is not None:
     x = x + bias_cols.astype(dtype)
@@ -196,7 +206,7 @@ def _forward(hidden, weight, bias, labels, inv_temp, valid, static):
   chunk, block = static.chunk, static.block
   n_blocks, n_chunks = _grid(num_tokens, num_columns, chunk, block)
   shard_start = _math.shard_column_start(num_columns, static.vocab_axis)
-  dtype = _math.compute_dtype(hidden.dtype)
+  dtype = _math.compute_dtype(jnp.promote_types(hidden.dtype, weight.dtype))
   outer_labels, outer_valid = labels, valid  # the outputs vary like these, not per shard
   hidden, weight, bias, labels, inv_temp, valid = _math.unify_varying(
       (hidden, weight, bias, labels, inv_temp, valid), static.vocab_axis)
@@ -267,7 +277,7 @@ def _linear_logprobs_entropy_bwd(static, residuals, cotangents):
   chunk, block = static.chunk, static.block
   n_blocks, n_chunks = _grid(num_tokens, num_columns, chunk, block)
   shard_start = _math.shard_column_start(num_columns, static.vocab_axis)
-  dtype = _math.compute_dtype(hidden.dtype)
+  dtype = _math.compute_dtype(jnp.promote_types(hidden.dtype, weight.dtype))
   vocab_dim = static.vocab_dim
 
   def tile_grads(d_hidden, w_cols, b_cols, col, first_column, i):
@@ -288,7 +298,7 @@ def _linear_logprobs_entropy_bwd(static, residuals, cotangents):
     dx = dz * rows(inv_temp)[:, None].astype(dtype)
     if static.softcap is not None:
       dx = dx * (1 - jnp.square(x / static.softcap))
-    d = dx.astype(weight.dtype)
+    d = dx.astype(jnp.promote_types(hidden.dtype, weight.dtype))
     # d W columns in the weight's layout: [D, Vb] = hᵀ d, or [Vb, D] = dᵀ h.
     dw_tile = _contract(h, d, 0, 0) if vocab_dim else _contract(d, h, 0, 0)
     dh_rows = _contract(d, w_cols, 1, vocab_dim)

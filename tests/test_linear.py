@@ -135,3 +135,49 @@ def test_chunk_plan_keeps_one_chunk_when_everything_fits():
   assert _chunking.plan_chunk_size(100, 10, None, 2**20) == 100  # not 2 x 50
   assert _chunking.plan_chunk_size(1000, 1000, None, 4 * 1000 * 300) == 250  # a divisor
   assert _chunking.plan_chunk_size(1001, 1000, None, 4 * 1000 * 300) == 296  # none: ragged
+
+
+@pytest.mark.parametrize("hidden_dtype,weight_dtype", [
+    (jnp.bfloat16, jnp.float32), (jnp.float32, jnp.bfloat16)])
+def test_mixed_dtypes_promote_like_a_matmul(hidden_dtype, weight_dtype):
+  """bf16 activations with an f32 kernel (Flax's param_dtype) and the reverse: the matmuls
+  run in the common dtype, as ``hidden @ weight`` and the reference do, not in a silently
+  narrowed one; each gradient comes back in its own input's dtype."""
+  _, h, w, b, loss_kw = _case(8, (30,), 48, 301)
+  arrays = (jnp.asarray(h, hidden_dtype), jnp.asarray(w, weight_dtype), jnp.asarray(b))
+  f = lambda h, w, b, labels, **k: jaxce.linear_logprobs_and_entropy(
+      h, w, labels, bias=b, chunk_size=8, vocab_block_size=64, **k)
+  fr = lambda h, w, b, labels, **k: reference.linear_logprobs_and_entropy(h, w, labels, bias=b, **k)
+  # The reference on the same values in f64: the inputs' own rounding is not an error.
+  exact = tuple(jnp.asarray(a, jnp.float64) for a in arrays)
+  (logp, ent), grads = value_and_grads(f, arrays, (0, 1, 2), **loss_kw)
+  (logp_r, ent_r), grads_r = value_and_grads(fr, exact, (0, 1, 2), **loss_kw)
+  tol = TOLERANCE[jnp.float32]
+  assert_close(logp, logp_r, tol["value"], "logp")
+  assert_close(ent, ent_r, tol["value"], "entropy")
+  for name, g, gr, a in zip(("d hidden", "d weight", "d bias"), grads, grads_r, arrays):
+    assert g.dtype == a.dtype, (name, g.dtype, a.dtype)
+    # a bf16 gradient is rounded once at the end: half a bf16 ulp of its largest entry
+    bf16 = 2.0**-8 * float(np.max(np.abs(gr))) if a.dtype == jnp.bfloat16 else 0.0
+    assert_close(g, gr, tol["grad"] * 10 + bf16, name)
+
+
+def test_sharded_fused_call_defaults_to_xla_statistics(monkeypatch):
+  """On GPUs the default is the Pallas kernel outside shard_map and XLA inside it, also when
+  only the weight varies (hidden replicated over the vocab axis)."""
+  from jax.sharding import Mesh, PartitionSpec as P
+  from jaxce import _pallas
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  h, w = jnp.zeros((4, 8), jnp.bfloat16), jnp.zeros((8, 16), jnp.float32)
+  assert _pallas.resolve_implementation(None, h, w) == "pallas"
+  assert _pallas.resolve_implementation(None, h, w.astype(jnp.float64)) == "xla"
+  seen = []
+
+  def body(h, w):
+    seen.append(_pallas.resolve_implementation(None, h, w))
+    return h
+
+  mesh = Mesh(np.array(jax.devices()[:2]), ("vocab",))
+  jax.eval_shape(jax.shard_map(body, mesh=mesh, in_specs=(P(), P(None, "vocab")), out_specs=P()),
+                 h, w)
+  assert seen == ["xla"]

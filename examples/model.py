@@ -95,5 +95,9 @@ def abstract_graphdef(cfg: ModelConfig):
 
 
 def lm_head_kernel(model: CausalLM):
-  """The ``[D, V]`` LM head kernel as an array (a tied model would return ``embedding.T``)."""
-  return model.lm_head.kernel[...]
+  """The ``[D, V]`` LM head kernel in the head's compute dtype, as ``model.lm_head`` casts
+  it before its matmul (bf16 matmuls over f32 parameters; the gradient reaches the f32
+  parameter through the cast). A tied model would return ``embedding.T``."""
+  head = model.lm_head
+  kernel = head.kernel[...]
+  return kernel if head.dtype is None else kernel.astype(head.dtype)

@@ -34,11 +34,15 @@ SUPPORTS = {
 # "train_step" (hidden @ W -> logits as an intermediate of one jitted step -> loss ->
 # grads of hidden and W; jaxce and jax_plain); "inplace_loop" and "train_step_loop" (the
 # same with ``backward_in_place=True``: the backward overwrites the logits chunk by chunk);
-# "xla" (jaxce with ``implementation="xla"``: XLA's two-pass statistics, not the kernel).
+# "xla" (jaxce with ``implementation="xla"``: XLA's two-pass statistics, not the kernel);
+# "pallas" (``implementation="pallas"``: the kernel also inside shard_map, where the
+# default is XLA because CI cannot interpret it there; GPU only).
 IN_PLACE_VARIANTS = ("inplace", "inplace_grad", "inplace_loop")
 LOOP_VARIANTS = ("inplace_loop", "train_step_loop")
 TRAIN_STEP_VARIANTS = ("train_step", "train_step_loop")
-VARIANTS = ("default", "logp_only") + IN_PLACE_VARIANTS + TRAIN_STEP_VARIANTS + ("xla",)
+IMPLEMENTATION_VARIANTS = ("xla", "pallas")
+VARIANTS = ("default", "logp_only") + IN_PLACE_VARIANTS + TRAIN_STEP_VARIANTS + \
+    IMPLEMENTATION_VARIANTS
 MODES = ("fwd", "fwd_bwd")
 ENTROPY_COEF = 0.01
 
@@ -105,8 +109,8 @@ class Config:
         self.impl not in ("jaxce", "jax_plain") or self.input != "linear"
         or self.mode != "fwd_bwd" or (self.impl != "jaxce" and self.variant in LOOP_VARIANTS)):
       return f"{self.variant} is a jaxce (train_step: or jax_plain) linear fwd_bwd variant"
-    if self.variant == "xla" and self.impl != "jaxce":
-      return "xla is a jaxce variant"
+    if self.variant in IMPLEMENTATION_VARIANTS and self.impl != "jaxce":
+      return f"{self.variant} is a jaxce variant"
     if self.variant == "logp_only" and self.impl in LOGP_ONLY_IMPLS:
       return "already log-prob only"
     if self.input == "linear" and not self.D:
@@ -202,6 +206,9 @@ SUITES = {
               _GPU_V, n_devices=0, **_BWD),
         Group("linear", ("jaxce", "jax_plain"), _GPU_T, _GPU_V, _GPU_D, n_devices=0),
         Group("linear", ("jaxce:logp_only",), _GPU_T, _GPU_V, _GPU_D, n_devices=0, **_BWD),
+        # The Pallas statistics inside shard_map (the one-GPU default), to decide the default.
+        Group("logits", ("jaxce:pallas",), (32768,), _GPU_V, n_devices=0),
+        Group("linear", ("jaxce:pallas",), (32768,), _GPU_V, _GPU_D, n_devices=0, **_BWD),
         Group("logits", ("jaxce", "jax_plain"), (32768,), _GPU_V, **_BWD),
         Group("linear", ("jaxce", "jax_plain"), (32768,), _GPU_V, _GPU_D, **_BWD),
     ],

@@ -18,7 +18,8 @@ import numpy as np
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from bench.configs import IN_PLACE_VARIANTS, LOOP_VARIANTS, TRAIN_STEP_VARIANTS, Config
+from bench.configs import (IMPLEMENTATION_VARIANTS, IN_PLACE_VARIANTS, LOOP_VARIANTS,
+                           TRAIN_STEP_VARIANTS, Config)
 
 VOCAB_AXIS = "v"
 # Where each input lives: the vocab dim split over the mesh, everything else replicated.
@@ -125,8 +126,8 @@ def _per_token_fn(config: Config, mesh: Mesh, n_devices: int):
 
   if config.variant in LOOP_VARIANTS:
     kw["backward_in_place"] = True
-  if config.variant == "xla":
-    kw["implementation"] = "xla"
+  if config.variant in IMPLEMENTATION_VARIANTS:
+    kw["implementation"] = config.variant
   if config.variant in TRAIN_STEP_VARIANTS:
     if impl == "jaxce":
       fn = jaxce.sharded_logprobs_and_entropy if sharded else jaxce.logprobs_and_entropy

@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 
+import jax
 import pytest
 
 from bench import configs, report
@@ -201,6 +202,21 @@ def test_impl_filter_selects_variants():
   every = variants(["jaxce"])
   assert ("jaxce", "inplace") in every and ("jaxce", "default") in every
   assert all(impl == "jaxce" for impl, _ in every)
+
+
+def test_implementation_variants_pass_the_option():
+  """``jaxce:xla`` and ``jaxce:pallas`` rows run (and say) ``implementation=...``; other
+  impls have no such variant."""
+  from bench import impls
+  for variant in configs.IMPLEMENTATION_VARIANTS:
+    for input_path, D in (("logits", None), ("linear", 16)):
+      c = configs.Config(impl="jaxce", input=input_path, mode="fwd", T=8, V=64, D=D,
+                         dtype="float32", variant=variant)
+      assert c.invalid() is None
+      built = impls.build(c, jax.devices()[:1])
+      assert f"implementation={variant!r}" in built.note, built.note
+  assert configs.Config(impl="jax_plain", input="logits", mode="fwd", T=8, V=64,
+                        variant="pallas").invalid() == "pallas is a jaxce variant"
 
 
 def test_sweep_summary_compares_default_with_best_chunk():

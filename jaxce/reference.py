@@ -46,13 +46,18 @@ def logprobs_and_entropy(logits, labels, *, temperature=1.0, where=None, vocab_s
 
 def linear_logprobs_and_entropy(hidden, weight, labels, *, bias=None, logit_softcap=None,
                                 temperature=1.0, where=None, vocab_size=None,
-                                return_entropy=True, **unused_options):
+                                return_entropy=True, weight_layout="dv", **unused_options):
   """The fused path's meaning: ``logits = softcap(hidden @ weight + bias)``, then as above.
 
-  The matmul takes the inputs' dtype with float32 accumulation (float64 for float64
-  inputs), like the real function.
+  ``weight`` is ``[D, V]``, or ``[V, D]`` with ``weight_layout="vd"``. The matmul takes the
+  inputs' common dtype with float32 accumulation (float64 for float64 inputs), like the
+  real function.
   """
-  dtype = jnp.promote_types(hidden.dtype, jnp.float32)
+  if weight_layout not in ("dv", "vd"):
+    raise ValueError(f'weight_layout must be "dv" or "vd", got {weight_layout=!r}')
+  if weight_layout == "vd":
+    weight = weight.T
+  dtype = jnp.promote_types(jnp.promote_types(hidden.dtype, weight.dtype), jnp.float32)
   logits = jnp.matmul(hidden, weight, preferred_element_type=dtype)
   if bias is not None:
     logits = logits + bias.astype(dtype)

@@ -88,6 +88,11 @@ def test_tied_embedding(layout):
                                   h, e), (0, 1))(h, jnp.asarray(embedding, jnp.float64))
   assert_close(g[0], gr[0], 2e-4, "d hidden")
   assert_close(g[1], gr[1], 2e-4, "d embedding")
+  # The reference takes the same keywords: the table itself with weight_layout="vd".
+  gv = jax.grad(lambda h, e: loss(lambda h, e, l: reference.linear_logprobs_and_entropy(
+      h, e, l, weight_layout="vd"), h, e), (0, 1))(h, jnp.asarray(embedding, jnp.float64))
+  assert_close(gv[0], gr[0], 1e-12, "reference d hidden, vd")
+  assert_close(gv[1], gr[1], 1e-12, "reference d embedding, vd")
 
 
 def test_bf16_no_worse_than_plain_jax():

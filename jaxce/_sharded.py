@@ -29,8 +29,14 @@ def _check_call(mesh, vocab_axis, batch_axis, num_columns, columns_name, labels,
     for a in (axis if isinstance(axis, tuple) else (axis,)):
       if a is not None and a not in names:
         raise ValueError(f"{name}={axis!r} is not an axis of the mesh {mesh.axis_names}")
-  shards = math.prod(mesh.shape[a] for a in (
-      vocab_axis if isinstance(vocab_axis, tuple) else (vocab_axis,)))
+  shards, batch_shards = (math.prod(mesh.shape[a] for a in (
+      axis if isinstance(axis, tuple) else (axis,)) if a is not None)
+      for axis in (vocab_axis, batch_axis))
+  if batch_shards > 1 and (not leading_shape or leading_shape[0] % batch_shards):
+    raise ValueError(
+        f"{leading_name} = {tuple(leading_shape)} must have a first dim that divides evenly "
+        f"over the {batch_shards} shards of batch_axis={batch_axis!r}: pad the batch (and mask "
+        f"the padding with where= or label -100)")
   if num_columns % shards:
     raise ValueError(
         f"{columns_name} has {num_columns} vocabulary columns, which do not divide evenly over "

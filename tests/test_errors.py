@@ -244,6 +244,16 @@ def test_sharded_indivisible_vocab_names_the_argument(path):
     _sharded(path, shards=4)(*_arrays(path, columns=V - 2))
 
 
+@pytest.mark.parametrize("path", ["logits", "linear"])
+def test_sharded_indivisible_batch_names_the_argument(path):
+  """T = 5 tokens over 2 batch shards (JAX's own error names neither array nor option)."""
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("data", "v"))
+  name = "logits" if path == "logits" else "hidden"
+  with pytest.raises(ValueError, match=rf"{name}.shape\[:-1\] = \(5,\).*2 shards of "
+                     r"batch_axis='data'"):
+    _sharded(path, mesh=mesh, batch_axis="data")(*_arrays(path))
+
+
 def test_sharded_out_of_range_label_raises():
   """(Both wrappers share ``_sharded._run``; the logits one stands for both.)"""
   labels = LABELS.copy()

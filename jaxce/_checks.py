@@ -9,7 +9,11 @@ from jax import lax
 
 
 def is_concrete(*values) -> bool:
-  return not any(isinstance(v, jax.core.Tracer) for v in values)
+  """Whether every value can be read on this host now: no tracer, and no array with shards
+  in another process (a multi-host global array: reading it is a collective, and an
+  error raised by one process alone would leave the others waiting in the next one)."""
+  return not any(isinstance(v, jax.core.Tracer)
+                 or (isinstance(v, jax.Array) and not v.is_fully_addressable) for v in values)
 
 
 def as_array(name: str, value):

@@ -1,5 +1,8 @@
 """Vocab-sharded == unsharded == reference, on 2, 4 and 8 simulated devices."""
 
+import os
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -106,6 +109,30 @@ def test_explicit_mesh_takes_arrays_in_any_sharding(axis_types):
     assert_close(en, enr, 1e-10, f"{name} entropy")
     for i in range(2):
       assert_close(g[i], gr[i], 1e-10, f"{name} grad {i}")
+
+def test_eager_call_on_arrays_spanning_two_processes():
+  """Global arrays whose shards live in two processes cannot be read on one host: the
+  wrappers' value checks (labels in range, temperature > 0) leave them to the traced path
+  instead of failing to fetch them. Two real processes, jax.distributed on localhost."""
+  import socket
+  import subprocess
+  import sys
+  with socket.socket() as s:
+    s.bind(("localhost", 0))
+    port = str(s.getsockname()[1])
+  worker = [sys.executable, str(Path(__file__).with_name("two_process_worker.py"))]
+  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join(
+      filter(None, (str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH")))))
+  procs = [subprocess.Popen(worker + [str(i), port], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True) for i in range(2)]
+  try:
+    logs = [p.communicate(timeout=240)[0] for p in procs]
+  finally:
+    for p in procs:
+      p.kill()
+  for i, (p, log) in enumerate(zip(procs, logs)):
+    assert p.returncode == 0 and f"process {i}: ok" in log, log[-3000:]
+
 
 def test_pmap_vocab_axis():
   rng = np.random.default_rng(7)

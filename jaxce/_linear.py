@@ -277,7 +277,8 @@ def _linear_logprobs_entropy_bwd(static, residuals, cotangents):
   chunk, block = static.chunk, static.block
   n_blocks, n_chunks = _grid(num_tokens, num_columns, chunk, block)
   shard_start = _math.shard_column_start(num_columns, static.vocab_axis)
-  dtype = _math.compute_dtype(jnp.promote_types(hidden.dtype, weight.dtype))
+  operand_dtype = jnp.promote_types(hidden.dtype, weight.dtype)  # of the matmuls
+  dtype = _math.compute_dtype(operand_dtype)
   vocab_dim = static.vocab_dim
 
   def tile_grads(d_hidden, w_cols, b_cols, col, first_column, i):
@@ -298,7 +299,7 @@ def _linear_logprobs_entropy_bwd(static, residuals, cotangents):
     dx = dz * rows(inv_temp)[:, None].astype(dtype)
     if static.softcap is not None:
       dx = dx * (1 - jnp.square(x / static.softcap))
-    d = dx.astype(jnp.promote_types(hidden.dtype, weight.dtype))
+    d = dx.astype(operand_dtype)
     # d W columns in the weight's layout: [D, Vb] = hᵀ d, or [Vb, D] = dᵀ h.
     dw_tile = _contract(h, d, 0, 0) if vocab_dim else _contract(d, h, 0, 0)
     dh_rows = _contract(d, w_cols, 1, vocab_dim)

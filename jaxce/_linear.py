@@ -105,6 +105,15 @@ def linear_logprobs_and_entropy(hidden, weight, labels, *, bias=None, logit_soft
   hidden = _checks.as_array("hidden", hidden)
   weight = _checks.as_array("weight", weight)
   labels = _checks.as_array("labels", labels)
+  if vocab_axis is None:  # arrays split over a mesh's explicit axes: the shard_map wrapper
+    from jaxce import _sharded  # pylint: disable=import-outside-toplevel  (it wraps this)
+    out = _sharded.linear_split_like_their_types(hidden, weight, labels, dict(
+        bias=bias, logit_softcap=logit_softcap, temperature=temperature, where=where,
+        vocab_size=vocab_size, chunk_size=chunk_size, return_entropy=return_entropy,
+        vocab_block_size=vocab_block_size, weight_layout=weight_layout,
+        implementation=implementation))
+    if out is not None:
+      return out
   _checks.check_float("hidden", hidden)
   _checks.check_float("weight", weight)
   if weight_layout not in ("dv", "vd"):

@@ -61,6 +61,14 @@ def logprobs_and_entropy(logits, labels, *, temperature=1.0, where=None, vocab_s
   """
   logits = _checks.as_array("logits", logits)
   labels = _checks.as_array("labels", labels)
+  if vocab_axis is None:  # arrays split over a mesh's explicit axes: the shard_map wrapper
+    from jaxce import _sharded  # pylint: disable=import-outside-toplevel  (it wraps this)
+    out = _sharded.split_like_their_types(logits, labels, dict(
+        temperature=temperature, where=where, vocab_size=vocab_size, chunk_size=chunk_size,
+        return_entropy=return_entropy, implementation=implementation,
+        backward_in_place=backward_in_place))
+    if out is not None:
+      return out
   _checks.check_float("logits", logits)
   _checks.check_labels(labels, logits.shape[:-1], "logits.shape[:-1]")
   _checks.check_chunk_size(chunk_size)

@@ -22,7 +22,7 @@ def _check_call(mesh, vocab_axis, batch_axis, num_columns, columns_name, labels,
   """What can be checked on the global arrays before shard_map traces them: the mesh and
   its axes, the vocabulary's split, and the concrete values (labels in range, temperature)
   whose errors would otherwise become NaN inside the traced body."""
-  if not isinstance(mesh, jax.sharding.Mesh):
+  if not isinstance(mesh, (jax.sharding.Mesh, jax.sharding.AbstractMesh)):
     raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
   names = set(mesh.axis_names)
   for name, axis in (("vocab_axis", vocab_axis), ("batch_axis", batch_axis)):
@@ -62,27 +62,57 @@ def _token_options(kw, labels):
   return arrays
 
 
+def _axis_names(entry):
+  """The mesh axis names of one ``PartitionSpec`` entry (``None``, a name or a tuple)."""
+  return () if entry is None else (entry if isinstance(entry, tuple) else (entry,))
+
+
+def _explicit_axes(mesh):
+  return {name for name, kind in zip(mesh.axis_names, getattr(mesh, "axis_types", ()))
+          if kind == jax.sharding.AxisType.Explicit}
+
+
+def _typed_split(x):
+  """``(mesh, spec)`` when ``x``'s type splits it over explicit mesh axes (the spec one
+  entry per dim), else ``None``. Inside ``shard_map`` the axes are manual: ``None``."""
+  if x is None or not hasattr(x, "ndim"):
+    return None
+  concrete = isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
+  sharding = x.sharding if concrete else getattr(jax.typeof(x), "sharding", None)
+  mesh, spec = getattr(sharding, "mesh", None), getattr(sharding, "spec", None)
+  if mesh is None or spec is None:
+    return None
+  explicit = _explicit_axes(mesh)
+  if not any(n in explicit for entry in spec for n in _axis_names(entry)):
+    return None
+  return mesh, tuple(spec) + (None,) * (x.ndim - len(spec))
+
+
+def explicit_split(*arrays):
+  """The first explicit ``(mesh, spec)`` among ``arrays`` (see :func:`_typed_split`)."""
+  return next(filter(None, map(_typed_split, arrays)), None)
+
+
 def _placed(arrays, specs, mesh):
   """``arrays`` split as ``specs`` say. On a mesh with explicit axes (``jax.make_mesh``'s
   default) every array's type carries its sharding and ``shard_map`` takes only arrays
   already split as its ``in_specs``; reshard them (no data moves when they already are).
   Over auto axes ``shard_map`` reshards by itself (and ``reshard`` takes none)."""
-  explicit = {name for name, kind in zip(mesh.axis_names, mesh.axis_types)
-              if kind == jax.sharding.AxisType.Explicit}
+  explicit = _explicit_axes(mesh)
   if not explicit:
     return arrays
 
   def explicit_part(entry):
-    names = tuple(n for n in (entry if isinstance(entry, tuple) else (entry,)) if n in explicit)
+    names = tuple(n for n in _axis_names(entry) if n in explicit)
     return names if len(names) > 1 else (names[0] if names else None)
 
   return tuple(jax.sharding.reshard(a, NamedSharding(mesh, P(*map(explicit_part, s))))
                for a, s in zip(arrays, specs))
 
 
-def _run(kernel, arrays, specs, labels, mesh, vocab_axis, batch_axis, kw):
+def _run(kernel, arrays, specs, labels, mesh, vocab_axis, token_spec, kw):
   token_arrays = _token_options(kw, labels)
-  token_spec = _token_spec(labels.ndim, batch_axis)
+  token_spec = P(*token_spec)
   names = list(token_arrays)
   return_entropy = kw.get("return_entropy", True)
 
@@ -118,12 +148,33 @@ def sharded_logprobs_and_entropy(logits, labels, *, mesh, vocab_axis, batch_axis
   """
   logits = _checks.as_array("logits", logits)
   labels = _checks.as_array("labels", labels)
+  return _logits_call(logits, labels, mesh, vocab_axis, batch_axis,
+                      _token_spec(logits.ndim - 1, batch_axis), kw)
+
+
+def _logits_call(logits, labels, mesh, vocab_axis, batch_axis, token_spec, kw):
+  """The logits wrapper with the token dims split as ``token_spec`` (one entry per dim)."""
   _checks.check_float("logits", logits)
   _check_call(mesh, vocab_axis, batch_axis, logits.shape[-1], "logits", labels,
               logits.shape[:-1], "logits.shape[:-1]", kw)
-  spec = P(*(tuple(_token_spec(logits.ndim - 1, batch_axis)) + (vocab_axis,)))
-  return _run(logprobs_and_entropy, (logits,), (spec,), labels, mesh, vocab_axis, batch_axis,
+  spec = P(*token_spec, vocab_axis)
+  return _run(logprobs_and_entropy, (logits,), (spec,), labels, mesh, vocab_axis, token_spec,
               dict(kw))
+
+
+def split_like_their_types(logits, labels, kw):
+  """:func:`jaxce.logprobs_and_entropy` on arrays whose types split them over a mesh's
+  explicit axes (``jax.make_mesh``'s default), through the wrapper: the token dims stay
+  split as the logits' type says (else the labels'), the vocabulary as its last dim says.
+  ``None`` when no input is split over explicit axes."""
+  split = explicit_split(logits, labels, kw.get("where"), kw.get("temperature"))
+  if split is None:
+    return None
+  mesh, logits_spec = split[0], (_typed_split(logits) or (None, (None,) * logits.ndim))[1]
+  token_spec = logits_spec[:-1]
+  if not any(token_spec):
+    token_spec = (_typed_split(labels) or (None, (None,) * labels.ndim))[1]
+  return _logits_call(logits, labels, mesh, logits_spec[-1], None, tuple(token_spec), kw)
 
 
 def sharded_linear_logprobs_and_entropy(hidden, weight, labels, *, mesh, vocab_axis,
@@ -144,6 +195,31 @@ def sharded_linear_logprobs_and_entropy(hidden, weight, labels, *, mesh, vocab_a
   hidden = _checks.as_array("hidden", hidden)
   weight = _checks.as_array("weight", weight)
   labels = _checks.as_array("labels", labels)
+  return _linear_call(hidden, weight, labels, mesh, vocab_axis, batch_axis,
+                      _token_spec(hidden.ndim - 1, batch_axis), kw)
+
+
+def linear_split_like_their_types(hidden, weight, labels, kw):
+  """:func:`jaxce.linear_logprobs_and_entropy` on arrays whose types split them over a
+  mesh's explicit axes, through the wrapper: the token dims stay split as ``hidden``'s type
+  says (else the labels'), the vocabulary as the weight's vocab dim says; a split ``D`` is
+  gathered. ``None`` when no input is split over explicit axes."""
+  split = explicit_split(hidden, weight, labels, kw.get("bias"), kw.get("where"),
+                         kw.get("temperature"))
+  if split is None:
+    return None
+  mesh = split[0]
+  token_spec = (_typed_split(hidden) or (None, (None,) * hidden.ndim))[1][:-1]
+  if not any(token_spec):
+    token_spec = (_typed_split(labels) or (None, (None,) * labels.ndim))[1]
+  vocab_dim = 0 if kw.get("weight_layout") == "vd" else 1
+  weight_spec = (_typed_split(weight) or (None, (None,) * weight.ndim))[1]
+  vocab_axis = weight_spec[vocab_dim] if weight.ndim == 2 else None
+  return _linear_call(hidden, weight, labels, mesh, vocab_axis, None, tuple(token_spec), kw)
+
+
+def _linear_call(hidden, weight, labels, mesh, vocab_axis, batch_axis, token_spec, kw):
+  """The fused wrapper with the token dims split as ``token_spec`` (one entry per dim)."""
   _checks.check_float("hidden", hidden)
   _checks.check_float("weight", weight)
   vocab_dim = 0 if kw.get("weight_layout") == "vd" else 1
@@ -152,10 +228,10 @@ def sharded_linear_logprobs_and_entropy(hidden, weight, labels, *, mesh, vocab_a
                      f"{weight.shape=}")
   _check_call(mesh, vocab_axis, batch_axis, weight.shape[vocab_dim], "weight", labels,
               hidden.shape[:-1], "hidden.shape[:-1]", kw)
+  kw = dict(kw)
   bias = kw.pop("bias", None)
   weight_spec = P(vocab_axis, None) if vocab_dim == 0 else P(None, vocab_axis)
-  arrays, specs = [hidden, weight], [
-      P(*(tuple(_token_spec(hidden.ndim - 1, batch_axis)) + (None,))), weight_spec]
+  arrays, specs = [hidden, weight], [P(*token_spec, None), weight_spec]
 
   def kernel(h, w, *rest, **options):
     *b, labels_local = rest
@@ -164,4 +240,4 @@ def sharded_linear_logprobs_and_entropy(hidden, weight, labels, *, mesh, vocab_a
   if bias is not None:
     arrays.append(_checks.as_array("bias", bias))
     specs.append(P(vocab_axis))
-  return _run(kernel, tuple(arrays), specs, labels, mesh, vocab_axis, batch_axis, dict(kw))
+  return _run(kernel, tuple(arrays), specs, labels, mesh, vocab_axis, token_spec, kw)

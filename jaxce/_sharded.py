@@ -93,6 +93,17 @@ def explicit_split(*arrays):
   return next(filter(None, map(_typed_split, arrays)), None)
 
 
+def _spec_of(x):
+  """``x``'s explicit split, one entry per dim (all ``None`` when it has none)."""
+  return (_typed_split(x) or (None, (None,) * x.ndim))[1]
+
+
+def _typed_token_spec(leading, labels):
+  """How the token dims are split: as ``leading`` (the input's entries before its last
+  dim) says, or, when that splits nothing, as the labels' type says."""
+  return tuple(leading) if any(leading) else _spec_of(labels)
+
+
 def _placed(arrays, specs, mesh):
   """``arrays`` split as ``specs`` say. On a mesh with explicit axes (``jax.make_mesh``'s
   default) every array's type carries its sharding and ``shard_map`` takes only arrays
@@ -170,11 +181,9 @@ def split_like_their_types(logits, labels, kw):
   split = explicit_split(logits, labels, kw.get("where"), kw.get("temperature"))
   if split is None:
     return None
-  mesh, logits_spec = split[0], (_typed_split(logits) or (None, (None,) * logits.ndim))[1]
-  token_spec = logits_spec[:-1]
-  if not any(token_spec):
-    token_spec = (_typed_split(labels) or (None, (None,) * labels.ndim))[1]
-  return _logits_call(logits, labels, mesh, logits_spec[-1], None, tuple(token_spec), kw)
+  logits_spec = _spec_of(logits)
+  return _logits_call(logits, labels, split[0], logits_spec[-1], None,
+                      _typed_token_spec(logits_spec[:-1], labels), kw)
 
 
 def sharded_linear_logprobs_and_entropy(hidden, weight, labels, *, mesh, vocab_axis,
@@ -208,14 +217,10 @@ def linear_split_like_their_types(hidden, weight, labels, kw):
                          kw.get("temperature"))
   if split is None:
     return None
-  mesh = split[0]
-  token_spec = (_typed_split(hidden) or (None, (None,) * hidden.ndim))[1][:-1]
-  if not any(token_spec):
-    token_spec = (_typed_split(labels) or (None, (None,) * labels.ndim))[1]
   vocab_dim = 0 if kw.get("weight_layout") == "vd" else 1
-  weight_spec = (_typed_split(weight) or (None, (None,) * weight.ndim))[1]
-  vocab_axis = weight_spec[vocab_dim] if weight.ndim == 2 else None
-  return _linear_call(hidden, weight, labels, mesh, vocab_axis, None, tuple(token_spec), kw)
+  vocab_axis = _spec_of(weight)[vocab_dim] if weight.ndim == 2 else None
+  return _linear_call(hidden, weight, labels, split[0], vocab_axis, None,
+                      _typed_token_spec(_spec_of(hidden)[:-1], labels), kw)
 
 
 def _linear_call(hidden, weight, labels, mesh, vocab_axis, batch_axis, token_spec, kw):

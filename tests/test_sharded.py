@@ -73,32 +73,44 @@ def test_linear_path_sharded(data, vocab, layout):
 
 
 
-@pytest.mark.parametrize("axis_types", ["explicit", "explicit_data"])
-def test_explicit_mesh_takes_arrays_in_any_sharding(axis_types):
-  """``jax.make_mesh``'s default axes are explicit: shard_map then takes only arrays split
-  as its in_specs. The wrappers reshard every input themselves, the per-token ``where``
-  and ``temperature`` they broadcast included, so unsharded arrays work, forward and
-  backward, and give the reference's numbers."""
+def _mesh_2x2(axis_types):
+  """A ("data", "vocab") 2 x 2 mesh with the given axis types."""
   if len(jax.devices()) < 4:
     pytest.skip(f"needs 4 devices, {len(jax.devices())} present")
-  explicit, auto = jax.sharding.AxisType.Explicit, jax.sharding.AxisType.Auto
-  types = (explicit, explicit) if axis_types == "explicit" else (explicit, auto)
-  mesh = jax.make_mesh((2, 2), ("data", "vocab"), axis_types=types, devices=jax.devices()[:4])
-  rng = np.random.default_rng(11)
+  return jax.make_mesh((2, 2), ("data", "vocab"), axis_types=axis_types,
+                       devices=jax.devices()[:4])
+
+
+def _fused_problem(seed, temperature_shape):
+  """A padded fused problem over 2 vocab shards, per-token cotangents, a mask and
+  temperatures of ``temperature_shape``, and the float64 reference's outputs and grads."""
+  rng = np.random.default_rng(seed)
   shape, dim, num_columns, vocab_size = (4, 3), 8, 402, 397
   hidden = rng.normal(size=shape + (dim,))
   weight = rng.normal(size=(dim, num_columns)) * 0.6
   labels = _labels_on_every_shard(rng, shape, vocab_size, 2)
   loss_kw = dict(labels=labels, cot_logp=rng.normal(size=shape), cot_entropy=rng.normal(size=shape))
   kw = dict(vocab_size=vocab_size, where=rng.random(shape) < 0.8,
-            temperature=rng.uniform(0.5, 1.5, shape))
+            temperature=rng.uniform(0.5, 1.5, temperature_shape))
+  fr = lambda h, w, labels, **k: reference.linear_logprobs_and_entropy(h, w, labels, **k)
+  expected = value_and_grads(fr, (hidden, weight), (0, 1), **loss_kw, **kw)
+  return hidden, weight, labels, loss_kw, kw, expected
+
+
+@pytest.mark.parametrize("axis_types", ["explicit", "explicit_data"])
+def test_explicit_mesh_takes_arrays_in_any_sharding(axis_types):
+  """``jax.make_mesh``'s default axes are explicit: shard_map then takes only arrays split
+  as its in_specs. The wrappers reshard every input themselves, the per-token ``where``
+  and ``temperature`` they broadcast included, so unsharded arrays work, forward and
+  backward, and give the reference's numbers."""
+  explicit, auto = jax.sharding.AxisType.Explicit, jax.sharding.AxisType.Auto
+  mesh = _mesh_2x2((explicit, explicit) if axis_types == "explicit" else (explicit, auto))
+  hidden, weight, labels, loss_kw, kw, ((lpr, enr), gr) = _fused_problem(11, (4, 3))
   common = dict(mesh=mesh, vocab_axis="vocab", batch_axis="data", chunk_size=5)
   fused = lambda h, w, labels, **k: jaxce.sharded_linear_logprobs_and_entropy(
       h, w, labels, vocab_block_size=64, **common, **k)
   on_logits = lambda h, w, labels, **k: jaxce.sharded_logprobs_and_entropy(
       h @ w, labels, **common, **k)
-  fr = lambda h, w, labels, **k: reference.linear_logprobs_and_entropy(h, w, labels, **k)
-  (lpr, enr), gr = value_and_grads(fr, (hidden, weight), (0, 1), **loss_kw, **kw)
   for name, f in (("fused", fused), ("logits", on_logits)):
     with jax.set_mesh(mesh):  # explicit sharding's own rule for eager and jitted calls
       (lp, en), g = jax.jit(lambda *a: value_and_grads(f, a, (0, 1), **loss_kw, **kw))(
@@ -110,6 +122,7 @@ def test_explicit_mesh_takes_arrays_in_any_sharding(axis_types):
     for i in range(2):
       assert_close(g[i], gr[i], 1e-10, f"{name} grad {i}")
 
+
 @pytest.mark.parametrize("layout", ["logits_data_vocab", "logits_data", "linear_data_vocab",
                                     "linear_d_split"])
 def test_plain_functions_take_explicitly_split_arrays(layout):
@@ -119,21 +132,9 @@ def test_plain_functions_take_explicitly_split_arrays(layout):
   its dim (a split ``D`` is gathered). Before, XLA's explicit-sharding rules rejected the
   flattening of a split batch. Values and gradients against the reference; data
   parallelism alone compiles with no collective at all."""
-  if len(jax.devices()) < 4:
-    pytest.skip(f"needs 4 devices, {len(jax.devices())} present")
   from jax.sharding import NamedSharding, PartitionSpec as P
-  mesh = jax.make_mesh((2, 2), ("data", "vocab"),
-                       axis_types=(jax.sharding.AxisType.Explicit,) * 2, devices=jax.devices()[:4])
-  rng = np.random.default_rng(12)
-  shape, dim, num_columns, vocab_size = (4, 3), 8, 402, 397
-  hidden = rng.normal(size=shape + (dim,))
-  weight = rng.normal(size=(dim, num_columns)) * 0.6
-  labels = _labels_on_every_shard(rng, shape, vocab_size, 2)
-  loss_kw = dict(labels=labels, cot_logp=rng.normal(size=shape), cot_entropy=rng.normal(size=shape))
-  kw = dict(vocab_size=vocab_size, where=rng.random(shape) < 0.8,
-            temperature=rng.uniform(0.5, 1.5, shape[:1] + (1,)))
-  fr = lambda h, w, labels, **k: reference.linear_logprobs_and_entropy(h, w, labels, **k)
-  (lpr, enr), gr = value_and_grads(fr, (hidden, weight), (0, 1), **loss_kw, **kw)
+  mesh = _mesh_2x2((jax.sharding.AxisType.Explicit,) * 2)
+  hidden, weight, labels, loss_kw, kw, ((lpr, enr), gr) = _fused_problem(12, (4, 1))
   put = lambda a, *spec: jax.device_put(a, NamedSharding(mesh, P(*spec)))
   split = dict(logits_data_vocab=("data", "vocab"), logits_data=("data", None),
                linear_data_vocab=(None, "vocab"), linear_d_split=("vocab", None))[layout]

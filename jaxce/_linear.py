@@ -190,7 +190,7 @@ def _contract(a, b, a_dim, b_dim):
 
 def _tile_logits(hidden_rows, weight_cols, bias_cols, softcap, vocab_dim):
   """``[C, Vb]`` f32 logits of one tile (f32 accumulation)."""
-  dtype = _math.compute_dtype(jnp.promote_types(hidden_rows.dtype, weight_cols.dtype))
+  dtype = _math.compute_dtype(hidden_rows.dtype, weight_cols.dtype)
   x = _contract(hidden_rows, weight_cols, 1, 1 - vocab_dim)
   if bias_cols is not None:
     x = x + bias_cols.astype(dtype)
@@ -215,7 +215,7 @@ def _forward(hidden, weight, bias, labels, inv_temp, valid, static):
   chunk, block = static.chunk, static.block
   n_blocks, n_chunks = _grid(num_tokens, num_columns, chunk, block)
   shard_start = _math.shard_column_start(num_columns, static.vocab_axis)
-  dtype = _math.compute_dtype(jnp.promote_types(hidden.dtype, weight.dtype))
+  dtype = _math.compute_dtype(hidden.dtype, weight.dtype)
   outer_labels, outer_valid = labels, valid  # the outputs vary like these, not per shard
   hidden, weight, bias, labels, inv_temp, valid = _math.unify_varying(
       (hidden, weight, bias, labels, inv_temp, valid), static.vocab_axis)

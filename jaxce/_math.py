@@ -16,15 +16,18 @@ one pass over the tile; nothing here allocates more than the tile.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.custom_derivatives import SymbolicZero
 
 
-def compute_dtype(dtype) -> jnp.dtype:
-  """float32, or float64 when the input already is (used by f64 gradient checks)."""
-  return jnp.promote_types(dtype, jnp.float32)
+def compute_dtype(*dtypes) -> jnp.dtype:
+  """float32, or float64 when an input already is (used by f64 gradient checks): the
+  common dtype of ``dtypes`` and float32."""
+  return functools.reduce(jnp.promote_types, dtypes, jnp.dtype(jnp.float32))
 
 
 def scaled_logits(x, inv_temp, column_start, vocab_size, first_column=None):

@@ -26,12 +26,11 @@ def _check_call(mesh, vocab_axis, batch_axis, num_columns, columns_name, labels,
     raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
   names = set(mesh.axis_names)
   for name, axis in (("vocab_axis", vocab_axis), ("batch_axis", batch_axis)):
-    for a in (axis if isinstance(axis, tuple) else (axis,)):
-      if a is not None and a not in names:
+    for a in _axis_names(axis):
+      if a not in names:
         raise ValueError(f"{name}={axis!r} is not an axis of the mesh {mesh.axis_names}")
-  shards, batch_shards = (math.prod(mesh.shape[a] for a in (
-      axis if isinstance(axis, tuple) else (axis,)) if a is not None)
-      for axis in (vocab_axis, batch_axis))
+  shards, batch_shards = (math.prod(mesh.shape[a] for a in _axis_names(axis))
+                          for axis in (vocab_axis, batch_axis))
   if batch_shards > 1 and (not leading_shape or leading_shape[0] % batch_shards):
     raise ValueError(
         f"{leading_name} = {tuple(leading_shape)} must have a first dim that divides evenly "

@@ -35,14 +35,14 @@ SUPPORTS = {
 # grads of hidden and W; jaxce and jax_plain); "inplace_loop" and "train_step_loop" (the
 # same with ``backward_in_place=True``: the backward overwrites the logits chunk by chunk);
 # "xla" (jaxce with ``implementation="xla"``: XLA's two-pass statistics, not the kernel);
-# "pallas" (``implementation="pallas"``: the kernel also inside shard_map, where the
-# default is XLA because CI cannot interpret it there; GPU only).
+# "pallas" (``implementation="pallas"``: the kernel even where the default is XLA);
+# "hidden_grad_output" (fused: ``hidden_grad_accumulation="output"``, no f32 [T, D] sum).
 IN_PLACE_VARIANTS = ("inplace", "inplace_grad", "inplace_loop")
 LOOP_VARIANTS = ("inplace_loop", "train_step_loop")
 TRAIN_STEP_VARIANTS = ("train_step", "train_step_loop")
 IMPLEMENTATION_VARIANTS = ("xla", "pallas")
-VARIANTS = ("default", "logp_only") + IN_PLACE_VARIANTS + TRAIN_STEP_VARIANTS + \
-    IMPLEMENTATION_VARIANTS
+VARIANTS = ("default", "logp_only", "hidden_grad_output") + IN_PLACE_VARIANTS + \
+    TRAIN_STEP_VARIANTS + IMPLEMENTATION_VARIANTS
 MODES = ("fwd", "fwd_bwd")
 ENTROPY_COEF = 0.01
 
@@ -166,6 +166,7 @@ def _cpu_groups(Ts, V, D):
 
 _GPU_T = (8192, 32768, 131072)
 _GPU_V, _GPU_D = 151936, 4096
+_SHARDED_T = (32768, 131072)
 
 
 def _gpu_groups(Ts):
@@ -199,16 +200,19 @@ SUITES = {
     # One GPU: the headline numbers (V = 151936, bf16; D = 4096 on the fused path).
     "gpu": _gpu_groups(_GPU_T),
     # All visible GPUs, vocabulary split: jaxce's shard_map vs plain JAX under jit, and the
-    # one-device figures at T = 32768 on the same machine to compare with (issue 5, target 5).
+    # one-device figures at T = 32768 on the same machine to compare with (issue 24).
     "gpu-sharded": [
-        Group("logits", ("jaxce", "jax_plain"), _GPU_T, _GPU_V, n_devices=0),
-        Group("logits", ("jaxce:inplace", "jaxce:inplace_grad", "jaxce:inplace_loop"), _GPU_T,
-              _GPU_V, n_devices=0, **_BWD),
-        Group("linear", ("jaxce", "jax_plain"), _GPU_T, _GPU_V, _GPU_D, n_devices=0),
-        Group("linear", ("jaxce:logp_only",), _GPU_T, _GPU_V, _GPU_D, n_devices=0, **_BWD),
-        # The Pallas statistics inside shard_map (the one-GPU default), to decide the default.
-        Group("logits", ("jaxce:pallas",), (32768,), _GPU_V, n_devices=0),
-        Group("linear", ("jaxce:pallas",), (32768,), _GPU_V, _GPU_D, n_devices=0, **_BWD),
+        Group("logits", ("jaxce", "jax_plain"), _SHARDED_T, _GPU_V, n_devices=0),
+        Group("logits", ("jaxce:inplace",), _SHARDED_T, _GPU_V, n_devices=0, **_BWD),
+        Group("linear", ("jaxce", "jax_plain"), _SHARDED_T, _GPU_V, _GPU_D, n_devices=0),
+        # XLA's statistics inside shard_map (the default there before issue 24); the fused
+        # backward's d hidden summed in bf16, and smaller token chunks (memory levers).
+        Group("logits", ("jaxce:xla",), (32768,), _GPU_V, n_devices=0, **_BWD),
+        Group("linear", ("jaxce:xla", "jaxce:hidden_grad_output"), (32768,), _GPU_V, _GPU_D,
+              n_devices=0, **_BWD),
+        Group("linear", ("jaxce",), (32768,), _GPU_V, _GPU_D, n_devices=0,
+              chunk_sizes=(4096,), **_BWD),
+        # The best one-GPU paths (plain calls) on the same machine.
         Group("logits", ("jaxce", "jax_plain"), (32768,), _GPU_V, **_BWD),
         Group("linear", ("jaxce", "jax_plain"), (32768,), _GPU_V, _GPU_D, **_BWD),
     ],

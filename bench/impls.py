@@ -111,7 +111,7 @@ def _planned_chunk(num_tokens, num_columns, chunk_size, linear=False):
 def _options_note(kw) -> str:
   """The non-default jaxce options of a variant, for the row's ``note``."""
   return ", ".join(f"{k}={v!r}" for k, v in kw.items()
-                   if k in ("backward_in_place", "implementation"))
+                   if k in ("backward_in_place", "implementation", "hidden_grad_accumulation"))
 
 
 def _per_token_fn(config: Config, mesh: Mesh, n_devices: int):
@@ -128,6 +128,8 @@ def _per_token_fn(config: Config, mesh: Mesh, n_devices: int):
     kw["backward_in_place"] = True
   if config.variant in IMPLEMENTATION_VARIANTS:
     kw["implementation"] = config.variant
+  if config.variant == "hidden_grad_output":
+    kw["hidden_grad_accumulation"] = "output"
   if config.variant in TRAIN_STEP_VARIANTS:
     if impl == "jaxce":
       fn = jaxce.sharded_logprobs_and_entropy if sharded else jaxce.logprobs_and_entropy

@@ -62,7 +62,8 @@ def plan_tiles(num_tokens: int, num_columns: int, chunk_size: int | None = None,
 def linear_logprobs_and_entropy(hidden, weight, labels, *, bias=None, logit_softcap=None,
                                 temperature=1.0, where=None, vocab_size=None, chunk_size=None,
                                 vocab_axis=None, return_entropy=True, vocab_block_size=None,
-                                weight_layout="dv", implementation=None):
+                                weight_layout="dv", implementation=None,
+                                hidden_grad_accumulation="float32"):
   """Per-token log-prob and entropy of ``softmax(softcap(hidden @ weight + bias) / T)``.
 
   Args:
@@ -86,6 +87,14 @@ def linear_logprobs_and_entropy(hidden, weight, labels, *, bias=None, logit_soft
       passes over the tile: the max, then the sums) or ``"pallas"`` (one pass, the
       Triton kernel of the logits path; interpreted off GPUs, for tests). ``None``:
       as :func:`jaxce.logprobs_and_entropy` decides.
+    hidden_grad_accumulation: where the backward sums ``d hidden`` over the vocab blocks
+      (and shards). ``"float32"`` (default): an f32 ``[T, D]`` buffer, rounded to
+      ``hidden``'s dtype once at the end. ``"output"``: in ``d hidden`` itself, in
+      ``hidden``'s dtype, so no f32 ``[T, D]`` buffer exists (``4 T D`` bytes less; with
+      the vocabulary split over GPUs this is the largest buffer that does not shrink with
+      their number), at the price of one rounding per vocab block of each shard and one
+      per shard in the all-reduce (bench/NOTES.md has the measured error). The same as
+      ``"float32"`` for float32 ``hidden``.
   Returns:
     ``(logp, entropy)`` float32 of ``labels.shape`` (entropy ``None`` when
     ``return_entropy=False``). Gradients flow to ``hidden``, ``weight`` and ``bias`` in
@@ -99,8 +108,8 @@ def linear_logprobs_and_entropy(hidden, weight, labels, *, bias=None, logit_soft
 
   Memory: no ``[T, V]`` array. Forward: two f32 ``[chunk, Vb]`` tiles, the weight block
   being read and O(T). Backward: ``d hidden`` and ``d weight`` (the outputs), an f32
-  ``[T, D]`` accumulator for ``d hidden``, an f32 ``[D, Vb]`` accumulator for the
-  weight block and two f32 tiles.
+  ``[T, D]`` accumulator for ``d hidden`` (none with ``hidden_grad_accumulation=
+  "output"``), an f32 ``[D, Vb]`` accumulator for the weight block and two f32 tiles.
   """
   hidden = _checks.as_array("hidden", hidden)
   weight = _checks.as_array("weight", weight)
@@ -133,6 +142,9 @@ def linear_logprobs_and_entropy(hidden, weight, labels, *, bias=None, logit_soft
     _checks.check_float("bias", bias)
     if bias.shape != (num_columns,):
       raise ValueError(f"bias must have shape [V] = ({num_columns},), got {bias.shape=}")
+  if hidden_grad_accumulation not in ("float32", "output"):
+    raise ValueError('hidden_grad_accumulation must be "float32" or "output", got '
+                     f"{hidden_grad_accumulation=!r}")
   if logit_softcap is not None and not (isinstance(logit_softcap, (int, float))
                                         and logit_softcap > 0):
     raise ValueError(f"logit_softcap must be None or a float > 0, got {logit_softcap=!r}")
@@ -157,7 +169,9 @@ def linear_logprobs_and_entropy(hidden, weight, labels, *, bias=None, logit_soft
                    softcap=None if logit_softcap is None else float(logit_softcap),
                    with_entropy=return_entropy, vocab_dim=vocab_dim,
                    pallas=_pallas.resolve_implementation(implementation, hidden,
-                                                         weight) == "pallas")
+                                                         weight) == "pallas",
+                   hidden_grad_in_output=hidden_grad_accumulation == "output",
+                   shards=shards)
   out = _jitted_linear_logprobs_entropy(
       hidden.reshape(num_tokens, hidden.shape[-1]), weight, bias,
       labels.reshape(-1).astype(jnp.int32), inv_temp.reshape(-1), valid.reshape(-1), static)
@@ -177,6 +191,8 @@ class _Static(NamedTuple):
   with_entropy: bool
   vocab_dim: int
   pallas: bool = False
+  hidden_grad_in_output: bool = False
+  shards: int = 1
 
 
 def _contract(a, b, a_dim, b_dim):
@@ -289,6 +305,12 @@ def _linear_logprobs_entropy_bwd(static, residuals, cotangents):
   operand_dtype = jnp.promote_types(hidden.dtype, weight.dtype)  # of the matmuls
   dtype = _math.compute_dtype(operand_dtype)
   vocab_dim = static.vocab_dim
+  # d hidden sums over the vocabulary. One shard: in a [T, D] accumulator. Several: each
+  # tile's [chunk, D] partial is reduce-scattered over the vocab axis at once and every
+  # shard sums only its `piece` of each chunk's rows, [n_chunks, piece, D] (T D / shards
+  # floats, not T D), then one all-reduce of the rounded pieces assembles [T, D].
+  shards = static.shards
+  piece = -(-chunk // shards)
 
   def tile_grads(d_hidden, w_cols, b_cols, col, first_column, i):
     """Tile ``(j, i)``: ``d hidden`` with its rows added, and the tile's f32 ``d W`` and
@@ -312,7 +334,14 @@ def _linear_logprobs_entropy_bwd(static, residuals, cotangents):
     # d W columns in the weight's layout: [D, Vb] = hᵀ d, or [Vb, D] = dᵀ h.
     dw_tile = _contract(h, d, 0, 0) if vocab_dim else _contract(d, h, 0, 0)
     dh_rows = _contract(d, w_cols, 1, vocab_dim)
-    d_hidden = lax.dynamic_update_slice_in_dim(d_hidden, rows(d_hidden) + dh_rows, start, 0)
+    if shards == 1:
+      d_hidden = lax.dynamic_update_slice_in_dim(
+          d_hidden, (rows(d_hidden) + dh_rows).astype(d_hidden.dtype), start, 0)
+    else:  # this shard keeps its piece of the chunk's rows, summed over every shard
+      padded = jnp.pad(dh_rows, ((0, piece * shards - chunk), (0, 0)))
+      own = lax.psum_scatter(padded, static.vocab_axis, scatter_dimension=0, tiled=True)
+      own = lax.dynamic_index_in_dim(d_hidden, i, 0, keepdims=False) + own
+      d_hidden = lax.dynamic_update_index_in_dim(d_hidden, own.astype(d_hidden.dtype), i, 0)
     return d_hidden, dw_tile, (None if bias is None else jnp.sum(dx, axis=0))
 
   # A ragged vocabulary's clamped last block runs first: its overlap with the block before
@@ -344,11 +373,22 @@ def _linear_logprobs_entropy_bwd(static, residuals, cotangents):
       d_bias = lax.dynamic_update_slice_in_dim(d_bias, db_block.astype(bias.dtype), col, 0)
     return (d_hidden, d_weight, d_bias), None
 
-  carry = (jnp.zeros_like(hidden, dtype), jnp.zeros_like(weight), no_bias_grad)
+  accumulator_dtype = hidden.dtype if static.hidden_grad_in_output else dtype
+  shape = hidden.shape if shards == 1 else (n_chunks, piece, hidden.shape[1])
+  d_hidden, = _math.unify_varying((jnp.zeros(shape, accumulator_dtype), hidden),
+                                  static.vocab_axis)[:1]
+  carry = (d_hidden, jnp.zeros_like(weight), no_bias_grad)
   (d_hidden, d_weight, d_bias), _ = lax.scan(block_step, carry, jnp.arange(n_blocks))
-  if static.vocab_axis is not None:
-    d_hidden = lax.psum(d_hidden, static.vocab_axis)  # partial sums over vocab shards
-  grads = (d_hidden.astype(hidden.dtype), d_weight, d_bias)
+  d_hidden = d_hidden.astype(hidden.dtype)
+  if shards > 1:  # one nonzero term per element: the all-reduce adds no rounding
+    spread, = _math.unify_varying((jnp.zeros((n_chunks, shards) + d_hidden.shape[1:],
+                                             d_hidden.dtype), d_hidden), static.vocab_axis)[:1]
+    spread = lax.dynamic_update_index_in_dim(
+        spread, d_hidden, lax.axis_index(static.vocab_axis), 1)
+    spread = lax.psum(spread, static.vocab_axis)
+    d_hidden = _chunking.unchunk(spread.reshape(n_chunks, shards * piece, -1)[:, :chunk],
+                                 num_tokens)
+  grads = (d_hidden, d_weight, d_bias)
   grads = tuple(None if g is None else _math.reduce_to_varying(g, p)
                 for g, p in zip(grads, primals))
   return grads + (None, None, None)

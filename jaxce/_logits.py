@@ -36,8 +36,8 @@ def logprobs_and_entropy(logits, labels, *, temperature=1.0, where=None, vocab_s
     return_entropy: when False the entropy is neither computed nor returned (``None``).
     implementation: forward statistics by ``"xla"`` (two fused passes per chunk of
       tokens) or ``"pallas"`` (one pass, a Triton kernel; interpreted off GPUs, for
-      tests). ``None``: ``"pallas"`` on GPUs for bf16/f16/f32 logits outside
-      ``shard_map``, else ``"xla"``.
+      tests). ``None``: ``"pallas"`` on GPUs for bf16/f16/f32 logits (inside
+      ``shard_map`` too), else ``"xla"``.
     backward_in_place: ``False`` (default): one fused pass writes the gradient; donated
       logits are reused by XLA, but as an intermediate of a jitted step XLA's GPU plan
       gives the gradient its own buffer. ``True``: the backward walks the logits in

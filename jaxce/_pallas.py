@@ -105,13 +105,13 @@ def _row_kernel(x_ref, inv_temp_ref, start_ref, limit_ref, m_ref, s_ref, q_ref, 
 def resolve_implementation(implementation, *arrays):
   """``"pallas"`` or ``"xla"`` for the statistics of a call on ``arrays`` (the logits, or
   the hidden states and the weight); ``None`` picks the kernel on GPUs when no array is
-  float64 and none varies over a ``shard_map`` axis. Inside it the kernel lowers on GPUs
-  (scripts/gpu_probe_pallas.py, one-GPU mesh), but JAX's Pallas interpreter (0.10.2 and
-  0.12.0.1) fails shard_map's varying-type check inside the kernel once an operand differs
-  per shard (the column limit of a padded vocabulary): CI cannot test it there."""
+  float64, inside ``shard_map`` too. (Off GPUs the kernel runs in JAX's Pallas
+  interpreter, which fails shard_map's varying-type check once an operand differs per
+  shard: there ``implementation="pallas"`` is for one-device tests only. The kernel inside
+  ``shard_map`` on GPUs is checked by ``scripts/gpu_check_sharded_pallas.py``.)"""
   if implementation is None:
-    return "pallas" if (jax.default_backend() == "gpu" and not any(
-        a.dtype == jnp.float64 or _math.varying_axes(a) for a in arrays)) else "xla"
+    return "pallas" if (jax.default_backend() == "gpu"
+                        and not any(a.dtype == jnp.float64 for a in arrays)) else "xla"
   if implementation not in ("xla", "pallas"):
     raise ValueError(f'implementation must be None, "xla" or "pallas", got {implementation=!r}')
   return implementation

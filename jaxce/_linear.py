@@ -170,8 +170,7 @@ def linear_logprobs_and_entropy(hidden, weight, labels, *, bias=None, logit_soft
                    with_entropy=return_entropy, vocab_dim=vocab_dim,
                    pallas=_pallas.resolve_implementation(implementation, hidden,
                                                          weight) == "pallas",
-                   hidden_grad_in_output=hidden_grad_accumulation == "output",
-                   shards=shards)
+                   hidden_grad_in_output=hidden_grad_accumulation == "output")
   out = _jitted_linear_logprobs_entropy(
       hidden.reshape(num_tokens, hidden.shape[-1]), weight, bias,
       labels.reshape(-1).astype(jnp.int32), inv_temp.reshape(-1), valid.reshape(-1), static)
@@ -192,7 +191,6 @@ class _Static(NamedTuple):
   vocab_dim: int
   pallas: bool = False
   hidden_grad_in_output: bool = False
-  shards: int = 1
 
 
 def _contract(a, b, a_dim, b_dim):
@@ -305,12 +303,6 @@ def _linear_logprobs_entropy_bwd(static, residuals, cotangents):
   operand_dtype = jnp.promote_types(hidden.dtype, weight.dtype)  # of the matmuls
   dtype = _math.compute_dtype(operand_dtype)
   vocab_dim = static.vocab_dim
-  # d hidden sums over the vocabulary. One shard: in a [T, D] accumulator. Several: each
-  # tile's [chunk, D] partial is reduce-scattered over the vocab axis at once and every
-  # shard sums only its `piece` of each chunk's rows, [n_chunks, piece, D] (T D / shards
-  # floats, not T D), then one all-reduce of the rounded pieces assembles [T, D].
-  shards = static.shards
-  piece = -(-chunk // shards)
 
   def tile_grads(d_hidden, w_cols, b_cols, col, first_column, i):
     """Tile ``(j, i)``: ``d hidden`` with its rows added, and the tile's f32 ``d W`` and
@@ -334,14 +326,8 @@ def _linear_logprobs_entropy_bwd(static, residuals, cotangents):
     # d W columns in the weight's layout: [D, Vb] = hᵀ d, or [Vb, D] = dᵀ h.
     dw_tile = _contract(h, d, 0, 0) if vocab_dim else _contract(d, h, 0, 0)
     dh_rows = _contract(d, w_cols, 1, vocab_dim)
-    if shards == 1:
-      d_hidden = lax.dynamic_update_slice_in_dim(
-          d_hidden, (rows(d_hidden) + dh_rows).astype(d_hidden.dtype), start, 0)
-    else:  # this shard keeps its piece of the chunk's rows, summed over every shard
-      padded = jnp.pad(dh_rows, ((0, piece * shards - chunk), (0, 0)))
-      own = lax.psum_scatter(padded, static.vocab_axis, scatter_dimension=0, tiled=True)
-      own = lax.dynamic_index_in_dim(d_hidden, i, 0, keepdims=False) + own
-      d_hidden = lax.dynamic_update_index_in_dim(d_hidden, own.astype(d_hidden.dtype), i, 0)
+    d_hidden = lax.dynamic_update_slice_in_dim(
+        d_hidden, (rows(d_hidden) + dh_rows).astype(d_hidden.dtype), start, 0)
     return d_hidden, dw_tile, (None if bias is None else jnp.sum(dx, axis=0))
 
   # A ragged vocabulary's clamped last block runs first: its overlap with the block before
@@ -374,21 +360,11 @@ def _linear_logprobs_entropy_bwd(static, residuals, cotangents):
     return (d_hidden, d_weight, d_bias), None
 
   accumulator_dtype = hidden.dtype if static.hidden_grad_in_output else dtype
-  shape = hidden.shape if shards == 1 else (n_chunks, piece, hidden.shape[1])
-  d_hidden, = _math.unify_varying((jnp.zeros(shape, accumulator_dtype), hidden),
-                                  static.vocab_axis)[:1]
-  carry = (d_hidden, jnp.zeros_like(weight), no_bias_grad)
+  carry = (jnp.zeros_like(hidden, accumulator_dtype), jnp.zeros_like(weight), no_bias_grad)
   (d_hidden, d_weight, d_bias), _ = lax.scan(block_step, carry, jnp.arange(n_blocks))
-  d_hidden = d_hidden.astype(hidden.dtype)
-  if shards > 1:  # one nonzero term per element: the all-reduce adds no rounding
-    spread, = _math.unify_varying((jnp.zeros((n_chunks, shards) + d_hidden.shape[1:],
-                                             d_hidden.dtype), d_hidden), static.vocab_axis)[:1]
-    spread = lax.dynamic_update_index_in_dim(
-        spread, d_hidden, lax.axis_index(static.vocab_axis), 1)
-    spread = lax.psum(spread, static.vocab_axis)
-    d_hidden = _chunking.unchunk(spread.reshape(n_chunks, shards * piece, -1)[:, :chunk],
-                                 num_tokens)
-  grads = (d_hidden, d_weight, d_bias)
+  if static.vocab_axis is not None:
+    d_hidden = lax.psum(d_hidden, static.vocab_axis)  # partial sums over vocab shards
+  grads = (d_hidden.astype(hidden.dtype), d_weight, d_bias)
   grads = tuple(None if g is None else _math.reduce_to_varying(g, p)
                 for g, p in zip(grads, primals))
   return grads + (None, None, None)

@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import Mesh
+from jax.sharding import Mesh, PartitionSpec as P
 
 from helpers import adversarial_logits, assert_close, jaxce, reference, value_and_grads
 
@@ -202,6 +202,49 @@ def test_pmap_vocab_axis():
   for k in range(shards):
     assert_close(lp[k], lpr, 1e-10, "logp")
     assert_close(en[k], enr, 1e-10, "entropy")
+
+
+@pytest.mark.parametrize("mapping", ["pmap", "shard_map_unchecked"])
+def test_fused_path_without_varying_types(mapping):
+  """The fused backward's ``d hidden`` is a partial sum on each vocab shard, all-reduced
+  by the kernel itself. Inside ``shard_map`` with its type checks JAX sums it anyway (the
+  replicated primal's cotangent), so a missing psum shows only under ``pmap`` and
+  ``shard_map(check_vma=False)``, with the gradient taken inside the mapped function:
+  values and all three gradients on every shard against the reference."""
+  rng = np.random.default_rng(9)
+  shards, tokens, dim, local = 2, 6, 8, 32
+  hidden = rng.normal(size=(tokens, dim))
+  weight = rng.normal(size=(dim, shards * local)) * 0.6
+  bias = rng.normal(size=shards * local)
+  labels = _labels_on_every_shard(rng, (tokens,), shards * local, shards)
+  loss_kw = dict(labels=labels, cot_logp=rng.normal(size=tokens),
+                 cot_entropy=rng.normal(size=tokens))
+  f = lambda h, w, b, labels: jaxce.linear_logprobs_and_entropy(
+      h, w, labels, bias=b, vocab_axis="vocab", chunk_size=4, vocab_block_size=12)
+
+  def per_shard(h, w, b):
+    (logp, entropy), (d_hidden, d_weight, d_bias) = value_and_grads(f, (h, w, b), (0, 1, 2),
+                                                                    **loss_kw)
+    return (logp, entropy, d_hidden), (d_weight, d_bias)
+
+  if mapping == "pmap":
+    split_weight = weight.reshape(dim, shards, local).transpose(1, 0, 2)
+    replicated, (d_weight, d_bias) = jax.pmap(per_shard, axis_name="vocab", in_axes=(None, 0, 0))(
+        hidden, split_weight, bias.reshape(shards, local))
+    d_weight, d_bias = d_weight.transpose(1, 0, 2).reshape(dim, -1), d_bias.reshape(-1)
+  else:  # each shard's copy of the replicated outputs, stacked along their first dim
+    g = jax.shard_map(per_shard, mesh=_mesh(1, shards), check_vma=False,
+                      in_specs=(P(), P(None, "vocab"), P("vocab")),
+                      out_specs=((P("vocab"),) * 3, (P(None, "vocab"), P("vocab"))))
+    replicated, (d_weight, d_bias) = jax.jit(g)(hidden, weight, bias)
+    replicated = tuple(a.reshape((shards, tokens) + a.shape[1:]) for a in replicated)
+  fr = lambda h, w, b, labels: reference.linear_logprobs_and_entropy(h, w, labels, bias=b)
+  (lpr, enr), (dhr, dwr, dbr) = value_and_grads(fr, (hidden, weight, bias), (0, 1, 2), **loss_kw)
+  for k in range(shards):
+    for name, a, r in zip(("logp", "entropy", "d hidden"), replicated, (lpr, enr, dhr)):
+      assert_close(a[k], r, 1e-10, f"{name} on shard {k}")
+  assert_close(d_weight, dwr, 1e-10, "d weight")
+  assert_close(d_bias, dbr, 1e-10, "d bias")
 
 
 def test_collectives_are_rank_independent():

@@ -88,15 +88,18 @@ def table(rows) -> str:
   return "\n".join(lines)
 
 
-def summary_table(results: dict, T: int) -> str:
-  """README's table: the rows at ``T`` tokens with the default chunk size, one line each."""
+def summary_table(results: dict, T: int, chunks: bool = False) -> str:
+  """README's table: the rows at ``T`` tokens with the default chunk size, one line each;
+  with ``chunks``, also the rows of a given chunk size (named ``impl (chunk N)``)."""
   head = ("| impl | input | mode | T | GPUs | extra memory (per GPU) | × logits bytes | time "
           "| × floor |")
   lines = [head, "|" + "---|" * head.count(" | ") + "---|"]
   for r in sort_rows(results["rows"]):
-    if r["T"] != T or r["chunk_size"] is not None:
+    if r["T"] != T or (r["chunk_size"] is not None and not chunks):
       continue
     logp = "" if r.get("entropy", True) else " (logp)"
+    if r["chunk_size"] is not None:
+      logp += f" (chunk {r['chunk_size']})"
     if r["status"] != "ok":
       lines.append(f"| {name(r)}{logp} | {r['input']} | {r['mode']} | {r['T']} "
                    f"| {r['n_devices']} | **{r['status']}** | – | – | – |")
@@ -237,12 +240,14 @@ def main(argv=None):
   parser.add_argument("json", help="bench/results/<slug>.json")
   parser.add_argument("--readme-T", type=int,
                       help="print README's summary table of the rows at this T instead")
+  parser.add_argument("--chunks", action="store_true",
+                      help="with --readme-T: also the rows of a given chunk size")
   args = parser.parse_args(argv)
   results = load(args.json)
   if results is None:
     raise SystemExit(f"no such file: {args.json}")
   if args.readme_T:
-    print(summary_table(results, args.readme_T))
+    print(summary_table(results, args.readme_T, args.chunks))
     return
   for path in write(results, args.json).values():
     print(path)

@@ -231,16 +231,19 @@ def test_sweep_summary_compares_default_with_best_chunk():
 
 
 def test_readme_tables_come_from_the_committed_results():
-  """Each README table marked ``<!-- bench-table PATH T=N -->`` is exactly what
-  ``python -m bench.report PATH --readme-T N`` prints: no number in it is typed by hand."""
+  """Each README table marked ``<!-- bench-table PATH T=N [chunks] -->`` is exactly what
+  ``python -m bench.report PATH --readme-T N [--chunks]`` prints: no number in it is typed
+  by hand."""
   with open(os.path.join(ROOT, "README.md")) as f:
     lines = f.read().splitlines()
   marked = [i for i, line in enumerate(lines) if line.startswith("<!-- bench-table ")]
   assert marked, "README has no generated bench table"
   for i in marked:
-    path, t_field = lines[i].removeprefix("<!-- bench-table ").removesuffix(" -->").split()
+    path, t_field, *chunks = lines[i].removeprefix("<!-- bench-table ").removesuffix(
+        " -->").split()
     with open(os.path.join(ROOT, path)) as f:
-      expected = report.summary_table(json.load(f), int(t_field.removeprefix("T=")))
+      expected = report.summary_table(json.load(f), int(t_field.removeprefix("T=")),
+                                      chunks == ["chunks"])
     table = []
     for line in lines[i + 1:]:
       if not line.startswith("|"):

@@ -96,16 +96,17 @@ def _tokamax_implementation():
     return None
 
 
-def _planned_chunk(num_tokens, num_columns, chunk_size, linear=False):
-  """The chunk jaxce uses, from its private planners (the request if that API moved); on
-  the fused path ``num_columns`` is the local vocabulary (``jaxce._linear.plan_tiles``)."""
-  try:
-    from jaxce import _chunking, _linear
-    if linear:
-      return int(_linear.plan_tiles(num_tokens, num_columns, chunk_size)[0])
-    return int(_chunking.plan_chunk_size(num_tokens, num_columns, chunk_size))
-  except Exception:  # pylint: disable=broad-except  # private API: report nothing
-    return chunk_size
+def _planned_chunk(num_tokens, num_columns, kw, linear=False):
+  """The chunk jaxce will use (``jaxce.plan``; ``num_columns`` is the local vocabulary), or
+  ``None`` where the call runs none (the Pallas forward with the one-pass backward)."""
+  from jaxce import plan
+  if linear:
+    return int(plan.linear_tiles(num_tokens, num_columns, kw["chunk_size"])[0])
+  dtype = np.zeros((), np.float32)  # the default picks by backend (and float64 only)
+  if plan.implementation(kw.get("implementation"), dtype) == "pallas" and not kw.get(
+      "backward_in_place"):
+    return None
+  return int(plan.logits_chunk(num_tokens, num_columns, kw["chunk_size"]))
 
 
 def _options_note(kw) -> str:
@@ -134,7 +135,7 @@ def _per_token_fn(config: Config, mesh: Mesh, n_devices: int):
     if impl == "jaxce":
       fn = jaxce.sharded_logprobs_and_entropy if sharded else jaxce.logprobs_and_entropy
       f = lambda h, w, lab: fn(_matmul(h, w), lab, **shard_kw, **kw)
-      return f, _planned_chunk(config.T, v_local, config.chunk_size), _options_note(kw)
+      return f, _planned_chunk(config.T, v_local, kw), _options_note(kw)
     return (lambda h, w, lab: plain_logprobs_entropy(_matmul(h, w), lab, entropy)), None, ""
 
   if impl == "jaxce":
@@ -142,7 +143,7 @@ def _per_token_fn(config: Config, mesh: Mesh, n_devices: int):
       fn = jaxce.sharded_linear_logprobs_and_entropy if sharded else \
           jaxce.linear_logprobs_and_entropy
       f = lambda h, w, lab: fn(h, w, lab, **shard_kw, **kw)
-      return f, _planned_chunk(config.T, v_local, config.chunk_size, True), _options_note(kw)
+      return f, _planned_chunk(config.T, v_local, kw, True), _options_note(kw)
     fn = jaxce.sharded_logprobs_and_entropy if sharded else jaxce.logprobs_and_entropy
     f = lambda x, lab: fn(x, lab, **shard_kw, **kw)
     note = _options_note(kw)
@@ -150,7 +151,7 @@ def _per_token_fn(config: Config, mesh: Mesh, n_devices: int):
       note = "; ".join(filter(None, ["logits donated", (
           "jax.grad: gradient only, no loss value" if config.variant == "inplace_grad"
           else "jax.value_and_grad"), note]))
-    return f, _planned_chunk(config.T, v_local, config.chunk_size), note
+    return f, _planned_chunk(config.T, v_local, kw), note
 
   if impl == "jax_plain":
     if linear:

@@ -1,11 +1,21 @@
-"""Argument checks shared by the public functions. Every error names the argument."""
+"""Argument checks of the front door, and the normalizations that follow them.
+
+``check_*`` raise (every error names the argument, its shape or value, and what was
+expected); the front door calls each once per call, on the arrays the user passed. The
+normalizations (``inverse_temperature``, ``valid_mask``, ``vocab_dim``) raise nothing and
+run where the arrays are used: on this device, or on each shard inside ``shard_map``.
+"""
 
 from __future__ import annotations
+
+import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+
+from jaxce import _math
 
 
 def is_concrete(*values) -> bool:
@@ -39,7 +49,8 @@ def check_labels(labels, leading_shape, leading_name: str):
         f"labels must have shape {leading_name} = {tuple(leading_shape)}, got {labels.shape=}")
 
 
-def check_chunk_size(value, name="chunk_size"):
+def check_size(value, name):
+  """``chunk_size`` / ``vocab_block_size``: None or an int >= 1."""
   if value is None:
     return
   if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
@@ -51,47 +62,43 @@ def check_columns(name, num_columns):
     raise ValueError(f"{name} has no vocabulary columns (V = 0); expected V >= 1")
 
 
-def broadcast_token_array(name: str, value, shape, dtype):
-  """Broadcast ``where`` / ``temperature`` to the labels' shape, or say why not."""
-  value = as_array(name, value)
+def check_choice(name, value, choices):
+  if value not in choices:
+    expected = " or ".join(repr(c) for c in choices)
+    raise ValueError(f"{name} must be {expected}, got {name}={value!r}")
+
+
+def _broadcastable(name, value, shape):
   try:
-    return jnp.broadcast_to(value, shape).astype(dtype)
+    fits = jnp.broadcast_shapes(value.shape, tuple(shape)) == tuple(shape)
   except ValueError:
+    fits = False
+  if not fits:
     raise ValueError(
-        f"{name} must be broadcastable to labels.shape={tuple(shape)}, got {value.shape=}"
-    ) from None
+        f"{name} must be broadcastable to labels.shape={tuple(shape)}, got {value.shape=}")
 
 
-def inverse_temperature(temperature, shape, dtype=jnp.float32):
-  """``[*shape]`` 1/T in ``dtype`` (the compute dtype) with no gradient; concrete
-  values must be > 0."""
-  check_temperature(temperature)
-  t = broadcast_token_array("temperature", as_array("temperature", temperature), shape, dtype)
-  return lax.stop_gradient(1.0 / t)
-
-
-def check_temperature(temperature):
-  """Type, and > 0 wherever the value is known now (Python and numpy numbers too, which
-  would turn into traced arrays under jit before a later check could see them)."""
-  t = as_array("temperature", temperature) if not isinstance(temperature, jax.core.Tracer) \
-      else temperature
+def check_temperature(temperature, shape):
+  """Type, shape, and > 0 wherever the value is known now (Python and numpy numbers too,
+  which would turn into traced arrays under jit before a later check could see them)."""
+  t = temperature if isinstance(temperature, jax.core.Tracer) else as_array(
+      "temperature", temperature)
   if not jnp.issubdtype(t.dtype, jnp.floating) and not jnp.issubdtype(t.dtype, jnp.integer):
     raise TypeError(f"temperature must be a float or float array, got {t.dtype=}")
+  _broadcastable("temperature", t, shape)
   if is_concrete(temperature):
     host = np.asarray(temperature, np.float64)
     if host.size and not np.all(host > 0):
       raise ValueError(f"temperature must be > 0 everywhere, got min {host.min()}")
 
 
-def valid_mask(labels, where):
-  """``[*labels.shape]`` bool: positions that are not ignored."""
-  valid = labels >= 0
-  if where is not None:
-    w = as_array("where", where)
-    if w.dtype != jnp.bool_:
-      raise TypeError(f"where must be a bool array, got {w.dtype=}")
-    valid = valid & broadcast_token_array("where", w, labels.shape, jnp.bool_)
-  return lax.stop_gradient(valid)
+def check_where(where, shape):
+  if where is None:
+    return
+  w = as_array("where", where)
+  if w.dtype != jnp.bool_:
+    raise TypeError(f"where must be a bool array, got {w.dtype=}")
+  _broadcastable("where", w, shape)
 
 
 def vocab_shards(vocab_axis) -> int:
@@ -118,14 +125,96 @@ def check_vocab_size(vocab_size, num_columns: int, columns_name: str) -> int:
   return int(vocab_size)
 
 
-def check_labels_in_range(labels, valid, vocab_size: int):
+def check_labels_in_range(labels, where, vocab_size: int):
   """With concrete inputs, a label >= vocab_size at a kept position is a ValueError."""
-  if not is_concrete(labels, valid):
+  if not is_concrete(labels, where):
     return
-  bad = np.argwhere(np.asarray(valid) & (np.asarray(labels) >= vocab_size))
+  labels = np.asarray(labels)
+  valid = labels >= 0
+  if where is not None:
+    valid = valid & np.broadcast_to(np.asarray(where), labels.shape)
+  bad = np.argwhere(valid & (labels >= vocab_size))
   if bad.size:
     position = tuple(int(i) for i in bad[0])
     raise ValueError(
-        f"labels[{position}] = {int(np.asarray(labels)[position])} is out of range for "
+        f"labels[{position}] = {int(labels[position])} is out of range for "
         f"vocab_size={vocab_size} ({len(bad)} such position(s)); ignore a position with "
         "where=False or a negative label")
+
+
+def check_weight(hidden, weight, weight_layout):
+  """The fused path's weight: ``[D, V]`` (``"dv"``) or ``[V, D]`` (``"vd"``)."""
+  check_choice("weight_layout", weight_layout, ("dv", "vd"))
+  dim = vocab_dim(weight_layout)
+  if weight.ndim != 2 or weight.shape[1 - dim] != hidden.shape[-1]:
+    expected = "[D, V]" if dim else "[V, D]"
+    raise ValueError(f"weight must have shape {expected} (weight_layout={weight_layout!r}) with "
+                     f"D = hidden.shape[-1] = {hidden.shape[-1]}, got {weight.shape=}")
+
+
+def check_bias(bias, num_columns):
+  """``bias`` as an array of shape ``[V]`` (or None)."""
+  if bias is None:
+    return None
+  bias = as_array("bias", bias)
+  check_float("bias", bias)
+  if bias.shape != (num_columns,):
+    raise ValueError(f"bias must have shape [V] = ({num_columns},), got {bias.shape=}")
+  return bias
+
+
+def check_softcap(logit_softcap):
+  if logit_softcap is not None and not (isinstance(logit_softcap, (int, float))
+                                        and logit_softcap > 0):
+    raise ValueError(f"logit_softcap must be None or a float > 0, got {logit_softcap=!r}")
+
+
+def check_mesh(mesh, vocab_axis, batch_axis, num_columns, columns_name, leading_shape,
+               leading_name) -> int:
+  """The wrappers' mesh: a Mesh with both axes, a batch and a vocabulary that divide over
+  them. Returns the number of vocab shards."""
+  if not isinstance(mesh, (jax.sharding.Mesh, jax.sharding.AbstractMesh)):
+    raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
+  names = set(mesh.axis_names)
+  for name, axis in (("vocab_axis", vocab_axis), ("batch_axis", batch_axis)):
+    for a in _math.axis_names(axis):
+      if a not in names:
+        raise ValueError(f"{name}={axis!r} is not an axis of the mesh {mesh.axis_names}")
+  shards, batch_shards = (math.prod(mesh.shape[a] for a in _math.axis_names(axis))
+                          for axis in (vocab_axis, batch_axis))
+  if batch_shards > 1 and (not leading_shape or leading_shape[0] % batch_shards):
+    raise ValueError(
+        f"{leading_name} = {tuple(leading_shape)} must have a first dim that divides evenly "
+        f"over the {batch_shards} shards of batch_axis={batch_axis!r}: pad the batch (and mask "
+        f"the padding with where= or label -100)")
+  if num_columns % shards:
+    raise ValueError(
+        f"{columns_name} has {num_columns} vocabulary columns, which do not divide evenly over "
+        f"the {shards} shards of vocab_axis={vocab_axis!r}: pad the columns to a multiple of "
+        f"{shards} and pass vocab_size={num_columns}")
+  return shards
+
+
+# --- normalizations (no checks) ----------------------------------------------------------
+
+def vocab_dim(weight_layout) -> int:
+  """The fused weight's vocabulary dim: 1 for ``"dv"`` ([D, V]), 0 for ``"vd"``."""
+  return 0 if weight_layout == "vd" else 1
+
+
+def broadcast_token_array(value, shape, dtype):
+  """``where`` / ``temperature`` (checked) as an array of the labels' shape."""
+  return jnp.broadcast_to(jnp.asarray(value), shape).astype(dtype)
+
+
+def inverse_temperature(temperature, shape, dtype=jnp.float32):
+  """``[*shape]`` 1/T in ``dtype`` (the compute dtype) with no gradient."""
+  return lax.stop_gradient(1.0 / broadcast_token_array(temperature, shape, dtype))
+
+
+def valid_mask(labels, where):
+  """``[*labels.shape]`` bool: positions that are not ignored."""
+  valid = labels >= 0
+  if where is not None:
+    valid = valid & broadcast_token_array(where, labels.shape, jnp.bool_)
+  return lax.stop_gradient(valid)

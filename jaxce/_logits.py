@@ -1,118 +1,72 @@
-"""The logits path: chunked log-prob and entropy with a hand-written backward.
+"""The logits path's kernel: log-prob and entropy of ``[T, V_local]`` logits rows with a
+hand-written backward, on arrays the front door (``jaxce._api``) has checked and
+flattened.
 
-Public entry: :func:`logprobs_and_entropy` (re-exported by ``jaxce``).
+Forward: the row statistics of every token by the Pallas kernel (one pass) or by XLA in a
+scan over chunks of tokens (two fused passes per chunk); shards combine them with one pmax
+and one psum. Backward: one fused elementwise pass writes the gradient, or (``in_place``)
+a loop overwrites the logits chunk by chunk.
 """
 
 from __future__ import annotations
 
 from functools import partial
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxce import _checks, _chunking, _math, _pallas
+from jaxce import _chunking, _math, _pallas
 
 
-def logprobs_and_entropy(logits, labels, *, temperature=1.0, where=None, vocab_size=None,
-                         chunk_size=None, vocab_axis=None, return_entropy=True,
-                         implementation=None, backward_in_place=False):
-  """Per-token log-probability of the label and entropy of softmax(logits / temperature).
+class Config(NamedTuple):
+  """The static (Python, hashable) configuration of one call.
 
-  Args:
-    logits: ``[..., V]`` bf16, f16 or f32 (``V = V_local``, this shard's columns, when
-      ``vocab_axis`` is set).
-    labels: int ``[...]``, global token ids. Negative ids are ignored.
-    temperature: float > 0 or float array broadcastable to ``labels.shape``. No gradient.
-    where: optional bool array broadcastable to ``labels.shape``; False positions are
-      ignored. Ignored positions give log-prob 0, entropy 0 and an exactly zero gradient.
-    vocab_size: logical vocabulary when the columns are padded; global column ids
-      ``>= vocab_size`` are excluded from the softmax. A kept label ``>= vocab_size`` is a
-      ``ValueError`` for concrete inputs and a NaN log-prob under ``jit``.
-    chunk_size: tokens per step of the forward scan; ``None`` plans one (see
-      ``jaxce._chunking.plan_chunk_size``); ``>= T`` runs a single pass.
-    vocab_axis: mesh axis name (or tuple) the last dim is split over, when called inside
-      ``shard_map`` / ``pmap``. Shard k holds ids ``[k * V_local, (k + 1) * V_local)``.
-    return_entropy: when False the entropy is neither computed nor returned (``None``).
-    implementation: forward statistics by ``"xla"`` (two fused passes per chunk of
-      tokens) or ``"pallas"`` (one pass, a Triton kernel; interpreted off GPUs, for
-      tests). ``None``: ``"pallas"`` on GPUs for bf16/f16/f32 logits (inside
-      ``shard_map`` too), else ``"xla"``.
-    backward_in_place: ``False`` (default): one fused pass writes the gradient; donated
-      logits are reused by XLA, but as an intermediate of a jitted step XLA's GPU plan
-      gives the gradient its own buffer. ``True``: the backward walks the logits in
-      chunks of tokens and overwrites each chunk with its gradient, so when the logits
-      are dead afterwards (donated, or an intermediate of a jitted training step) the
-      gradient takes their buffer; when they are still alive XLA copies them first (one
-      more read and write of the logits, no more memory). Measured on an H200 (T = 32768,
-      V = 151936, bf16, bench/results/nvidia-h200-x1-4a285da.json): a training step's
-      plan 10.7 GiB instead of two [T, V] buffers, but 19.4 vs 12.2 ms standalone (XLA
-      splits the loop body in two fusions with a [chunk, V] bool temporary).
-
-  Returns:
-    ``(logp, entropy)``, float32 arrays of ``labels.shape`` (entropy ``None`` when
-    ``return_entropy=False``).
-
-  Memory: the forward keeps the logits plus three ``[T]`` vectors as residuals; its working
-  set is O(T) with the Pallas kernel and the reductions' partial sums of one
-  ``[chunk, V_local]`` tile (about 1% of it) with XLA. The backward reads the logits once
-  and writes the gradient (an array like ``logits``) with no temporaries; see
-  ``backward_in_place`` for when that array is the logits' own buffer.
+  Attributes:
+    vocab_size: the logical vocabulary (kept labels at or above it give NaN).
+    mask_vocab: ``vocab_size`` when some columns must be masked, else ``None``.
+    chunk: tokens per step of the XLA forward's scan and the in-place backward's loop;
+      ``None`` when neither runs (the Pallas forward with the one-pass backward).
+    vocab_axis: the mesh axis (or tuple) the columns are split over, or ``None``.
+    with_entropy: compute (and return) the entropy.
+    implementation: ``"xla"`` or ``"pallas"``: the forward's row statistics.
+    in_place: the backward overwrites the logits chunk by chunk.
   """
-  logits = _checks.as_array("logits", logits)
-  labels = _checks.as_array("labels", labels)
-  if vocab_axis is None:  # arrays split over a mesh's explicit axes: the shard_map wrapper
-    from jaxce import _sharded  # pylint: disable=import-outside-toplevel  (it wraps this)
-    out = _sharded.split_like_their_types(logits, labels, dict(
-        temperature=temperature, where=where, vocab_size=vocab_size, chunk_size=chunk_size,
-        return_entropy=return_entropy, implementation=implementation,
-        backward_in_place=backward_in_place))
-    if out is not None:
-      return out
-  _checks.check_float("logits", logits)
-  _checks.check_labels(labels, logits.shape[:-1], "logits.shape[:-1]")
-  _checks.check_chunk_size(chunk_size)
-  num_columns = logits.shape[-1]
-  _checks.check_columns("logits", num_columns)
-  shards = _checks.vocab_shards(vocab_axis)
-  vocab_size = _checks.check_vocab_size(
-      vocab_size, num_columns * shards,
-      "logits" if shards == 1 else f"logits across {shards} shards of {vocab_axis!r}")
-  inv_temp = _checks.inverse_temperature(temperature, labels.shape,
-                                          _math.compute_dtype(logits.dtype))
-  valid = _checks.valid_mask(labels, where)
-  _checks.check_labels_in_range(labels, valid, vocab_size)
-
-  if labels.size == 0:
-    zeros = jnp.zeros(labels.shape, _math.compute_dtype(logits.dtype))
-    return zeros, (zeros if return_entropy else None)
-  num_tokens = labels.size
-  chunk = _chunking.plan_chunk_size(num_tokens, num_columns, chunk_size)
-  implementation = _pallas.resolve_implementation(implementation, logits)
-  mask_vocab = vocab_size if vocab_size < num_columns * shards else None
-  out = _jitted_logprobs_entropy(
-      logits.reshape(num_tokens, num_columns), labels.reshape(-1).astype(jnp.int32),
-      inv_temp.reshape(-1), valid.reshape(-1), vocab_size, mask_vocab, chunk, vocab_axis,
-      return_entropy, implementation, bool(backward_in_place))
-  logp = out[0].reshape(labels.shape)
-  entropy = out[1].reshape(labels.shape) if return_entropy else None
-  return logp, entropy
+  vocab_size: int
+  mask_vocab: int | None
+  chunk: int | None
+  vocab_axis: object
+  with_entropy: bool
+  implementation: str
+  in_place: bool
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8, 9, 10))
-def _logprobs_entropy(x, labels, inv_temp, valid, vocab_size, mask_vocab, chunk, vocab_axis,
-                      with_entropy, implementation, in_place):
-  """``x [T, V_local]`` -> ``(logp [T],)`` or ``(logp [T], entropy [T])``, float32."""
-  out, _ = _forward(x, labels, inv_temp, valid, vocab_size, mask_vocab, chunk, vocab_axis,
-                    with_entropy, implementation)
-  return out
+def logprobs_entropy(x, labels, inv_temp, valid, config: Config):
+  """``x [T, V_local]``, ``labels`` int32 ``[T]``, ``inv_temp [T]``, ``valid`` bool
+  ``[T]`` -> ``(logp [T],)`` or ``(logp, entropy)`` in the compute dtype; differentiable
+  in ``x`` (jitted once per configuration, inlined inside an outer jit or shard_map).
+
+  Memory: the forward keeps ``x`` and three ``[T]`` vectors as residuals; its working set
+  is O(T) with the Pallas kernel and the reductions' partial sums of one ``[chunk,
+  V_local]`` tile with XLA. The backward reads ``x`` once and writes the gradient (an
+  array like ``x``); with ``in_place`` it overwrites ``x``'s buffer when ``x`` is dead.
+  """
+  return _jitted_logprobs_entropy(x, labels, inv_temp, valid, config)
 
 
-def _forward(x, labels, inv_temp, valid, vocab_size, mask_vocab, chunk, vocab_axis,
-             with_entropy, implementation):
+@partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _logprobs_entropy(x, labels, inv_temp, valid, config):
+  return _forward(x, labels, inv_temp, valid, config)[0]
+
+
+def _forward(x, labels, inv_temp, valid, config):
   num_tokens, num_columns = x.shape
+  vocab_size, mask_vocab, chunk, vocab_axis, with_entropy = (
+      config.vocab_size, config.mask_vocab, config.chunk, config.vocab_axis,
+      config.with_entropy)
   column_start = _math.shard_column_start(num_columns, vocab_axis)
-  if implementation == "pallas":
+  if config.implementation == "pallas":
     limit = num_columns if mask_vocab is None else jnp.clip(
         mask_vocab - column_start, 0, num_columns)
     m, s, q = _pallas.row_statistics(x, inv_temp, limit, with_entropy)
@@ -137,19 +91,17 @@ def _forward(x, labels, inv_temp, valid, vocab_size, mask_vocab, chunk, vocab_ax
   return (logp,) + tuple(entropy), (m, log_s, entropy[0] if with_entropy else None)
 
 
-def _logprobs_entropy_fwd(x, labels, inv_temp, valid, vocab_size, mask_vocab, chunk,
-                          vocab_axis, with_entropy, implementation, in_place):
+def _logprobs_entropy_fwd(x, labels, inv_temp, valid, config):
   x, labels, inv_temp, valid = (p.value for p in (x, labels, inv_temp, valid))
-  out, stats = _forward(x, labels, inv_temp, valid, vocab_size, mask_vocab, chunk,
-                        vocab_axis, with_entropy, implementation)
+  out, stats = _forward(x, labels, inv_temp, valid, config)
   return out, (x, labels, inv_temp, valid) + stats
 
 
-def _logprobs_entropy_bwd(vocab_size, mask_vocab, chunk, vocab_axis, with_entropy,
-                          implementation, in_place, residuals, cotangents):
+def _logprobs_entropy_bwd(config, residuals, cotangents):
   x, labels, inv_temp, valid, shift, log_sum, entropy = residuals
+  mask_vocab, chunk, vocab_axis = config.mask_vocab, config.chunk, config.vocab_axis
   g_logp = _math.symbolic_zero_to_none(cotangents[0])
-  g_entropy = _math.symbolic_zero_to_none(cotangents[1]) if with_entropy else None
+  g_entropy = _math.symbolic_zero_to_none(cotangents[1]) if config.with_entropy else None
   if g_logp is None and g_entropy is None:
     return (jnp.zeros_like(x), None, None, None)
   column_start = _math.shard_column_start(x.shape[1], vocab_axis)
@@ -161,7 +113,7 @@ def _logprobs_entropy_bwd(vocab_size, mask_vocab, chunk, vocab_axis, with_entrop
                           rows(entropy), rows(g_logp), rows(g_entropy), rows(valid))
     return (dz * rows(inv_temp)[:, None].astype(dz.dtype)).astype(x.dtype)
 
-  if not in_place:
+  if not config.in_place:
     # One elementwise pass over [T, V_local] into a new array.
     return (gradient(x, lambda a: a), None, None, None)
 
@@ -184,4 +136,4 @@ def _logprobs_entropy_bwd(vocab_size, mask_vocab, chunk, vocab_axis, with_entrop
 _logprobs_entropy.defvjp(_logprobs_entropy_fwd, _logprobs_entropy_bwd, symbolic_zeros=True)
 # Jitted once per static configuration, so repeated eager calls do not recompile; inside
 # an outer jit (or shard_map) it is inlined.
-_jitted_logprobs_entropy = jax.jit(_logprobs_entropy, static_argnums=(4, 5, 6, 7, 8, 9, 10))
+_jitted_logprobs_entropy = jax.jit(_logprobs_entropy, static_argnums=(4,))

@@ -22,10 +22,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from jaxce import _math
 
-# Columns loaded per step and warps per program. Measured on an H200 (T = 32768,
-# V = 151936, bf16, forward statistics alone; scripts/gpu_probe_round{3,4}.py): 2048
-# columns with 4 warps 4.61 ms; 4096 with 8 warps 4.95 ms; 8192 with 16 warps 6.04 ms;
-# the earlier kernel (three cross-lane reductions per block) 5.54 ms.
+# Columns loaded per step and warps per program (bench/NOTES.md, entries 3, 9 and 13).
 MAX_BLOCK = 2048
 NUM_WARPS = 4
 _LOG2_E = 1.4426950408889634
@@ -44,8 +41,8 @@ def _row_kernel(x_ref, inv_temp_ref, start_ref, limit_ref, m_ref, s_ref, q_ref, 
   reduced across lanes once at the end. Aligned blocks that lie wholly inside
   ``[start, limit)`` are read without a mask, the next one loaded before the current
   one is processed; the at most two partial blocks at the ends are masked. (A variant
-  with a max per lane needs a second exp per element and measured slower: 6.3 vs
-  5.5 ms, bench/NOTES.md.)
+  with a max per lane needs a second exp per element and measured slower: bench/NOTES.md,
+  entry 3.)
   """
   num_columns = x_ref.shape[0]
   inv_temp = inv_temp_ref[...]
@@ -102,33 +99,6 @@ def _row_kernel(x_ref, inv_temp_ref, start_ref, limit_ref, m_ref, s_ref, q_ref, 
   q_ref[...] = jnp.sum(q)
 
 
-def resolve_implementation(implementation, *arrays):
-  """``"pallas"`` or ``"xla"`` for the statistics of a call on ``arrays`` (the logits, or
-  the hidden states and the weight); ``None`` picks the kernel on GPUs when no array is
-  float64, inside ``shard_map`` too. (Off GPUs the kernel runs in JAX's Pallas
-  interpreter, which fails shard_map's varying-type check once an operand differs per
-  shard: there ``implementation="pallas"`` is for one-device tests only. The kernel inside
-  ``shard_map`` on GPUs is checked by ``scripts/gpu_check_sharded_pallas.py``.)"""
-  if implementation is None:
-    return "pallas" if (jax.default_backend() == "gpu"
-                        and not any(a.dtype == jnp.float64 for a in arrays)) else "xla"
-  if implementation not in ("xla", "pallas"):
-    raise ValueError(f'implementation must be None, "xla" or "pallas", got {implementation=!r}')
-  return implementation
-
-
-def _scalar_like(x):
-  """A float32 scalar output that varies over the same shard_map axes as ``x``
-  (``check_vma`` needs it spelled out: ``manual_axis_type`` in JAX >= 0.10, ``vma`` before)."""
-  aval = jax.typeof(x)
-  mat = getattr(aval, "mat", None)
-  if mat is not None and mat.varying:
-    return jax.ShapeDtypeStruct((), jnp.float32, manual_axis_type=mat)
-  if getattr(aval, "vma", None):
-    return jax.ShapeDtypeStruct((), jnp.float32, vma=aval.vma)
-  return jax.ShapeDtypeStruct((), jnp.float32)
-
-
 def row_statistics(x, inv_temp, limit, with_entropy, start=0):
   """Per-row ``(m, s, q)`` of ``z = x * inv_temp`` over the columns in ``[start, limit)``.
 
@@ -146,7 +116,7 @@ def row_statistics(x, inv_temp, limit, with_entropy, start=0):
   """
   num_columns = x.shape[1]
   block = min(MAX_BLOCK, 1 << (num_columns.bit_length() - 1))
-  scalar = _scalar_like(x)
+  scalar = _math.shape_dtype_like(x, (), jnp.float32)
   call = pl.pallas_call(
       partial(_row_kernel, block=block, with_entropy=with_entropy),
       out_shape=(scalar, scalar, scalar),

@@ -15,15 +15,11 @@ __all__ = ["logprobs_and_entropy", "linear_logprobs_and_entropy"]
 
 
 def logprobs_and_entropy(logits, labels, *, temperature=1.0, where=None, vocab_size=None,
-                         return_entropy=True, **unused_options):
+                         return_entropy=True):
   """``(logp, entropy)`` of ``labels.shape`` in float32 (float64 for float64 logits).
 
-  ``unused_options`` takes the chunking / sharding keywords of the real function
-  (``chunk_size``, ``vocab_axis``...) so both can be called with the same arguments;
-  ``vocab_axis`` is not supported here.
+  Takes the options that change the numbers, no others (no chunking, no sharding).
   """
-  if unused_options.get("vocab_axis") is not None:
-    raise ValueError("the reference does not shard: pass vocab_axis=None")
   dtype = jnp.promote_types(logits.dtype, jnp.float32)
   t = lax.stop_gradient(jnp.broadcast_to(jnp.asarray(temperature, dtype), labels.shape))
   z = logits.astype(dtype) / t[..., None]
@@ -46,7 +42,7 @@ def logprobs_and_entropy(logits, labels, *, temperature=1.0, where=None, vocab_s
 
 def linear_logprobs_and_entropy(hidden, weight, labels, *, bias=None, logit_softcap=None,
                                 temperature=1.0, where=None, vocab_size=None,
-                                return_entropy=True, weight_layout="dv", **unused_options):
+                                return_entropy=True, weight_layout="dv"):
   """The fused path's meaning: ``logits = softcap(hidden @ weight + bias)``, then as above.
 
   ``weight`` is ``[D, V]``, or ``[V, D]`` with ``weight_layout="vd"``. The matmul takes the
@@ -64,5 +60,4 @@ def linear_logprobs_and_entropy(hidden, weight, labels, *, bias=None, logit_soft
   if logit_softcap is not None:
     logits = logit_softcap * jnp.tanh(logits / logit_softcap)
   return logprobs_and_entropy(logits, labels, temperature=temperature, where=where,
-                              vocab_size=vocab_size, return_entropy=return_entropy,
-                              **unused_options)
+                              vocab_size=vocab_size, return_entropy=return_entropy)

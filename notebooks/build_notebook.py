@@ -79,8 +79,6 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 import jaxce  # noqa: E402
-from jaxce._chunking import DEFAULT_TILE_BYTES, plan_chunk_size  # noqa: E402  (private)
-from jaxce._linear import DEFAULT_VOCAB_BLOCK, TILE_BYTES, plan_tiles  # noqa: E402  (private)
 
 DEVICE = jax.devices()[0]
 ACCEL = DEVICE.platform != "cpu"
@@ -135,15 +133,15 @@ def case(path, impl, mode, tokens=T, chunk=None, **extra):
 def columns(c):
   # Columns of one tile row: V_local on the logits path, the vocab block on the fused path.
   local = c["V"] // c.get("shards", 1)
-  return local if c["path"] == "logits" else plan_tiles(c["T"], local)[1]
+  return local if c["path"] == "logits" else jaxce.plan.linear_tiles(c["T"], local)[1]
 
 
 def chunk_of(c):
   # The chunk jaxce runs with: min(chunk_size, T), or the planned one for None (the fused
   # path plans from its own tile budget).
   if c["path"] == "logits":
-    return plan_chunk_size(c["T"], columns(c), c["chunk"])
-  return plan_tiles(c["T"], c["V"] // c.get("shards", 1), c["chunk"])[0]
+    return jaxce.plan.logits_chunk(c["T"], columns(c), c["chunk"])
+  return jaxce.plan.linear_tiles(c["T"], c["V"] // c.get("shards", 1), c["chunk"])[0]
 
 
 def in_units(nbytes):
@@ -549,15 +547,15 @@ plt.show()
 md("""
 ## What `chunk_size=None` picks, and why
 
-`jaxce._chunking.plan_chunk_size` sizes one f32 `[C, columns]` tile to a fixed budget:
+`jaxce.plan.chunk_size` sizes one f32 `[C, columns]` tile to a fixed budget:
 `C = budget / (4 · columns)`, capped at T (one chunk when all of T fits); otherwise
 rounded down to a multiple of 8 and moved down to a divisor of T if one lies within a
 factor 2, so that no ragged last chunk is needed (a ragged one is handled without copies
 anyway; the divisor rule can cost up to half the budget). On the logits path `columns`
-is `V_local` and the budget `DEFAULT_TILE_BYTES` (`CPU_TILE_BYTES` on CPUs); on the fused path
-(`jaxce._linear.plan_tiles`) `columns` is the vocab block `min(V_local,
-DEFAULT_VOCAB_BLOCK)` and the budget the fused path's own `TILE_BYTES` (a smaller one on
-CPUs), so the fused path's default does not depend on V. The budget trades the tile's memory
+is `V_local` and the budget `LOGITS_TILE_BYTES` of the backend (`jaxce.plan.logits_chunk`);
+on the fused path (`jaxce.plan.linear_tiles`) `columns` is the vocab block `min(V_local,
+DEFAULT_VOCAB_BLOCK)` and the budget `LINEAR_TILE_BYTES` of the backend, so the fused
+path's default does not depend on V. The budget trades the tile's memory
 (see the sweeps above) against per-step overhead (see the timings); the library's own
 reasoning for its value is printed first, from its source.
 """)
@@ -565,22 +563,17 @@ reasoning for its value is printed first, from its source.
 code("""
 import inspect  # noqa: E402
 
-import jaxce._chunking  # noqa: E402
-
-source = inspect.getsource(jaxce._chunking).splitlines()
-at = next(i for i, line in enumerate(source) if line.startswith("DEFAULT_TILE_BYTES ="))
-start = at
-while start > 0 and source[start - 1].startswith("#"):
-  start -= 1
-print("\\n".join(source[start:at + 1]))
-print(f"# = {DEFAULT_TILE_BYTES / 2**20:.0f} MiB; fused path: DEFAULT_VOCAB_BLOCK = "
-      f"{DEFAULT_VOCAB_BLOCK}, TILE_BYTES = {TILE_BYTES / 2**20:.0f} MiB\\n")
+source = inspect.getsource(jaxce.plan).splitlines()
+at = next(i for i, line in enumerate(source) if line.startswith("IMPLEMENTATIONS ="))
+start = next(i for i, line in enumerate(source) if line.startswith("# Logits path"))
+print("\\n".join(source[start:at]))
+print(f"# this backend: {jaxce.plan.backend()!r}\\n")
 print(f"{'T':>7} {'V':>7} | {'logits C':>8} {'chunks':>6} {'ragged':>6} {'tile MiB':>8} | "
       f"{'fused C':>7} {'chunks':>6} {'tile MiB':>8}")
 for tokens in (1, 1000, 4096, 12000, 32768, 131072):
   for vocab in (32000, 128256, 151936, 262144):
-    c = plan_chunk_size(tokens, vocab, None)
-    f, block = plan_tiles(tokens, vocab)
+    c = jaxce.plan.logits_chunk(tokens, vocab)
+    f, block = jaxce.plan.linear_tiles(tokens, vocab)
     print(f"{tokens:7d} {vocab:7d} | {c:8d} {-(-tokens // c):6d} {str(tokens % c != 0):>6} "
           f"{4 * c * vocab / 2**20:8.1f} | {f:7d} {-(-tokens // f):6d} {4 * f * block / 2**20:8.1f}")
 """)

@@ -52,6 +52,8 @@ def _entry(case):
   path, impl = case["path"], case["impl"]
   module = jaxce if impl == "jaxce" else reference
   options = {"chunk_size": case.get("chunk")} if impl == "jaxce" else {}
+  if impl == "jaxce" and path == "logits" and case.get("chunk") is not None:
+    options["implementation"] = "xla"  # the Pallas forward (GPU default) has no chunks
   fn = module.logprobs_and_entropy if path == "logits" else module.linear_logprobs_and_entropy
   return functools.partial(fn, **options)
 
@@ -59,8 +61,9 @@ def _entry(case):
 def _sharded_entry(case, mesh):
   if case["path"] != "logits" or case["impl"] != "jaxce":
     raise ValueError(f"sharded cases: jaxce logits path only, got {case=}")
+  options = {} if case.get("chunk") is None else dict(implementation="xla")
   return functools.partial(jaxce.sharded_logprobs_and_entropy, mesh=mesh, vocab_axis="vocab",
-                           chunk_size=case.get("chunk"))
+                           chunk_size=case.get("chunk"), **options)
 
 
 def case_function(case, mesh=None):

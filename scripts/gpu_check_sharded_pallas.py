@@ -1,22 +1,21 @@
-"""GPU check before the Pallas statistics become the default inside shard_map.
+"""GPU check of the Pallas statistics inside shard_map (the default there on GPUs).
 
 CI cannot run the kernel inside shard_map (JAX's Pallas interpreter fails the varying-type
 check there), so this compares, on every visible GPU as one vocab-split mesh, the sharded
 calls with ``implementation="pallas"`` against ``implementation="xla"`` and the float64
 reference: both paths, a padded vocabulary (the per-shard column limit), a ragged last
-vocab block, softcap, per-token temperature, masked rows, values and gradients.
+vocab block, softcap, per-token temperature, masked rows, values and gradients. Run it on
+every GPU kind before a change to the kernels or their defaults lands.
 
-    python scripts/gpu_check_sharded_pallas.py      # prints one JSON line per case
+    python -m scripts.gpu_check_sharded_pallas      # from the repository root; one JSON line per case
 
 Exits 1 when a case differs by more than its tolerance. (On a CPU it stops at once: there
 the kernel is interpreted and cannot run inside shard_map.)
 """
 
 import json
-import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax
 import jax.numpy as jnp
 import numpy as np

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import inspect
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -47,6 +49,14 @@ def value_and_grads(fn, arrays, argnums, **kw):
   return outputs, grads
 
 
+def reference_options(fn, options):
+  """The keyword options of a public call that ``fn`` (a reference function) takes: the
+  references take only the options that change the numbers, nothing about chunking,
+  sharding or implementation."""
+  taken = inspect.signature(fn).parameters
+  return {k: v for k, v in options.items() if k in taken}
+
+
 def assert_close(actual, expected, atol, what):
   actual = np.asarray(actual, np.float64)
   expected = np.asarray(expected, np.float64)
@@ -57,4 +67,4 @@ def assert_close(actual, expected, atol, what):
 
 
 __all__ = ["TOLERANCE", "adversarial_logits", "assert_close", "jaxce", "reference",
-           "value_and_grads", "weighted_loss"]
+           "reference_options", "value_and_grads", "weighted_loss"]

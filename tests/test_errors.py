@@ -74,7 +74,7 @@ LINEAR_ERRORS = [
      r"weight_layout.*'VD'"),
     ("hidden-grad-accumulation", (HIDDEN, WEIGHT, LABELS),
      dict(hidden_grad_accumulation="bf16"), ValueError,
-     r"hidden_grad_accumulation must be \"float32\" or \"output\", got .*'bf16'"),
+     r"hidden_grad_accumulation must be 'float32' or 'output', got .*'bf16'"),
     ("labels-float", (HIDDEN, WEIGHT, LABELS.astype(np.float32)), {}, TypeError,
      r"labels must be an integer array"),
     ("labels-shape", (HIDDEN, WEIGHT, LABELS[:3]), {}, ValueError,
@@ -258,7 +258,8 @@ def test_sharded_indivisible_batch_names_the_argument(path):
 
 
 def test_sharded_out_of_range_label_raises():
-  """(Both wrappers share ``_sharded._run``; the logits one stands for both.)"""
+  """(Both wrappers share their checks with the plain functions; the logits one stands for
+  both.)"""
   labels = LABELS.copy()
   labels[3] = V
   with pytest.raises(ValueError, match=re.escape("labels[(3,)]")):

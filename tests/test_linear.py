@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 from jax.test_util import check_grads
 
-from helpers import TOLERANCE, assert_close, jaxce, reference, value_and_grads
+from helpers import (TOLERANCE, assert_close, jaxce, reference, reference_options,
+                     value_and_grads)
 
 
 def _case(seed, shape, dim, num_columns, vocab_size=None, ignore=0.2):
@@ -26,7 +27,7 @@ def _check(hidden, weight, bias, dtype, loss_kw, **kw):
   f = lambda h, w, b, labels, **k: jaxce.linear_logprobs_and_entropy(h, w, labels, bias=b, **k)
   fr = lambda h, w, b, labels, **k: reference.linear_logprobs_and_entropy(h, w, labels, bias=b, **k)
   (logp, ent), grads = value_and_grads(f, arrays, (0, 1, 2), **loss_kw, **kw)
-  ref_kw = {k: v for k, v in kw.items() if k not in ("chunk_size", "vocab_block_size")}
+  ref_kw = reference_options(reference.linear_logprobs_and_entropy, kw)
   (logp_r, ent_r), grads_r = value_and_grads(
       fr, tuple(jnp.asarray(a, jnp.float64) for a in arrays), (0, 1, 2), **loss_kw, **ref_kw)
   tol = TOLERANCE[dtype]
@@ -201,21 +202,21 @@ def test_all_negative_logits(shards):
 
 def test_default_tile_plan(monkeypatch):
   """The documented defaults: [8192, 8192] tiles on GPUs (256 MiB f32), 32 MiB on CPUs."""
-  from jaxce import _linear
-  assert _linear.plan_tiles(32768, 151936, 3000, 4096) == (3000, 4096)
-  assert _linear.plan_tiles(100, 5000) == (100, 5000)  # both capped by the problem: one tile
+  tiles = jaxce.plan.linear_tiles
+  assert tiles(32768, 151936, 3000, 4096) == (3000, 4096)
+  assert tiles(100, 5000) == (100, 5000)  # both capped by the problem: one tile
   monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
-  assert _linear.plan_tiles(32768, 151936) == (1024, 8192)
+  assert tiles(32768, 151936) == (1024, 8192)
   monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-  assert _linear.plan_tiles(32768, 151936) == (8192, 8192)
-  assert _linear.plan_tiles(12000, 75968) == (6000, 8192)  # a divisor of T within 2x
+  assert tiles(32768, 151936) == (8192, 8192)
+  assert tiles(12000, 75968) == (6000, 8192)  # a divisor of T within 2x
 
 
 def test_chunk_plan_keeps_one_chunk_when_everything_fits():
-  from jaxce import _chunking
-  assert _chunking.plan_chunk_size(100, 10, None, 2**20) == 100  # not 2 x 50
-  assert _chunking.plan_chunk_size(1000, 1000, None, 4 * 1000 * 300) == 250  # a divisor
-  assert _chunking.plan_chunk_size(1001, 1000, None, 4 * 1000 * 300) == 296  # none: ragged
+  chunk_size = jaxce.plan.chunk_size
+  assert chunk_size(100, 10, None, 2**20) == 100  # not 2 x 50
+  assert chunk_size(1000, 1000, None, 4 * 1000 * 300) == 250  # a divisor
+  assert chunk_size(1001, 1000, None, 4 * 1000 * 300) == 296  # none: ragged
 
 
 @pytest.mark.parametrize("hidden_dtype,weight_dtype", [
@@ -247,15 +248,15 @@ def test_sharded_fused_call_defaults_to_pallas_statistics_on_gpus(monkeypatch):
   """On GPUs the default is the Pallas kernel outside shard_map and inside it (also when
   only the weight varies: hidden replicated over the vocab axis); float64 stays on XLA."""
   from jax.sharding import Mesh, PartitionSpec as P
-  from jaxce import _pallas
+  implementation = jaxce.plan.implementation
   monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
   h, w = jnp.zeros((4, 8), jnp.bfloat16), jnp.zeros((8, 16), jnp.float32)
-  assert _pallas.resolve_implementation(None, h, w) == "pallas"
-  assert _pallas.resolve_implementation(None, h, w.astype(jnp.float64)) == "xla"
+  assert implementation(None, h, w) == "pallas"
+  assert implementation(None, h, w.astype(jnp.float64)) == "xla"
   seen = []
 
   def body(h, w):
-    seen.append(_pallas.resolve_implementation(None, h, w))
+    seen.append(implementation(None, h, w))
     return h
 
   mesh = Mesh(np.array(jax.devices()[:2]), ("vocab",))

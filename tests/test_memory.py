@@ -139,9 +139,8 @@ def test_linear_path_never_holds_tokens_by_vocab(layout):
 
 def test_default_plan_bounds_cpu_memory():
   """XLA's CPU backend materializes f32 tiles: the default plan keeps them small there."""
-  from jaxce import _chunking
   tokens, columns = 65536, 1024  # f32 [T, V] = 256 MiB
   x, labels = (jax.ShapeDtypeStruct((tokens, columns), jnp.float32),
                jax.ShapeDtypeStruct((tokens,), jnp.int32))
   plan = jax.jit(lambda x, l: jaxce.logprobs_and_entropy(x, l)).lower(x, labels).compile()
-  assert plan.memory_analysis().temp_size_in_bytes <= 5 * _chunking.CPU_TILE_BYTES
+  assert plan.memory_analysis().temp_size_in_bytes <= 5 * jaxce.plan.LOGITS_TILE_BYTES["cpu"]

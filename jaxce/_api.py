@@ -1,0 +1,367 @@
+"""The front door: every public function checks its arguments here, once, and runs in one
+of two ways.
+
+* On this device's arrays (also inside the caller's ``shard_map`` / ``pmap``, where
+  ``vocab_axis`` names the axis the vocabulary is split over): ``_logits_shard`` /
+  ``_linear_shard`` flatten the tokens, plan the tiles (``jaxce.plan``) and call the
+  kernel (``_logits`` / ``_linear``).
+* On global arrays over a mesh (the ``sharded_*`` functions, or arrays whose types split
+  them over a mesh's explicit axes): ``_sharded.run`` wraps the same per-shard function in
+  ``shard_map``.
+
+Kernels import neither this module nor ``_sharded``; ``_sharded`` imports no kernel.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from jaxce import _checks, _linear, _logits, _math, _sharded, plan
+
+_HIDDEN_GRAD_ACCUMULATIONS = ("float32", "output")
+
+
+def logprobs_and_entropy(logits, labels, *, temperature=1.0, where=None, vocab_size=None,
+                         chunk_size=None, vocab_axis=None, return_entropy=True,
+                         implementation=None, backward_in_place=False):
+  """Per-token log-probability of the label and entropy of softmax(logits / temperature).
+
+  Args:
+    logits: ``[..., V]`` bf16, f16 or f32 (``V = V_local``, this shard's columns, when
+      ``vocab_axis`` is set).
+    labels: int ``[...]``, global token ids. Negative ids are ignored.
+    temperature: float > 0 or float array broadcastable to ``labels.shape``. No gradient.
+    where: optional bool array broadcastable to ``labels.shape``; False positions are
+      ignored. Ignored positions give log-prob 0, entropy 0 and an exactly zero gradient.
+    vocab_size: logical vocabulary when the columns are padded; global column ids
+      ``>= vocab_size`` are excluded from the softmax. A kept label ``>= vocab_size`` is a
+      ``ValueError`` for concrete inputs and a NaN log-prob under ``jit``.
+    chunk_size: tokens per step of the XLA forward's scan and of the
+      ``backward_in_place`` loop; ``None`` plans one (``jaxce.plan.logits_chunk``);
+      ``>= T`` runs a single pass. The Pallas forward (the GPU default) reads every row in
+      one pass and the default backward is one pass: there it is not used (and a new
+      value does not recompile).
+    vocab_axis: mesh axis name (or tuple) the last dim is split over, when called inside
+      ``shard_map`` / ``pmap``. Shard k holds ids ``[k * V_local, (k + 1) * V_local)``.
+    return_entropy: when False the entropy is neither computed nor returned (``None``).
+    implementation: forward statistics by ``"xla"`` (two fused passes per chunk of
+      tokens) or ``"pallas"`` (one pass, a Triton kernel; interpreted off GPUs, for
+      tests). ``None``: as ``jaxce.plan.implementation`` decides (``"pallas"`` on GPUs
+      unless the logits are float64, inside ``shard_map`` too).
+    backward_in_place: ``False`` (default): one fused pass writes the gradient; donated
+      logits are reused by XLA, but as an intermediate of a jitted step XLA's GPU plan
+      gives the gradient its own buffer. ``True``: the backward walks the logits in
+      chunks of tokens and overwrites each chunk with its gradient, so when the logits
+      are dead afterwards (donated, or an intermediate of a jitted training step) the
+      gradient takes their buffer; when they are still alive XLA copies them first (one
+      more read and write of the logits, no more memory). On GPUs this loop runs slower
+      than the fused pass (bench/NOTES.md, entry 10).
+
+  Returns:
+    ``(logp, entropy)``, float32 arrays of ``labels.shape`` (entropy ``None`` when
+    ``return_entropy=False``).
+
+  Memory: the forward keeps the logits plus three ``[T]`` vectors as residuals; its working
+  set is O(T) with the Pallas kernel and the reductions' partial sums of one
+  ``[chunk, V_local]`` tile with XLA. The backward reads the logits once and writes the
+  gradient (an array like ``logits``) with no temporaries; see ``backward_in_place`` for
+  when that array is the logits' own buffer.
+  """
+  logits = _checks.as_array("logits", logits)
+  labels = _checks.as_array("labels", labels)
+  options = dict(temperature=temperature, where=where, vocab_size=vocab_size,
+                 chunk_size=chunk_size, return_entropy=return_entropy,
+                 implementation=implementation, backward_in_place=backward_in_place)
+  if vocab_axis is None:
+    mesh = _sharded.explicit_mesh(logits, labels, where, temperature)
+    if mesh is not None:  # split over a mesh's explicit axes: as their types say
+      spec = _sharded.spec_of(logits)
+      return _logits_on_mesh(logits, labels, mesh, spec[-1], None,
+                             _sharded.typed_token_spec(spec[:-1], labels), options)
+  _checks.check_float("logits", logits)
+  shards = _checks.vocab_shards(vocab_axis)
+  options = _check_logits(
+      logits, labels, logits.shape[-1] * shards,
+      "logits" if shards == 1 else f"logits across {shards} shards of {vocab_axis!r}", options)
+  return _logits_shard(logits, labels=labels, vocab_axis=vocab_axis, **options)
+
+
+def sharded_logprobs_and_entropy(logits, labels, *, mesh, vocab_axis, batch_axis=None, **kw):
+  """:func:`jaxce.logprobs_and_entropy` on global arrays over ``mesh``.
+
+  Args:
+    logits: global ``[B, ..., V]``; the last dim is split over ``vocab_axis`` and, with
+      ``batch_axis``, the first dim over ``batch_axis``. V must divide by the shard count.
+    labels: global int ``[B, ...]`` of global ids.
+    mesh: a ``jax.sharding.Mesh``.
+    vocab_axis, batch_axis: mesh axis names (or tuples of names).
+    **kw: any keyword of :func:`jaxce.logprobs_and_entropy` but ``vocab_axis``; array
+      ``temperature`` and ``where`` are broadcast to ``labels.shape`` and split like the
+      labels.
+
+  Returns:
+    ``(logp, entropy)`` global float32 arrays of ``labels.shape``, split like the labels.
+  """
+  logits = _checks.as_array("logits", logits)
+  labels = _checks.as_array("labels", labels)
+  options = _options(logprobs_and_entropy, kw)
+  return _logits_on_mesh(logits, labels, mesh, vocab_axis, batch_axis,
+                         _sharded.token_spec(logits.ndim - 1, batch_axis), options)
+
+
+def linear_logprobs_and_entropy(hidden, weight, labels, *, bias=None, logit_softcap=None,
+                                temperature=1.0, where=None, vocab_size=None, chunk_size=None,
+                                vocab_axis=None, return_entropy=True, vocab_block_size=None,
+                                weight_layout="dv", implementation=None,
+                                hidden_grad_accumulation="float32"):
+  """Per-token log-prob and entropy of ``softmax(softcap(hidden @ weight + bias) / T)``.
+
+  Args:
+    hidden: ``[..., D]`` bf16, f16 or f32.
+    weight: ``[D, V]`` (``V = V_local`` with ``vocab_axis``), a Flax ``Linear`` kernel;
+      or ``[V, D]`` with ``weight_layout="vd"``.
+    labels: int ``[...]`` = ``hidden.shape[:-1]``, global ids; negative ids are ignored.
+    bias: optional ``[V]``.
+    logit_softcap: optional float c > 0: logits become ``c * tanh(logits / c)`` before the
+      temperature (Gemma 2 style).
+    temperature, where, vocab_size, vocab_axis, return_entropy: as in
+      :func:`jaxce.logprobs_and_entropy`.
+    chunk_size: tokens per tile; ``None`` plans it (``jaxce.plan.linear_tiles``: an f32
+      tile budget per backend).
+    vocab_block_size: vocab columns per tile; ``None``: ``min(V, 8192)``.
+    weight_layout: ``"dv"`` (``weight`` is ``[D, V]``) or ``"vd"`` (``[V, D]``: tied
+      embeddings pass the embedding table itself). Either way the matmuls read the array
+      as stored; passing ``embedding.T`` with ``"dv"`` also works but XLA may then copy
+      the table and the gradient into the other layout.
+    implementation: the forward's statistics of each f32 tile by ``"xla"`` (two fused
+      passes over the tile: the max, then the sums) or ``"pallas"`` (one pass, the
+      Triton kernel of the logits path; interpreted off GPUs, for tests). ``None``:
+      as ``jaxce.plan.implementation`` decides.
+    hidden_grad_accumulation: where the backward sums ``d hidden`` over the vocab blocks
+      (and shards). ``"float32"`` (default): an f32 ``[T, D]`` buffer, rounded to
+      ``hidden``'s dtype once at the end. ``"output"``: in ``d hidden`` itself, in
+      ``hidden``'s dtype, so no f32 ``[T, D]`` buffer exists (``4 T D`` bytes less; with
+      the vocabulary split over GPUs it is the largest buffer that does not shrink with
+      their number), at the price of one rounding per vocab block of each shard and one
+      per shard in the all-reduce (bench/NOTES.md, entry 18, has the measured error). The
+      same as ``"float32"`` for float32 ``hidden``.
+
+  Returns:
+    ``(logp, entropy)`` float32 of ``labels.shape`` (entropy ``None`` when
+    ``return_entropy=False``). Gradients flow to ``hidden``, ``weight`` and ``bias`` in
+    their own dtypes.
+
+  Dtypes: the matmuls take ``hidden`` and ``weight`` in their common dtype, as
+  ``hidden @ weight`` does (bf16 hidden with an f32 kernel: f32 matmuls, like the
+  reference). Each tile is cast on the fly; no converted copy of either array is made.
+  For bf16 matmuls with f32 parameters, pass ``kernel.astype(jnp.bfloat16)`` (what Flax's
+  ``Linear(dtype=jnp.bfloat16)`` does); its gradient then comes back in f32 through the cast.
+
+  Memory: no ``[T, V]`` array. Forward: two f32 ``[chunk, Vb]`` tiles, the weight block
+  being read and O(T). Backward: ``d hidden`` and ``d weight`` (the outputs), an f32
+  ``[T, D]`` accumulator for ``d hidden`` (none with ``hidden_grad_accumulation=
+  "output"``), an f32 ``[D, Vb]`` accumulator for the weight block and two f32 tiles.
+  """
+  hidden = _checks.as_array("hidden", hidden)
+  weight = _checks.as_array("weight", weight)
+  labels = _checks.as_array("labels", labels)
+  options = dict(bias=bias, logit_softcap=logit_softcap, temperature=temperature, where=where,
+                 vocab_size=vocab_size, chunk_size=chunk_size, return_entropy=return_entropy,
+                 vocab_block_size=vocab_block_size, weight_layout=weight_layout,
+                 implementation=implementation,
+                 hidden_grad_accumulation=hidden_grad_accumulation)
+  if vocab_axis is None:
+    mesh = _sharded.explicit_mesh(hidden, weight, labels, bias, where, temperature)
+    if mesh is not None:  # split over a mesh's explicit axes: as their types say
+      vocab_dim = _checks.vocab_dim(weight_layout)
+      vocab_axis = _sharded.spec_of(weight)[vocab_dim] if weight.ndim == 2 else None
+      return _linear_on_mesh(hidden, weight, labels, mesh, vocab_axis, None,
+                             _sharded.typed_token_spec(_sharded.spec_of(hidden)[:-1], labels),
+                             options)
+  _check_linear_arrays(hidden, weight)
+  shards = _checks.vocab_shards(vocab_axis)
+  options = _check_linear(
+      hidden, weight, labels, shards,
+      "weight" if shards == 1 else f"weight across {shards} shards of {vocab_axis!r}", options)
+  return _linear_shard(hidden, weight, options.pop("bias"), labels=labels,
+                       vocab_axis=vocab_axis, **options)
+
+
+def sharded_linear_logprobs_and_entropy(hidden, weight, labels, *, mesh, vocab_axis,
+                                        batch_axis=None, **kw):
+  """:func:`jaxce.linear_logprobs_and_entropy` on global arrays over ``mesh``.
+
+  Args:
+    hidden: global ``[B, ..., D]``, the first dim split over ``batch_axis`` if given.
+    weight: global ``[D, V]`` (``[V, D]`` with ``weight_layout="vd"``), the vocab split
+      over ``vocab_axis``; ``bias`` (in ``kw``) ``[V]`` likewise.
+    labels: global int ``[B, ...]``.
+    **kw: any keyword of :func:`jaxce.linear_logprobs_and_entropy` but ``vocab_axis``.
+
+  Returns:
+    ``(logp, entropy)`` global float32 arrays of ``labels.shape``. ``d hidden`` is
+    reduced over ``vocab_axis`` inside; ``d weight`` stays split.
+  """
+  hidden = _checks.as_array("hidden", hidden)
+  weight = _checks.as_array("weight", weight)
+  labels = _checks.as_array("labels", labels)
+  options = _options(linear_logprobs_and_entropy, kw)
+  return _linear_on_mesh(hidden, weight, labels, mesh, vocab_axis, batch_axis,
+                         _sharded.token_spec(hidden.ndim - 1, batch_axis), options)
+
+
+# --- checks (once per call) ---------------------------------------------------------------
+
+def _options(function, kw):
+  """The keyword options of ``function`` with ``kw`` applied: a TypeError names an unknown
+  one (the wrappers take them as ``**kw``)."""
+  defaults = {k: v for k, v in function.__kwdefaults__.items() if k != "vocab_axis"}
+  unknown = sorted(set(kw) - set(defaults))
+  if unknown:
+    raise TypeError(f"{function.__name__} got unexpected keyword argument(s) {unknown}")
+  return {**defaults, **kw}
+
+
+def _check_common(labels, leading_shape, leading_name, total_columns, columns_name, options):
+  """The checks both paths share; returns ``options`` with ``vocab_size`` resolved."""
+  _checks.check_labels(labels, leading_shape, leading_name)
+  _checks.check_size(options["chunk_size"], "chunk_size")
+  if options["implementation"] is not None:
+    _checks.check_choice("implementation", options["implementation"], plan.IMPLEMENTATIONS)
+  _checks.check_temperature(options["temperature"], labels.shape)
+  _checks.check_where(options["where"], labels.shape)
+  vocab_size = _checks.check_vocab_size(options["vocab_size"], total_columns, columns_name)
+  _checks.check_labels_in_range(labels, options["where"], vocab_size)
+  return dict(options, vocab_size=vocab_size)
+
+
+def _check_logits(logits, labels, total_columns, columns_name, options):
+  _checks.check_columns("logits", logits.shape[-1])
+  return _check_common(labels, logits.shape[:-1], "logits.shape[:-1]", total_columns,
+                       columns_name, options)
+
+
+def _check_linear_arrays(hidden, weight):
+  _checks.check_float("hidden", hidden)
+  _checks.check_float("weight", weight)
+
+
+def _check_linear(hidden, weight, labels, shards, columns_name, options):
+  """The fused path's checks; returns the options with ``bias`` an array and
+  ``vocab_size`` resolved (``shards`` vocab shards of the weight's columns)."""
+  _checks.check_weight(hidden, weight, options["weight_layout"])
+  num_columns = weight.shape[_checks.vocab_dim(options["weight_layout"])]
+  _checks.check_columns("weight", num_columns)
+  _checks.check_size(options["vocab_block_size"], "vocab_block_size")
+  _checks.check_choice("hidden_grad_accumulation", options["hidden_grad_accumulation"],
+                       _HIDDEN_GRAD_ACCUMULATIONS)
+  _checks.check_softcap(options["logit_softcap"])
+  options = dict(options, bias=_checks.check_bias(options["bias"], num_columns))
+  return _check_common(labels, hidden.shape[:-1], "hidden.shape[:-1]", num_columns * shards,
+                       columns_name, options)
+
+
+def _logits_on_mesh(logits, labels, mesh, vocab_axis, batch_axis, token_entries, options):
+  _checks.check_float("logits", logits)
+  _checks.check_mesh(mesh, vocab_axis, batch_axis, logits.shape[-1], "logits",
+                     logits.shape[:-1], "logits.shape[:-1]")
+  options = _check_logits(logits, labels, logits.shape[-1], "logits", options)
+  token_arrays, options = _token_arrays(labels, options)
+  return _sharded.run(
+      lambda x, **token: _logits_shard(x, vocab_axis=vocab_axis, **options, **token),
+      (logits,), (P(*token_entries, vocab_axis),), token_arrays, mesh,
+      token_entries, options["return_entropy"])
+
+
+def _linear_on_mesh(hidden, weight, labels, mesh, vocab_axis, batch_axis, token_entries,
+                    options):
+  _check_linear_arrays(hidden, weight)
+  _checks.check_weight(hidden, weight, options["weight_layout"])
+  vocab_dim = _checks.vocab_dim(options["weight_layout"])
+  _checks.check_mesh(mesh, vocab_axis, batch_axis, weight.shape[vocab_dim], "weight",
+                     hidden.shape[:-1], "hidden.shape[:-1]")
+  options = _check_linear(hidden, weight, labels, 1, "weight", options)
+  token_arrays, options = _token_arrays(labels, options)
+  bias = options.pop("bias")
+  arrays = (hidden, weight) + (() if bias is None else (bias,))
+  weight_spec = (vocab_axis, None) if vocab_dim == 0 else (None, vocab_axis)
+  specs = (P(*token_entries, None), P(*weight_spec), P(vocab_axis))
+
+  def shard_fn(h, w, *b, **token):
+    return _linear_shard(h, w, b[0] if b else None, vocab_axis=vocab_axis, **options, **token)
+
+  return _sharded.run(shard_fn, arrays, specs[:len(arrays)], token_arrays, mesh, token_entries,
+                      options["return_entropy"])
+
+
+def _token_arrays(labels, options):
+  """``({"labels": labels, ...}, options)``: the per-token arrays a shard_map splits like
+  the labels (the labels, and ``temperature`` / ``where`` when they are arrays, broadcast
+  to the labels' shape), and the options without them."""
+  arrays, options = {"labels": labels}, dict(options)
+  for name in ("temperature", "where"):
+    value = options[name]
+    if value is not None and jnp.ndim(value) > 0:
+      value = options.pop(name)
+      value = _checks.as_array(name, value)
+      arrays[name] = _checks.broadcast_token_array(value, labels.shape, value.dtype)
+  return arrays, options
+
+
+# --- one device's (one shard's) call on checked arguments ---------------------------------
+
+def _logits_shard(logits, *, labels, temperature, where, vocab_size, chunk_size, vocab_axis,
+                  return_entropy, implementation, backward_in_place):
+  """Flatten, normalize, plan and run the logits kernel on this device's arrays."""
+  dtype = _math.compute_dtype(logits.dtype)
+  inv_temp = _checks.inverse_temperature(temperature, labels.shape, dtype)
+  valid = _checks.valid_mask(labels, where)
+  if labels.size == 0:
+    zeros = jnp.zeros(labels.shape, dtype)
+    return zeros, (zeros if return_entropy else None)
+  num_tokens, num_columns = labels.size, logits.shape[-1]
+  shards = _checks.vocab_shards(vocab_axis)
+  implementation = plan.implementation(implementation, logits)
+  in_place = bool(backward_in_place)
+  uses_chunks = implementation == "xla" or in_place
+  config = _logits.Config(
+      vocab_size=vocab_size,
+      mask_vocab=vocab_size if vocab_size < num_columns * shards else None,
+      chunk=plan.logits_chunk(num_tokens, num_columns, chunk_size) if uses_chunks else None,
+      vocab_axis=vocab_axis, with_entropy=return_entropy, implementation=implementation,
+      in_place=in_place)
+  out = _logits.logprobs_entropy(
+      logits.reshape(num_tokens, num_columns), labels.reshape(-1).astype(jnp.int32),
+      inv_temp.reshape(-1), valid.reshape(-1), config)
+  return out[0].reshape(labels.shape), (out[1].reshape(labels.shape) if return_entropy
+                                        else None)
+
+
+def _linear_shard(hidden, weight, bias, *, labels, logit_softcap, temperature, where,
+                  vocab_size, chunk_size, vocab_axis, return_entropy, vocab_block_size,
+                  weight_layout, implementation, hidden_grad_accumulation):
+  """Flatten, normalize, plan and run the fused kernel on this device's arrays."""
+  vocab_dim = _checks.vocab_dim(weight_layout)
+  dtype = _math.compute_dtype(hidden.dtype, weight.dtype)
+  inv_temp = _checks.inverse_temperature(temperature, labels.shape, dtype)
+  valid = _checks.valid_mask(labels, where)
+  if labels.size == 0:
+    zeros = jnp.zeros(labels.shape, dtype)
+    return zeros, (zeros if return_entropy else None)
+  num_tokens, num_columns = labels.size, weight.shape[vocab_dim]
+  shards = _checks.vocab_shards(vocab_axis)
+  chunk, block = plan.linear_tiles(num_tokens, num_columns, chunk_size, vocab_block_size)
+  config = _linear.Config(
+      vocab_size=vocab_size,
+      mask_vocab=vocab_size if vocab_size < num_columns * shards else None,
+      chunk=chunk, block=block, vocab_axis=vocab_axis,
+      softcap=None if logit_softcap is None else float(logit_softcap),
+      with_entropy=return_entropy, vocab_dim=vocab_dim,
+      pallas=plan.implementation(implementation, hidden, weight) == "pallas",
+      hidden_grad_in_output=hidden_grad_accumulation == "output")
+  out = _linear.logprobs_entropy(
+      hidden.reshape(num_tokens, hidden.shape[-1]), weight, bias,
+      labels.reshape(-1).astype(jnp.int32), inv_temp.reshape(-1), valid.reshape(-1), config)
+  return out[0].reshape(labels.shape), (out[1].reshape(labels.shape) if return_entropy
+                                        else None)

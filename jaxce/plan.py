@@ -1,0 +1,78 @@
+"""How a call is run: the tile plan of both paths and the forward's implementation.
+
+Public, so that benchmarks, notebooks and users can see the plan a call will use:
+
+    chunk = jaxce.plan.logits_chunk(num_tokens, num_columns)          # logits path
+    chunk, block = jaxce.plan.linear_tiles(num_tokens, num_columns)   # fused path
+    jaxce.plan.implementation(None, logits)                          # "pallas" or "xla"
+
+``num_columns`` is the vocabulary a device holds (``V_local`` when it is split). Every
+budget is per backend; bench/NOTES.md has the measurements behind each number.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+# Logits path: bytes of one f32 [chunk, V_local] tile of the XLA forward (fused into the
+# row reductions on GPUs, so the real working set is about 1% of it; materialized on
+# CPUs, hence their small budget). bench/NOTES.md, entries 14 and 17.
+LOGITS_TILE_BYTES = {"gpu": 4 * 2**30, "cpu": 16 * 2**20}
+# Fused path: bytes of one f32 [chunk, block] tile (a matmul output, materialized), and
+# the vocab block. bench/NOTES.md, entries 16 and 17.
+LINEAR_TILE_BYTES = {"gpu": 256 * 2**20, "cpu": 32 * 2**20}
+DEFAULT_VOCAB_BLOCK = 8192
+IMPLEMENTATIONS = ("xla", "pallas")
+
+
+def backend() -> str:
+  """The budgets' key: ``"cpu"``, or ``"gpu"`` for every other backend."""
+  return "cpu" if jax.default_backend() == "cpu" else "gpu"
+
+
+def chunk_size(num_tokens: int, num_columns: int, requested: int | None,
+               tile_bytes: int) -> int:
+  """Tokens per step: ``min(requested, T)``, or the largest chunk whose f32
+  ``[chunk, num_columns]`` tile fits ``tile_bytes``, moved down to a divisor of T if one
+  lies within a factor 2 (so no ragged last chunk), and T itself when all of it fits."""
+  if requested is not None:
+    return min(requested, num_tokens)
+  cap = max(1, min(num_tokens, tile_bytes // (4 * max(num_columns, 1))))
+  if cap == num_tokens:
+    return cap  # one chunk: rounding it down would only add a step
+  if cap >= 8:
+    cap -= cap % 8
+  for size in range(cap, max(cap // 2, 1) - 1, -1):
+    if num_tokens % size == 0:
+      return size
+  return cap
+
+
+def logits_chunk(num_tokens: int, num_columns: int, requested: int | None = None) -> int:
+  """Tokens per step of the logits path's XLA forward and in-place backward
+  (``LOGITS_TILE_BYTES`` of this backend)."""
+  return chunk_size(num_tokens, num_columns, requested, LOGITS_TILE_BYTES[backend()])
+
+
+def linear_tiles(num_tokens: int, num_columns: int, requested_chunk: int | None = None,
+                 requested_block: int | None = None) -> tuple[int, int]:
+  """``(chunk, block)`` of the fused path: ``block = min(requested_block or
+  DEFAULT_VOCAB_BLOCK, num_columns)``, the chunk planned for a ``[chunk, block]`` tile
+  of ``LINEAR_TILE_BYTES`` of this backend."""
+  block = min(requested_block or DEFAULT_VOCAB_BLOCK, num_columns)
+  return chunk_size(num_tokens, block, requested_chunk, LINEAR_TILE_BYTES[backend()]), block
+
+
+def implementation(requested: str | None, *arrays) -> str:
+  """``"pallas"`` or ``"xla"`` for a call's forward statistics over ``arrays`` (the logits,
+  or the hidden states and the weight). ``None``: the Pallas kernel on GPUs unless an
+  array is float64, inside ``shard_map`` too. Off GPUs the kernel runs in JAX's Pallas
+  interpreter (tests only), which cannot run inside ``shard_map`` once an operand differs
+  per shard; on GPUs that case is checked by ``scripts/gpu_check_sharded_pallas.py``."""
+  if requested is None:
+    return "pallas" if jax.default_backend() == "gpu" and not any(
+        a.dtype == jnp.float64 for a in arrays) else "xla"
+  if requested not in IMPLEMENTATIONS:
+    raise ValueError(f'implementation must be None, "xla" or "pallas", got {requested!r}')
+  return requested

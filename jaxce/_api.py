@@ -311,6 +311,12 @@ def _token_arrays(labels, options):
 
 # --- one device's (one shard's) call on checked arguments ---------------------------------
 
+def _mask_vocab(vocab_size, num_columns, vocab_axis):
+  """``vocab_size`` when some of the columns (``num_columns`` a shard) lie beyond it and
+  must be masked, else ``None``."""
+  return vocab_size if vocab_size < num_columns * _checks.vocab_shards(vocab_axis) else None
+
+
 def _logits_shard(logits, *, labels, temperature, where, vocab_size, chunk_size, vocab_axis,
                   return_entropy, implementation, backward_in_place):
   """Flatten, normalize, plan and run the logits kernel on this device's arrays."""
@@ -321,13 +327,12 @@ def _logits_shard(logits, *, labels, temperature, where, vocab_size, chunk_size,
     zeros = jnp.zeros(labels.shape, dtype)
     return zeros, (zeros if return_entropy else None)
   num_tokens, num_columns = labels.size, logits.shape[-1]
-  shards = _checks.vocab_shards(vocab_axis)
   implementation = plan.implementation(implementation, logits)
   in_place = bool(backward_in_place)
   uses_chunks = implementation == "xla" or in_place
   config = _logits.Config(
       vocab_size=vocab_size,
-      mask_vocab=vocab_size if vocab_size < num_columns * shards else None,
+      mask_vocab=_mask_vocab(vocab_size, num_columns, vocab_axis),
       chunk=plan.logits_chunk(num_tokens, num_columns, chunk_size) if uses_chunks else None,
       vocab_axis=vocab_axis, with_entropy=return_entropy, implementation=implementation,
       in_place=in_place)
@@ -350,11 +355,10 @@ def _linear_shard(hidden, weight, bias, *, labels, logit_softcap, temperature, w
     zeros = jnp.zeros(labels.shape, dtype)
     return zeros, (zeros if return_entropy else None)
   num_tokens, num_columns = labels.size, weight.shape[vocab_dim]
-  shards = _checks.vocab_shards(vocab_axis)
   chunk, block = plan.linear_tiles(num_tokens, num_columns, chunk_size, vocab_block_size)
   config = _linear.Config(
       vocab_size=vocab_size,
-      mask_vocab=vocab_size if vocab_size < num_columns * shards else None,
+      mask_vocab=_mask_vocab(vocab_size, num_columns, vocab_axis),
       chunk=chunk, block=block, vocab_axis=vocab_axis,
       softcap=None if logit_softcap is None else float(logit_softcap),
       with_entropy=return_entropy, vocab_dim=vocab_dim,

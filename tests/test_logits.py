@@ -241,3 +241,19 @@ def test_pallas_row_statistics_column_ranges(num_columns, start, limit):
 def test_implementation_is_checked():
   with pytest.raises(ValueError, match="implementation"):
     jaxce.logprobs_and_entropy(jnp.zeros((2, 5)), jnp.zeros(2, jnp.int32), implementation="cuda")
+
+
+def test_chunk_size_recompiles_only_where_it_is_used():
+  """The Pallas forward with the one-pass backward runs no chunks: another ``chunk_size``
+  reuses the compiled program; XLA's forward and the in-place backward use it."""
+  from jaxce import _logits
+  x, labels = jnp.ones((16, 40), jnp.float32), jnp.arange(16, dtype=jnp.int32)
+  compiled = _logits._jitted_logprobs_entropy._cache_size
+  for implementation, backward_in_place, new_programs in [
+      ("pallas", False, 1), ("xla", False, 2), ("pallas", True, 2)]:
+    before = compiled()
+    for chunk_size in (4, 8):
+      jaxce.logprobs_and_entropy(x, labels, chunk_size=chunk_size,
+                                 implementation=implementation,
+                                 backward_in_place=backward_in_place)
+    assert compiled() - before == new_programs, (implementation, backward_in_place)

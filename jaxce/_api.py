@@ -15,9 +15,11 @@ Kernels import neither this module nor ``_sharded``; ``_sharded`` imports no ker
 from __future__ import annotations
 
 import jax.numpy as jnp
+from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from jaxce import _checks, _linear, _logits, _math, _sharded, plan
+from jaxce import (_checks, _linear, _linear_token_loss, _logits, _math, _objective, _sharded,
+                   _token_loss, plan)
 
 _HIDDEN_GRAD_ACCUMULATIONS = ("float32", "output")
 
@@ -211,6 +213,137 @@ def sharded_linear_logprobs_and_entropy(hidden, weight, labels, *, mesh, vocab_a
                          _sharded.token_spec(hidden.ndim - 1, batch_axis), options)
 
 
+def token_loss(objective, logits, labels, *token_args, temperature=1.0, where=None,
+               vocab_size=None, chunk_size=None, vocab_axis=None, return_entropy=None,
+               implementation=None):
+  """``sum`` over kept tokens of ``objective(logp, entropy, *token_args)``, with its
+  gradient formed in the forward pass.
+
+  Args:
+    objective: ``(logp, entropy, *token_args) -> terms``, all of one shape: a token's term
+      must depend on that token's values alone (elementwise: no mean, sum, sort or matmul
+      over tokens; a ``ValueError`` says so). Normalizations are per-token weights among
+      ``token_args`` (``jaxce.objectives.token_weights``). Built-ins: ``jaxce.objectives``.
+    logits, labels, temperature, where, vocab_size, chunk_size, vocab_axis,
+      implementation: as in :func:`jaxce.logprobs_and_entropy` (``chunk_size``: tokens per
+      step of the loop).
+    *token_args: arrays broadcastable to ``labels.shape`` (advantages, old and reference
+      log-probs, weights...); no gradient flows to them.
+    return_entropy: ``None``: the entropy is computed (and returned) when the objective
+      uses it; ``True``: also for metrics when it does not; ``False``: never (an objective
+      that uses it is a ``ValueError``).
+
+  Returns:
+    ``(loss, (logp, entropy))``: the float32 scalar loss and, under ``stop_gradient``, the
+    per-token log-probs and entropies of ``labels.shape`` (entropy ``None`` when not
+    computed). Ignored tokens contribute nothing and get an exactly zero gradient,
+    whatever the objective returns for them.
+
+  Under ``jax.grad`` the forward computes the loss and ``d logits`` in one loop, two passes
+  over the logits (read; read + write); the backward only scales it by the loss's
+  cotangent. Without differentiation no gradient work is done. Memory: the gradient
+  takes the logits' buffer when they are dead afterwards (donated, or an intermediate of a
+  jitted step); otherwise one array like ``logits``.
+  """
+  logits = _checks.as_array("logits", logits)
+  labels = _checks.as_array("labels", labels)
+  options = dict(temperature=temperature, where=where, vocab_size=vocab_size,
+                 chunk_size=chunk_size, return_entropy=return_entropy,
+                 implementation=implementation)
+  if vocab_axis is None:
+    mesh = _sharded.explicit_mesh(logits, labels, where, temperature, *token_args)
+    if mesh is not None:
+      spec = _sharded.spec_of(logits)
+      return _token_loss_on_mesh(objective, logits, labels, token_args, mesh, spec[-1], None,
+                                 _sharded.typed_token_spec(spec[:-1], labels), options)
+  _checks.check_float("logits", logits)
+  shards = _checks.vocab_shards(vocab_axis)
+  options = _check_logits(
+      logits, labels, logits.shape[-1] * shards,
+      "logits" if shards == 1 else f"logits across {shards} shards of {vocab_axis!r}", options)
+  token_args, options = _check_objective(objective, labels, token_args, logits.dtype, options)
+  return _token_loss_shard(objective, logits, *token_args, labels=labels,
+                           vocab_axis=vocab_axis, **options)
+
+
+def linear_token_loss(objective, hidden, weight, labels, *token_args, bias=None,
+                      logit_softcap=None, temperature=1.0, where=None, vocab_size=None,
+                      chunk_size=None, vocab_axis=None, return_entropy=None,
+                      weight_layout="dv", implementation=None):
+  """:func:`jaxce.token_loss` of ``softcap(hidden @ weight + bias)``, three matmuls for
+  the loss and all its gradients.
+
+  Args:
+    objective, token_args, return_entropy: as in :func:`jaxce.token_loss`.
+    hidden, weight, labels, bias, logit_softcap, temperature, where, vocab_size,
+      vocab_axis, weight_layout, implementation: as in
+      :func:`jaxce.linear_logprobs_and_entropy`.
+    chunk_size: tokens per step, whose full ``[chunk, V]`` f32 rows are held at once;
+      ``None`` plans it (``jaxce.plan.linear_objective_chunk``).
+
+  Returns:
+    ``(loss, (logp, entropy))`` as :func:`jaxce.token_loss`.
+
+  Under ``jax.grad`` one pass over chunks of tokens computes, per chunk, ``hidden @ W``
+  (matmul 1), the loss terms and each token's cotangent, ``d hidden = d @ Wᵀ`` (2) and
+  ``d W += hiddenᵀ @ d`` (3); the backward only scales them. Memory: ``d hidden``,
+  ``d weight``, an f32 ``[D, V]`` accumulator for ``d weight`` and one chunk's rows; no
+  ``[T, V]`` array and nothing else that grows with T.
+  """
+  hidden = _checks.as_array("hidden", hidden)
+  weight = _checks.as_array("weight", weight)
+  labels = _checks.as_array("labels", labels)
+  options = dict(bias=bias, logit_softcap=logit_softcap, temperature=temperature, where=where,
+                 vocab_size=vocab_size, chunk_size=chunk_size, return_entropy=return_entropy,
+                 vocab_block_size=None, weight_layout=weight_layout,
+                 implementation=implementation, hidden_grad_accumulation="float32")
+  if vocab_axis is None:
+    mesh = _sharded.explicit_mesh(hidden, weight, labels, bias, where, temperature, *token_args)
+    if mesh is not None:
+      vocab_dim = _checks.vocab_dim(weight_layout)
+      vocab_axis = _sharded.spec_of(weight)[vocab_dim] if weight.ndim == 2 else None
+      return _linear_token_loss_on_mesh(
+          objective, hidden, weight, labels, token_args, mesh, vocab_axis, None,
+          _sharded.typed_token_spec(_sharded.spec_of(hidden)[:-1], labels), options)
+  _check_linear_arrays(hidden, weight)
+  shards = _checks.vocab_shards(vocab_axis)
+  options = _check_linear(
+      hidden, weight, labels, shards,
+      "weight" if shards == 1 else f"weight across {shards} shards of {vocab_axis!r}", options)
+  token_args, options = _check_objective(
+      objective, labels, token_args, jnp.promote_types(hidden.dtype, weight.dtype), options)
+  return _linear_token_loss_shard(objective, hidden, weight, options.pop("bias"), *token_args,
+                                  labels=labels, vocab_axis=vocab_axis, **options)
+
+
+def sharded_token_loss(objective, logits, labels, *token_args, mesh, vocab_axis,
+                       batch_axis=None, **kw):
+  """:func:`jaxce.token_loss` on global arrays over ``mesh`` (as
+  :func:`jaxce.sharded_logprobs_and_entropy`; ``token_args`` are split like the labels).
+  The loss sums over every shard's tokens."""
+  logits = _checks.as_array("logits", logits)
+  labels = _checks.as_array("labels", labels)
+  options = _options(token_loss, kw)
+  return _token_loss_on_mesh(objective, logits, labels, token_args, mesh, vocab_axis,
+                             batch_axis, _sharded.token_spec(logits.ndim - 1, batch_axis),
+                             options)
+
+
+def sharded_linear_token_loss(objective, hidden, weight, labels, *token_args, mesh,
+                              vocab_axis, batch_axis=None, **kw):
+  """:func:`jaxce.linear_token_loss` on global arrays over ``mesh`` (as
+  :func:`jaxce.sharded_linear_logprobs_and_entropy`; ``token_args`` are split like the
+  labels). The loss sums over every shard's tokens."""
+  hidden = _checks.as_array("hidden", hidden)
+  weight = _checks.as_array("weight", weight)
+  labels = _checks.as_array("labels", labels)
+  options = dict(_options(linear_token_loss, kw), vocab_block_size=None,
+                 hidden_grad_accumulation="float32")
+  return _linear_token_loss_on_mesh(objective, hidden, weight, labels, token_args, mesh,
+                                    vocab_axis, batch_axis,
+                                    _sharded.token_spec(hidden.ndim - 1, batch_axis), options)
+
+
 # --- checks (once per call) ---------------------------------------------------------------
 
 def _options(function, kw):
@@ -262,16 +395,90 @@ def _check_linear(hidden, weight, labels, shards, columns_name, options):
                        columns_name, options)
 
 
+def _check_objective(objective, labels, token_args, dtype, options):
+  """``(token_args as arrays of the labels' shape, options with return_entropy resolved
+  to whether the entropy is computed)``."""
+  arrays = []
+  for k, arg in enumerate(token_args):
+    name = f"token_args[{k}]"
+    arg = _checks.as_array(name, arg)
+    try:
+      fits = jnp.broadcast_shapes(arg.shape, labels.shape) == labels.shape
+    except ValueError:
+      fits = False
+    if not fits:
+      raise ValueError(f"{name} must be broadcastable to labels.shape={labels.shape}, got "
+                       f"{arg.shape=}")
+    arrays.append(jnp.broadcast_to(arg, labels.shape))
+  uses_entropy = _objective.check_objective(objective, 8, arrays, _math.compute_dtype(dtype))
+  if options["return_entropy"] is False and uses_entropy:
+    raise ValueError("return_entropy=False, but the objective uses the entropy")
+  with_entropy = uses_entropy or bool(options["return_entropy"])
+  return arrays, dict(options, return_entropy=with_entropy)
+
+
+def _token_loss_on_mesh(objective, logits, labels, token_args, mesh, vocab_axis, batch_axis,
+                        token_entries, options):
+  _checks.check_float("logits", logits)
+  _checks.check_mesh(mesh, vocab_axis, batch_axis, logits.shape[-1], "logits",
+                     logits.shape[:-1], "logits.shape[:-1]")
+  options = _check_logits(logits, labels, logits.shape[-1], "logits", options)
+  token_args, options = _check_objective(objective, labels, token_args, logits.dtype, options)
+  token_arrays, options = _token_arrays(labels, options)
+  token_arrays.update({f"arg{k}": a for k, a in enumerate(token_args)})
+  axes = _sharded.token_axes(token_entries)
+
+  def shard_fn(x, labels, **token):
+    args = [token.pop(f"arg{k}") for k in range(len(token_args))]
+    loss, (logp, entropy) = _token_loss_shard(objective, x, *args, labels=labels,
+                                              vocab_axis=vocab_axis, **options, **token)
+    return (lax.psum(loss, axes) if axes else loss), logp, entropy
+
+  out = _sharded.run(shard_fn, (logits,), (P(*token_entries, vocab_axis),), token_arrays, mesh,
+                     token_entries, ("scalar",) + _token_kinds(options))
+  return out[0], _per_token_outputs(out[1:])
+
+
+def _linear_token_loss_on_mesh(objective, hidden, weight, labels, token_args, mesh, vocab_axis,
+                               batch_axis, token_entries, options):
+  _check_linear_arrays(hidden, weight)
+  _checks.check_weight(hidden, weight, options["weight_layout"])
+  vocab_dim = _checks.vocab_dim(options["weight_layout"])
+  _checks.check_mesh(mesh, vocab_axis, batch_axis, weight.shape[vocab_dim], "weight",
+                     hidden.shape[:-1], "hidden.shape[:-1]")
+  options = _check_linear(hidden, weight, labels, 1, "weight", options)
+  token_args, options = _check_objective(
+      objective, labels, token_args, jnp.promote_types(hidden.dtype, weight.dtype), options)
+  token_arrays, options = _token_arrays(labels, options)
+  token_arrays.update({f"arg{k}": a for k, a in enumerate(token_args)})
+  bias = options.pop("bias")
+  arrays = (hidden, weight) + (() if bias is None else (bias,))
+  weight_spec = (vocab_axis, None) if vocab_dim == 0 else (None, vocab_axis)
+  specs = (P(*token_entries, None), P(*weight_spec), P(vocab_axis))
+  axes = _sharded.token_axes(token_entries)
+
+  def shard_fn(h, w, *b, labels, **token):
+    args = [token.pop(f"arg{k}") for k in range(len(token_args))]
+    loss, (logp, entropy) = _linear_token_loss_shard(
+        objective, h, w, b[0] if b else None, *args, labels=labels, vocab_axis=vocab_axis,
+        **options, **token)
+    return (lax.psum(loss, axes) if axes else loss), logp, entropy
+
+  out = _sharded.run(shard_fn, arrays, specs[:len(arrays)], token_arrays, mesh, token_entries,
+                     ("scalar",) + _token_kinds(options))
+  return out[0], _per_token_outputs(out[1:])
+
+
 def _logits_on_mesh(logits, labels, mesh, vocab_axis, batch_axis, token_entries, options):
   _checks.check_float("logits", logits)
   _checks.check_mesh(mesh, vocab_axis, batch_axis, logits.shape[-1], "logits",
                      logits.shape[:-1], "logits.shape[:-1]")
   options = _check_logits(logits, labels, logits.shape[-1], "logits", options)
   token_arrays, options = _token_arrays(labels, options)
-  return _sharded.run(
+  return _per_token_outputs(_sharded.run(
       lambda x, **token: _logits_shard(x, vocab_axis=vocab_axis, **options, **token),
-      (logits,), (P(*token_entries, vocab_axis),), token_arrays, mesh,
-      token_entries, options["return_entropy"])
+      (logits,), (P(*token_entries, vocab_axis),), token_arrays, mesh, token_entries,
+      _token_kinds(options)))
 
 
 def _linear_on_mesh(hidden, weight, labels, mesh, vocab_axis, batch_axis, token_entries,
@@ -291,8 +498,17 @@ def _linear_on_mesh(hidden, weight, labels, mesh, vocab_axis, batch_axis, token_
   def shard_fn(h, w, *b, **token):
     return _linear_shard(h, w, b[0] if b else None, vocab_axis=vocab_axis, **options, **token)
 
-  return _sharded.run(shard_fn, arrays, specs[:len(arrays)], token_arrays, mesh, token_entries,
-                      options["return_entropy"])
+  return _per_token_outputs(_sharded.run(shard_fn, arrays, specs[:len(arrays)], token_arrays,
+                                         mesh, token_entries, _token_kinds(options)))
+
+
+def _token_kinds(options):
+  return ("token", "token") if options["return_entropy"] else ("token",)
+
+
+def _per_token_outputs(out):
+  """``(logp, entropy or None)`` from the wrapper's outputs."""
+  return out if len(out) == 2 else (out[0], None)
 
 
 def _token_arrays(labels, options):
@@ -369,3 +585,64 @@ def _linear_shard(hidden, weight, bias, *, labels, logit_softcap, temperature, w
       labels.reshape(-1).astype(jnp.int32), inv_temp.reshape(-1), valid.reshape(-1), config)
   return out[0].reshape(labels.shape), (out[1].reshape(labels.shape) if return_entropy
                                         else None)
+
+
+def _flat_token_args(token_args, shape):
+  """Each token argument flattened to ``[T]``, with no gradient."""
+  return tuple(lax.stop_gradient(jnp.broadcast_to(a, shape).reshape(-1)) for a in token_args)
+
+
+def _token_loss_shard(objective, logits, *token_args, labels, temperature, where, vocab_size,
+                      chunk_size, vocab_axis, return_entropy, implementation):
+  """Flatten, normalize, plan and run the logits objective kernel on this device's arrays."""
+  dtype = _math.compute_dtype(logits.dtype)
+  inv_temp = _checks.inverse_temperature(temperature, labels.shape, dtype)
+  valid = _checks.valid_mask(labels, where)
+  if labels.size == 0:
+    zeros = jnp.zeros(labels.shape, dtype)
+    return jnp.zeros((), dtype), (zeros, zeros if return_entropy else None)
+  num_tokens, num_columns = labels.size, logits.shape[-1]
+  config = _token_loss.Config(
+      vocab_size=vocab_size, mask_vocab=_mask_vocab(vocab_size, num_columns, vocab_axis),
+      chunk=plan.logits_chunk(num_tokens, num_columns, chunk_size), vocab_axis=vocab_axis,
+      with_entropy=return_entropy,
+      pallas=plan.implementation(implementation, logits) == "pallas")
+  loss, (logp, entropy) = _token_loss.token_loss(
+      objective, logits.reshape(num_tokens, num_columns), labels.reshape(-1).astype(jnp.int32),
+      inv_temp.reshape(-1), valid.reshape(-1), _flat_token_args(token_args, labels.shape),
+      config)
+  return loss, _token_outputs(logp, entropy, labels.shape)
+
+
+def _linear_token_loss_shard(objective, hidden, weight, bias, *token_args, labels,
+                             logit_softcap, temperature, where, vocab_size, chunk_size,
+                             vocab_axis, return_entropy, vocab_block_size, weight_layout,
+                             implementation, hidden_grad_accumulation):
+  """Flatten, normalize, plan and run the fused objective kernel on this device's arrays
+  (``vocab_block_size`` and ``hidden_grad_accumulation`` do not apply: whole rows)."""
+  del vocab_block_size, hidden_grad_accumulation
+  vocab_dim = _checks.vocab_dim(weight_layout)
+  dtype = _math.compute_dtype(hidden.dtype, weight.dtype)
+  inv_temp = _checks.inverse_temperature(temperature, labels.shape, dtype)
+  valid = _checks.valid_mask(labels, where)
+  if labels.size == 0:
+    zeros = jnp.zeros(labels.shape, dtype)
+    return jnp.zeros((), dtype), (zeros, zeros if return_entropy else None)
+  num_tokens, num_columns = labels.size, weight.shape[vocab_dim]
+  config = _linear_token_loss.Config(
+      vocab_size=vocab_size, mask_vocab=_mask_vocab(vocab_size, num_columns, vocab_axis),
+      chunk=plan.linear_objective_chunk(num_tokens, num_columns, chunk_size),
+      vocab_axis=vocab_axis, softcap=None if logit_softcap is None else float(logit_softcap),
+      with_entropy=return_entropy, vocab_dim=vocab_dim,
+      pallas=plan.implementation(implementation, hidden, weight) == "pallas")
+  loss, (logp, entropy) = _linear_token_loss.linear_token_loss(
+      objective, hidden.reshape(num_tokens, hidden.shape[-1]), weight, bias,
+      labels.reshape(-1).astype(jnp.int32), inv_temp.reshape(-1), valid.reshape(-1),
+      _flat_token_args(token_args, labels.shape), config)
+  return loss, _token_outputs(logp, entropy, labels.shape)
+
+
+def _token_outputs(logp, entropy, shape):
+  """The metrics ``(logp, entropy)`` of ``shape``, under ``stop_gradient``."""
+  logp = lax.stop_gradient(logp.reshape(shape))
+  return logp, None if entropy is None else lax.stop_gradient(entropy.reshape(shape))

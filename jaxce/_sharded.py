@@ -71,25 +71,27 @@ def _placed(arrays, specs, mesh):
                for a, s in zip(arrays, specs))
 
 
-def run(shard_fn, arrays, specs, token_arrays, mesh, token_entries, return_entropy):
+def token_axes(token_entries):
+  """The mesh axes the token dims are split over (a loss sums over them)."""
+  return tuple(n for entry in token_entries for n in _math.axis_names(entry))
+
+
+def run(shard_fn, arrays, specs, token_arrays, mesh, token_entries, out_kinds):
   """``shard_fn`` on each shard of ``arrays`` (split as ``specs``) and of the per-token
   ``token_arrays`` (a dict of arrays of the labels' shape, the labels first, split as
-  ``token_entries``): ``shard_fn(*arrays, **token_arrays)`` returns ``(logp, entropy)``.
-
-  Returns ``(logp, entropy)`` global arrays of the labels' shape (entropy ``None`` when
-  not ``return_entropy``), split like the labels.
-  """
+  ``token_entries``): ``shard_fn(*arrays, **token_arrays)`` returns a tuple of arrays,
+  each ``"token"`` (the labels' shape, split like them) or ``"scalar"`` (the same on
+  every shard) as ``out_kinds`` says. Returns that tuple of global arrays."""
   names = list(token_arrays)
   spec = P(*token_entries)
 
-  def body(*args):
-    logp, entropy = shard_fn(*args[:len(arrays)], **dict(zip(names, args[len(arrays):])))
-    return (logp, entropy) if return_entropy else logp
+  def body(*args):  # outputs that are None (an entropy not asked for) are left out
+    out = shard_fn(*args[:len(arrays)], **dict(zip(names, args[len(arrays):])))
+    return tuple(o for o in out if o is not None)
 
-  out_specs = (spec, spec) if return_entropy else spec
+  out_specs = tuple(spec if kind == "token" else P() for kind in out_kinds)
   in_specs = tuple(specs) + (spec,) * len(names)
   # jit: an eager shard_map cannot run a custom_vjp with symbolic zeros; under an outer
   # jit this is inlined.
   f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs))
-  out = f(*_placed((*arrays, *token_arrays.values()), in_specs, mesh))
-  return out if return_entropy else (out, None)
+  return f(*_placed((*arrays, *token_arrays.values()), in_specs, mesh))

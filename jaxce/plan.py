@@ -4,6 +4,7 @@ Public, so that benchmarks, notebooks and users can see the plan a call will use
 
     chunk = jaxce.plan.logits_chunk(num_tokens, num_columns)          # logits path
     chunk, block = jaxce.plan.linear_tiles(num_tokens, num_columns)   # fused path
+    chunk = jaxce.plan.linear_objective_chunk(num_tokens, num_columns) # linear_token_loss
     jaxce.plan.implementation(None, logits)                          # "pallas" or "xla"
 
 ``num_columns`` is the vocabulary a device holds (``V_local`` when it is split). Every
@@ -23,6 +24,9 @@ LOGITS_TILE_BYTES = {"gpu": 4 * 2**30, "cpu": 16 * 2**20}
 # the vocab block. bench/NOTES.md, entries 16 and 17.
 LINEAR_TILE_BYTES = {"gpu": 256 * 2**20, "cpu": 32 * 2**20}
 DEFAULT_VOCAB_BLOCK = 8192
+# Fused objective path (linear_token_loss): bytes of one chunk's f32 [chunk, V_local]
+# rows, held from its statistics to its gradient (plus the operand-dtype d logits).
+LINEAR_OBJECTIVE_ROWS_BYTES = {"gpu": 512 * 2**20, "cpu": 16 * 2**20}
 IMPLEMENTATIONS = ("xla", "pallas")
 
 
@@ -62,6 +66,14 @@ def linear_tiles(num_tokens: int, num_columns: int, requested_chunk: int | None 
   of ``LINEAR_TILE_BYTES`` of this backend."""
   block = min(requested_block or DEFAULT_VOCAB_BLOCK, num_columns)
   return chunk_size(num_tokens, block, requested_chunk, LINEAR_TILE_BYTES[backend()]), block
+
+
+def linear_objective_chunk(num_tokens: int, num_columns: int,
+                           requested: int | None = None) -> int:
+  """Tokens per step of the fused objective path, whose full ``[chunk, num_columns]``
+  rows are held at once (``LINEAR_OBJECTIVE_ROWS_BYTES`` of this backend)."""
+  return chunk_size(num_tokens, num_columns, requested,
+                    LINEAR_OBJECTIVE_ROWS_BYTES[backend()])
 
 
 def implementation(requested: str | None, *arrays) -> str:

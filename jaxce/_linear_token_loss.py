@@ -62,7 +62,8 @@ def _linear_token_loss(objective, hidden, weight, bias, labels, inv_temp, valid,
 
 def _run(objective, hidden, weight, bias, labels, inv_temp, valid, token_args, config,
          with_grads):
-  """``((loss, (logp, entropy)), (d hidden, d weight, d bias) or None)``."""
+  """``((loss, (logp, entropy)), ((d hidden, d weight, d bias), type witnesses) or
+  None)``: the gradients of this device's loss, not yet summed over shard_map axes."""
   num_tokens, num_columns = hidden.shape[0], weight.shape[config.vocab_dim]
   chunk, vocab_dim = config.chunk, config.vocab_dim
   operand_dtype = jnp.promote_types(hidden.dtype, weight.dtype)
@@ -130,8 +131,10 @@ def _run(objective, hidden, weight, bias, labels, inv_temp, valid, token_args, c
   d_hidden, d_weight, d_bias = carry
   grads = (d_hidden, d_weight.astype(primals[1].dtype),
            None if d_bias is None else d_bias.astype(primals[2].dtype))
-  return out, tuple(None if g is None else _math.reduce_to_varying(g, p)
-                    for g, p in zip(grads, primals))
+  # Zero-size slices carry each primal's type over shard_map axes to the backward, which
+  # sums the scaled gradients over the axes the primal does not vary over.
+  witnesses = tuple(None if p is None else p.reshape(-1)[:0] for p in primals)
+  return out, (grads, witnesses)
 
 
 def _fwd(objective, hidden, weight, bias, labels, inv_temp, valid, token_args, config):
@@ -140,10 +143,12 @@ def _fwd(objective, hidden, weight, bias, labels, inv_temp, valid, token_args, c
   return out, grads
 
 
-def _bwd(objective, config, grads, cotangents):
+def _bwd(objective, config, residuals, cotangents):
   del objective, config
+  grads, witnesses = residuals
   scale = cotangents[0]  # the outputs (logp, entropy) are for metrics: no gradient
-  scaled = tuple(None if g is None else (g * scale.astype(g.dtype)) for g in grads)
+  scaled = tuple(None if g is None else _math.reduce_to_varying(g * scale.astype(g.dtype), w)
+                 for g, w in zip(grads, witnesses))
   return scaled + (None, None, None, None)
 
 

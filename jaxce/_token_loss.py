@@ -53,7 +53,8 @@ def _token_loss(objective, x, labels, inv_temp, valid, token_args, config):
 
 
 def _run(objective, x, labels, inv_temp, valid, token_args, config, with_grads):
-  """``((loss, (logp, entropy)), d x or None)``."""
+  """``((loss, (logp, entropy)), (d x, type witness) or None)``: the gradient of this
+  device's loss, not yet summed over shard_map axes."""
   num_tokens, num_columns = x.shape
   column_start = _math.shard_column_start(num_columns, config.vocab_axis)
 
@@ -84,17 +85,21 @@ def _run(objective, x, labels, inv_temp, valid, token_args, config, with_grads):
     logp = jnp.concatenate([logp, tail_logp])
     entropy = [jnp.concatenate([entropy[0], tail_entropy[0]])] if entropy else []
   out = (loss, (logp, entropy[0] if entropy else None))
-  return out, (_math.reduce_to_varying(buffer, x) if with_grads else None)
+  # A zero-size slice carries x's type over shard_map axes to the backward, which sums
+  # the scaled gradient over the axes x does not vary over.
+  return out, ((buffer, x.reshape(-1)[:0]) if with_grads else None)
 
 
 def _fwd(objective, x, labels, inv_temp, valid, token_args, config):
   return _run(objective, x, labels, inv_temp, valid, token_args, config, with_grads=True)
 
 
-def _bwd(objective, config, grad, cotangents):
+def _bwd(objective, config, residuals, cotangents):
   del objective, config
+  grad, witness = residuals
   scale = cotangents[0]  # the outputs (logp, entropy) are for metrics: no gradient
-  return (grad * scale.astype(grad.dtype), None, None, None, None)
+  return (_math.reduce_to_varying(grad * scale.astype(grad.dtype), witness), None, None, None,
+          None)
 
 
 _token_loss.defvjp(_fwd, _bwd)

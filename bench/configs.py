@@ -36,13 +36,20 @@ SUPPORTS = {
 # same with ``backward_in_place=True``: the backward overwrites the logits chunk by chunk);
 # "xla" (jaxce with ``implementation="xla"``: XLA's two-pass statistics, not the kernel);
 # "pallas" (``implementation="pallas"``: the kernel even where the default is XLA);
-# "hidden_grad_output" (fused: ``hidden_grad_accumulation="output"``, no f32 [T, D] sum).
+# "hidden_grad_output" (fused: ``hidden_grad_accumulation="output"``, no f32 [T, D] sum);
+# "objective" (jaxce.token_loss / linear_token_loss with the row's loss as the objective:
+# the gradient formed in the forward); "grpo" (jaxce's per-token path or plain JAX, then
+# the bench's GRPO objective, GRPO_NOTE, through autodiff); "objective_grpo" (the GRPO
+# objective on the objective path). fwd_bwd only, one device.
 IN_PLACE_VARIANTS = ("inplace", "inplace_grad", "inplace_loop")
 LOOP_VARIANTS = ("inplace_loop", "train_step_loop")
 TRAIN_STEP_VARIANTS = ("train_step", "train_step_loop")
 IMPLEMENTATION_VARIANTS = ("xla", "pallas")
+OBJECTIVE_VARIANTS = ("objective", "grpo", "objective_grpo")
 VARIANTS = ("default", "logp_only", "hidden_grad_output") + IN_PLACE_VARIANTS + \
-    TRAIN_STEP_VARIANTS + IMPLEMENTATION_VARIANTS
+    TRAIN_STEP_VARIANTS + IMPLEMENTATION_VARIANTS + OBJECTIVE_VARIANTS
+GRPO_NOTE = ("GRPO: clip 0.2 / 0.28, k3 KL to a reference with beta 0.04, entropy bonus 0.01, "
+             "sequence-mean-token-mean over sequences of 1024 tokens")
 MODES = ("fwd", "fwd_bwd")
 ENTROPY_COEF = 0.01
 
@@ -111,6 +118,10 @@ class Config:
       return f"{self.variant} is a jaxce (train_step: or jax_plain) linear fwd_bwd variant"
     if self.variant in IMPLEMENTATION_VARIANTS and self.impl != "jaxce":
       return f"{self.variant} is a jaxce variant"
+    if self.variant in OBJECTIVE_VARIANTS and (
+        self.mode != "fwd_bwd" or self.n_devices != 1 or self.impl not in (
+            ("jaxce", "jax_plain") if self.variant == "grpo" else ("jaxce",))):
+      return f"{self.variant} is a one-device fwd_bwd variant of jaxce (grpo: or jax_plain)"
     if self.variant == "logp_only" and self.impl in LOGP_ONLY_IMPLS:
       return "already log-prob only"
     if self.input == "linear" and not self.D:
@@ -179,8 +190,8 @@ def _gpu_groups(Ts):
       Group("linear", ("jaxce", "jax_plain", "tokamax", "torch_eager", "liger", "cce"), Ts,
             _GPU_V, _GPU_D),
       Group("linear", ("jaxce:logp_only", "jaxce:xla", "jax_scan_remat", "jaxce:train_step",
-                       "jaxce:train_step_loop", "jax_plain:train_step"), Ts, _GPU_V, _GPU_D,
-            **_BWD),
+                       "jaxce:train_step_loop", "jax_plain:train_step", "jaxce:objective"), Ts,
+            _GPU_V, _GPU_D, **_BWD),
   ]
 
 
@@ -196,6 +207,9 @@ SUITES = {
                          "jax_plain:train_step"), (200,), 1000, 32),
         Group("logits", ("jaxce", "jax_plain"), (200,), 1000, n_devices=2, **_BWD),
         Group("linear", ("jaxce",), (200,), 1000, 32, n_devices=2, **_BWD),
+        Group("linear", ("jaxce:objective_grpo", "jaxce:grpo", "jax_plain:grpo"), (200,), 1000,
+              32, **_BWD),
+        Group("logits", ("jaxce:objective",), (200,), 1000, **_BWD),
     ],
     # One GPU: the headline numbers (V = 151936, bf16; D = 4096 on the fused path).
     "gpu": _gpu_groups(_GPU_T),
@@ -221,6 +235,21 @@ SUITES = {
         # The best one-GPU paths (plain calls) on the same machine.
         Group("logits", ("jaxce", "jax_plain"), (32768,), _GPU_V, **_BWD),
         Group("linear", ("jaxce", "jax_plain"), (32768,), _GPU_V, _GPU_D, **_BWD),
+    ],
+    # A GRPO objective (GRPO_NOTE), issue 20: the objective path (gradient in the forward)
+    # against the per-token path + autodiff and plain JAX, fused and on logits.
+    "objective": [
+        Group("linear", ("jaxce:objective_grpo", "jaxce:grpo", "jax_plain:grpo",
+                         "jaxce:objective", "jaxce"), (8192, 32768), _GPU_V, _GPU_D, **_BWD),
+        Group("logits", ("jaxce:objective_grpo", "jaxce:grpo", "jax_plain:grpo",
+                         "jaxce:objective", "jaxce"), (8192, 32768), _GPU_V, **_BWD),
+        Group("linear", ("jaxce:objective_grpo",), (1048576,), _GPU_V, _GPU_D, **_BWD),
+    ],
+    "objective-cpu": [
+        Group("linear", ("jaxce:objective_grpo", "jaxce:grpo", "jax_plain:grpo",
+                         "jaxce:objective"), (2048,), 16384, 64, **_BWD),
+        Group("logits", ("jaxce:objective_grpo", "jaxce:grpo", "jax_plain:grpo",
+                         "jaxce:objective"), (2048,), 16384, **_BWD),
     ],
     # Chunk-size sweeps for jaxce (issue 5, target 6: the default within 5 % of the best).
     "sweep": [

@@ -18,8 +18,8 @@ import numpy as np
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from bench.configs import (IMPLEMENTATION_VARIANTS, IN_PLACE_VARIANTS, LOOP_VARIANTS,
-                           TRAIN_STEP_VARIANTS, Config)
+from bench.configs import (GRPO_NOTE, IMPLEMENTATION_VARIANTS, IN_PLACE_VARIANTS,
+                           LOOP_VARIANTS, OBJECTIVE_VARIANTS, TRAIN_STEP_VARIANTS, Config)
 
 VOCAB_AXIS = "v"
 # Where each input lives: the vocab dim split over the mesh, everything else replicated.
@@ -204,6 +204,8 @@ def build(config: Config, devices) -> Built:
     return Built(jax.value_and_grad(lambda h, w, lab, adv: sum_logp(h, w, lab),
                                     argnums=(0, 1)), names, note=note)
 
+  if config.variant in OBJECTIVE_VARIANTS:
+    return _objective_build(config, floats, names)
   f, chunk_used, note = _per_token_fn(config, mesh, n_devices)
   if config.mode == "fwd":
     return Built(f, names, donate, chunk_used, note)
@@ -218,6 +220,58 @@ def build(config: Config, devices) -> Built:
 
   transform = jax.grad if config.variant == "inplace_grad" else jax.value_and_grad
   return Built(transform(loss, argnums=tuple(range(n))), names, donate, chunk_used, note)
+
+
+GRPO_SEQUENCE = 1024
+
+
+def _grpo(adv):
+  """The bench's GRPO objective (GRPO_NOTE) and its token args from the advantages: old and
+  reference log-probs near the policy's (their values do not change the work), and the
+  sequence-mean-token-mean weights of full sequences of GRPO_SEQUENCE tokens."""
+  import jaxce
+  objective = jaxce.objectives.grpo(0.2, 0.28, beta=0.04, entropy_coef=0.01)
+  tokens = adv.shape[0]
+  weight = jnp.full_like(adv, 1.0 / (min(GRPO_SEQUENCE, tokens) * max(
+      tokens // GRPO_SEQUENCE, 1)))
+  return objective, (adv, -2.0 + 0.1 * adv, -2.0 - 0.1 * adv, weight)
+
+
+def _objective_build(config: Config, floats, names) -> Built:
+  """Value and gradients of a per-token objective: the row's loss (``objective``) or the
+  GRPO objective, on jaxce's objective path (``objective*``) or, for ``grpo``, on the
+  per-token path (jaxce's, or plain JAX's) with autodiff."""
+  import jaxce
+  linear, coef = config.input == "linear", config.coef
+
+  def objective_and_args(adv):
+    if config.variant == "objective":
+      return (lambda lp, h, a: a * lp + coef * h), (adv,)
+    return _grpo(adv)
+
+  def loss(*args):
+    *arrays, labels, adv = args
+    objective, token_args = objective_and_args(adv)
+    if config.variant != "grpo":
+      fn = jaxce.linear_token_loss if linear else jaxce.token_loss
+      return fn(objective, *arrays, labels, *token_args, chunk_size=config.chunk_size)[0]
+    if config.impl == "jaxce":
+      fn = jaxce.linear_logprobs_and_entropy if linear else jaxce.logprobs_and_entropy
+      logp, entropy = fn(*arrays, labels, chunk_size=config.chunk_size)
+    else:
+      logp, entropy = plain_logprobs_entropy(_matmul(*arrays) if linear else arrays[0], labels)
+    return jnp.sum(objective(logp, entropy, *token_args))
+
+  chunk = None
+  if config.impl == "jaxce":
+    from jaxce import plan
+    columns = config.V
+    chunk = (plan.linear_objective_chunk(config.T, columns, config.chunk_size)
+             if linear and config.variant != "grpo" else
+             _planned_chunk(config.T, columns, dict(chunk_size=config.chunk_size), linear))
+  note = "" if config.variant == "objective" else GRPO_NOTE
+  return Built(jax.value_and_grad(loss, argnums=tuple(range(len(floats)))), names,
+               chunk_used=chunk, note=note)
 
 
 def shardings(names, devices) -> dict:

@@ -225,8 +225,7 @@ def token_loss(objective, logits, labels, *token_args, temperature=1.0, where=No
       over tokens; a ``ValueError`` says so). Normalizations are per-token weights among
       ``token_args`` (``jaxce.objectives.token_weights``). Built-ins: ``jaxce.objectives``.
     logits, labels, temperature, where, vocab_size, chunk_size, vocab_axis,
-      implementation: as in :func:`jaxce.logprobs_and_entropy` (``chunk_size``: tokens per
-      step of the loop).
+      implementation: as in :func:`jaxce.logprobs_and_entropy`.
     *token_args: arrays broadcastable to ``labels.shape`` (advantages, old and reference
       log-probs, weights...); no gradient flows to them.
     return_entropy: ``None``: the entropy is computed (and returned) when the objective
@@ -239,11 +238,10 @@ def token_loss(objective, logits, labels, *token_args, temperature=1.0, where=No
     computed). Ignored tokens contribute nothing and get an exactly zero gradient,
     whatever the objective returns for them.
 
-  Under ``jax.grad`` the forward computes the loss and ``d logits`` in one loop, two passes
-  over the logits (read; read + write); the backward only scales it by the loss's
-  cotangent. Without differentiation no gradient work is done. Memory: the gradient
-  takes the logits' buffer when they are dead afterwards (donated, or an intermediate of a
-  jitted step); otherwise one array like ``logits``.
+  Under ``jax.grad`` the forward computes the loss and ``d logits``: two passes over the
+  logits (the statistics; one elementwise pass that writes the gradient); the backward
+  only scales it by the loss's cotangent. Without differentiation no gradient work is
+  done. Memory: the gradient (an array like ``logits``) and O(T).
   """
   logits = _checks.as_array("logits", logits)
   labels = _checks.as_array("labels", labels)
@@ -602,11 +600,11 @@ def _token_loss_shard(objective, logits, *token_args, labels, temperature, where
     zeros = jnp.zeros(labels.shape, dtype)
     return jnp.zeros((), dtype), (zeros, zeros if return_entropy else None)
   num_tokens, num_columns = labels.size, logits.shape[-1]
+  pallas = plan.implementation(implementation, logits) == "pallas"
   config = _token_loss.Config(
       vocab_size=vocab_size, mask_vocab=_mask_vocab(vocab_size, num_columns, vocab_axis),
-      chunk=plan.logits_chunk(num_tokens, num_columns, chunk_size), vocab_axis=vocab_axis,
-      with_entropy=return_entropy,
-      pallas=plan.implementation(implementation, logits) == "pallas")
+      chunk=None if pallas else plan.logits_chunk(num_tokens, num_columns, chunk_size),
+      vocab_axis=vocab_axis, with_entropy=return_entropy, pallas=pallas)
   loss, (logp, entropy) = _token_loss.token_loss(
       objective, logits.reshape(num_tokens, num_columns), labels.reshape(-1).astype(jnp.int32),
       inv_temp.reshape(-1), valid.reshape(-1), _flat_token_args(token_args, labels.shape),

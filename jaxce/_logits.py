@@ -57,10 +57,12 @@ def logprobs_entropy(x, labels, inv_temp, valid, config: Config):
 
 @partial(jax.custom_vjp, nondiff_argnums=(4,))
 def _logprobs_entropy(x, labels, inv_temp, valid, config):
-  return _forward(x, labels, inv_temp, valid, config)[0]
+  return forward(x, labels, inv_temp, valid, config)[0]
 
 
-def _forward(x, labels, inv_temp, valid, config):
+def forward(x, labels, inv_temp, valid, config):
+  """``((logp,) or (logp, entropy), (m, log s, entropy or None))`` of every row of ``x``
+  (no gradient): the outputs and the statistics the gradient needs."""
   num_tokens, num_columns = x.shape
   vocab_size, mask_vocab, chunk, vocab_axis, with_entropy = (
       config.vocab_size, config.mask_vocab, config.chunk, config.vocab_axis,
@@ -93,8 +95,19 @@ def _forward(x, labels, inv_temp, valid, config):
 
 def _logprobs_entropy_fwd(x, labels, inv_temp, valid, config):
   x, labels, inv_temp, valid = (p.value for p in (x, labels, inv_temp, valid))
-  out, stats = _forward(x, labels, inv_temp, valid, config)
+  out, stats = forward(x, labels, inv_temp, valid, config)
   return out, (x, labels, inv_temp, valid) + stats
+
+
+def logits_gradient(x, labels, inv_temp, valid, shift, log_sum, entropy, g_logp, g_entropy,
+                    mask_vocab, column_start):
+  """``d loss / d x`` of logits rows ``x [C, V_local]`` (in ``x``'s dtype) from their
+  statistics and the per-token cotangents (``[C]`` each; ``None`` for a symbolic zero):
+  one elementwise pass. ``column_start``: the global id of ``x``'s first column."""
+  z = _math.scaled_logits(x, inv_temp, column_start, mask_vocab)
+  dz = _math.logit_grad(z, labels - column_start, shift, log_sum, entropy, g_logp, g_entropy,
+                        valid)
+  return (dz * inv_temp[:, None].astype(dz.dtype)).astype(x.dtype)
 
 
 def _logprobs_entropy_bwd(config, residuals, cotangents):
@@ -105,13 +118,9 @@ def _logprobs_entropy_bwd(config, residuals, cotangents):
   if g_logp is None and g_entropy is None:
     return (jnp.zeros_like(x), None, None, None)
   column_start = _math.shard_column_start(x.shape[1], vocab_axis)
-
-  def gradient(x, rows):
-    """d loss / d logits of the logits rows ``x`` (``rows`` slices the [T] vectors)."""
-    z = _math.scaled_logits(x, rows(inv_temp), column_start, mask_vocab)
-    dz = _math.logit_grad(z, rows(labels) - column_start, rows(shift), rows(log_sum),
-                          rows(entropy), rows(g_logp), rows(g_entropy), rows(valid))
-    return (dz * rows(inv_temp)[:, None].astype(dz.dtype)).astype(x.dtype)
+  gradient = lambda x, rows: logits_gradient(
+      x, rows(labels), rows(inv_temp), rows(valid), rows(shift), rows(log_sum),
+      rows(entropy), rows(g_logp), rows(g_entropy), mask_vocab, column_start)
 
   if not config.in_place:
     # One elementwise pass over [T, V_local] into a new array.

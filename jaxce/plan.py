@@ -25,8 +25,10 @@ LOGITS_TILE_BYTES = {"gpu": 4 * 2**30, "cpu": 16 * 2**20}
 LINEAR_TILE_BYTES = {"gpu": 256 * 2**20, "cpu": 32 * 2**20}
 DEFAULT_VOCAB_BLOCK = 8192
 # Fused objective path (linear_token_loss): bytes of one chunk's f32 [chunk, V_local]
-# rows, held from its statistics to its gradient (plus the operand-dtype d logits).
-LINEAR_OBJECTIVE_ROWS_BYTES = {"gpu": 512 * 2**20, "cpu": 16 * 2**20}
+# rows, held from its statistics to its gradient (plus the operand-dtype d logits). Each
+# chunk also reads and writes the f32 [D, V_local] d W sum, so larger chunks run faster
+# at more memory (bench/NOTES.md, entry 20).
+LINEAR_OBJECTIVE_ROWS_BYTES = {"gpu": 2**30, "cpu": 16 * 2**20}
 IMPLEMENTATIONS = ("xla", "pallas")
 
 

@@ -1,6 +1,7 @@
 """GRPO on a toy task with a small Flax NNX LM, log-probs and entropies from jaxce.
 
-    python -m examples.grpo                              # one CPU device, fused LM head
+    python -m examples.grpo                              # one CPU device, jaxce.linear_token_loss
+    python -m examples.grpo --path linear                # fused per-token log-probs + autodiff
     python -m examples.grpo --path logits                # jaxce on materialized logits
     python -m examples.grpo --path plain                 # jax.nn.log_softmax, for comparison
     python -m examples.grpo --mesh 2,4                   # data x vocab mesh (8 CPU devices)
@@ -45,7 +46,7 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--completion-len", type=int, default=24)
   p.add_argument("--iterations", type=int, default=4, help="sample -> update rounds")
   p.add_argument("--inner-steps", type=int, default=2, help="optimizer steps per batch")
-  p.add_argument("--path", choices=PATHS, default="linear")
+  p.add_argument("--path", choices=PATHS, default="objective")
   p.add_argument("--mesh", default=None, help="'data,vocab' sizes, e.g. 2,4")
   p.add_argument("--pmap", action="store_true", help="data parallel over local devices")
   p.add_argument("--cpu-devices", type=int, default=None,

@@ -3,8 +3,11 @@
 Only :func:`token_logprobs` differs between the paths; the objective around it is shared,
 so the paths can be compared number for number:
 
-* ``"linear"`` (default): ``jaxce.linear_logprobs_and_entropy(hidden, lm_head_kernel,
-  labels)``; the ``[B, S, V]`` logits never exist, forward or backward.
+* ``"objective"`` (default): the whole GRPO loss through ``jaxce.linear_token_loss`` with
+  ``jaxce.objectives.grpo``: its gradient is formed in the forward pass (three matmuls of
+  the LM head, not four), and the logits never exist.
+* ``"linear"``: ``jaxce.linear_logprobs_and_entropy(hidden, lm_head_kernel, labels)``,
+  then the objective below with autodiff; the ``[B, S, V]`` logits never exist.
 * ``"logits"``: the model's logits, then ``jaxce.logprobs_and_entropy`` (chunked, bounded
   working set; the gradient is one array like the logits).
 * ``"plain"``: the logits, then ``jax.nn.log_softmax`` in float32 and autodiff: several
@@ -27,7 +30,7 @@ from flax import nnx
 import jaxce
 from examples.model import lm_head_kernel
 
-PATHS = ("linear", "logits", "plain")
+PATHS = ("objective", "linear", "logits", "plain")
 DATA, VOCAB = "data", "vocab"  # mesh axis names
 # path -> (one device or per-device under pmap, global arrays over a mesh via shard_map)
 _JAXCE = {
@@ -68,7 +71,7 @@ class GRPOConfig:
       free in the backward: jaxce's backward skips the entropy work when the entropy
       gets no gradient (a symbolic-zero cotangent).
   """
-  path: str = "linear"
+  path: str = "objective"
   temperature: float = 1.0
   clip_eps: float = 0.2
   kl_coef: float = 0.04
@@ -100,7 +103,7 @@ def token_logprobs(model, tokens, mask, *, path="linear", temperature=1.0, retur
     model: a :class:`examples.model.CausalLM`.
     tokens: int ``[B, S]``; position ``t`` predicts ``tokens[:, t+1]``.
     mask: bool ``[B, S-1]``, the positions to score (others return 0, with zero gradient).
-    path: one of :data:`PATHS`.
+    path: one of :data:`PATHS` (``"objective"`` scores as ``"linear"``).
     temperature: the sampler's temperature (float or array broadcastable to ``[B, S-1]``).
     return_entropy: False skips the entropy (forward and backward).
     mesh: a ``jax.sharding.Mesh`` with axes ``("data", "vocab")`` for global sharded arrays,
@@ -113,8 +116,8 @@ def token_logprobs(model, tokens, mask, *, path="linear", temperature=1.0, retur
   labels = tokens[:, 1:]
   kw = dict(temperature=temperature, where=mask, return_entropy=return_entropy)
   sharding = {} if mesh is None else dict(mesh=mesh, vocab_axis=VOCAB, batch_axis=DATA)
-  if path == "linear":
-    fused = _JAXCE[path][mesh is not None]
+  if path in ("linear", "objective"):  # the objective path scores with the fused head too
+    fused = _JAXCE["linear"][mesh is not None]
     return fused(hidden, lm_head_kernel(model), labels, **sharding, **kw)
   logits = model.lm_head(hidden)  # [B, S-1, V]: the array the fused path never builds
   if path == "logits":
@@ -156,6 +159,8 @@ def grpo_loss(params, graphdef, batch: Batch, cfg: GRPOConfig, mesh=None):
     ``(loss, metrics)``: a scalar and a dict of scalars (not differentiated).
   """
   model = nnx.merge(graphdef, params)
+  if cfg.path == "objective":
+    return _objective_loss(model, batch, cfg, mesh)
   # Python-side gate on a static coefficient: at 0 the entropy is either not computed
   # (log_entropy=False) or only logged; never ``0.0 * entropy`` in the loss, which is not a
   # symbolic zero and would run the entropy backward for nothing.
@@ -177,6 +182,30 @@ def grpo_loss(params, graphdef, batch: Batch, cfg: GRPOConfig, mesh=None):
                  clip_fraction=masked_mean((clipped != ratio).astype(jnp.float32), batch.mask))
   if entropy is not None:
     metrics["entropy"] = masked_mean(entropy, batch.mask)
+  return loss, jax.lax.stop_gradient(metrics)
+
+
+def _objective_loss(model, batch: Batch, cfg: GRPOConfig, mesh):
+  """:func:`grpo_loss` as one ``jaxce.linear_token_loss`` call: the same objective, with
+  ``masked_mean`` as per-token weights (sequence-mean-token-mean)."""
+  labels, mask = batch.tokens[:, 1:], batch.mask
+  objective = jaxce.objectives.grpo(cfg.clip_eps, beta=cfg.kl_coef,
+                                    entropy_coef=cfg.entropy_coef)
+  token_args = (jnp.broadcast_to(batch.advantages[:, None], mask.shape), batch.old_logp,
+                batch.ref_logp, jaxce.objectives.token_weights(mask, "sequence_mean_token_mean"))
+  sharding = {} if mesh is None else dict(mesh=mesh, vocab_axis=VOCAB, batch_axis=DATA)
+  fn = jaxce.sharded_linear_token_loss if mesh is not None else jaxce.linear_token_loss
+  loss, (logp, entropy) = fn(
+      objective, model.hidden_states(batch.tokens[:, :-1]), lm_head_kernel(model), labels,
+      *token_args, temperature=cfg.temperature, where=mask,
+      return_entropy=True if cfg.log_entropy else None, **sharding)
+  ratio = jnp.exp(logp - batch.old_logp)  # metrics from the returned (logp, entropy)
+  clipped = jnp.clip(ratio, 1 - cfg.clip_eps, 1 + cfg.clip_eps)
+  log_ref_ratio = batch.ref_logp - logp
+  metrics = dict(loss=loss, kl=masked_mean(jnp.exp(log_ref_ratio) - log_ref_ratio - 1, mask),
+                 clip_fraction=masked_mean((clipped != ratio).astype(jnp.float32), mask))
+  if entropy is not None:
+    metrics["entropy"] = masked_mean(entropy, mask)
   return loss, jax.lax.stop_gradient(metrics)
 
 

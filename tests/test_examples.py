@@ -92,7 +92,7 @@ def assert_matches(result, reference, params0, dtype=jnp.float32, what=""):
     assert_close(p, r, atol, f"{what} {jax.tree_util.keystr(path)}")
 
 
-@pytest.mark.parametrize("path", ["linear", "logits"])
+@pytest.mark.parametrize("path", ["objective", "linear", "logits"])
 def test_one_device(problem, reference, path):
   assert_matches(run(problem, path=path), reference, problem["params"], what=path)
 

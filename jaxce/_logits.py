@@ -60,6 +60,22 @@ def _logprobs_entropy(x, labels, inv_temp, valid, config):
   return forward(x, labels, inv_temp, valid, config)[0]
 
 
+def pallas_statistics(x, labels, inv_temp, valid, column_start, vocab_size, mask_vocab,
+                      vocab_axis, with_entropy):
+  """``(logp, m, log s, entropy or None)`` of rows ``x [C, V_local]`` (the arguments of
+  ``_math.chunk_statistics``) with the one-pass Pallas kernel for the row statistics."""
+  num_columns = x.shape[1]
+  limit = num_columns if mask_vocab is None else jnp.clip(
+      mask_vocab - column_start, 0, num_columns)
+  m, s, q = _pallas.row_statistics(x, inv_temp, limit, with_entropy)
+  picked = _math.label_logit(x, labels, inv_temp, column_start)
+  m, s, q, picked = _math.combine_shards(m, s, q if with_entropy else None, picked, vocab_axis)
+  log_s, entropy = _math.finish_statistics(s, q)
+  logp, entropy = _math.finish_outputs((picked - m) - log_s, entropy, labels, valid,
+                                       vocab_size)
+  return logp, m, log_s, entropy
+
+
 def forward(x, labels, inv_temp, valid, config):
   """``((logp,) or (logp, entropy), (m, log s, entropy or None))`` of every row of ``x``
   (no gradient): the outputs and the statistics the gradient needs."""
@@ -69,14 +85,9 @@ def forward(x, labels, inv_temp, valid, config):
       config.with_entropy)
   column_start = _math.shard_column_start(num_columns, vocab_axis)
   if config.implementation == "pallas":
-    limit = num_columns if mask_vocab is None else jnp.clip(
-        mask_vocab - column_start, 0, num_columns)
-    m, s, q = _pallas.row_statistics(x, inv_temp, limit, with_entropy)
-    picked = _math.label_logit(x, labels, inv_temp, column_start)
-    m, s, q, picked = _math.combine_shards(m, s, q if with_entropy else None, picked, vocab_axis)
-    log_s, entropy = _math.finish_statistics(s, q)
-    logp, entropy_out = _math.finish_outputs((picked - m) - log_s, entropy, labels, valid,
-                                             vocab_size)
+    logp, m, log_s, entropy_out = pallas_statistics(
+        x, labels, inv_temp, valid, column_start, vocab_size, mask_vocab, vocab_axis,
+        with_entropy)
     return (logp,) + ((entropy_out,) if with_entropy else ()), (m, log_s, entropy_out)
 
   def step(_, i):

@@ -13,7 +13,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxce import _math, _pallas
+from jaxce import _logits, _math
 
 # Primitives that combine several tokens: an objective using one of them is not a sum of
 # per-token terms (a mean over the batch, a sequence's sum, a sort...).
@@ -73,18 +73,9 @@ def statistics(x, labels, inv_temp, valid, column_start, vocab_size, mask_vocab,
   """A chunk's ``(logp, m, log s, entropy or None)`` over this shard's ``[C, V_local]``
   rows ``x`` (``_math.chunk_statistics``; with ``pallas`` the row statistics are the
   one-pass kernel's)."""
-  if not pallas:
-    return _math.chunk_statistics(x, labels, inv_temp, valid, column_start, vocab_size,
-                                  mask_vocab, vocab_axis, with_entropy)
-  limit = x.shape[1] if mask_vocab is None else jnp.clip(mask_vocab - column_start, 0,
-                                                         x.shape[1])
-  m, s, q = _pallas.row_statistics(x, inv_temp, limit, with_entropy)
-  picked = _math.label_logit(x, labels, inv_temp, column_start)
-  m, s, q, picked = _math.combine_shards(m, s, q if with_entropy else None, picked, vocab_axis)
-  log_s, entropy = _math.finish_statistics(s, q)
-  logp, entropy = _math.finish_outputs((picked - m) - log_s, entropy, labels, valid,
-                                       vocab_size)
-  return logp, m, log_s, entropy
+  statistics_of = _logits.pallas_statistics if pallas else _math.chunk_statistics
+  return statistics_of(x, labels, inv_temp, valid, column_start, vocab_size, mask_vocab,
+                       vocab_axis, with_entropy)
 
 
 def terms_and_cotangents(objective, logp, entropy, token_args, keep, with_grads):

@@ -81,11 +81,7 @@ def logprobs_and_entropy(logits, labels, *, temperature=1.0, where=None, vocab_s
       spec = _sharded.spec_of(logits)
       return _logits_on_mesh(logits, labels, mesh, spec[-1], None,
                              _sharded.typed_token_spec(spec[:-1], labels), options)
-  _checks.check_float("logits", logits)
-  shards = _checks.vocab_shards(vocab_axis)
-  options = _check_logits(
-      logits, labels, logits.shape[-1] * shards,
-      "logits" if shards == 1 else f"logits across {shards} shards of {vocab_axis!r}", options)
+  options = _check_local_logits(logits, labels, vocab_axis, options)
   return _logits_shard(logits, labels=labels, vocab_axis=vocab_axis, **options)
 
 
@@ -181,11 +177,7 @@ def linear_logprobs_and_entropy(hidden, weight, labels, *, bias=None, logit_soft
       return _linear_on_mesh(hidden, weight, labels, mesh, vocab_axis, None,
                              _sharded.typed_token_spec(_sharded.spec_of(hidden)[:-1], labels),
                              options)
-  _check_linear_arrays(hidden, weight)
-  shards = _checks.vocab_shards(vocab_axis)
-  options = _check_linear(
-      hidden, weight, labels, shards,
-      "weight" if shards == 1 else f"weight across {shards} shards of {vocab_axis!r}", options)
+  options = _check_local_linear(hidden, weight, labels, vocab_axis, options)
   return _linear_shard(hidden, weight, options.pop("bias"), labels=labels,
                        vocab_axis=vocab_axis, **options)
 
@@ -254,11 +246,7 @@ def token_loss(objective, logits, labels, *token_args, temperature=1.0, where=No
       spec = _sharded.spec_of(logits)
       return _token_loss_on_mesh(objective, logits, labels, token_args, mesh, spec[-1], None,
                                  _sharded.typed_token_spec(spec[:-1], labels), options)
-  _checks.check_float("logits", logits)
-  shards = _checks.vocab_shards(vocab_axis)
-  options = _check_logits(
-      logits, labels, logits.shape[-1] * shards,
-      "logits" if shards == 1 else f"logits across {shards} shards of {vocab_axis!r}", options)
+  options = _check_local_logits(logits, labels, vocab_axis, options)
   token_args, options = _check_objective(objective, labels, token_args, logits.dtype, options)
   return _token_loss_shard(objective, logits, *token_args, labels=labels,
                            vocab_axis=vocab_axis, **options)
@@ -303,11 +291,7 @@ def linear_token_loss(objective, hidden, weight, labels, *token_args, bias=None,
       return _linear_token_loss_on_mesh(
           objective, hidden, weight, labels, token_args, mesh, vocab_axis, None,
           _sharded.typed_token_spec(_sharded.spec_of(hidden)[:-1], labels), options)
-  _check_linear_arrays(hidden, weight)
-  shards = _checks.vocab_shards(vocab_axis)
-  options = _check_linear(
-      hidden, weight, labels, shards,
-      "weight" if shards == 1 else f"weight across {shards} shards of {vocab_axis!r}", options)
+  options = _check_local_linear(hidden, weight, labels, vocab_axis, options)
   token_args, options = _check_objective(
       objective, labels, token_args, jnp.promote_types(hidden.dtype, weight.dtype), options)
   return _linear_token_loss_shard(objective, hidden, weight, options.pop("bias"), *token_args,
@@ -371,6 +355,24 @@ def _check_logits(logits, labels, total_columns, columns_name, options):
   _checks.check_columns("logits", logits.shape[-1])
   return _check_common(labels, logits.shape[:-1], "logits.shape[:-1]", total_columns,
                        columns_name, options)
+
+
+def _check_local_logits(logits, labels, vocab_axis, options):
+  """The checks of a call on this device's logits (``V_local`` columns a shard)."""
+  _checks.check_float("logits", logits)
+  shards = _checks.vocab_shards(vocab_axis)
+  return _check_logits(
+      logits, labels, logits.shape[-1] * shards,
+      "logits" if shards == 1 else f"logits across {shards} shards of {vocab_axis!r}", options)
+
+
+def _check_local_linear(hidden, weight, labels, vocab_axis, options):
+  """The checks of a call on this device's hidden states and weight shard."""
+  _check_linear_arrays(hidden, weight)
+  shards = _checks.vocab_shards(vocab_axis)
+  return _check_linear(
+      hidden, weight, labels, shards,
+      "weight" if shards == 1 else f"weight across {shards} shards of {vocab_axis!r}", options)
 
 
 def _check_linear_arrays(hidden, weight):

@@ -30,8 +30,8 @@ class Config(NamedTuple):
 
   Attributes:
     chunk: tokens per scan step (their full vocabulary rows are held at once).
-    with_entropy: the objective uses the entropy (else it is neither computed nor
-      returned).
+    with_entropy: compute (and return) the entropy: the objective uses it, or the caller
+      asked for it.
   """
   vocab_size: int
   mask_vocab: int | None

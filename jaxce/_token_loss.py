@@ -23,8 +23,8 @@ class Config(NamedTuple):
 
   Attributes:
     chunk: tokens per step of XLA's statistics scan (``None`` with the Pallas kernel).
-    with_entropy: the objective uses the entropy (else it is neither computed nor
-      returned).
+    with_entropy: compute (and return) the entropy: the objective uses it, or the caller
+      asked for it.
     pallas: the chunk's row statistics by the Pallas kernel (else XLA).
   """
   vocab_size: int

@@ -424,6 +424,7 @@ def _token_loss_on_mesh(objective, logits, labels, token_args, mesh, vocab_axis,
                      logits.shape[:-1], "logits.shape[:-1]")
   options = _check_logits(logits, labels, logits.shape[-1], "logits", options)
   token_args, options = _check_objective(objective, labels, token_args, logits.dtype, options)
+  options["implementation"] = plan.implementation(options["implementation"], logits, mesh=mesh)
   token_arrays, options = _token_arrays(labels, options)
   token_arrays.update({f"arg{k}": a for k, a in enumerate(token_args)})
   axes = _sharded.token_axes(token_entries)
@@ -449,6 +450,8 @@ def _linear_token_loss_on_mesh(objective, hidden, weight, labels, token_args, me
   options = _check_linear(hidden, weight, labels, 1, "weight", options)
   token_args, options = _check_objective(
       objective, labels, token_args, jnp.promote_types(hidden.dtype, weight.dtype), options)
+  options["implementation"] = plan.implementation(options["implementation"], hidden, weight,
+                                                  mesh=mesh)
   token_arrays, options = _token_arrays(labels, options)
   token_arrays.update({f"arg{k}": a for k, a in enumerate(token_args)})
   bias = options.pop("bias")
@@ -474,6 +477,7 @@ def _logits_on_mesh(logits, labels, mesh, vocab_axis, batch_axis, token_entries,
   _checks.check_mesh(mesh, vocab_axis, batch_axis, logits.shape[-1], "logits",
                      logits.shape[:-1], "logits.shape[:-1]")
   options = _check_logits(logits, labels, logits.shape[-1], "logits", options)
+  options["implementation"] = plan.implementation(options["implementation"], logits, mesh=mesh)
   token_arrays, options = _token_arrays(labels, options)
   return _per_token_outputs(_sharded.run(
       lambda x, **token: _logits_shard(x, vocab_axis=vocab_axis, **options, **token),
@@ -489,6 +493,8 @@ def _linear_on_mesh(hidden, weight, labels, mesh, vocab_axis, batch_axis, token_
   _checks.check_mesh(mesh, vocab_axis, batch_axis, weight.shape[vocab_dim], "weight",
                      hidden.shape[:-1], "hidden.shape[:-1]")
   options = _check_linear(hidden, weight, labels, 1, "weight", options)
+  options["implementation"] = plan.implementation(options["implementation"], hidden, weight,
+                                                  mesh=mesh)
   token_arrays, options = _token_arrays(labels, options)
   bias = options.pop("bias")
   arrays = (hidden, weight) + (() if bias is None else (bias,))

@@ -78,14 +78,27 @@ def linear_objective_chunk(num_tokens: int, num_columns: int,
                     LINEAR_OBJECTIVE_ROWS_BYTES[backend()])
 
 
-def implementation(requested: str | None, *arrays) -> str:
+def platform(*arrays, mesh=None) -> str:
+  """The platform a call runs on: its mesh's devices', else those of the first array
+  placed on devices, else (traced arrays) JAX's default backend."""
+  devices = getattr(mesh, "devices", None)
+  if devices is not None and getattr(devices, "size", 0):
+    return devices.flat[0].platform
+  for a in arrays:
+    if isinstance(a, jax.Array) and not isinstance(a, jax.core.Tracer):
+      return next(iter(a.sharding.device_set)).platform
+  return jax.default_backend()
+
+
+def implementation(requested: str | None, *arrays, mesh=None) -> str:
   """``"pallas"`` or ``"xla"`` for a call's forward statistics over ``arrays`` (the logits,
-  or the hidden states and the weight). ``None``: the Pallas kernel on GPUs unless an
-  array is float64, inside ``shard_map`` too. Off GPUs the kernel runs in JAX's Pallas
-  interpreter (tests only), which cannot run inside ``shard_map`` once an operand differs
-  per shard; on GPUs that case is checked by ``scripts/gpu_check_sharded_pallas.py``."""
+  or the hidden states and the weight). ``None``: the Pallas kernel when the call runs on
+  GPUs (:func:`platform`) unless an array is float64, inside ``shard_map`` too. Off GPUs
+  the kernel runs in JAX's Pallas interpreter (tests only), which cannot run inside
+  ``shard_map`` once an operand differs per shard; on GPUs that case is checked by
+  ``scripts/gpu_check_sharded_pallas.py``."""
   if requested is None:
-    return "pallas" if jax.default_backend() == "gpu" and not any(
+    return "pallas" if platform(*arrays, mesh=mesh) == "gpu" and not any(
         a.dtype == jnp.float64 for a in arrays) else "xla"
   if requested not in IMPLEMENTATIONS:
     raise ValueError(f'implementation must be None, "xla" or "pallas", got {requested!r}')

@@ -81,9 +81,8 @@ def linear_objective_chunk(num_tokens: int, num_columns: int,
 def platform(*arrays, mesh=None) -> str:
   """The platform a call runs on: its mesh's devices', else those of the first array
   placed on devices, else (traced arrays) JAX's default backend."""
-  devices = getattr(mesh, "devices", None)
-  if devices is not None and getattr(devices, "size", 0):
-    return devices.flat[0].platform
+  if isinstance(mesh, jax.sharding.Mesh) and mesh.devices.size:  # (an AbstractMesh has none)
+    return mesh.devices.flat[0].platform
   for a in arrays:
     if isinstance(a, jax.Array) and not isinstance(a, jax.core.Tracer):
       return next(iter(a.sharding.device_set)).platform

@@ -147,7 +147,9 @@ def finish_row(config: Config, fields: dict, facts: dict, stamp: dict) -> dict:
 def _missing(config: Config):
   module = configs.REQUIRES.get(config.impl)
   if module and importlib.util.find_spec(module) is None:
-    return f"not installed: {config.impl} needs the Python package providing '{module}'"
+    return (f"not installed: {config.impl} needs the Python package providing '{module}' "
+            "(bench/README.md, 'GPU runs': bash bench/get_peers.sh, then pip install "
+            "--no-deps bench/.wheels/*.whl)")
   return None
 
 
@@ -186,7 +188,7 @@ def run_suite(todo, facts, fresh, timeout, stamp, progress, save=None):
     reason = _missing(config)
     smaller = oom_at.get(_oom_key(config))
     if reason:
-      done(config, dict(status="error", error=reason, skipped="not installed"))
+      done(config, dict(status="skipped", error=reason, skipped="not installed"))
     elif smaller is not None and smaller < config.T:
       done(config, dict(status="oom", error=f"not run: out of memory at T={smaller}"))
     elif fresh or config.impl in configs.TORCH_IMPLS:

@@ -17,7 +17,7 @@ IMPLS = ("jaxce", "jax_plain", "jax_scan_remat", "optax", "tokamax", "torch_eage
 TORCH_IMPLS = ("torch_eager", "liger", "cce")
 # Peers that return only the log-prob: their rows use c = 0 (no entropy term).
 LOGP_ONLY_IMPLS = ("optax", "tokamax", "liger", "cce")
-# The module each optional peer needs; a missing one gives an "error" row, no process.
+# The module each optional peer needs; a missing one gives a "skipped" row, no process.
 REQUIRES = {"optax": "optax", "tokamax": "tokamax", "torch_eager": "torch",
             "liger": "liger_kernel", "cce": "cut_cross_entropy"}
 # Impls that chunk over tokens (the others ignore ``chunk_size``; their rows keep None).

@@ -9,7 +9,7 @@ JSON schema (issue 4; extra keys are documented in bench/README.md)::
      "commit": str,
      "rows": [{"impl": str, "input": "logits" | "linear", "mode": "fwd" | "fwd_bwd",
                "T": int, "V": int, "D": int | null, "dtype": str, "chunk_size": int | null,
-               "n_devices": int, "status": "ok" | "oom" | "error",
+               "n_devices": int, "status": "ok" | "oom" | "error" | "skipped",
                "peak_extra_bytes": int, "logits_bytes": int, "ms": float,
                "floor_ms": float, ...}]}
 
@@ -25,7 +25,7 @@ import os
 from bench import configs
 from bench.configs import row_key
 
-STATUSES = ("ok", "oom", "error")
+STATUSES = ("ok", "oom", "error", "skipped")
 GiB = 2**30
 
 
@@ -39,15 +39,15 @@ def load(path: str) -> dict | None:
 def merge(old: dict | None, new: dict) -> dict:
   """``new``'s top-level facts and rows, plus ``old``'s rows that ``new`` does not redo.
 
-  A new row that did not run because its package is missing (``"skipped"`` set) does not
-  replace a row measured earlier where the package was installed.
+  A new row that did not run because its package is missing (status ``"skipped"``) does
+  not replace a row measured earlier where the package was installed.
   """
   old_rows = {row_key(r): r for r in (old or {}).get("rows", [])}
   rows = {}
   for r in new["rows"]:
     previous = old_rows.get(row_key(r))
-    rows[row_key(r)] = previous if r.get("skipped") and previous and not previous.get(
-        "skipped") else r
+    skipped = lambda row: row.get("status") == "skipped" or bool(row.get("skipped"))
+    rows[row_key(r)] = previous if skipped(r) and previous and not skipped(previous) else r
   kept = [r for k, r in old_rows.items() if k not in rows]
   return dict(new, rows=sort_rows(kept + list(rows.values())))
 

@@ -163,9 +163,10 @@ def test_oom_skips_larger_T_and_missing_peers_start_no_process(monkeypatch):
   facts = dict(hbm_GBps=1.0, matmul_tflops={"bfloat16": 1.0})
   rows = driver.run_suite(todo, facts, True, 1, {}, _Progress())
   assert started == [("jaxce", 32), ("jaxce", 64)]
-  assert [r["status"] for r in rows] == ["ok", "oom", "oom", "error"]
+  assert [r["status"] for r in rows] == ["ok", "oom", "oom", "skipped"]
   assert "not run: out of memory at T=64" in rows[2]["error"]
   assert rows[3]["skipped"] == "not installed" and rows[3]["peak_extra_bytes"] is None
+  assert "not installed: cce needs" in rows[3]["error"] and "get_peers.sh" in rows[3]["error"]
   assert rows[0]["x_floor"] == rows[0]["ms"] / rows[0]["floor_ms"]
 
   # A not-installed row never replaces a measured one; any other new row does.

@@ -189,6 +189,9 @@ def run_suite(todo, facts, fresh, timeout, stamp, progress, save=None):
     smaller = oom_at.get(_oom_key(config))
     if reason:
       done(config, dict(status="skipped", error=reason, skipped="not installed"))
+    elif config.n_devices > facts["n_devices"]:
+      done(config, dict(status="skipped", error=f"needs {config.n_devices} devices, "
+                        f"{facts['n_devices']} present", skipped="too few devices"))
     elif smaller is not None and smaller < config.T:
       done(config, dict(status="oom", error=f"not run: out of memory at T={smaller}"))
     elif fresh or config.impl in configs.TORCH_IMPLS:

@@ -49,6 +49,15 @@ def value_and_grads(fn, arrays, argnums, **kw):
   return outputs, grads
 
 
+def devices(n):
+  """The first ``n`` devices, or a skip naming how many the test needs (on one GPU; CPU
+  runs simulate 8)."""
+  if len(jax.devices()) < n:
+    import pytest  # pylint: disable=import-outside-toplevel
+    pytest.skip(f"needs {n} devices, {len(jax.devices())} present")
+  return jax.devices()[:n]
+
+
 def reference_options(fn, options):
   """The keyword options of a public call that ``fn`` (a reference function) takes: the
   references take only the options that change the numbers, nothing about chunking,
@@ -66,5 +75,5 @@ def assert_close(actual, expected, atol, what):
   assert err <= atol, f"{what}: max abs error {err:.3e} > {atol:.1e}"
 
 
-__all__ = ["TOLERANCE", "adversarial_logits", "assert_close", "jaxce", "reference",
+__all__ = ["TOLERANCE", "adversarial_logits", "assert_close", "devices", "jaxce", "reference",
            "reference_options", "value_and_grads", "weighted_loss"]

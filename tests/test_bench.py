@@ -160,10 +160,14 @@ def test_oom_skips_larger_T_and_missing_peers_start_no_process(monkeypatch):
   todo = configs.expand(configs.SUITES["smoke"], impls=["jaxce"], inputs=["logits"],
                         modes=["fwd"], Ts=[32, 64, 200])
   todo.append(configs.Config(impl="cce", input="linear", mode="fwd_bwd", T=64, V=1000, D=32))
-  facts = dict(hbm_GBps=1.0, matmul_tflops={"bfloat16": 1.0})
+  todo.append(configs.Config(impl="jaxce", input="logits", mode="fwd", T=32, V=1000,
+                             n_devices=4))
+  facts = dict(hbm_GBps=1.0, matmul_tflops={"bfloat16": 1.0}, n_devices=2)
   rows = driver.run_suite(todo, facts, True, 1, {}, _Progress())
   assert started == [("jaxce", 32), ("jaxce", 64)]
-  assert [r["status"] for r in rows] == ["ok", "oom", "oom", "skipped"]
+  assert [r["status"] for r in rows] == ["ok", "oom", "oom", "skipped", "skipped"]
+  assert rows[4]["error"] == "needs 4 devices, 2 present"  # a one-GPU machine, say
+  rows = rows[:4]
   assert "not run: out of memory at T=64" in rows[2]["error"]
   assert rows[3]["skipped"] == "not installed" and rows[3]["peak_extra_bytes"] is None
   assert "not installed: cce needs" in rows[3]["error"] and "get_peers.sh" in rows[3]["error"]

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from helpers import devices
 from strategies import jaxce, vocab_mesh
 
 T, V, D = 5, 8, 3
@@ -243,6 +244,7 @@ def test_sharded_label_errors_name_the_argument(path):
 @pytest.mark.parametrize("path", ["logits", "linear"])
 def test_sharded_indivisible_vocab_names_the_argument(path):
   name = "logits" if path == "logits" else "weight"
+  devices(4)
   with pytest.raises(ValueError, match=rf"{name}.*(divisible|divide)"):
     _sharded(path, shards=4)(*_arrays(path, columns=V - 2))
 
@@ -250,7 +252,7 @@ def test_sharded_indivisible_vocab_names_the_argument(path):
 @pytest.mark.parametrize("path", ["logits", "linear"])
 def test_sharded_indivisible_batch_names_the_argument(path):
   """T = 5 tokens over 2 batch shards (JAX's own error names neither array nor option)."""
-  mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("data", "v"))
+  mesh = jax.sharding.Mesh(np.array(devices(4)).reshape(2, 2), ("data", "v"))
   name = "logits" if path == "logits" else "hidden"
   with pytest.raises(ValueError, match=rf"{name}.shape\[:-1\] = \(5,\).*2 shards of "
                      r"batch_axis='data'"):

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import TOLERANCE, assert_close
+from helpers import TOLERANCE, assert_close, devices
 from jax.sharding import PartitionSpec as P
 
 from examples import grpo, multihost
@@ -104,14 +104,14 @@ def test_one_device_float64(problem, reference):
 
 def test_mesh(problem, reference):
   """jit + shard_map on a 2 x 4 (data x vocab) mesh of simulated CPU devices."""
-  mesh = make_mesh(2, 4, jax.devices()[:8])
+  mesh = make_mesh(2, 4, devices(8))
   assert_matches(run(problem, mesh=mesh), reference, problem["params"], what="mesh")
 
 
 def test_mesh_optimizer_state_sharding(problem):
   """Adam's moments are split like their parameters (the LM head kernel over vocab), not
   gathered on one device."""
-  mesh = make_mesh(2, 4, jax.devices()[:8])
+  mesh = make_mesh(2, 4, devices(8))
   runner = Runner(problem["graphdef"], problem["cfg"], optax.adam(1e-3), mesh=mesh)
   params = runner.place_params(problem["params"])
   adam = runner.init(params)[0]
@@ -124,6 +124,7 @@ def test_mesh_optimizer_state_sharding(problem):
 
 def test_pmap(problem, reference):
   """Data parallel over the 8 local devices, one sequence each, gradients pmean-ed."""
+  devices(8)
   assert jax.local_device_count() == 8
   assert_matches(run(problem, pmap=True), reference, problem["params"], what="pmap")
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from jax.test_util import check_grads
 
-from helpers import (TOLERANCE, assert_close, jaxce, reference, reference_options,
+from helpers import (TOLERANCE, assert_close, devices, jaxce, reference, reference_options,
                      value_and_grads)
 
 
@@ -182,7 +182,7 @@ def test_all_negative_logits(shards):
     f = lambda h, w, b, labels, **k: jaxce.linear_logprobs_and_entropy(h, w, labels, bias=b, **k)
   else:
     from jax.sharding import Mesh
-    mesh = Mesh(np.array(jax.devices()[:shards]), ("vocab",))
+    mesh = Mesh(np.array(devices(shards)), ("vocab",))
     f = lambda h, w, b, labels, **k: jaxce.sharded_linear_logprobs_and_entropy(
         h, w, labels, bias=b, mesh=mesh, vocab_axis="vocab", **k)
   fr = lambda h, w, b, labels, **k: reference.linear_logprobs_and_entropy(h, w, labels, bias=b, **k)
@@ -259,7 +259,7 @@ def test_default_implementation_follows_the_platform_of_the_call(monkeypatch):
     seen.append((implementation(None, h, w), implementation(None, h, w.astype(jnp.float64))))
     return h
 
-  mesh = Mesh(np.array(jax.devices()[:2]), ("vocab",))
+  mesh = Mesh(np.array(devices(2)), ("vocab",))
   jax.eval_shape(body, h, w)
   jax.eval_shape(jax.shard_map(body, mesh=mesh, in_specs=(P(), P(None, "vocab")), out_specs=P()),
                  h, w)

@@ -38,6 +38,8 @@ def _pngs(nb):
 
 
 def test_notebook_executes_and_plots(tmp_path, monkeypatch):
+  pytest.importorskip("nbclient", reason="the notebook runs in a Jupyter kernel: pip install "
+                      "-e '.[test]' (GPU images may lack it)")
   monkeypatch.setenv("JAXCE_NOTEBOOK_SIZE", "small")
   monkeypatch.delenv("JAXCE_NOTEBOOK_DTYPE", raising=False)
   monkeypatch.delenv("PYTHONPATH", raising=False)  # the notebook must find jaxce itself

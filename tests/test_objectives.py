@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh
 
-from helpers import jaxce, reference
+from helpers import devices, jaxce, reference
 
 objectives = jaxce.objectives
 B, S, D, COLUMNS, VOCAB = 3, 7, 8, 96, 90
@@ -130,7 +130,7 @@ def test_sharded_objective_matches_unsharded(shards):
   columns = 96  # divides by 2, 4 and 8
   hidden, weight, bias, labels, args, options = _problem(4, columns=columns)
   objective = OBJECTIVES["grpo"]
-  mesh = Mesh(np.array(jax.devices()[:shards]), ("v",))
+  mesh = Mesh(np.array(devices(shards)), ("v",))
   fused = lambda f: jax.jit(jax.value_and_grad(lambda h, w, b: f(
       objective, h, w, labels, *args, bias=b, chunk_size=5, **options)[0], (0, 1, 2)))
   expected = fused(jaxce.linear_token_loss)(hidden, weight, bias)
@@ -159,7 +159,7 @@ def test_batch_and_vocab_split_and_explicit_arrays():
   f = lambda h, w, **k: jaxce.linear_token_loss(objective, h, w, labels, *args, bias=bias,
                                                 chunk_size=3, **options, **k)[0]
   expected = jax.value_and_grad(f, (0, 1))(hidden, weight)
-  mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("data", "v"))
+  mesh = Mesh(np.array(devices(4)).reshape(2, 2), ("data", "v"))
   wrapped = jax.jit(jax.value_and_grad(lambda h, w: jaxce.sharded_linear_token_loss(
       objective, h, w, labels, *args, bias=bias, chunk_size=3, mesh=mesh, vocab_axis="v",
       batch_axis="data", **options)[0], (0, 1)))(hidden, weight)

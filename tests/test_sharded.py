@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, PartitionSpec as P
 
-from helpers import adversarial_logits, assert_close, jaxce, reference, value_and_grads
+from helpers import adversarial_logits, assert_close, devices, jaxce, reference, value_and_grads
 
 
 def _mesh(data, vocab):
@@ -213,6 +213,7 @@ def test_fused_path_without_varying_types(mapping):
   values and all three gradients on every shard against the reference."""
   rng = np.random.default_rng(9)
   shards, tokens, dim, local = 2, 6, 8, 32
+  devices(shards)
   hidden = rng.normal(size=(tokens, dim))
   weight = rng.normal(size=(dim, shards * local)) * 0.6
   bias = rng.normal(size=shards * local)

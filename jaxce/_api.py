@@ -75,12 +75,11 @@ def logprobs_and_entropy(logits, labels, *, temperature=1.0, where=None, vocab_s
   options = dict(temperature=temperature, where=where, vocab_size=vocab_size,
                  chunk_size=chunk_size, return_entropy=return_entropy,
                  implementation=implementation, backward_in_place=backward_in_place)
-  if vocab_axis is None:
-    mesh = _sharded.explicit_mesh(logits, labels, where, temperature)
-    if mesh is not None:  # split over a mesh's explicit axes: as their types say
-      spec = _sharded.spec_of(logits)
-      return _logits_on_mesh(logits, labels, mesh, spec[-1], None,
-                             _sharded.typed_token_spec(spec[:-1], labels), options)
+  split = None if vocab_axis is not None else _sharded.logits_split(
+      logits, labels, where, temperature)
+  if split is not None:  # split over a mesh's explicit axes: as their types say
+    mesh, vocab_axis, token_entries = split
+    return _logits_on_mesh(logits, labels, mesh, vocab_axis, None, token_entries, options)
   options = _check_local_logits(logits, labels, vocab_axis, options)
   return _logits_shard(logits, labels=labels, vocab_axis=vocab_axis, **options)
 
@@ -169,14 +168,12 @@ def linear_logprobs_and_entropy(hidden, weight, labels, *, bias=None, logit_soft
                  vocab_block_size=vocab_block_size, weight_layout=weight_layout,
                  implementation=implementation,
                  hidden_grad_accumulation=hidden_grad_accumulation)
-  if vocab_axis is None:
-    mesh = _sharded.explicit_mesh(hidden, weight, labels, bias, where, temperature)
-    if mesh is not None:  # split over a mesh's explicit axes: as their types say
-      vocab_dim = _checks.vocab_dim(weight_layout)
-      vocab_axis = _sharded.spec_of(weight)[vocab_dim] if weight.ndim == 2 else None
-      return _linear_on_mesh(hidden, weight, labels, mesh, vocab_axis, None,
-                             _sharded.typed_token_spec(_sharded.spec_of(hidden)[:-1], labels),
-                             options)
+  split = None if vocab_axis is not None else _sharded.linear_split(
+      hidden, weight, labels, _checks.vocab_dim(weight_layout), bias, where, temperature)
+  if split is not None:  # split over a mesh's explicit axes: as their types say
+    mesh, vocab_axis, token_entries = split
+    return _linear_on_mesh(hidden, weight, labels, mesh, vocab_axis, None, token_entries,
+                           options)
   options = _check_local_linear(hidden, weight, labels, vocab_axis, options)
   return _linear_shard(hidden, weight, options.pop("bias"), labels=labels,
                        vocab_axis=vocab_axis, **options)
@@ -240,12 +237,12 @@ def token_loss(objective, logits, labels, *token_args, temperature=1.0, where=No
   options = dict(temperature=temperature, where=where, vocab_size=vocab_size,
                  chunk_size=chunk_size, return_entropy=return_entropy,
                  implementation=implementation)
-  if vocab_axis is None:
-    mesh = _sharded.explicit_mesh(logits, labels, where, temperature, *token_args)
-    if mesh is not None:
-      spec = _sharded.spec_of(logits)
-      return _token_loss_on_mesh(objective, logits, labels, token_args, mesh, spec[-1], None,
-                                 _sharded.typed_token_spec(spec[:-1], labels), options)
+  split = None if vocab_axis is not None else _sharded.logits_split(
+      logits, labels, where, temperature, *token_args)
+  if split is not None:  # split over a mesh's explicit axes: as their types say
+    mesh, vocab_axis, token_entries = split
+    return _token_loss_on_mesh(objective, logits, labels, token_args, mesh, vocab_axis, None,
+                               token_entries, options)
   options = _check_local_logits(logits, labels, vocab_axis, options)
   token_args, options = _check_objective(objective, labels, token_args, logits.dtype, options)
   return _token_loss_shard(objective, logits, *token_args, labels=labels,
@@ -281,16 +278,14 @@ def linear_token_loss(objective, hidden, weight, labels, *token_args, bias=None,
   labels = _checks.as_array("labels", labels)
   options = dict(bias=bias, logit_softcap=logit_softcap, temperature=temperature, where=where,
                  vocab_size=vocab_size, chunk_size=chunk_size, return_entropy=return_entropy,
-                 vocab_block_size=None, weight_layout=weight_layout,
-                 implementation=implementation, hidden_grad_accumulation="float32")
-  if vocab_axis is None:
-    mesh = _sharded.explicit_mesh(hidden, weight, labels, bias, where, temperature, *token_args)
-    if mesh is not None:
-      vocab_dim = _checks.vocab_dim(weight_layout)
-      vocab_axis = _sharded.spec_of(weight)[vocab_dim] if weight.ndim == 2 else None
-      return _linear_token_loss_on_mesh(
-          objective, hidden, weight, labels, token_args, mesh, vocab_axis, None,
-          _sharded.typed_token_spec(_sharded.spec_of(hidden)[:-1], labels), options)
+                 weight_layout=weight_layout, implementation=implementation)
+  split = None if vocab_axis is not None else _sharded.linear_split(
+      hidden, weight, labels, _checks.vocab_dim(weight_layout), bias, where, temperature,
+      *token_args)
+  if split is not None:  # split over a mesh's explicit axes: as their types say
+    mesh, vocab_axis, token_entries = split
+    return _linear_token_loss_on_mesh(objective, hidden, weight, labels, token_args, mesh,
+                                      vocab_axis, None, token_entries, options)
   options = _check_local_linear(hidden, weight, labels, vocab_axis, options)
   token_args, options = _check_objective(
       objective, labels, token_args, jnp.promote_types(hidden.dtype, weight.dtype), options)
@@ -319,8 +314,7 @@ def sharded_linear_token_loss(objective, hidden, weight, labels, *token_args, me
   hidden = _checks.as_array("hidden", hidden)
   weight = _checks.as_array("weight", weight)
   labels = _checks.as_array("labels", labels)
-  options = dict(_options(linear_token_loss, kw), vocab_block_size=None,
-                 hidden_grad_accumulation="float32")
+  options = _options(linear_token_loss, kw)
   return _linear_token_loss_on_mesh(objective, hidden, weight, labels, token_args, mesh,
                                     vocab_axis, batch_axis,
                                     _sharded.token_spec(hidden.ndim - 1, batch_axis), options)
@@ -386,9 +380,10 @@ def _check_linear(hidden, weight, labels, shards, columns_name, options):
   _checks.check_weight(hidden, weight, options["weight_layout"])
   num_columns = weight.shape[_checks.vocab_dim(options["weight_layout"])]
   _checks.check_columns("weight", num_columns)
-  _checks.check_size(options["vocab_block_size"], "vocab_block_size")
-  _checks.check_choice("hidden_grad_accumulation", options["hidden_grad_accumulation"],
-                       _HIDDEN_GRAD_ACCUMULATIONS)
+  if "vocab_block_size" in options:  # (not options of the objective path)
+    _checks.check_size(options["vocab_block_size"], "vocab_block_size")
+    _checks.check_choice("hidden_grad_accumulation", options["hidden_grad_accumulation"],
+                         _HIDDEN_GRAD_ACCUMULATIONS)
   _checks.check_softcap(options["logit_softcap"])
   options = dict(options, bias=_checks.check_bias(options["bias"], num_columns))
   return _check_common(labels, hidden.shape[:-1], "hidden.shape[:-1]", num_columns * shards,
@@ -402,13 +397,7 @@ def _check_objective(objective, labels, token_args, dtype, options):
   for k, arg in enumerate(token_args):
     name = f"token_args[{k}]"
     arg = _checks.as_array(name, arg)
-    try:
-      fits = jnp.broadcast_shapes(arg.shape, labels.shape) == labels.shape
-    except ValueError:
-      fits = False
-    if not fits:
-      raise ValueError(f"{name} must be broadcastable to labels.shape={labels.shape}, got "
-                       f"{arg.shape=}")
+    _checks.check_broadcastable(name, arg, labels.shape)
     arrays.append(jnp.broadcast_to(arg, labels.shape))
   uses_entropy = _objective.check_objective(objective, 8, arrays, _math.compute_dtype(dtype))
   if options["return_entropy"] is False and uses_entropy:
@@ -419,14 +408,9 @@ def _check_objective(objective, labels, token_args, dtype, options):
 
 def _token_loss_on_mesh(objective, logits, labels, token_args, mesh, vocab_axis, batch_axis,
                         token_entries, options):
-  _checks.check_float("logits", logits)
-  _checks.check_mesh(mesh, vocab_axis, batch_axis, logits.shape[-1], "logits",
-                     logits.shape[:-1], "logits.shape[:-1]")
-  options = _check_logits(logits, labels, logits.shape[-1], "logits", options)
+  options = _check_logits_on_mesh(logits, labels, mesh, vocab_axis, batch_axis, options)
   token_args, options = _check_objective(objective, labels, token_args, logits.dtype, options)
-  options["implementation"] = plan.implementation(options["implementation"], logits, mesh=mesh)
-  token_arrays, options = _token_arrays(labels, options)
-  token_arrays.update({f"arg{k}": a for k, a in enumerate(token_args)})
+  token_arrays, options = _logits_mesh_inputs(logits, labels, mesh, token_args, options)
   axes = _sharded.token_axes(token_entries)
 
   def shard_fn(x, labels, **token):
@@ -442,22 +426,11 @@ def _token_loss_on_mesh(objective, logits, labels, token_args, mesh, vocab_axis,
 
 def _linear_token_loss_on_mesh(objective, hidden, weight, labels, token_args, mesh, vocab_axis,
                                batch_axis, token_entries, options):
-  _check_linear_arrays(hidden, weight)
-  _checks.check_weight(hidden, weight, options["weight_layout"])
-  vocab_dim = _checks.vocab_dim(options["weight_layout"])
-  _checks.check_mesh(mesh, vocab_axis, batch_axis, weight.shape[vocab_dim], "weight",
-                     hidden.shape[:-1], "hidden.shape[:-1]")
-  options = _check_linear(hidden, weight, labels, 1, "weight", options)
+  options = _check_linear_on_mesh(hidden, weight, labels, mesh, vocab_axis, batch_axis, options)
   token_args, options = _check_objective(
       objective, labels, token_args, jnp.promote_types(hidden.dtype, weight.dtype), options)
-  options["implementation"] = plan.implementation(options["implementation"], hidden, weight,
-                                                  mesh=mesh)
-  token_arrays, options = _token_arrays(labels, options)
-  token_arrays.update({f"arg{k}": a for k, a in enumerate(token_args)})
-  bias = options.pop("bias")
-  arrays = (hidden, weight) + (() if bias is None else (bias,))
-  weight_spec = (vocab_axis, None) if vocab_dim == 0 else (None, vocab_axis)
-  specs = (P(*token_entries, None), P(*weight_spec), P(vocab_axis))
+  arrays, specs, token_arrays, options = _linear_mesh_inputs(
+      hidden, weight, labels, mesh, vocab_axis, token_entries, token_args, options)
   axes = _sharded.token_axes(token_entries)
 
   def shard_fn(h, w, *b, labels, **token):
@@ -467,18 +440,14 @@ def _linear_token_loss_on_mesh(objective, hidden, weight, labels, token_args, me
         **options, **token)
     return (lax.psum(loss, axes) if axes else loss), logp, entropy
 
-  out = _sharded.run(shard_fn, arrays, specs[:len(arrays)], token_arrays, mesh, token_entries,
+  out = _sharded.run(shard_fn, arrays, specs, token_arrays, mesh, token_entries,
                      ("scalar",) + _token_kinds(options))
   return out[0], _per_token_outputs(out[1:])
 
 
 def _logits_on_mesh(logits, labels, mesh, vocab_axis, batch_axis, token_entries, options):
-  _checks.check_float("logits", logits)
-  _checks.check_mesh(mesh, vocab_axis, batch_axis, logits.shape[-1], "logits",
-                     logits.shape[:-1], "logits.shape[:-1]")
-  options = _check_logits(logits, labels, logits.shape[-1], "logits", options)
-  options["implementation"] = plan.implementation(options["implementation"], logits, mesh=mesh)
-  token_arrays, options = _token_arrays(labels, options)
+  options = _check_logits_on_mesh(logits, labels, mesh, vocab_axis, batch_axis, options)
+  token_arrays, options = _logits_mesh_inputs(logits, labels, mesh, (), options)
   return _per_token_outputs(_sharded.run(
       lambda x, **token: _logits_shard(x, vocab_axis=vocab_axis, **options, **token),
       (logits,), (P(*token_entries, vocab_axis),), token_arrays, mesh, token_entries,
@@ -487,25 +456,57 @@ def _logits_on_mesh(logits, labels, mesh, vocab_axis, batch_axis, token_entries,
 
 def _linear_on_mesh(hidden, weight, labels, mesh, vocab_axis, batch_axis, token_entries,
                     options):
-  _check_linear_arrays(hidden, weight)
-  _checks.check_weight(hidden, weight, options["weight_layout"])
-  vocab_dim = _checks.vocab_dim(options["weight_layout"])
-  _checks.check_mesh(mesh, vocab_axis, batch_axis, weight.shape[vocab_dim], "weight",
-                     hidden.shape[:-1], "hidden.shape[:-1]")
-  options = _check_linear(hidden, weight, labels, 1, "weight", options)
-  options["implementation"] = plan.implementation(options["implementation"], hidden, weight,
-                                                  mesh=mesh)
-  token_arrays, options = _token_arrays(labels, options)
-  bias = options.pop("bias")
-  arrays = (hidden, weight) + (() if bias is None else (bias,))
-  weight_spec = (vocab_axis, None) if vocab_dim == 0 else (None, vocab_axis)
-  specs = (P(*token_entries, None), P(*weight_spec), P(vocab_axis))
+  options = _check_linear_on_mesh(hidden, weight, labels, mesh, vocab_axis, batch_axis, options)
+  arrays, specs, token_arrays, options = _linear_mesh_inputs(
+      hidden, weight, labels, mesh, vocab_axis, token_entries, (), options)
 
   def shard_fn(h, w, *b, **token):
     return _linear_shard(h, w, b[0] if b else None, vocab_axis=vocab_axis, **options, **token)
 
-  return _per_token_outputs(_sharded.run(shard_fn, arrays, specs[:len(arrays)], token_arrays,
-                                         mesh, token_entries, _token_kinds(options)))
+  return _per_token_outputs(_sharded.run(shard_fn, arrays, specs, token_arrays, mesh,
+                                         token_entries, _token_kinds(options)))
+
+
+def _check_logits_on_mesh(logits, labels, mesh, vocab_axis, batch_axis, options):
+  """The checks of a call on global logits over ``mesh``."""
+  _checks.check_float("logits", logits)
+  _checks.check_mesh(mesh, vocab_axis, batch_axis, logits.shape[-1], "logits",
+                     logits.shape[:-1], "logits.shape[:-1]")
+  return _check_logits(logits, labels, logits.shape[-1], "logits", options)
+
+
+def _check_linear_on_mesh(hidden, weight, labels, mesh, vocab_axis, batch_axis, options):
+  """The checks of a call on global hidden states and weight over ``mesh``."""
+  _check_linear_arrays(hidden, weight)
+  options = _check_linear(hidden, weight, labels, 1, "weight", options)
+  _checks.check_mesh(mesh, vocab_axis, batch_axis,
+                     weight.shape[_checks.vocab_dim(options["weight_layout"])], "weight",
+                     hidden.shape[:-1], "hidden.shape[:-1]")
+  return options
+
+
+def _logits_mesh_inputs(logits, labels, mesh, token_args, options):
+  """``(token arrays, options)`` of a logits call over ``mesh``: the implementation for
+  the mesh's platform, and the per-token arrays (``_token_arrays``)."""
+  options = dict(options, implementation=plan.implementation(options["implementation"], logits,
+                                                             mesh=mesh))
+  return _token_arrays(labels, token_args, options)
+
+
+def _linear_mesh_inputs(hidden, weight, labels, mesh, vocab_axis, token_entries, token_args,
+                        options):
+  """``(arrays, specs, token arrays, options)`` of a fused call over ``mesh``: hidden split
+  like the tokens, the weight (and bias) over the vocabulary, the implementation for the
+  mesh's platform, and the per-token arrays (``_token_arrays``)."""
+  options = dict(options, implementation=plan.implementation(options["implementation"], hidden,
+                                                             weight, mesh=mesh))
+  token_arrays, options = _token_arrays(labels, token_args, options)
+  bias = options.pop("bias")
+  arrays = (hidden, weight) + (() if bias is None else (bias,))
+  weight_spec = ((vocab_axis, None) if _checks.vocab_dim(options["weight_layout"]) == 0
+                 else (None, vocab_axis))
+  specs = (P(*token_entries, None), P(*weight_spec), P(vocab_axis))
+  return arrays, specs[:len(arrays)], token_arrays, options
 
 
 def _token_kinds(options):
@@ -517,10 +518,11 @@ def _per_token_outputs(out):
   return out if len(out) == 2 else (out[0], None)
 
 
-def _token_arrays(labels, options):
+def _token_arrays(labels, token_args, options):
   """``({"labels": labels, ...}, options)``: the per-token arrays a shard_map splits like
-  the labels (the labels, and ``temperature`` / ``where`` when they are arrays, broadcast
-  to the labels' shape), and the options without them."""
+  the labels (the labels, ``temperature`` / ``where`` when they are arrays, broadcast to
+  the labels' shape, and the objective's ``token_args`` as ``arg0``, ``arg1``...), and the
+  options without them."""
   arrays, options = {"labels": labels}, dict(options)
   for name in ("temperature", "where"):
     value = options[name]
@@ -528,6 +530,7 @@ def _token_arrays(labels, options):
       value = options.pop(name)
       value = _checks.as_array(name, value)
       arrays[name] = _checks.broadcast_token_array(value, labels.shape, value.dtype)
+  arrays.update({f"arg{k}": a for k, a in enumerate(token_args)})
   return arrays, options
 
 
@@ -622,11 +625,8 @@ def _token_loss_shard(objective, logits, *token_args, labels, temperature, where
 
 def _linear_token_loss_shard(objective, hidden, weight, bias, *token_args, labels,
                              logit_softcap, temperature, where, vocab_size, chunk_size,
-                             vocab_axis, return_entropy, vocab_block_size, weight_layout,
-                             implementation, hidden_grad_accumulation):
-  """Flatten, normalize, plan and run the fused objective kernel on this device's arrays
-  (``vocab_block_size`` and ``hidden_grad_accumulation`` do not apply: whole rows)."""
-  del vocab_block_size, hidden_grad_accumulation
+                             vocab_axis, return_entropy, weight_layout, implementation):
+  """Flatten, normalize, plan and run the fused objective kernel on this device's arrays."""
   vocab_dim = _checks.vocab_dim(weight_layout)
   dtype = _math.compute_dtype(hidden.dtype, weight.dtype)
   inv_temp = _checks.inverse_temperature(temperature, labels.shape, dtype)

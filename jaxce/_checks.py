@@ -68,7 +68,8 @@ def check_choice(name, value, choices):
     raise ValueError(f"{name} must be {expected}, got {name}={value!r}")
 
 
-def _broadcastable(name, value, shape):
+def check_broadcastable(name, value, shape):
+  """``value`` (an array) broadcasts to the labels' ``shape``."""
   try:
     fits = jnp.broadcast_shapes(value.shape, tuple(shape)) == tuple(shape)
   except ValueError:
@@ -85,7 +86,7 @@ def check_temperature(temperature, shape):
       "temperature", temperature)
   if not jnp.issubdtype(t.dtype, jnp.floating) and not jnp.issubdtype(t.dtype, jnp.integer):
     raise TypeError(f"temperature must be a float or float array, got {t.dtype=}")
-  _broadcastable("temperature", t, shape)
+  check_broadcastable("temperature", t, shape)
   if is_concrete(temperature):
     host = np.asarray(temperature, np.float64)
     if host.size and not np.all(host > 0):
@@ -98,7 +99,7 @@ def check_where(where, shape):
   w = as_array("where", where)
   if w.dtype != jnp.bool_:
     raise TypeError(f"where must be a bool array, got {w.dtype=}")
-  _broadcastable("where", w, shape)
+  check_broadcastable("where", w, shape)
 
 
 def vocab_shards(vocab_axis) -> int:

@@ -36,22 +36,45 @@ def _typed_split(x):
   return mesh, tuple(spec) + (None,) * (x.ndim - len(spec))
 
 
-def explicit_mesh(*arrays):
+def _explicit_mesh(*arrays):
   """The mesh of the first of ``arrays`` split over explicit mesh axes (``jax.make_mesh``'s
   default), or ``None``."""
   split = next(filter(None, map(_typed_split, arrays)), None)
   return None if split is None else split[0]
 
 
-def spec_of(x):
+def _spec_of(x):
   """``x``'s explicit split, one entry per dim (all ``None`` when it has none)."""
   return (_typed_split(x) or (None, (None,) * x.ndim))[1]
 
 
-def typed_token_spec(leading, labels):
+def _typed_token_spec(leading, labels):
   """How the token dims are split: as ``leading`` (an input's entries before its last
   dim) says, or, when that splits nothing, as the labels' type says."""
-  return tuple(leading) if any(leading) else spec_of(labels)
+  return tuple(leading) if any(leading) else _spec_of(labels)
+
+
+def logits_split(logits, labels, *others):
+  """``(mesh, vocab_axis, token entries)`` when the logits, the labels or ``others`` are
+  split over a mesh's explicit axes: the tokens as the logits' type says (else the
+  labels'), the vocabulary as the logits' last dim says. ``None`` otherwise."""
+  mesh = _explicit_mesh(logits, labels, *others)
+  if mesh is None:
+    return None
+  spec = _spec_of(logits)
+  return mesh, spec[-1], _typed_token_spec(spec[:-1], labels)
+
+
+def linear_split(hidden, weight, labels, vocab_dim, *others):
+  """``(mesh, vocab_axis, token entries)`` when the inputs of a fused call are split over a
+  mesh's explicit axes: the tokens as ``hidden``'s type says (else the labels'), the
+  vocabulary as the weight's ``vocab_dim`` says (a split ``D`` is gathered). ``None``
+  otherwise."""
+  mesh = _explicit_mesh(hidden, weight, labels, *others)
+  if mesh is None:
+    return None
+  vocab_axis = _spec_of(weight)[vocab_dim] if weight.ndim == 2 else None
+  return mesh, vocab_axis, _typed_token_spec(_spec_of(hidden)[:-1], labels)
 
 
 def _placed(arrays, specs, mesh):

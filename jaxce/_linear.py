@@ -70,7 +70,7 @@ def logprobs_entropy(hidden, weight, bias, labels, inv_temp, valid, config: Conf
   return _jitted_linear_logprobs_entropy(hidden, weight, bias, labels, inv_temp, valid, config)
 
 
-def _dtypes(hidden, weight):
+def dtypes(hidden, weight):
   """``(operand dtype, compute dtype)``: the matmuls take the inputs' common dtype, as
   ``hidden @ weight`` would, and accumulate (and compute the softmax) in f32 (f64 for
   f64 inputs)."""
@@ -78,23 +78,39 @@ def _dtypes(hidden, weight):
   return operand_dtype, _math.compute_dtype(operand_dtype)
 
 
-def _contract(a, b, a_dim, b_dim):
+def contract(a, b, a_dim, b_dim):
   """``a`` and ``b`` contracted over one dimension each, in their common dtype with f32
   (f64) accumulation."""
-  operand_dtype, dtype = _dtypes(a, b)
+  operand_dtype, dtype = dtypes(a, b)
   return lax.dot_general(a.astype(operand_dtype), b.astype(operand_dtype),
                          (((a_dim,), (b_dim,)), ((), ())), preferred_element_type=dtype)
 
 
-def _tile_logits(hidden_rows, weight_cols, bias_cols, softcap, vocab_dim):
+def tile_logits(hidden_rows, weight_cols, bias_cols, softcap, vocab_dim):
   """``[C, Vb]`` f32 logits of one tile (f32 accumulation)."""
-  dtype = _dtypes(hidden_rows, weight_cols)[1]
-  x = _contract(hidden_rows, weight_cols, 1, 1 - vocab_dim)
+  dtype = dtypes(hidden_rows, weight_cols)[1]
+  x = contract(hidden_rows, weight_cols, 1, 1 - vocab_dim)
   if bias_cols is not None:
     x = x + bias_cols.astype(dtype)
   if softcap is not None:
     x = softcap * jnp.tanh(x / softcap)
   return x
+
+
+def logits_input_grad(dz, inv_temp, x, softcap):
+  """``d loss / d (hidden @ W + bias)`` of a ``[C, Vb]`` tile from ``dz = d loss / d z``:
+  the temperature's factor (``inv_temp [C]``) and, with a softcap, its derivative (``x``
+  holds the capped logits)."""
+  dx = dz * inv_temp[:, None].astype(dz.dtype)
+  if softcap is not None:
+    dx = dx * (1 - jnp.square(x / softcap))
+  return dx
+
+
+def weight_grad(h, d, vocab_dim):
+  """A tile's ``d W`` columns in the weight's layout: ``[D, Vb] = hᵀ d``, or
+  ``[Vb, D] = dᵀ h`` (f32 accumulation)."""
+  return contract(h, d, 0, 0) if vocab_dim else contract(d, h, 0, 0)
 
 
 def _grid(num_tokens, num_columns, chunk, block):
@@ -113,7 +129,7 @@ def _forward(hidden, weight, bias, labels, inv_temp, valid, config):
   chunk, block = config.chunk, config.block
   n_blocks, n_chunks = _grid(num_tokens, num_columns, chunk, block)
   shard_start = _math.shard_column_start(num_columns, config.vocab_axis)
-  dtype = _dtypes(hidden, weight)[1]
+  dtype = dtypes(hidden, weight)[1]
   outer_labels, outer_valid = labels, valid  # the outputs vary like these, not per shard
   hidden, weight, bias, labels, inv_temp, valid = _math.unify_varying(
       (hidden, weight, bias, labels, inv_temp, valid), config.vocab_axis)
@@ -129,7 +145,7 @@ def _forward(hidden, weight, bias, labels, inv_temp, valid, config):
     def chunk_step(carry, i):
       start = _chunking.chunk_start(i, num_tokens, chunk)
       rows = lambda a: lax.dynamic_slice_in_dim(a, start, chunk, 0)
-      x = _tile_logits(rows(hidden), w_cols, b_cols, config.softcap, config.vocab_dim)
+      x = tile_logits(rows(hidden), w_cols, b_cols, config.softcap, config.vocab_dim)
       m, s, q, picked = (None if c is None else rows(c) for c in carry)
       if config.pallas:  # the tile's own columns: global ids in [first_column, mask_vocab)
         tile_start = shard_start + col
@@ -184,7 +200,7 @@ def _linear_logprobs_entropy_bwd(config, residuals, cotangents):
   chunk, block = config.chunk, config.block
   n_blocks, n_chunks = _grid(num_tokens, num_columns, chunk, block)
   shard_start = _math.shard_column_start(num_columns, config.vocab_axis)
-  operand_dtype, dtype = _dtypes(hidden, weight)
+  operand_dtype, dtype = dtypes(hidden, weight)
   vocab_dim = config.vocab_dim
 
   def tile_grads(d_hidden, w_cols, b_cols, col, first_column, i):
@@ -193,7 +209,7 @@ def _linear_logprobs_entropy_bwd(config, residuals, cotangents):
     start = _chunking.chunk_start(i, num_tokens, chunk)
     rows = lambda a: None if a is None else lax.dynamic_slice_in_dim(a, start, chunk, 0)
     h = rows(hidden)
-    x = _tile_logits(h, w_cols, b_cols, config.softcap, vocab_dim)
+    x = tile_logits(h, w_cols, b_cols, config.softcap, vocab_dim)
     keep = rows(valid) & _chunking.fresh_rows(i, start, chunk)
     h = jnp.where(keep[:, None], h, 0)  # an ignored row's NaN must not reach d W as 0 * NaN
     z = _math.scaled_logits(x, rows(inv_temp), shard_start + col, config.mask_vocab,
@@ -202,13 +218,10 @@ def _linear_logprobs_entropy_bwd(config, residuals, cotangents):
     label_column = jnp.where(rows(labels) >= first_column, label_column, -1)
     dz = _math.logit_grad(z, label_column, rows(shift), rows(log_sum), rows(entropy),
                           rows(g_logp), rows(g_entropy), keep)
-    dx = dz * rows(inv_temp)[:, None].astype(dtype)
-    if config.softcap is not None:
-      dx = dx * (1 - jnp.square(x / config.softcap))
+    dx = logits_input_grad(dz, rows(inv_temp), x, config.softcap)
     d = dx.astype(operand_dtype)
-    # d W columns in the weight's layout: [D, Vb] = hᵀ d, or [Vb, D] = dᵀ h.
-    dw_tile = _contract(h, d, 0, 0) if vocab_dim else _contract(d, h, 0, 0)
-    dh_rows = _contract(d, w_cols, 1, vocab_dim)
+    dw_tile = weight_grad(h, d, vocab_dim)
+    dh_rows = contract(d, w_cols, 1, vocab_dim)
     d_hidden = lax.dynamic_update_slice_in_dim(
         d_hidden, (rows(d_hidden) + dh_rows).astype(d_hidden.dtype), start, 0)
     return d_hidden, dw_tile, (None if bias is None else jnp.sum(dx, axis=0))

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxce import _chunking, _math, _objective
+from jaxce import _chunking, _linear, _math, _objective
 
 
 class Config(NamedTuple):
@@ -66,8 +66,7 @@ def _run(objective, hidden, weight, bias, labels, inv_temp, valid, token_args, c
   None)``: the gradients of this device's loss, not yet summed over shard_map axes."""
   num_tokens, num_columns = hidden.shape[0], weight.shape[config.vocab_dim]
   chunk, vocab_dim = config.chunk, config.vocab_dim
-  operand_dtype = jnp.promote_types(hidden.dtype, weight.dtype)
-  dtype = _math.compute_dtype(operand_dtype)
+  operand_dtype, dtype = _linear.dtypes(hidden, weight)
   column_start = _math.shard_column_start(num_columns, config.vocab_axis)
   primals = (hidden, weight, bias)
 
@@ -75,12 +74,7 @@ def _run(objective, hidden, weight, bias, labels, inv_temp, valid, token_args, c
     start = _chunking.chunk_start(i, num_tokens, chunk)
     rows = lambda a: None if a is None else lax.dynamic_slice_in_dim(a, start, chunk, 0)
     h = rows(hidden)
-    x = lax.dot_general(h.astype(operand_dtype), weight.astype(operand_dtype),
-                        (((1,), (1 - vocab_dim,)), ((), ())), preferred_element_type=dtype)
-    if bias is not None:
-      x = x + bias.astype(dtype)
-    if config.softcap is not None:
-      x = config.softcap * jnp.tanh(x / config.softcap)
+    x = _linear.tile_logits(h, weight, bias, config.softcap, vocab_dim)
     logp, shift, log_sum, entropy = _objective.statistics(
         x, rows(labels), rows(inv_temp), rows(valid), column_start, config.vocab_size,
         config.mask_vocab, config.vocab_axis, config.with_entropy, config.pallas)
@@ -94,22 +88,16 @@ def _run(objective, hidden, weight, bias, labels, inv_temp, valid, token_args, c
     z = _math.scaled_logits(x, rows(inv_temp), column_start, config.mask_vocab)
     dz = _math.logit_grad(z, rows(labels) - column_start, shift, log_sum, entropy, g_logp,
                           g_entropy, keep)
-    dx = dz * rows(inv_temp)[:, None].astype(dtype)
-    if config.softcap is not None:
-      dx = dx * (1 - jnp.square(x / config.softcap))
+    dx = _linear.logits_input_grad(dz, rows(inv_temp), x, config.softcap)
     d = dx.astype(operand_dtype)
     h = jnp.where(keep[:, None], h, 0)  # an ignored row's NaN must not reach d W as 0 * NaN
-    dh_rows = lax.dot_general(d, weight.astype(operand_dtype),
-                              (((1,), (vocab_dim,)), ((), ())), preferred_element_type=dtype)
+    dh_rows = _linear.contract(d, weight, 1, vocab_dim)
     if config.vocab_axis is not None:
       dh_rows = lax.psum(dh_rows, config.vocab_axis)  # partial sums over vocab shards
     fresh = _chunking.fresh_rows(i, start, chunk)[:, None]
     d_hidden = lax.dynamic_update_slice_in_dim(
         d_hidden, jnp.where(fresh, dh_rows.astype(d_hidden.dtype), rows(d_hidden)), start, 0)
-    dw = (lax.dot_general(h.astype(operand_dtype), d, (((0,), (0,)), ((), ())),
-                          preferred_element_type=dtype) if vocab_dim else
-          lax.dot_general(d, h.astype(operand_dtype), (((0,), (0,)), ((), ())),
-                          preferred_element_type=dtype))
+    dw = _linear.weight_grad(h, d, vocab_dim)
     d_bias = None if d_bias is None else d_bias + jnp.sum(dx, axis=0)
     return (d_hidden, d_weight + dw, d_bias), outputs
 

@@ -18,8 +18,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from jaxce import (_checks, _linear, _linear_token_loss, _logits, _math, _objective, _sharded,
-                   _token_loss, plan)
+from jaxce import (_checks, _linear, _linear_token_loss, _logits, _math, _mosaic_linear,
+                   _objective, _sharded, _token_loss, plan)
 
 _HIDDEN_GRAD_ACCUMULATIONS = ("float32", "output")
 
@@ -133,8 +133,13 @@ def linear_logprobs_and_entropy(hidden, weight, labels, *, bias=None, logit_soft
       the table and the gradient into the other layout.
     implementation: the forward's statistics of each f32 tile by ``"xla"`` (two fused
       passes over the tile: the max, then the sums) or ``"pallas"`` (one pass, the
-      Triton kernel of the logits path; interpreted off GPUs, for tests). ``None``:
-      as ``jaxce.plan.implementation`` decides.
+      Triton kernel of the logits path; interpreted off GPUs, for tests), or the whole
+      forward by ``"mosaic"``: one Mosaic GPU kernel (Hopper, sm90) that folds each tile
+      of the matmul into the statistics in registers, so no f32 tile reaches device
+      memory; for 16-bit ``hidden`` and ``weight`` of one dtype, no bias, ``D`` a
+      multiple of 64, at least 256 tokens and 128 columns per device (a ``ValueError``
+      says which is missing); interpreted off GPUs, for tests. ``None``: as
+      ``jaxce.plan.implementation`` decides.
     hidden_grad_accumulation: where the backward sums ``d hidden`` over the vocab blocks
       (and shards). ``"float32"`` (default): an f32 ``[T, D]`` buffer, rounded to
       ``hidden``'s dtype once at the end. ``"output"``: in ``d hidden`` itself, in
@@ -536,6 +541,15 @@ def _token_arrays(labels, token_args, options):
 
 # --- one device's (one shard's) call on checked arguments ---------------------------------
 
+def _without_mosaic(implementation, function):
+  """``implementation`` for a path that has no Mosaic GPU kernel yet (a clear error
+  for ``"mosaic"``)."""
+  if implementation == "mosaic":
+    raise ValueError(f'implementation="mosaic" is for linear_logprobs_and_entropy; '
+                     f'{function} takes "xla", "pallas" or None')
+  return implementation
+
+
 def _mask_vocab(vocab_size, num_columns, vocab_axis):
   """``vocab_size`` when some of the columns (``num_columns`` a shard) lie beyond it and
   must be masked, else ``None``."""
@@ -552,7 +566,8 @@ def _logits_shard(logits, *, labels, temperature, where, vocab_size, chunk_size,
     zeros = jnp.zeros(labels.shape, dtype)
     return zeros, (zeros if return_entropy else None)
   num_tokens, num_columns = labels.size, logits.shape[-1]
-  implementation = plan.implementation(implementation, logits)
+  implementation = _without_mosaic(plan.implementation(implementation, logits),
+                                   "logprobs_and_entropy")
   in_place = bool(backward_in_place)
   uses_chunks = implementation == "xla" or in_place
   config = _logits.Config(
@@ -581,13 +596,17 @@ def _linear_shard(hidden, weight, bias, *, labels, logit_softcap, temperature, w
     return zeros, (zeros if return_entropy else None)
   num_tokens, num_columns = labels.size, weight.shape[vocab_dim]
   chunk, block = plan.linear_tiles(num_tokens, num_columns, chunk_size, vocab_block_size)
+  implementation = plan.implementation(implementation, hidden, weight)
+  if implementation == "mosaic" and (
+      reason := _mosaic_linear.unsupported(hidden, weight, bias, num_tokens, vocab_dim)):
+    raise ValueError(f'implementation="mosaic" cannot run this call: {reason}')
   config = _linear.Config(
       vocab_size=vocab_size,
       mask_vocab=_mask_vocab(vocab_size, num_columns, vocab_axis),
       chunk=chunk, block=block, vocab_axis=vocab_axis,
       softcap=None if logit_softcap is None else float(logit_softcap),
       with_entropy=return_entropy, vocab_dim=vocab_dim,
-      pallas=plan.implementation(implementation, hidden, weight) == "pallas",
+      pallas=implementation == "pallas", mosaic=implementation == "mosaic",
       hidden_grad_in_output=hidden_grad_accumulation == "output")
   out = _linear.logprobs_entropy(
       hidden.reshape(num_tokens, hidden.shape[-1]), weight, bias,
@@ -611,7 +630,8 @@ def _token_loss_shard(objective, logits, *token_args, labels, temperature, where
     zeros = jnp.zeros(labels.shape, dtype)
     return jnp.zeros((), dtype), (zeros, zeros if return_entropy else None)
   num_tokens, num_columns = labels.size, logits.shape[-1]
-  pallas = plan.implementation(implementation, logits) == "pallas"
+  pallas = _without_mosaic(plan.implementation(implementation, logits),
+                           "token_loss") == "pallas"
   config = _token_loss.Config(
       vocab_size=vocab_size, mask_vocab=_mask_vocab(vocab_size, num_columns, vocab_axis),
       chunk=None if pallas else plan.logits_chunk(num_tokens, num_columns, chunk_size),
@@ -640,7 +660,8 @@ def _linear_token_loss_shard(objective, hidden, weight, bias, *token_args, label
       chunk=plan.linear_objective_chunk(num_tokens, num_columns, chunk_size),
       vocab_axis=vocab_axis, softcap=None if logit_softcap is None else float(logit_softcap),
       with_entropy=return_entropy, vocab_dim=vocab_dim,
-      pallas=plan.implementation(implementation, hidden, weight) == "pallas")
+      pallas=_without_mosaic(plan.implementation(implementation, hidden, weight),
+                             "linear_token_loss") == "pallas")
   loss, (logp, entropy) = _linear_token_loss.linear_token_loss(
       objective, hidden.reshape(num_tokens, hidden.shape[-1]), weight, bias,
       labels.reshape(-1).astype(jnp.int32), inv_temp.reshape(-1), valid.reshape(-1),

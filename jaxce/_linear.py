@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxce import _chunking, _math, _pallas
+from jaxce import _chunking, _math, _mosaic_linear, _pallas, plan
 
 
 class Config(NamedTuple):
@@ -41,7 +41,10 @@ class Config(NamedTuple):
     softcap: ``c`` of ``c * tanh(x / c)``, or ``None``.
     with_entropy: compute (and return) the entropy.
     vocab_dim: the weight's vocabulary dim (1: ``[D, V]``, 0: ``[V, D]``).
-    pallas: the tiles' forward statistics by the Pallas kernel (else XLA).
+    pallas: the tiles' forward statistics by the Pallas (Triton) kernel (else XLA).
+    mosaic: the whole forward by the Mosaic GPU kernel of ``_mosaic_linear`` (the
+      tiles' matmul and statistics in one kernel; ``chunk`` and ``block`` then only
+      shape the backward).
     hidden_grad_in_output: sum ``d hidden`` in its own dtype (else an f32 buffer).
   """
   vocab_size: int
@@ -54,6 +57,7 @@ class Config(NamedTuple):
   vocab_dim: int
   pallas: bool = False
   hidden_grad_in_output: bool = False
+  mosaic: bool = False
 
 
 def logprobs_entropy(hidden, weight, bias, labels, inv_temp, valid, config: Config):
@@ -135,6 +139,10 @@ def _forward(hidden, weight, bias, labels, inv_temp, valid, config):
       (hidden, weight, bias, labels, inv_temp, valid), config.vocab_axis)
   m, s, q = _math.running_start(num_tokens, dtype, config.with_entropy, inv_temp)
   picked = jnp.zeros_like(s)
+  if config.mosaic:
+    m, s, q, picked = _mosaic_statistics(hidden, weight, labels, inv_temp, (m, s, q, picked),
+                                         shard_start, config)
+    return _finish_forward(m, s, q, picked, outer_labels, outer_valid, config)
 
   def block_step(carry, j):
     col = _chunking.chunk_start(j, num_columns, block)
@@ -170,10 +178,38 @@ def _forward(hidden, weight, bias, labels, inv_temp, valid, config):
     return carry, None
 
   (m, s, q, picked), _ = lax.scan(block_step, (m, s, q, picked), jnp.arange(n_blocks))
+  return _finish_forward(m, s, q, picked, outer_labels, outer_valid, config)
+
+
+def _mosaic_statistics(hidden, weight, labels, inv_temp, carry, shard_start, config):
+  """``(m, s, q, picked)`` ``[T]`` over this device's columns by the Mosaic GPU kernel,
+  one call per chunk of ``plan.linear_kernel_chunk`` tokens."""
+  num_tokens, num_columns = hidden.shape[0], weight.shape[config.vocab_dim]
+  chunk = plan.linear_kernel_chunk(num_tokens, num_columns)
+  limit = num_columns if config.mask_vocab is None else jnp.clip(
+      config.mask_vocab - shard_start, 0, num_columns)
+
+  def chunk_step(carry, i):
+    start = _chunking.chunk_start(i, num_tokens, chunk)
+    rows = lambda a: lax.dynamic_slice_in_dim(a, start, chunk, 0)
+    new = _mosaic_linear.statistics(
+        rows(hidden), weight, rows(labels), rows(inv_temp), limit, column_start=shard_start,
+        vocab_dim=config.vocab_dim, softcap=config.softcap, with_entropy=config.with_entropy)
+    fresh = _chunking.fresh_rows(i, start, chunk)
+    return tuple(None if c is None else
+                 lax.dynamic_update_slice_in_dim(c, jnp.where(fresh, n, rows(c)), start, 0)
+                 for c, n in zip(carry, new)), None
+
+  carry, _ = lax.scan(chunk_step, carry, jnp.arange(_chunking.num_chunks(num_tokens, chunk)))
+  return carry
+
+
+def _finish_forward(m, s, q, picked, labels, valid, config):
+  """Outputs and residuals from this device's running statistics."""
   m, s, q, picked = _math.combine_shards(m, s, q, picked, config.vocab_axis)
   log_s, entropy = _math.finish_statistics(s, q)
-  logp, entropy_out = _math.finish_outputs((picked - m) - log_s, entropy, outer_labels,
-                                           outer_valid, config.vocab_size)
+  logp, entropy_out = _math.finish_outputs((picked - m) - log_s, entropy, labels, valid,
+                                           config.vocab_size)
   out = (logp,) + ((entropy_out,) if config.with_entropy else ())
   return out, (m, log_s, entropy)
 

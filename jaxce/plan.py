@@ -5,7 +5,7 @@ Public, so that benchmarks, notebooks and users can see the plan a call will use
     chunk = jaxce.plan.logits_chunk(num_tokens, num_columns)          # logits path
     chunk, block = jaxce.plan.linear_tiles(num_tokens, num_columns)   # fused path
     chunk = jaxce.plan.linear_objective_chunk(num_tokens, num_columns) # linear_token_loss
-    jaxce.plan.implementation(None, logits)                          # "pallas" or "xla"
+    jaxce.plan.implementation(None, logits)                  # "pallas", "xla" or "mosaic"
 
 ``num_columns`` is the vocabulary a device holds (``V_local`` when it is split). Every
 budget is per backend; bench/NOTES.md has the measurements behind each number.
@@ -29,7 +29,10 @@ DEFAULT_VOCAB_BLOCK = 8192
 # chunk also reads and writes the f32 [D, V_local] d W sum, so larger chunks run faster
 # at more memory (bench/NOTES.md, entry 20).
 LINEAR_OBJECTIVE_ROWS_BYTES = {"gpu": 2**30, "cpu": 16 * 2**20}
-IMPLEMENTATIONS = ("xla", "pallas")
+# Fused path, Mosaic GPU forward: bytes of one chunk's f32 [V_local / 128, 4, chunk] tile
+# statistics (1/32 of its f32 [chunk, V_local] logits).
+LINEAR_KERNEL_STATS_BYTES = 256 * 2**20
+IMPLEMENTATIONS = ("xla", "pallas", "mosaic")
 
 
 def backend() -> str:
@@ -78,6 +81,13 @@ def linear_objective_chunk(num_tokens: int, num_columns: int,
                     LINEAR_OBJECTIVE_ROWS_BYTES[backend()])
 
 
+def linear_kernel_chunk(num_tokens: int, num_columns: int) -> int:
+  """Tokens per call of the fused path's Mosaic GPU forward kernel (``implementation=
+  "mosaic"``): its tile statistics take 1/32 of the bytes of the chunk's f32 logits,
+  planned to ``LINEAR_KERNEL_STATS_BYTES``."""
+  return chunk_size(num_tokens, num_columns, None, 32 * LINEAR_KERNEL_STATS_BYTES)
+
+
 def platform(*arrays, mesh=None) -> str:
   """The platform a call runs on: its mesh's devices', else those of the first array
   placed on devices, else (traced arrays) JAX's default backend."""
@@ -90,8 +100,9 @@ def platform(*arrays, mesh=None) -> str:
 
 
 def implementation(requested: str | None, *arrays, mesh=None) -> str:
-  """``"pallas"`` or ``"xla"`` for a call's forward statistics over ``arrays`` (the logits,
-  or the hidden states and the weight). ``None``: the Pallas kernel when the call runs on
+  """``"pallas"``, ``"xla"`` or ``"mosaic"`` for a call's forward statistics over ``arrays``
+  (the logits, or the hidden states and the weight; ``"mosaic"``, the fused path's Mosaic
+  GPU kernel, only when asked for). ``None``: the Pallas kernel when the call runs on
   GPUs (:func:`platform`) unless an array is float64, inside ``shard_map`` too. Off GPUs
   the kernel runs in JAX's Pallas interpreter (tests only), which cannot run inside
   ``shard_map`` once an operand differs per shard; on GPUs that case is checked by
@@ -100,5 +111,6 @@ def implementation(requested: str | None, *arrays, mesh=None) -> str:
     return "pallas" if platform(*arrays, mesh=mesh) == "gpu" and not any(
         a.dtype == jnp.float64 for a in arrays) else "xla"
   if requested not in IMPLEMENTATIONS:
-    raise ValueError(f'implementation must be None, "xla" or "pallas", got {requested!r}')
+    raise ValueError(f'implementation must be None, "xla", "pallas" or "mosaic", got '
+                     f'{requested!r}')
   return requested

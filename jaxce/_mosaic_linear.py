@@ -1,0 +1,232 @@
+"""The fused LM-head forward's tile statistics as a Pallas Mosaic GPU kernel (sm90).
+
+``hidden @ weight`` is computed tile by tile on the tensor cores (wgmma, bf16/f16
+operands, f32 accumulation) and each ``[256, 128]`` tile is folded, in registers, into
+its rows' softmax statistics before the next one starts: the logits never reach device
+memory. Layout of one CTA (three warpgroups):
+
+* a memory warpgroup streams ``[256, 64]`` hidden and ``[64, 128]`` weight blocks into
+  shared memory with TMA, ``STAGES`` steps ahead (``emit_pipeline_warp_specialized``);
+* two compute warpgroups, 128 rows each, accumulate the tile over the hidden dim, then
+  (epilogue) apply the softcap and the per-row temperature, mask columns outside
+  ``[tile start, limit)``, and reduce the tile to per-row ``(m, s, q, picked)``: its max,
+  ``Σ exp(z - m)``, ``Σ exp(z - m)(z - m)`` and the label's ``z`` (0 when the label is
+  not in the tile).
+
+The grid is persistent (one CTA per SM) over (row blocks × vocab tiles), walked in
+``planar_snake`` order 8 row blocks wide, so that the CTAs running together share 8
+hidden blocks and a few weight tiles through L2. Each tile writes its 4 statistics to
+an f32 ``[vocab tiles, 4, C]`` array, which ``statistics`` merges over the tiles with
+``_math``'s functions: 16 bytes per row per 128 columns (about 0.5% of the logits'
+bytes in bf16, written and read once).
+
+A row block or vocab tile that would run past the array is moved back inside it; the
+rows it shares with the one before are computed twice with the same result, and its
+columns below the tile's nominal start are masked (nothing counts twice).
+
+Off GPUs the kernel runs in Pallas' GPU interpreter (tests only).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from jaxce import _math
+
+TILE_M = 128  # rows per compute warpgroup; a CTA holds two
+TILE_N = 128  # vocabulary columns per tile
+TILE_K = 64  # hidden dims per pipeline step
+STAGES = 4  # pipeline depth: 4 x 48 KiB of shared memory
+SNAKE_WIDTH = 8  # row blocks walked together (L2 reuse of the hidden blocks)
+_LOG2_E = 1.4426950408889634
+_ROW = plgpu.Layout.WGMMA.reduce(1)
+
+
+def unsupported(hidden, weight, bias, num_tokens: int, vocab_dim: int) -> str | None:
+  """Why the kernel cannot run this call (a sentence), or None when it can."""
+  if jax.default_backend() == "gpu":
+    capability = getattr(jax.devices()[0], "compute_capability", None)
+    if capability != "9.0":
+      return f"it needs a Hopper GPU (compute capability 9.0), got {capability}"
+  elif not hasattr(plgpu, "InterpretGPUParams"):
+    return f"off GPUs it runs in the GPU interpreter of JAX >= 0.11, got {jax.__version__}"
+  if hidden.dtype != weight.dtype or hidden.dtype not in (jnp.bfloat16, jnp.float16):
+    return (f"hidden and weight must share a 16-bit float dtype, got {hidden.dtype} and "
+            f"{weight.dtype}")
+  if bias is not None:
+    return "a bias is not supported"
+  if hidden.shape[-1] % TILE_K:
+    return f"the hidden dim must be a multiple of {TILE_K}, got {hidden.shape[-1]}"
+  if num_tokens < 2 * TILE_M:
+    return f"at least {2 * TILE_M} tokens are needed, got {num_tokens}"
+  if weight.shape[vocab_dim] < TILE_N:
+    return f"at least {TILE_N} vocabulary columns are needed, got {weight.shape[vocab_dim]}"
+  return None
+
+
+def _num_sms() -> int:
+  device = jax.devices()[0]
+  return getattr(device, "core_count", None) or 132 if device.platform == "gpu" else 4
+
+
+def _tile_statistics(hidden, weight, row_inputs, *, vocab_dim, softcap, with_entropy):
+  """``[vocab tiles, 4, C]`` f32: ``(m, s, q, picked)`` of every ``[row, tile]``.
+
+  ``hidden [C, D]``, ``weight [D, V]`` (``vocab_dim`` 1) or ``[V, D]`` (0), 16-bit;
+  ``row_inputs [3, C]`` f32: the inverse temperature, the label's column in this
+  weight (-1 when not here) and the first excluded column, per row.
+  """
+  num_rows, depth = hidden.shape
+  num_columns = weight.shape[vocab_dim]
+  cta_rows = 2 * TILE_M
+  m_iters = pl.cdiv(num_rows, cta_rows)
+  n_iters = pl.cdiv(num_columns, TILE_N)
+  k_iters = depth // TILE_K
+  swizzle = plgpu.find_swizzle(TILE_K * jnp.dtype(hidden.dtype).itemsize * 8)
+  transforms = (plgpu.TilingTransform((8, swizzle // jnp.dtype(hidden.dtype).itemsize)),
+                plgpu.SwizzleTransform(swizzle))
+  if vocab_dim:
+    weight_spec = plgpu.BlockSpec((TILE_K, TILE_N), lambda k: (k, 0), transforms=transforms,
+                                  memory_space=plgpu.SMEM)
+  else:
+    weight_spec = plgpu.BlockSpec((TILE_N, TILE_K), lambda k: (0, k), transforms=transforms,
+                                  memory_space=plgpu.SMEM)
+
+  def get_pipeline(body, compute_context):
+    return plgpu.emit_pipeline_warp_specialized(
+        body,
+        grid=(k_iters,),
+        memory_registers=40,
+        in_specs=[plgpu.BlockSpec((cta_rows, TILE_K), lambda k: (0, k), transforms=transforms,
+                                  memory_space=plgpu.SMEM), weight_spec],
+        wg_axis="wg",
+        num_compute_wgs=2,
+        max_concurrent_steps=STAGES,
+        compute_context=compute_context,
+    )
+
+  def kernel(hidden_gmem, weight_gmem, rows_gmem, out_gmem):
+    ignore = lambda *_, **__: None
+
+    @functools.partial(
+        pl.run_scoped,
+        allocations=get_pipeline(ignore, ignore).get_allocations(hidden_gmem, weight_gmem),
+        rows_smem=plgpu.SMEM((2, 3, TILE_M), jnp.float32),
+        stats_smem=plgpu.SMEM((2, 4, TILE_M), jnp.float32),
+        rows_barrier=plgpu.Barrier(num_barriers=2),
+        collective_axes="wg",
+    )
+    def _scope(allocations, rows_smem, stats_smem, rows_barrier):
+      wg = lax.axis_index("wg")
+
+      @plgpu.nd_loop((m_iters * n_iters,), collective_axes="sm")
+      def _tile_loop(loop_info):
+        (index,) = loop_info.index
+        m_idx, n_idx = plgpu.planar_snake(index, (m_iters, n_iters), 0, SNAKE_WIDTH)
+        cta_row = jnp.minimum(m_idx * cta_rows, num_rows - cta_rows)
+        column = jnp.minimum(n_idx * TILE_N, num_columns - TILE_N)
+        first_kept = n_idx * TILE_N - column  # a moved-back tile's columns already done
+        rows = pl.ds(cta_row + wg * TILE_M, TILE_M)
+
+        def compute_context(eval_pipeline):
+          plgpu.copy_gmem_to_smem(rows_gmem.at[:, rows], rows_smem.at[wg],
+                                  rows_barrier.at[wg])
+
+          @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((TILE_M, TILE_N), jnp.float32))
+          def _acc_scope(acc_ref):
+            eval_pipeline(acc_ref)
+            x = acc_ref[...]
+            plgpu.barrier_wait(rows_barrier.at[wg])
+            inv_temp, label, limit = (plgpu.load(rows_smem.at[wg, i], layout=_ROW)
+                                      for i in range(3))
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # stats_smem is free again
+            for i, stat in enumerate(_epilogue(x, inv_temp, label, limit, column, first_kept,
+                                               softcap, with_entropy)):
+              stats_smem[wg, i] = stat
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(stats_smem.at[wg], out_gmem.at[n_idx, :, rows])
+
+        def mma_body(_, hidden_smem, weight_smem, acc_ref):
+          rhs = weight_smem if vocab_dim else weight_smem.transpose((1, 0))
+          plgpu.wgmma(acc_ref, hidden_smem.at[pl.ds(wg * TILE_M, TILE_M)], rhs)
+          plgpu.wgmma_wait(0)
+          return acc_ref
+
+        if vocab_dim:
+          weight_cols = weight_gmem.at[:, pl.ds(column, TILE_N)]
+        else:
+          weight_cols = weight_gmem.at[pl.ds(column, TILE_N), :]
+        get_pipeline(mma_body, compute_context)(
+            hidden_gmem.at[pl.ds(cta_row, cta_rows), :], weight_cols, allocations=allocations)
+
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+  interpret = None if jax.default_backend() == "gpu" else plgpu.InterpretGPUParams()
+  call = plgpu.kernel(
+      kernel,
+      out_type=jax.ShapeDtypeStruct((n_iters, 4, num_rows), jnp.float32),
+      grid=(min(_num_sms(), m_iters * n_iters),),
+      grid_names=("sm",),
+      num_threads=3,
+      thread_name="wg",
+      interpret=interpret,
+  )
+  return call(hidden, weight, row_inputs)
+
+
+def _epilogue(x, inv_temp, label, limit, column, first_kept, softcap, with_entropy):
+  """``(m, s, q, picked)`` ``[TILE_M]`` f32 of one accumulator tile ``x [TILE_M,
+  TILE_N]`` (WGMMA layout) whose first column is ``column``."""
+  shape = x.shape
+  per_row = lambda v: lax.broadcast_in_dim(v, shape, [0])
+  if softcap is not None:
+    x = softcap * jnp.tanh(x / softcap)
+  local = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
+  global_column = (local + column).astype(jnp.float32)  # exact below 2**24
+  kept = (local >= first_kept) & (global_column < per_row(limit))
+  z = jnp.where(kept, x * per_row(inv_temp), -jnp.inf)
+  m = jnp.maximum(jnp.max(z, axis=1), jnp.finfo(jnp.float32).min)
+  shifted = z - per_row(m)
+  e = jnp.exp2(shifted * _LOG2_E)
+  s = jnp.sum(e, axis=1)
+  q = jnp.sum(jnp.where(e > 0, e * shifted, 0.0), axis=1) if with_entropy else s * 0
+  picked = jnp.sum(jnp.where(kept & (global_column == per_row(label)), z, 0.0), axis=1)
+  return m, s, q, picked
+
+
+def statistics(hidden, weight, labels, inv_temp, limit, *, column_start, vocab_dim,
+               softcap, with_entropy):
+  """Per-row ``(m, s, q, picked)`` of ``z = softcap(hidden @ weight) * inv_temp`` over
+  this weight's columns below ``limit``, as ``_math``'s running statistics.
+
+  Args:
+    hidden: ``[C, D]`` bf16 or f16, ``C >= 256``, ``D`` a multiple of 64.
+    weight: ``[D, V_local]`` (``vocab_dim`` 1) or ``[V_local, D]`` (0), hidden's dtype,
+      ``V_local >= 128``.
+    labels: int32 ``[C]`` global label ids; ``column_start`` is this weight's first id.
+    inv_temp: ``[C]`` float32.
+    limit: int32 scalar: local columns at or beyond it are excluded (padded vocabulary).
+    with_entropy: compute ``q`` (else zeros).
+
+  Returns:
+    ``(m, s, q, picked)``, ``[C]`` float32 each. Memory: the ``[V_local / 128, 4, C]``
+    f32 tile statistics, merged once.
+  """
+  num_columns = weight.shape[vocab_dim]
+  label_column = labels - column_start
+  label_column = jnp.where((label_column >= 0) & (label_column < num_columns), label_column, -1)
+  row_inputs = jnp.stack([inv_temp.astype(jnp.float32), label_column.astype(jnp.float32),
+                          jnp.broadcast_to(jnp.asarray(limit, jnp.float32), inv_temp.shape)])
+  tiles = _tile_statistics(hidden, weight, row_inputs, vocab_dim=vocab_dim, softcap=softcap,
+                           with_entropy=with_entropy)
+  m_tiles, s_tiles, q_tiles, picked = (tiles[:, i] for i in range(4))
+  m = jnp.max(m_tiles, axis=0)
+  s, q = _math.merge_running(m_tiles, s_tiles, q_tiles if with_entropy else None, m[None])
+  return m, jnp.sum(s, axis=0), (jnp.sum(q, axis=0) if with_entropy else None), jnp.sum(
+      picked, axis=0)

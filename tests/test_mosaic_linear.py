@@ -1,0 +1,120 @@
+"""The fused path's Mosaic GPU forward kernel (``implementation="mosaic"``), run in JAX's
+GPU interpreter: its tile statistics against float64, and the whole call against the XLA
+path and the float64 reference. On GPUs, ``scripts/gpu_check_mosaic_linear.py`` checks
+the compiled kernel the same way (and inside shard_map)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from helpers import assert_close, jaxce, reference, value_and_grads
+from jaxce import _mosaic_linear
+
+if jax.default_backend() != "gpu" and not hasattr(plgpu, "InterpretGPUParams"):
+  pytest.skip(f"the Mosaic GPU interpreter needs JAX >= 0.11 (this is {jax.__version__}); "
+              ".ci/run runs these tests on Python 3.12", allow_module_level=True)
+
+
+def _inputs(seed, tokens, dim, num_columns, vocab_dim):
+  rng = np.random.default_rng(seed)
+  hidden = rng.normal(size=(tokens, dim)) * 0.5
+  weight = rng.normal(size=(dim, num_columns)) * 2 / np.sqrt(dim)
+  weight[:, rng.integers(0, num_columns, 3)] *= 8  # a few peaked columns
+  weight[:, 5] += 0.5  # and a shifted one
+  hidden, weight = (jnp.asarray(a, jnp.bfloat16) for a in (hidden, weight))
+  return rng, hidden, (weight if vocab_dim else weight.T)
+
+
+def _statistics_f64(hidden, weight, labels, inv_temp, limit, column_start, vocab_dim, softcap):
+  """``(m, s, q, picked)`` in float64 numpy, as the kernel defines them."""
+  h = np.asarray(hidden, np.float64)
+  w = np.asarray(weight, np.float64)
+  x = h @ (w if vocab_dim else w.T)
+  if softcap is not None:
+    x = softcap * np.tanh(x / softcap)
+  z = x * np.asarray(inv_temp, np.float64)[:, None]
+  z[:, limit:] = -np.inf
+  m = z.max(axis=1)
+  e = np.exp(z - m[:, None])
+  shifted = np.where(e > 0, z - m[:, None], 0.0)
+  column = np.asarray(labels) - column_start
+  owned = (column >= 0) & (column < limit)
+  picked = np.where(owned, z[np.arange(len(z)), np.clip(column, 0, z.shape[1] - 1)], 0.0)
+  return m, e.sum(axis=1), (e * shifted).sum(axis=1), picked
+
+
+@pytest.mark.parametrize("tokens,dim,num_columns,vocab_dim,softcap", [
+    (256, 64, 128, 1, None),    # one tile
+    (300, 128, 300, 1, None),   # a moved-back row block and vocab tile
+    (520, 192, 260, 0, None),   # [V, D] weight, three row blocks
+    (300, 128, 384, 0, 30.0),   # softcap
+])
+def test_tile_statistics_match_float64(tokens, dim, num_columns, vocab_dim, softcap):
+  rng, hidden, weight = _inputs(tokens + num_columns, tokens, dim, num_columns, vocab_dim)
+  column_start = 10  # this weight holds ids [10, 10 + V): some labels lie outside it
+  labels = jnp.asarray(rng.integers(0, num_columns + 30, tokens), jnp.int32)
+  inv_temp = jnp.asarray(rng.uniform(0.5, 2.0, tokens), jnp.float32)
+  limit = num_columns - 9  # padded columns at the end
+  got = _mosaic_linear.statistics(hidden, weight, labels, inv_temp, limit,
+                                  column_start=column_start, vocab_dim=vocab_dim,
+                                  softcap=softcap, with_entropy=True)
+  want = _statistics_f64(hidden, weight, labels, inv_temp, limit, column_start, vocab_dim,
+                         softcap)
+  scale = np.max(np.abs(want[0]))  # the logits' size: f32 rounding is relative to it
+  for name, g, w in zip(("m", "s", "q", "picked"), got, want):
+    relative = w if name in ("s", "q") else scale
+    assert_close(np.asarray(g) / relative, w / relative, 2e-6 if name != "q" else 1e-5, name)
+
+
+@pytest.mark.parametrize("weight_layout", ["dv", "vd"])
+def test_matches_xla_path_and_reference(weight_layout):
+  """bf16 inputs, ragged tokens and vocabulary, padded vocabulary, per-token temperature,
+  softcap, ignored and masked tokens; random cotangents for both outputs. The Mosaic
+  forward must be as exact as the XLA path's (both accumulate in f32)."""
+  vocab_dim = 1 if weight_layout == "dv" else 0
+  rng, hidden, weight = _inputs(7, 300, 128, 260, vocab_dim)
+  labels = rng.integers(0, 250, 300)
+  labels[rng.random(300) < 0.1] = -100
+  loss_kw = dict(labels=labels, cot_logp=rng.normal(size=300), cot_entropy=rng.normal(size=300))
+  kw = dict(temperature=rng.uniform(0.6, 1.5, 300), logit_softcap=20.0, vocab_size=250,
+            where=rng.random(300) < 0.9, weight_layout=weight_layout)
+  f = lambda h, w, labels, **k: jaxce.linear_logprobs_and_entropy(h, w, labels, **k)
+  fr = lambda h, w, labels, **k: reference.linear_logprobs_and_entropy(h, w, labels, **k)
+  mosaic = value_and_grads(f, (hidden, weight), (0, 1), implementation="mosaic", **loss_kw, **kw)
+  xla = value_and_grads(f, (hidden, weight), (0, 1), implementation="xla", **loss_kw, **kw)
+  exact = value_and_grads(fr, tuple(jnp.asarray(a, jnp.float64) for a in (hidden, weight)),
+                          (0, 1), **loss_kw, **kw)
+  for i, name in enumerate(("logp", "entropy")):
+    err_mosaic = np.max(np.abs(np.asarray(mosaic[0][i], np.float64) - exact[0][i]))
+    err_xla = np.max(np.abs(np.asarray(xla[0][i], np.float64) - exact[0][i]))
+    assert err_mosaic <= 1.5 * err_xla + 1e-6, (name, err_mosaic, err_xla)
+    assert_close(mosaic[0][i], xla[0][i], 1e-5, name)
+  for name, g, gx in zip(("d hidden", "d weight"), mosaic[1], xla[1]):
+    assert g.dtype == jnp.bfloat16
+    # The same backward from residuals that differ in the last f32 bits: at most one
+    # bf16 rounding step apart.
+    assert_close(g, gx, 2 ** -7 * float(jnp.max(jnp.abs(gx.astype(jnp.float32)))), name)
+
+
+@pytest.mark.parametrize("change,message", [
+    (dict(dtype=jnp.float32), "16-bit float dtype"),
+    (dict(bias=True), "bias"),
+    (dict(dim=96), "multiple of 64"),
+    (dict(tokens=100), "at least 256 tokens"),
+])
+def test_unsupported_calls_say_why(change, message):
+  tokens, dim = change.get("tokens", 256), change.get("dim", 64)
+  hidden = jnp.ones((tokens, dim), change.get("dtype", jnp.bfloat16))
+  weight = jnp.ones((dim, 128), change.get("dtype", jnp.bfloat16))
+  bias = jnp.zeros(128) if change.get("bias") else None
+  with pytest.raises(ValueError, match=f'implementation="mosaic".*{message}'):
+    jaxce.linear_logprobs_and_entropy(hidden, weight, jnp.zeros(tokens, jnp.int32), bias=bias,
+                                      implementation="mosaic")
+
+
+def test_other_paths_refuse_mosaic():
+  with pytest.raises(ValueError, match='"mosaic" is for linear_logprobs_and_entropy'):
+    jaxce.logprobs_and_entropy(jnp.zeros((4, 8)), jnp.zeros(4, jnp.int32),
+                               implementation="mosaic")

@@ -137,8 +137,8 @@ def linear_logprobs_and_entropy(hidden, weight, labels, *, bias=None, logit_soft
       forward by ``"mosaic"``: one Mosaic GPU kernel (Hopper, sm90) that folds each tile
       of the matmul into the statistics in registers, so no f32 tile reaches device
       memory; for 16-bit ``hidden`` and ``weight`` of one dtype, no bias, ``D`` a
-      multiple of 64, at least 256 tokens and 128 columns per device (a ``ValueError``
-      says which is missing); interpreted off GPUs, for tests. ``None``: as
+      multiple of 64, a vocabulary per device that is a multiple of 128 and at least 256
+      tokens (a ``ValueError`` says which is missing); interpreted off GPUs, for tests. ``None``: as
       ``jaxce.plan.implementation`` decides.
     hidden_grad_accumulation: where the backward sums ``d hidden`` over the vocab blocks
       (and shards). ``"float32"`` (default): an f32 ``[T, D]`` buffer, rounded to

@@ -20,9 +20,9 @@ an f32 ``[vocab tiles, 4, C]`` array, which ``statistics`` merges over the tiles
 ``_math``'s functions: 16 bytes per row per 128 columns (about 0.5% of the logits'
 bytes in bf16, written and read once).
 
-A row block or vocab tile that would run past the array is moved back inside it; the
-rows it shares with the one before are computed twice with the same result, and its
-columns below the tile's nominal start are masked (nothing counts twice).
+Every copy starts at a multiple of its tile (TMA into swizzled shared memory needs it):
+``C`` is a multiple of 256 (the caller clamps a ragged last chunk of tokens back inside
+the array) and ``V_local`` a multiple of 128.
 
 Off GPUs the kernel runs in Pallas' GPU interpreter (tests only).
 """
@@ -65,8 +65,9 @@ def unsupported(hidden, weight, bias, num_tokens: int, vocab_dim: int) -> str | 
     return f"the hidden dim must be a multiple of {TILE_K}, got {hidden.shape[-1]}"
   if num_tokens < 2 * TILE_M:
     return f"at least {2 * TILE_M} tokens are needed, got {num_tokens}"
-  if weight.shape[vocab_dim] < TILE_N:
-    return f"at least {TILE_N} vocabulary columns are needed, got {weight.shape[vocab_dim]}"
+  if weight.shape[vocab_dim] % TILE_N:
+    return (f"the vocabulary (per device) must be a multiple of {TILE_N}, got "
+            f"{weight.shape[vocab_dim]}")
   return None
 
 
@@ -85,8 +86,10 @@ def _tile_statistics(hidden, weight, row_inputs, *, vocab_dim, softcap, with_ent
   num_rows, depth = hidden.shape
   num_columns = weight.shape[vocab_dim]
   cta_rows = 2 * TILE_M
-  m_iters = pl.cdiv(num_rows, cta_rows)
-  n_iters = pl.cdiv(num_columns, TILE_N)
+  if num_rows % cta_rows or num_columns % TILE_N:
+    raise ValueError(f"{num_rows} rows, {num_columns} columns: multiples of {cta_rows} and "
+                     f"{TILE_N} expected")
+  m_iters, n_iters = num_rows // cta_rows, num_columns // TILE_N
   k_iters = depth // TILE_K
   swizzle = plgpu.find_swizzle(TILE_K * jnp.dtype(hidden.dtype).itemsize * 8)
   transforms = (plgpu.TilingTransform((8, swizzle // jnp.dtype(hidden.dtype).itemsize)),
@@ -129,10 +132,10 @@ def _tile_statistics(hidden, weight, row_inputs, *, vocab_dim, softcap, with_ent
       def _tile_loop(loop_info):
         (index,) = loop_info.index
         m_idx, n_idx = plgpu.planar_snake(index, (m_iters, n_iters), 0, SNAKE_WIDTH)
-        cta_row = jnp.minimum(m_idx * cta_rows, num_rows - cta_rows)
-        column = jnp.minimum(n_idx * TILE_N, num_columns - TILE_N)
-        first_kept = n_idx * TILE_N - column  # a moved-back tile's columns already done
-        rows = pl.ds(cta_row + wg * TILE_M, TILE_M)
+        cta_row = pl.multiple_of(m_idx * cta_rows, cta_rows)
+        column = pl.multiple_of(n_idx * TILE_N, TILE_N)
+        wg_row = pl.multiple_of(wg * TILE_M, TILE_M)
+        rows = pl.ds(pl.multiple_of(cta_row + wg_row, TILE_M), TILE_M)
 
         def compute_context(eval_pipeline):
           plgpu.copy_gmem_to_smem(rows_gmem.at[:, rows], rows_smem.at[wg],
@@ -146,15 +149,15 @@ def _tile_statistics(hidden, weight, row_inputs, *, vocab_dim, softcap, with_ent
             inv_temp, label, limit = (plgpu.load(rows_smem.at[wg, i], layout=_ROW)
                                       for i in range(3))
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # stats_smem is free again
-            for i, stat in enumerate(_epilogue(x, inv_temp, label, limit, column, first_kept,
-                                               softcap, with_entropy)):
+            for i, stat in enumerate(_epilogue(x, inv_temp, label, limit, column, softcap,
+                                               with_entropy)):
               stats_smem[wg, i] = stat
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(stats_smem.at[wg], out_gmem.at[n_idx, :, rows])
 
         def mma_body(_, hidden_smem, weight_smem, acc_ref):
           rhs = weight_smem if vocab_dim else weight_smem.transpose((1, 0))
-          plgpu.wgmma(acc_ref, hidden_smem.at[pl.ds(wg * TILE_M, TILE_M)], rhs)
+          plgpu.wgmma(acc_ref, hidden_smem.at[pl.ds(wg_row, TILE_M)], rhs)
           plgpu.wgmma_wait(0)
           return acc_ref
 
@@ -180,7 +183,7 @@ def _tile_statistics(hidden, weight, row_inputs, *, vocab_dim, softcap, with_ent
   return call(hidden, weight, row_inputs)
 
 
-def _epilogue(x, inv_temp, label, limit, column, first_kept, softcap, with_entropy):
+def _epilogue(x, inv_temp, label, limit, column, softcap, with_entropy):
   """``(m, s, q, picked)`` ``[TILE_M]`` f32 of one accumulator tile ``x [TILE_M,
   TILE_N]`` (WGMMA layout) whose first column is ``column``."""
   shape = x.shape
@@ -189,7 +192,7 @@ def _epilogue(x, inv_temp, label, limit, column, first_kept, softcap, with_entro
     x = softcap * jnp.tanh(x / softcap)
   local = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
   global_column = (local + column).astype(jnp.float32)  # exact below 2**24
-  kept = (local >= first_kept) & (global_column < per_row(limit))
+  kept = global_column < per_row(limit)
   z = jnp.where(kept, x * per_row(inv_temp), -jnp.inf)
   m = jnp.maximum(jnp.max(z, axis=1), jnp.finfo(jnp.float32).min)
   shifted = z - per_row(m)
@@ -206,9 +209,9 @@ def statistics(hidden, weight, labels, inv_temp, limit, *, column_start, vocab_d
   this weight's columns below ``limit``, as ``_math``'s running statistics.
 
   Args:
-    hidden: ``[C, D]`` bf16 or f16, ``C >= 256``, ``D`` a multiple of 64.
+    hidden: ``[C, D]`` bf16 or f16, ``C`` a multiple of 256, ``D`` of 64.
     weight: ``[D, V_local]`` (``vocab_dim`` 1) or ``[V_local, D]`` (0), hidden's dtype,
-      ``V_local >= 128``.
+      ``V_local`` a multiple of 128.
     labels: int32 ``[C]`` global label ids; ``column_start`` is this weight's first id.
     inv_temp: ``[C]`` float32.
     limit: int32 scalar: local columns at or beyond it are excluded (padded vocabulary).

@@ -84,8 +84,10 @@ def linear_objective_chunk(num_tokens: int, num_columns: int,
 def linear_kernel_chunk(num_tokens: int, num_columns: int) -> int:
   """Tokens per call of the fused path's Mosaic GPU forward kernel (``implementation=
   "mosaic"``): its tile statistics take 1/32 of the bytes of the chunk's f32 logits,
-  planned to ``LINEAR_KERNEL_STATS_BYTES``."""
-  return chunk_size(num_tokens, num_columns, None, 32 * LINEAR_KERNEL_STATS_BYTES)
+  planned to ``LINEAR_KERNEL_STATS_BYTES`` and rounded down to a multiple of 256 (the
+  kernel's row block; at least 256, at most ``num_tokens``)."""
+  chunk = chunk_size(num_tokens, num_columns, None, 32 * LINEAR_KERNEL_STATS_BYTES)
+  return min(max(chunk - chunk % 256, 256), num_tokens)
 
 
 def platform(*arrays, mesh=None) -> str:

@@ -170,11 +170,11 @@ def main():
   report = dict(device=str(jax.devices()[0].device_kind), jax=jax.__version__,
                 commit=os.environ.get("JAXCE_COMMIT", "unknown"))
   if args.tiny:
-    rows, failures = correctness(300, 128, 300)
+    rows, failures = correctness(300, 128, 384)
     report.update(correctness=rows, deprecations=no_deprecation_warning(256, 64, 128),
                   timing=timing(512, 128, 1024, 2, ("mosaic", "xla")), memory=[])
   else:
-    rows, failures = correctness(1000, 256, 5037)
+    rows, failures = correctness(1000, 256, 5120)
     report.update(correctness=rows, deprecations=no_deprecation_warning(512, 256, 1024))
     report["timing"] = [r for t in (8192, 32768)
                         for r in timing(t, D, V, args.repeats, ("mosaic", "pallas", "xla"))]

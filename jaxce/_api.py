@@ -138,7 +138,8 @@ def linear_logprobs_and_entropy(hidden, weight, labels, *, bias=None, logit_soft
       of the matmul into the statistics in registers, so no f32 tile reaches device
       memory; for 16-bit ``hidden`` and ``weight`` of one dtype, no bias, ``D`` a
       multiple of 64, a vocabulary per device that is a multiple of 128 and at least 256
-      tokens (a ``ValueError`` says which is missing); interpreted off GPUs, for tests. ``None``: as
+      tokens (a ``ValueError`` says which is missing); interpreted off GPUs, for tests.
+      ``None``: ``"mosaic"`` on a Hopper GPU where it can run, else as
       ``jaxce.plan.implementation`` decides.
     hidden_grad_accumulation: where the backward sums ``d hidden`` over the vocab blocks
       (and shards). ``"float32"`` (default): an f32 ``[T, D]`` buffer, rounded to
@@ -596,9 +597,11 @@ def _linear_shard(hidden, weight, bias, *, labels, logit_softcap, temperature, w
     return zeros, (zeros if return_entropy else None)
   num_tokens, num_columns = labels.size, weight.shape[vocab_dim]
   chunk, block = plan.linear_tiles(num_tokens, num_columns, chunk_size, vocab_block_size)
-  implementation = plan.implementation(implementation, hidden, weight)
-  if implementation == "mosaic" and (
-      reason := _mosaic_linear.unsupported(hidden, weight, bias, num_tokens, vocab_dim)):
+  chosen = plan.implementation(implementation, hidden, weight)
+  reason = _mosaic_linear.unsupported(hidden, weight, bias, num_tokens, vocab_dim)
+  if implementation is None and chosen == "pallas" and reason is None:
+    chosen = "mosaic"  # where it runs, the one-kernel forward is faster (NOTES, entry 21)
+  if chosen == "mosaic" and reason:
     raise ValueError(f'implementation="mosaic" cannot run this call: {reason}')
   config = _linear.Config(
       vocab_size=vocab_size,
@@ -606,7 +609,7 @@ def _linear_shard(hidden, weight, bias, *, labels, logit_softcap, temperature, w
       chunk=chunk, block=block, vocab_axis=vocab_axis,
       softcap=None if logit_softcap is None else float(logit_softcap),
       with_entropy=return_entropy, vocab_dim=vocab_dim,
-      pallas=implementation == "pallas", mosaic=implementation == "mosaic",
+      pallas=chosen == "pallas", mosaic=chosen == "mosaic",
       hidden_grad_in_output=hidden_grad_accumulation == "output")
   out = _linear.logprobs_entropy(
       hidden.reshape(num_tokens, hidden.shape[-1]), weight, bias,

@@ -63,7 +63,7 @@ def correctness(tokens, dim, columns):
       f = weighted(jaxce.linear_logprobs_and_entropy, labels, cot, implementation=name, **kw)
       out = jaxce.linear_logprobs_and_entropy(hidden, weight, labels, implementation=name, **kw)
       results[name] = out + jax.jit(jax.grad(f, (0, 1)))(hidden, weight)
-    mesh = Mesh(np.array(jax.devices()[:1]), ("vocab",))
+    mesh = Mesh(np.array(jax.devices()), ("vocab",))  # every GPU: V_local = columns / n
     spec = P("vocab") if layout == "vd" else P(None, "vocab")
     f = weighted(jaxce.sharded_linear_logprobs_and_entropy, labels, cot, mesh=mesh,
                  vocab_axis="vocab", implementation="mosaic", **kw)

@@ -189,6 +189,8 @@ def _gpu_groups(Ts):
                        "jax_scan_remat", "optax"), Ts, _GPU_V, **_BWD),
       Group("linear", ("jaxce", "jax_plain", "tokamax", "torch_eager", "liger", "cce"), Ts,
             _GPU_V, _GPU_D),
+      # The fused forward before its Mosaic GPU kernel (Triton statistics of XLA tiles).
+      Group("linear", ("jaxce:pallas",), Ts, _GPU_V, _GPU_D),
       Group("linear", ("jaxce:logp_only", "jaxce:xla", "jax_scan_remat", "jaxce:train_step",
                        "jaxce:train_step_loop", "jax_plain:train_step", "jaxce:objective"), Ts,
             _GPU_V, _GPU_D, **_BWD),

@@ -603,6 +603,9 @@ def _linear_shard(hidden, weight, bias, *, labels, logit_softcap, temperature, w
     chosen = "mosaic"  # where it runs, the one-kernel forward is faster (NOTES, entry 21)
   if chosen == "mosaic" and reason:
     raise ValueError(f'implementation="mosaic" cannot run this call: {reason}')
+  if chosen == "mosaic":
+    chunk, block = plan.linear_kernel_tiles(num_tokens, num_columns, chunk_size,
+                                            vocab_block_size)
   config = _linear.Config(
       vocab_size=vocab_size,
       mask_vocab=_mask_vocab(vocab_size, num_columns, vocab_axis),

@@ -42,9 +42,10 @@ class Config(NamedTuple):
     with_entropy: compute (and return) the entropy.
     vocab_dim: the weight's vocabulary dim (1: ``[D, V]``, 0: ``[V, D]``).
     pallas: the tiles' forward statistics by the Pallas (Triton) kernel (else XLA).
-    mosaic: the whole forward by the Mosaic GPU kernel of ``_mosaic_linear`` (the
-      tiles' matmul and statistics in one kernel; ``chunk`` and ``block`` then only
-      shape the backward).
+    mosaic: the Mosaic GPU kernels of ``_mosaic_linear``: the whole forward (the tiles'
+      matmul and statistics in one kernel; ``chunk`` and ``block`` then only shape the
+      backward) and each backward tile's ``d logits`` (formed in its matmul's epilogue,
+      written once in the operand dtype; ``chunk`` a multiple of 256, ``block`` of 128).
     hidden_grad_in_output: sum ``d hidden`` in its own dtype (else an f32 buffer).
   """
   vocab_size: int
@@ -245,17 +246,26 @@ def _linear_logprobs_entropy_bwd(config, residuals, cotangents):
     start = _chunking.chunk_start(i, num_tokens, chunk)
     rows = lambda a: None if a is None else lax.dynamic_slice_in_dim(a, start, chunk, 0)
     h = rows(hidden)
-    x = tile_logits(h, w_cols, b_cols, config.softcap, vocab_dim)
     keep = rows(valid) & _chunking.fresh_rows(i, start, chunk)
-    h = jnp.where(keep[:, None], h, 0)  # an ignored row's NaN must not reach d W as 0 * NaN
-    z = _math.scaled_logits(x, rows(inv_temp), shard_start + col, config.mask_vocab,
-                            first_column)
     label_column = rows(labels) - (shard_start + col)
     label_column = jnp.where(rows(labels) >= first_column, label_column, -1)
-    dz = _math.logit_grad(z, label_column, rows(shift), rows(log_sum), rows(entropy),
-                          rows(g_logp), rows(g_entropy), keep)
-    dx = logits_input_grad(dz, rows(inv_temp), x, config.softcap)
-    d = dx.astype(operand_dtype)
+    if config.mosaic:  # d formed in the matmul's epilogue (no bias on this path)
+      h = jnp.where(keep[:, None], h, 0)
+      limit = block if config.mask_vocab is None else jnp.clip(
+          config.mask_vocab - (shard_start + col), 0, block)
+      d = _mosaic_linear.logits_grad(
+          h, w_cols, label_column, rows(inv_temp), limit, first_column - (shard_start + col),
+          rows(shift), rows(log_sum), rows(entropy), rows(g_logp), rows(g_entropy), keep,
+          vocab_dim=vocab_dim, softcap=config.softcap)
+    else:
+      x = tile_logits(h, w_cols, b_cols, config.softcap, vocab_dim)
+      h = jnp.where(keep[:, None], h, 0)  # an ignored row's NaN must not reach d W as 0 * NaN
+      z = _math.scaled_logits(x, rows(inv_temp), shard_start + col, config.mask_vocab,
+                              first_column)
+      dz = _math.logit_grad(z, label_column, rows(shift), rows(log_sum), rows(entropy),
+                            rows(g_logp), rows(g_entropy), keep)
+      dx = logits_input_grad(dz, rows(inv_temp), x, config.softcap)
+      d = dx.astype(operand_dtype)
     dw_tile = weight_grad(h, d, vocab_dim)
     dh_rows = contract(d, w_cols, 1, vocab_dim)
     d_hidden = lax.dynamic_update_slice_in_dim(

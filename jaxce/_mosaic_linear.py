@@ -43,6 +43,7 @@ TILE_M = 128  # rows per compute warpgroup; a CTA holds two
 TILE_N = 128  # vocabulary columns per tile
 TILE_K = 64  # hidden dims per pipeline step
 STAGES = 4  # pipeline depth: 4 x 48 KiB of shared memory
+GRAD_STAGES = 3  # 3 x 48 KiB, next to the two 32 KiB d logits tiles being stored
 SNAKE_WIDTH = 8  # row blocks walked together (L2 reuse of the hidden blocks)
 _LOG2_E = 1.4426950408889634
 _ROW = plgpu.Layout.WGMMA.reduce(1)
@@ -76,12 +77,17 @@ def _num_sms() -> int:
   return getattr(device, "core_count", None) or 132 if device.platform == "gpu" else 4
 
 
-def _tile_statistics(hidden, weight, row_inputs, *, vocab_dim, softcap, with_entropy):
-  """``[vocab tiles, 4, C]`` f32: ``(m, s, q, picked)`` of every ``[row, tile]``.
+def _tiles(hidden, weight, row_inputs, *, vocab_dim, stages, epilogue, out_type, scratch,
+           store):
+  """The kernel skeleton: every ``[TILE_M, TILE_N]`` tile of ``hidden @ weight`` (f32
+  accumulation) handed to ``epilogue`` in registers, and its result to ``store``.
 
   ``hidden [C, D]``, ``weight [D, V]`` (``vocab_dim`` 1) or ``[V, D]`` (0), 16-bit;
-  ``row_inputs [3, C]`` f32: the inverse temperature, the label's column in this
-  weight (-1 when not here) and the first excluded column, per row.
+  ``row_inputs [R, C]`` f32: R numbers per row, handed to ``epilogue`` as ``[TILE_M]``
+  vectors. ``epilogue(x, rows, column)`` (``column``: the tile's first column) returns
+  what ``store(scratch_ref, out_ref, result, n_idx, rows, column)`` writes, through
+  ``scratch`` (this warpgroup's part of a shared-memory buffer of type ``scratch``,
+  leading dim 2) into the output of type ``out_type``.
   """
   num_rows, depth = hidden.shape
   num_columns = weight.shape[vocab_dim]
@@ -91,9 +97,8 @@ def _tile_statistics(hidden, weight, row_inputs, *, vocab_dim, softcap, with_ent
                      f"{TILE_N} expected")
   m_iters, n_iters = num_rows // cta_rows, num_columns // TILE_N
   k_iters = depth // TILE_K
-  swizzle = plgpu.find_swizzle(TILE_K * jnp.dtype(hidden.dtype).itemsize * 8)
-  transforms = (plgpu.TilingTransform((8, swizzle // jnp.dtype(hidden.dtype).itemsize)),
-                plgpu.SwizzleTransform(swizzle))
+  num_row_inputs = row_inputs.shape[0]
+  transforms = _transforms(TILE_K, hidden.dtype)
   if vocab_dim:
     weight_spec = plgpu.BlockSpec((TILE_K, TILE_N), lambda k: (k, 0), transforms=transforms,
                                   memory_space=plgpu.SMEM)
@@ -110,7 +115,7 @@ def _tile_statistics(hidden, weight, row_inputs, *, vocab_dim, softcap, with_ent
                                   memory_space=plgpu.SMEM), weight_spec],
         wg_axis="wg",
         num_compute_wgs=2,
-        max_concurrent_steps=STAGES,
+        max_concurrent_steps=stages,
         compute_context=compute_context,
     )
 
@@ -120,12 +125,12 @@ def _tile_statistics(hidden, weight, row_inputs, *, vocab_dim, softcap, with_ent
     @functools.partial(
         pl.run_scoped,
         allocations=get_pipeline(ignore, ignore).get_allocations(hidden_gmem, weight_gmem),
-        rows_smem=plgpu.SMEM((2, 3, TILE_M), jnp.float32),
-        stats_smem=plgpu.SMEM((2, 4, TILE_M), jnp.float32),
+        rows_smem=plgpu.SMEM((2, num_row_inputs, TILE_M), jnp.float32),
+        out_smem=scratch,
         rows_barrier=plgpu.Barrier(num_barriers=2),
         collective_axes="wg",
     )
-    def _scope(allocations, rows_smem, stats_smem, rows_barrier):
+    def _scope(allocations, rows_smem, out_smem, rows_barrier):
       wg = lax.axis_index("wg")
 
       @plgpu.nd_loop((m_iters * n_iters,), collective_axes="sm")
@@ -146,14 +151,11 @@ def _tile_statistics(hidden, weight, row_inputs, *, vocab_dim, softcap, with_ent
             eval_pipeline(acc_ref)
             x = acc_ref[...]
             plgpu.barrier_wait(rows_barrier.at[wg])
-            inv_temp, label, limit = (plgpu.load(rows_smem.at[wg, i], layout=_ROW)
-                                      for i in range(3))
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # stats_smem is free again
-            for i, stat in enumerate(_epilogue(x, inv_temp, label, limit, column, softcap,
-                                               with_entropy)):
-              stats_smem[wg, i] = stat
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(stats_smem.at[wg], out_gmem.at[n_idx, :, rows])
+            row_values = tuple(plgpu.load(rows_smem.at[wg, i], layout=_ROW)
+                               for i in range(num_row_inputs))
+            result = epilogue(x, row_values, column)
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # out_smem is free again
+            store(out_smem.at[wg], out_gmem, result, n_idx, rows, column)
 
         def mma_body(_, hidden_smem, weight_smem, acc_ref):
           rhs = weight_smem if vocab_dim else weight_smem.transpose((1, 0))
@@ -173,7 +175,7 @@ def _tile_statistics(hidden, weight, row_inputs, *, vocab_dim, softcap, with_ent
   interpret = None if jax.default_backend() == "gpu" else plgpu.InterpretGPUParams()
   call = plgpu.kernel(
       kernel,
-      out_type=jax.ShapeDtypeStruct((n_iters, 4, num_rows), jnp.float32),
+      out_type=out_type,
       grid=(min(_num_sms(), m_iters * n_iters),),
       grid_names=("sm",),
       num_threads=3,
@@ -181,6 +183,82 @@ def _tile_statistics(hidden, weight, row_inputs, *, vocab_dim, softcap, with_ent
       interpret=interpret,
   )
   return call(hidden, weight, row_inputs)
+
+
+def _transforms(minor_dim, dtype):
+  """Shared-memory tiling and swizzle of a tile whose minor dim holds ``minor_dim``
+  elements of ``dtype`` (what wgmma and TMA expect)."""
+  swizzle = plgpu.find_swizzle(minor_dim * jnp.dtype(dtype).itemsize * 8)
+  return (plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)),
+          plgpu.SwizzleTransform(swizzle))
+
+
+def _tile_statistics(hidden, weight, row_inputs, *, vocab_dim, softcap, with_entropy):
+  """``[vocab tiles, 4, C]`` f32: ``(m, s, q, picked)`` of every ``[row, tile]``;
+  ``row_inputs [3, C]``: the inverse temperature, the label's column in this weight (-1
+  when not here) and the first excluded column, per row."""
+  num_rows = hidden.shape[0]
+  n_iters = weight.shape[vocab_dim] // TILE_N
+
+  def epilogue(x, rows, column):
+    return _epilogue(x, *rows, column, softcap, with_entropy)
+
+  def store(scratch, out_gmem, stats, n_idx, rows, column):
+    del column
+    for i, stat in enumerate(stats):
+      scratch[i] = stat
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(scratch, out_gmem.at[n_idx, :, rows])
+
+  return _tiles(hidden, weight, row_inputs, vocab_dim=vocab_dim, stages=STAGES,
+                epilogue=epilogue,
+                out_type=jax.ShapeDtypeStruct((n_iters, 4, num_rows), jnp.float32),
+                scratch=plgpu.SMEM((2, 4, TILE_M), jnp.float32), store=store)
+
+
+def _tile_logits_grad(hidden, weight, row_inputs, *, vocab_dim, softcap):
+  """``[C, V]`` ``d loss / d (hidden @ weight)`` in hidden's dtype; ``row_inputs [10, C]``
+  as ``_grad_epilogue`` takes them."""
+  num_rows, dtype = hidden.shape[0], hidden.dtype
+
+  def epilogue(x, rows, column):
+    return _grad_epilogue(x, *rows, column, softcap).astype(dtype)
+
+  def store(scratch, out_gmem, d, n_idx, rows, column):
+    del n_idx
+    scratch[...] = d
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(scratch, out_gmem.at[rows, pl.ds(column, TILE_N)])
+
+  return _tiles(hidden, weight, row_inputs, vocab_dim=vocab_dim, stages=GRAD_STAGES,
+                epilogue=epilogue,
+                out_type=jax.ShapeDtypeStruct((num_rows, weight.shape[vocab_dim]), dtype),
+                scratch=plgpu.SMEM((2, TILE_M, TILE_N), dtype,
+                                   transforms=_transforms(TILE_N, dtype)),
+                store=store)
+
+
+def _grad_epilogue(x, inv_temp, label, limit, first_kept, shift, log_sum, entropy, g_logp,
+                   g_entropy, keep, column, softcap):
+  """``_math.logit_grad`` then ``_linear.logits_input_grad`` of one accumulator tile
+  ``x [TILE_M, TILE_N]`` (WGMMA layout) whose first column is ``column``; every other
+  argument is a ``[TILE_M]`` f32 vector (``keep``: 1 or 0)."""
+  shape = x.shape
+  per_row = lambda v: lax.broadcast_in_dim(v, shape, [0])
+  capped = softcap * jnp.tanh(x / softcap) if softcap is not None else x
+  local = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
+  global_column = (local + column).astype(jnp.float32)  # exact below 2**24
+  kept = (global_column >= per_row(first_kept)) & (global_column < per_row(limit))
+  z = jnp.where(kept, capped * per_row(inv_temp), -jnp.inf)
+  log_p = (z - per_row(shift)) - per_row(log_sum)
+  p = jnp.exp(log_p)
+  coef = per_row(g_logp) + per_row(g_entropy) * (jnp.where(p > 0, log_p, 0.0)
+                                                 + per_row(entropy))
+  dz = jnp.where(global_column == per_row(label), per_row(g_logp), 0.0) - p * coef
+  dx = dz * per_row(inv_temp)
+  if softcap is not None:
+    dx = dx * (1 - jnp.square(capped / softcap))
+  return jnp.where(per_row(keep) > 0, dx, 0.0)  # after every factor: a dropped row's NaN
 
 
 def _epilogue(x, inv_temp, label, limit, column, softcap, with_entropy):
@@ -233,3 +311,33 @@ def statistics(hidden, weight, labels, inv_temp, limit, *, column_start, vocab_d
   s, q = _math.merge_running(m_tiles, s_tiles, q_tiles if with_entropy else None, m[None])
   return m, jnp.sum(s, axis=0), (jnp.sum(q, axis=0) if with_entropy else None), jnp.sum(
       picked, axis=0)
+
+
+def logits_grad(hidden, weight, label_column, inv_temp, limit, first_kept, shift, log_sum,
+                entropy, g_logp, g_entropy, keep, *, vocab_dim, softcap):
+  """``d loss / d (hidden @ weight)`` of one ``[C, Vb]`` tile of the fused backward, formed
+  in the matmul's epilogue and written once, in hidden's dtype (the operand of the two
+  gradient matmuls): no f32 tile reaches device memory.
+
+  Args:
+    hidden: ``[C, D]`` bf16 or f16, ``C`` a multiple of 256, ``D`` of 64.
+    weight: the block's ``[D, Vb]`` (``vocab_dim`` 1) or ``[Vb, D]`` (0), ``Vb`` a
+      multiple of 128.
+    label_column: int32 ``[C]``: the label's column in this block, -1 when the label is
+      not this block's (below ``first_kept`` too: an earlier block owns it).
+    inv_temp, shift, log_sum, entropy, g_logp, g_entropy: ``[C]`` f32 (``entropy``,
+      ``g_logp`` and ``g_entropy`` may be None: zeros).
+    limit, first_kept: int32 scalars: the block's columns outside ``[first_kept, limit)``
+      are excluded (padded vocabulary; a clamped last block's overlap).
+    keep: bool ``[C]``: rows that are False get exactly 0.
+
+  Returns:
+    ``[C, Vb]`` in hidden's dtype. Memory: that array only.
+  """
+  rows = lambda v: jnp.zeros_like(inv_temp, jnp.float32) if v is None else v.astype(
+      jnp.float32)
+  scalar = lambda v: jnp.broadcast_to(jnp.asarray(v, jnp.float32), inv_temp.shape)
+  row_inputs = jnp.stack([rows(inv_temp), label_column.astype(jnp.float32), scalar(limit),
+                          scalar(first_kept), rows(shift), rows(log_sum), rows(entropy),
+                          rows(g_logp), rows(g_entropy), keep.astype(jnp.float32)])
+  return _tile_logits_grad(hidden, weight, row_inputs, vocab_dim=vocab_dim, softcap=softcap)

@@ -86,8 +86,21 @@ def linear_kernel_chunk(num_tokens: int, num_columns: int) -> int:
   "mosaic"``): its tile statistics take 1/32 of the bytes of the chunk's f32 logits,
   planned to ``LINEAR_KERNEL_STATS_BYTES`` and rounded down to a multiple of 256 (the
   kernel's row block; at least 256, at most ``num_tokens``)."""
-  chunk = chunk_size(num_tokens, num_columns, None, 32 * LINEAR_KERNEL_STATS_BYTES)
-  return min(max(chunk - chunk % 256, 256), num_tokens)
+  return _multiple(chunk_size(num_tokens, num_columns, None, 32 * LINEAR_KERNEL_STATS_BYTES),
+                   256, num_tokens)
+
+
+def linear_kernel_tiles(num_tokens: int, num_columns: int, requested_chunk: int | None = None,
+                        requested_block: int | None = None) -> tuple[int, int]:
+  """``(chunk, block)`` of the fused backward with the Mosaic GPU kernels:
+  :func:`linear_tiles`' plan, the chunk rounded down to a multiple of 256 and the block
+  to one of 128 (the kernel's tile; at least that, at most the array)."""
+  chunk, block = linear_tiles(num_tokens, num_columns, requested_chunk, requested_block)
+  return _multiple(chunk, 256, num_tokens), _multiple(block, 128, num_columns)
+
+
+def _multiple(size: int, multiple: int, total: int) -> int:
+  return min(max(size - size % multiple, multiple), total)
 
 
 def platform(*arrays, mesh=None) -> str:

@@ -73,6 +73,49 @@ def test_tile_statistics_match_float64(tokens, dim, num_columns, vocab_dim, soft
                  name)
 
 
+@pytest.mark.parametrize("vocab_dim,softcap,first_kept,limit", [
+    (1, None, 0, 384), (0, 30.0, 100, 300)])
+def test_logits_grad_tile_matches_float64(vocab_dim, softcap, first_kept, limit):
+  """The backward's tile: d logits from the saved statistics, per-row cotangents and
+  temperature; a clamped block's overlap (columns below ``first_kept``) and padded
+  columns (from ``limit``) get 0, dropped rows get 0 even with NaN hidden states."""
+  from jaxce import _linear, _math
+  rng, hidden, weight = _inputs(11, 512, 128, 384, vocab_dim)
+  keep = rng.random(512) < 0.9
+  hidden = hidden.at[np.flatnonzero(~keep)[:3]].set(jnp.nan)
+  hidden = jnp.where(keep[:, None], hidden, 0)  # as the backward hands it over
+  label_column = rng.integers(-2, 400, 512)
+  label_column = jnp.asarray(np.where(label_column < first_kept, -1, label_column), jnp.int32)
+  inv_temp, g_logp, g_entropy = (jnp.asarray(a, jnp.float32) for a in (
+      rng.uniform(0.5, 2.0, 512), rng.normal(size=512), rng.normal(size=512)))
+  # The statistics the forward saved, from the float64 logits (kept columns only).
+  h64, w64 = np.asarray(hidden, np.float64), np.asarray(weight, np.float64)
+  x = h64 @ (w64 if vocab_dim else w64.T)
+  if softcap is not None:
+    x = softcap * np.tanh(x / softcap)
+  columns = np.arange(384)
+  z = np.where((columns >= first_kept) & (columns < limit), x * np.asarray(inv_temp)[:, None],
+               -np.inf)
+  shift = z.max(axis=1)
+  e = np.exp(z - shift[:, None])
+  log_sum = np.log(e.sum(axis=1))
+  entropy = log_sum - np.where(e > 0, e * (z - shift[:, None]), 0).sum(axis=1) / e.sum(axis=1)
+  got = _mosaic_linear.logits_grad(
+      hidden, weight, label_column, inv_temp, limit, first_kept, *(jnp.asarray(a, jnp.float32)
+      for a in (shift, log_sum, entropy)), g_logp, g_entropy, jnp.asarray(keep),
+      vocab_dim=vocab_dim, softcap=softcap)
+  dz = _math.logit_grad(jnp.asarray(z), jnp.asarray(label_column), *(jnp.asarray(a) for a in (
+      shift, log_sum, entropy)), jnp.asarray(g_logp, jnp.float64),
+      jnp.asarray(g_entropy, jnp.float64), jnp.asarray(keep))
+  want = _linear.logits_input_grad(dz, jnp.asarray(inv_temp, jnp.float64), jnp.asarray(x),
+                                   softcap)
+  assert got.dtype == jnp.bfloat16
+  assert not np.any(np.asarray(got)[~keep]), "dropped rows must be exactly 0"
+  assert not np.any(np.asarray(got)[:, :first_kept]), "the overlap must be exactly 0"
+  # bf16 output: within one rounding of the float64 value (plus f32 noise near 0).
+  assert_close(got, want, 2 ** -8 * float(np.max(np.abs(want))), "d logits")
+
+
 @pytest.mark.parametrize("weight_layout", ["dv", "vd"])
 def test_matches_xla_path_and_reference(weight_layout):
   """bf16 inputs, ragged tokens and vocabulary, padded vocabulary, per-token temperature,

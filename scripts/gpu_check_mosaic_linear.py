@@ -11,6 +11,7 @@
 
     python -m scripts.gpu_check_mosaic_linear            # on a Hopper GPU: JSON to $OUT
     python -m scripts.gpu_check_mosaic_linear --tiny     # anywhere: small shapes, smoke test
+    python -m scripts.gpu_check_mosaic_linear --profile 32768   # the time, piece by piece
 
 Exits 1 when a check fails. Prints a table last.
 """
@@ -146,6 +147,38 @@ def timing(tokens, dim, columns, repeats, implementations):
   return rows
 
 
+def profile(tokens, dim, columns, repeats):
+  """Where the Mosaic path's fwd+bwd time goes, one whole-array piece at a time: the
+  forward kernel, the backward's d-logits kernel over all tiles at once, and the two
+  gradient GEMMs (XLA); plus the forward kernel with other L2 walk widths and depths."""
+  from jaxce import _mosaic_linear as ml  # pylint: disable=import-outside-toplevel
+  hidden, weight, labels, cot = _problem(tokens, dim, columns)
+  ones = jnp.ones((tokens,), jnp.float32)
+  flops = 2 * tokens * dim * columns
+  rows = []
+
+  def add(name, fn, *args):
+    ms, best = _median_ms(jax.jit(fn), args, repeats)
+    rows.append(dict(piece=name, tokens=tokens, ms=ms, tflops=flops / best / 1e9))
+    print(json.dumps(rows[-1]), flush=True)
+
+  for width, stages in ((8, 4), (4, 4), (16, 4), (8, 3)):
+    ml.SNAKE_WIDTH, ml.STAGES = width, stages
+    add(f"forward kernel, snake {width}, {stages} stages", lambda h, w: ml.statistics(
+        h, w, labels, ones, columns, column_start=0, vocab_dim=1, softcap=None,
+        with_entropy=True), hidden, weight)
+  ml.SNAKE_WIDTH, ml.STAGES = 8, 4
+  grad = lambda h, w: ml.logits_grad(h, w, labels, ones, columns, 0, ones, ones, ones, cot[0],
+                                     cot[1], ones > 0, vocab_dim=1, softcap=None)
+  add("d logits kernel, all tiles", grad, hidden, weight)
+  d = jax.block_until_ready(jax.jit(grad)(hidden, weight))
+  add("d W = h^T d (XLA)", lambda h, d: jnp.einsum("td,tv->dv", h, d,
+                                                  preferred_element_type=jnp.float32), hidden, d)
+  add("d h = d W^T (XLA)", lambda d, w: jnp.einsum("tv,dv->td", d, w,
+                                                  preferred_element_type=jnp.float32), d, weight)
+  return rows
+
+
 def peak_memory(name, tokens, dim, columns):
   """Peak device bytes of one jitted forward + backward (run in a fresh process)."""
   hidden, weight, labels, cot = _problem(tokens, dim, columns)
@@ -163,7 +196,17 @@ def main():
   parser.add_argument("--tiny", action="store_true", help="small shapes (any backend)")
   parser.add_argument("--memory", nargs=2, metavar=("IMPLEMENTATION", "TOKENS"))
   parser.add_argument("--repeats", type=int, default=10)
+  parser.add_argument("--profile", type=int, metavar="TOKENS", help="only the profile")
   args = parser.parse_args()
+  if args.profile:
+    rows = profile(args.profile, D, V, args.repeats) if not args.tiny else profile(
+        512, 128, 1024, 2)
+    with open(os.path.join(os.environ.get("OUT", "."), "mosaic_profile.json"), "w") as f:
+      json.dump(dict(device=str(jax.devices()[0].device_kind), jax=jax.__version__,
+                     commit=os.environ.get("JAXCE_COMMIT", "unknown"), rows=rows), f, indent=1)
+    for r in rows:
+      print(f"{r['piece']:<40} {r['ms']:8.2f} ms {r['tflops']:7.1f} TFLOP/s")
+    return
   if args.memory:
     print(json.dumps(peak_memory(args.memory[0], int(args.memory[1]), D, V)))
     return

@@ -97,6 +97,7 @@ def _tiles(hidden, weight, row_inputs, *, vocab_dim, stages, epilogue, out_type,
                      f"{TILE_N} expected")
   m_iters, n_iters = num_rows // cta_rows, num_columns // TILE_N
   k_iters = depth // TILE_K
+  stages = min(stages, k_iters)
   num_row_inputs = row_inputs.shape[0]
   transforms = _transforms(TILE_K, hidden.dtype)
   if vocab_dim:

@@ -1,0 +1,2 @@
+"""Integrations with training frameworks; each imports its framework, so import them by
+name (``import jaxce.integrations.tunix``), never from ``jaxce`` itself."""

@@ -1,0 +1,206 @@
+"""jaxce behind Tunix's GRPO and PPO policy losses (``google-tunix`` 0.1.7).
+
+Tunix's losses take per-token log-probs from ``tunix.rl.common.compute_per_token_logps``,
+which runs the policy's full forward: ``[B, L, V]`` logits in float32, then
+``log_softmax`` over them (and the entropy from the same logits). The functions here
+compute the same losses and aux metrics from the model's final hidden states and its
+LM-head kernel with :func:`jaxce.linear_logprobs_and_entropy`: no ``[B, L, V]`` array,
+forward or backward (the model's own logits are computed by nothing that is used, and XLA
+removes them under ``jit``; ``tests/test_tunix.py`` checks the compiled plan).
+
+    import jaxce.integrations.tunix as jaxce_tunix     # registers "jaxce_grpo", "jaxce_ppo"
+    algo_config = GRPOConfig(...)
+    jaxce_tunix.use_jaxce(algo_config)                  # policy_loss_fn = "jaxce_grpo"
+    learner = GRPOLearner(rl_cluster, algo_config, reward_fns)
+
+What of Tunix this relies on: ``function_registry.register_policy_loss_fn``, the loss
+signature ``(model, train_example, algo_config, pad_id, eos_id)``, ``common.process_ids``,
+``common.aggregate_loss``, ``common.compute_kl_divergence``, ``algo_core.masked_mean``,
+and the model's ``output_hidden_states=True`` (it sows the final-norm output as the
+``nnx.Intermediate`` ``all_hidden_states``) with its head at ``lm_head.w`` (``[D, V]``) or,
+tied, ``embedder.input_embedding`` (``[V, D]``), as Tunix's Qwen3, Qwen2, Llama3 and Gemma
+models have them.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from tunix.rl import algo_core, common, function_registry
+
+import jaxce
+
+__all__ = ["GRPO_LOSS", "PPO_LOSS", "grpo_loss", "per_token_logps", "ppo_loss", "use_jaxce"]
+
+GRPO_LOSS, PPO_LOSS = "jaxce_grpo", "jaxce_ppo"
+
+
+def per_token_logps(model, train_example, pad_id, eos_id, temperature=1.0):
+  """``(logp, entropy)`` ``[B, L]`` float32 of the completion tokens, as
+  ``common.compute_per_token_logps(..., return_logits=True)`` and
+  ``algo_core.compute_entropy_from_logits`` give them, from the hidden states and the
+  head (fused: memory ``d hidden`` and ``d W`` plus jaxce's tiles, no ``[B, L, V]``).
+
+  Args:
+    model: a Tunix NNX causal LM (``model(tokens, positions, cache, attention_mask,
+      output_hidden_states=True)``; head ``lm_head.w`` or tied ``embedder``).
+    train_example: Tunix's ``TrainExample`` (``prompt_ids``, ``completion_ids``, and
+      ``segment_ids`` / ``segment_positions`` when packed).
+    pad_id, eos_id: the tokenizer's.
+    temperature: the rollout temperature (the logits are divided by it, as Tunix does).
+  """
+  prompt, completion = train_example.prompt_ids, train_example.completion_ids
+  segment_ids = getattr(train_example, "segment_ids", None)
+  tokens, positions, attention_mask, input_segment_ids = common.process_ids(
+      prompt, completion, pad_id, eos_id, segment_ids,
+      getattr(train_example, "segment_positions", None))
+  kwargs = {}
+  if segment_ids is not None or input_segment_ids is not None:
+    kwargs["segment_ids"] = segment_ids if segment_ids is not None else input_segment_ids
+  graphdef, state = nnx.split(model)
+  model = nnx.merge(graphdef, state)  # a copy: the sown hidden states stay out of `model`
+  model(tokens, positions, None, attention_mask, output_hidden_states=True, **kwargs)
+  (hidden,) = _value(nnx.pop(model, nnx.Intermediate)["all_hidden_states"])
+  if segment_ids is not None:  # packed: every position but the first predicts the next
+    hidden, labels = hidden[:, :-1], tokens[:, 1:]
+  else:
+    hidden, labels = hidden[:, -completion.shape[1] - 1:-1], completion
+  weight, layout = _head(model)
+  dtype = model.config.dtype  # Tunix's head computes in the model's dtype
+  logp, entropy = jaxce.linear_logprobs_and_entropy(
+      hidden.astype(dtype), weight.astype(dtype), labels,
+      temperature=1.0 if temperature == 0.0 else temperature, weight_layout=layout)
+  if segment_ids is not None:  # Tunix pads the first position back with 0
+    logp, entropy = (jnp.pad(a, ((0, 0), (1, 0))) for a in (logp, entropy))
+  return logp, entropy
+
+
+def _head(model):
+  """``(weight, weight_layout)`` of the model's LM head."""
+  if getattr(model.config, "use_tied_embedding", False):
+    return _value(model.embedder.input_embedding), "vd"
+  return _value(model.lm_head.w), "dv"
+
+
+def _value(variable):
+  """An NNX variable's value (``get_value`` from Flax 0.12; ``.value`` before)."""
+  return variable.get_value() if hasattr(variable, "get_value") else variable.value
+
+
+def grpo_loss(model, train_example, algo_config, pad_id, eos_id, **kwargs):
+  """Tunix's ``grpo`` policy loss (``algo_core.grpo_loss_fn``: ``loss_algo`` "grpo" or
+  "gspo-token", every ``loss_agg_mode``, dual clip ``epsilon_c``, ``sampler_is_weights``,
+  the KL penalty ``beta`` with ``kl_loss_mode``) with jaxce's log-probs and entropy.
+  Returns ``(loss, aux)`` with Tunix's aux keys."""
+  del kwargs
+  mask = train_example.completion_mask
+  mode = algo_config.loss_agg_mode
+  aggregate = lambda x: common.aggregate_loss(x, mask, mode)
+  mean = lambda x: algo_core.masked_mean(x, mask)
+  logp, entropy = per_token_logps(model, train_example, pad_id, eos_id,
+                                  algo_config.temperature)
+  old = (jax.lax.stop_gradient(logp) if train_example.old_per_token_logps is None
+         else train_example.old_per_token_logps.astype(jnp.float32))
+  log_ratio = logp - old
+  ppo_kl = mean(-log_ratio)
+  log_ratio = jnp.clip(log_ratio, -20.0, 20.0)
+  if algo_config.loss_algo == "gspo-token":  # the sequence's mean log-ratio, per token
+    sequence = (log_ratio * mask).sum(-1) / jnp.clip(mask.sum(-1), min=1)
+    log_ratio = jnp.clip(logp - jax.lax.stop_gradient(logp)
+                         + jax.lax.stop_gradient(sequence)[:, None], max=10.0)
+  ratio = jnp.exp(log_ratio)
+  advantages = train_example.advantages.astype(jnp.float32)
+  adv = advantages if advantages.ndim == 2 else advantages[:, None]
+  epsilon = algo_config.epsilon
+  unclipped = -adv * ratio
+  clipped = -adv * jnp.clip(ratio, 1 - epsilon, 1 + getattr(algo_config, "epsilon_high",
+                                                           epsilon))
+  per_token = jnp.maximum(unclipped, clipped)
+  dual, dual_fraction = _dual_clip(per_token, adv, getattr(algo_config, "epsilon_c", None))
+  sampler_weights = getattr(train_example, "sampler_is_weights", None)
+  if sampler_weights is not None:
+    dual = dual * sampler_weights.astype(jnp.float32)
+  loss = aggregate(dual)
+  kept = mask > 0
+  adv_all = jnp.broadcast_to(adv, mask.shape)
+  aux = {
+      "kl": 0.0, "kl_loss": 0.0, "pg_loss": loss,
+      "pg_clipfrac": mean(clipped > unclipped), "ppo_kl": ppo_kl,
+      "pg_clipfrac_lower": aggregate(dual_fraction),
+      "is_ratio/mean": mean(ratio),
+      "is_ratio/max": jnp.max(jnp.where(kept, ratio, 0.0)),
+      "is_ratio/min": jnp.min(jnp.where(kept, ratio, jnp.inf)),
+      "log_ratio/abs_mean": mean(jnp.abs(log_ratio)),
+      "pg_loss/unclipped_mean": mean(unclipped), "pg_loss/clipped_mean": mean(clipped),
+      "advantage/abs_mean": mean(jnp.abs(adv_all)),
+      "advantage/max": jnp.max(jnp.where(kept, adv_all, -jnp.inf)),
+      "advantage/min": jnp.min(jnp.where(kept, adv_all, jnp.inf)),
+      "advantage/nonzero_frac": mean((jnp.abs(adv_all) > 1e-8).astype(jnp.float32)),
+      "sampler_is/weight_mean": jnp.float32(1.0), "sampler_is/weight_min": jnp.float32(1.0),
+  }
+  if sampler_weights is not None:
+    weights = sampler_weights.astype(jnp.float32)
+    aux["sampler_is/weight_mean"] = mean(weights)
+    aux["sampler_is/weight_min"] = jnp.min(jnp.where(kept, weights, jnp.inf))
+  if train_example.ref_per_token_logps is not None:
+    kl = common.compute_kl_divergence(logp, train_example.ref_per_token_logps,
+                                      algo_config.kl_loss_mode,
+                                      clamp_value=algo_config.kl_clamp_value)
+    aux["kl"] = ((kl * mask).sum() / jnp.clip(mask.sum(), min=1)).astype(jnp.float32)
+    aux["kl_loss"] = aggregate(kl)
+    if algo_config.beta:
+      loss = loss + algo_config.beta * aux["kl_loss"]
+  aux["entropy"] = aggregate(entropy)
+  return loss, aux
+
+
+def ppo_loss(model, train_example, algo_config, pad_id, eos_id, **kwargs):
+  """Tunix's ``ppo`` policy loss (``algo_core.ppo_policy_loss_fn``: clipped surrogate
+  with ``epsilon_low`` / ``epsilon_high``, dual clip ``epsilon_c``, entropy bonus
+  ``entropy_coef``, KL penalty ``kl_coef``) with jaxce's log-probs and entropy (the
+  entropy gets its gradient too). Returns ``(loss, aux)`` with Tunix's aux keys."""
+  del kwargs
+  mask = train_example.completion_mask
+  mean = lambda x: algo_core.masked_mean(x, mask)
+  logp, entropy = per_token_logps(model, train_example, pad_id, eos_id)
+  adv = train_example.advantages
+  ratio = jnp.exp(logp - train_example.old_per_token_logps)
+  unclipped = -ratio * adv
+  clipped = -jnp.clip(ratio, 1 - algo_config.epsilon_low, 1 + algo_config.epsilon_high) * adv
+  dual, dual_fraction = _dual_clip(jnp.maximum(unclipped, clipped), adv,
+                                   getattr(algo_config, "epsilon_c", None))
+  loss = mean(dual)
+  aux = {"pg_clipfrac": mean(clipped > unclipped), "pg_clipfrac_lower": mean(dual_fraction)}
+  if algo_config.entropy_coef:
+    aux["loss/entropy"] = mean(entropy)
+    loss = loss - algo_config.entropy_coef * aux["loss/entropy"]
+  if getattr(algo_config, "kl_coef", 0.0) > 0.0 and train_example.ref_per_token_logps is not None:
+    kl = common.compute_kl_divergence(logp, train_example.ref_per_token_logps, "kl",
+                                      clamp_value=getattr(algo_config, "kl_clamp_value", None))
+    aux["kl"] = mean(kl)
+    loss = loss + algo_config.kl_coef * aux["kl"]
+  return loss, aux
+
+
+def _dual_clip(per_token, adv, epsilon_c):
+  """Dual-clip PPO: a negative advantage's loss is capped at ``-epsilon_c * adv``.
+  Returns the per-token loss and where the cap bit (0/1 float)."""
+  cap = per_token if epsilon_c is None else -epsilon_c * adv
+  fraction = ((per_token > cap) & (adv < 0.0)).astype(jnp.float32)
+  return jnp.where(adv < 0.0, jnp.minimum(cap, per_token), per_token), fraction
+
+
+def use_jaxce(algo_config):
+  """Point a Tunix ``GRPOConfig`` / ``PPOConfig`` at the jaxce loss of its kind, after its
+  own validation (which accepts only Tunix's built-in names). Returns ``algo_config``."""
+  names = {"grpo": GRPO_LOSS, "ppo": PPO_LOSS, GRPO_LOSS: GRPO_LOSS, PPO_LOSS: PPO_LOSS}
+  if algo_config.policy_loss_fn not in names:
+    raise ValueError(f'algo_config.policy_loss_fn must be "grpo" or "ppo", got '
+                     f"{algo_config.policy_loss_fn!r}")
+  algo_config.policy_loss_fn = names[algo_config.policy_loss_fn]
+  return algo_config
+
+
+function_registry.register_policy_loss_fn(GRPO_LOSS)(grpo_loss)
+function_registry.register_policy_loss_fn(PPO_LOSS)(ppo_loss)

@@ -1,0 +1,159 @@
+"""jaxce behind Tunix's policy losses: for the same Tunix Qwen3, batch and seed, Tunix's own
+``grpo`` / ``ppo`` loss and the jaxce-backed one agree in loss, aux metrics and every
+parameter's gradient, and the jaxce step's compiled program holds no ``[B, L, V]`` array.
+
+Tolerances (float32 model): both sides compute the same float32 function; they differ
+only in how the softmax sums are ordered (jaxce's online softmax over vocab tiles against
+one ``logsumexp``), so log-probs agree to a few float32 ulps of the logits (|z| < 20
+here: ~1e-5) and gradients to ~1e-5 of their largest entry.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+tunix_models = pytest.importorskip(
+    "tunix.models.qwen3.model", reason="google-tunix is not installed: pip install -e .[tunix]")
+from tunix.rl import common, function_registry  # noqa: E402
+from tunix.rl.grpo.grpo_learner import GRPOConfig  # noqa: E402
+from tunix.rl.ppo.ppo_learner import PPOConfig  # noqa: E402
+
+from jaxce.integrations import tunix as jaxce_tunix  # noqa: E402
+
+PAD, EOS = 0, 1
+B, PROMPT, COMPLETION = 4, 5, 7
+
+
+def _model(tied, vocab_size=300, seed=0):
+  config = tunix_models.ModelConfig(
+      num_layers=2, vocab_size=vocab_size, embed_dim=64, hidden_dim=128, num_heads=4,
+      head_dim=16, num_kv_heads=2, rope_theta=10000, norm_eps=1e-6, use_tied_embedding=tied)
+  return tunix_models.Qwen3(config, rngs=nnx.Rngs(seed))
+
+
+def _example(rng, vocab_size=300, *, old=True, ref=True, sampler_weights=False,
+             token_advantages=False, shape=(B, PROMPT, COMPLETION)):
+  batch, prompt_length, completion_length = shape
+  prompt = rng.integers(2, vocab_size, (batch, prompt_length))
+  prompt[0, :2] = PAD  # left-padded prompt
+  completion = rng.integers(2, vocab_size, (batch, completion_length))
+  lengths = rng.integers(1, completion_length + 1, batch)
+  lengths[0] = completion_length
+  mask = np.arange(completion_length)[None] < lengths[:, None]
+  completion = np.where(mask, completion, PAD)
+  # Near the random-init policy's log-probs (about -log V), so that the ratios straddle the
+  # clip range and both clipped and unclipped tokens carry gradient.
+  near = lambda: jnp.asarray(-np.log(vocab_size) + 0.15 * rng.normal(size=mask.shape),
+                             jnp.float32)
+  return common.TrainExample(
+      prompt_ids=jnp.asarray(prompt), prompt_mask=jnp.asarray(prompt != PAD),
+      completion_ids=jnp.asarray(completion), completion_mask=jnp.asarray(mask, jnp.int32),
+      advantages=jnp.asarray(rng.normal(size=mask.shape if token_advantages else batch),
+                             jnp.float32),
+      ref_per_token_logps=near() if ref else None, old_per_token_logps=near() if old else None,
+      sampler_is_weights=(jnp.asarray(rng.uniform(0.5, 1.0, mask.shape), jnp.float32)
+                          if sampler_weights else None))
+
+
+def _loss_and_grads(name, model, example, config):
+  loss_fn = function_registry.get_policy_loss_fn(name)
+  f = lambda m: loss_fn(m, example, config, PAD, EOS)
+  (loss, aux), grads = nnx.value_and_grad(f, has_aux=True)(model)
+  return loss, aux, grads
+
+
+def _compare(model, example, config, tunix_name, jaxce_name):
+  loss, aux, grads = _loss_and_grads(tunix_name, model, example, config)
+  loss_j, aux_j, grads_j = _loss_and_grads(jaxce_name, model, example, config)
+  np.testing.assert_allclose(loss_j, loss, rtol=1e-5, atol=1e-6)
+  assert set(aux_j) == set(aux), set(aux) ^ set(aux_j)
+  for key in aux:
+    np.testing.assert_allclose(np.asarray(aux_j[key]), np.asarray(aux[key]), rtol=2e-5,
+                               atol=1e-6, err_msg=key)
+  flat, flat_j = jax.tree.leaves(nnx.to_pure_dict(grads)), jax.tree.leaves(
+      nnx.to_pure_dict(grads_j))
+  assert len(flat) == len(flat_j)
+  scale = max(float(jnp.max(jnp.abs(g))) for g in flat)
+  assert scale > 0
+  for g, gj in zip(flat, flat_j):
+    np.testing.assert_allclose(gj, g, rtol=0, atol=1e-5 * scale)
+
+
+GRPO_CASES = {
+    "grpo, sequence-mean-token-mean, low_var_kl": dict(
+        loss_agg_mode="sequence-mean-token-mean", beta=0.04, kl_loss_mode="low_var_kl"),
+    "grpo, token-mean, dual clip, sampler weights": dict(
+        loss_agg_mode="token-mean", beta=0.0, epsilon_c=3.0, sampler_weights=True),
+    "gspo-token, seq-mean-token-sum, no old log-probs": dict(
+        loss_algo="gspo-token", loss_agg_mode="seq-mean-token-sum", old=False),
+    "grpo, sequence-mean-token-scale, kl": dict(
+        loss_agg_mode="sequence-mean-token-scale", beta=0.1, kl_loss_mode="kl"),
+    "grpo, sequence-mean-token-sum-norm, mse_kl, no ref": dict(
+        loss_agg_mode="sequence-mean-token-sum-norm", beta=0.1, kl_loss_mode="mse_kl",
+        ref=False),
+}
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+@pytest.mark.parametrize("case", list(GRPO_CASES))
+def test_grpo_matches_tunix(case, tied):
+  options = dict(GRPO_CASES[case])
+  example_kw = {k: options.pop(k) for k in ("old", "ref", "sampler_weights") if k in options}
+  epsilon_c = options.pop("epsilon_c", None)
+  config = GRPOConfig(num_generations=2, epsilon=0.2, **options)
+  config.temperature = 0.7  # set by GRPOLearner from the rollout config
+  if epsilon_c is not None:
+    config.epsilon_c = epsilon_c
+  rng = np.random.default_rng(len(case) + tied)
+  _compare(_model(tied), _example(rng, **example_kw), config, "grpo", jaxce_tunix.GRPO_LOSS)
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_ppo_matches_tunix(tied):
+  config = PPOConfig(epsilon_low=0.2, epsilon_high=0.28, epsilon_c=3.0, entropy_coef=0.01)
+  rng = np.random.default_rng(7 + tied)
+  example = _example(rng, token_advantages=True)  # PPO's advantages are per token (GAE)
+  _compare(_model(tied), example, config, "ppo", jaxce_tunix.PPO_LOSS)
+
+
+def test_use_jaxce_selects_the_registered_losses():
+  config = jaxce_tunix.use_jaxce(GRPOConfig(num_generations=2))
+  assert config.policy_loss_fn == jaxce_tunix.GRPO_LOSS
+  assert function_registry.get_policy_loss_fn(config.policy_loss_fn) is jaxce_tunix.grpo_loss
+  assert jaxce_tunix.use_jaxce(PPOConfig()).policy_loss_fn == jaxce_tunix.PPO_LOSS
+  config.policy_loss_fn = "mystery"
+  with pytest.raises(ValueError, match="policy_loss_fn"):
+    jaxce_tunix.use_jaxce(config)
+
+
+def _largest_array(name, model, example, config):
+  """Elements of the largest array in the optimized HLO of one jitted loss + gradient."""
+  loss_fn = function_registry.get_policy_loss_fn(name)
+  graphdef, state = nnx.split(model)
+
+  def step(state, example):
+    f = lambda m: loss_fn(m, example, config, PAD, EOS)[0]
+    return nnx.value_and_grad(f)(nnx.merge(graphdef, state))
+
+  text = jax.jit(step).lower(state, example).compile().as_text()
+  import re  # pylint: disable=import-outside-toplevel
+  sizes = [int(np.prod([int(d) for d in dims.split(",") if d]))
+           for dims in re.findall(r"[fbsu]\d+\[([\d,]*)\]", text)]
+  return max(sizes)
+
+
+def test_jaxce_step_holds_no_logits():
+  """The model's own ``[B, P + L, V]`` logits are dead in the jaxce step and XLA removes
+  them; Tunix's own step holds them (so the check can fail). 8 x 80 completion tokens and
+  V = 16384: the completion's f32 logits (42 MB) exceed jaxce's CPU tile (32 MiB), so the
+  largest array of the jaxce step is a tile, a quarter of them."""
+  vocab_size, shape = 16384, (8, 5, 80)
+  model = _model(False, vocab_size)
+  example = _example(np.random.default_rng(0), vocab_size, shape=shape)
+  config = GRPOConfig(num_generations=2, beta=0.04)
+  config.temperature = 1.0
+  logits = shape[0] * shape[2] * vocab_size
+  assert _largest_array("grpo", model, example, config) >= logits
+  assert _largest_array(jaxce_tunix.GRPO_LOSS, model, example, config) < logits

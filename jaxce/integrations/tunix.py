@@ -4,8 +4,10 @@ Tunix's losses take per-token log-probs from ``tunix.rl.common.compute_per_token
 which runs the policy's full forward: ``[B, L, V]`` logits in float32, then
 ``log_softmax`` over them (and the entropy from the same logits). The functions here
 compute the same losses and aux metrics from the model's final hidden states and its
-LM-head kernel with :func:`jaxce.linear_logprobs_and_entropy`: no ``[B, L, V]`` array,
-forward or backward (the model's own logits are computed by nothing that is used, and XLA
+LM-head kernel: GRPO (``loss_algo="grpo"``, unpacked) with :func:`jaxce.linear_token_loss`
+(its gradient formed in the forward pass, three matmuls), GSPO, packed sequences and PPO
+with :func:`jaxce.linear_logprobs_and_entropy`. No ``[B, L, V]`` array, forward or
+backward (the model's own logits are computed by nothing that is used, and XLA
 removes them under ``jit``; ``tests/test_tunix.py`` checks the compiled plan).
 
     import jaxce.integrations.tunix as jaxce_tunix     # registers "jaxce_grpo", "jaxce_ppo"
@@ -50,6 +52,16 @@ def per_token_logps(model, train_example, pad_id, eos_id, temperature=1.0):
     pad_id, eos_id: the tokenizer's.
     temperature: the rollout temperature (the logits are divided by it, as Tunix does).
   """
+  hidden, labels, weight, layout, packed = _head_inputs(model, train_example, pad_id, eos_id)
+  logp, entropy = jaxce.linear_logprobs_and_entropy(
+      hidden, weight, labels, temperature=_temperature(temperature), weight_layout=layout)
+  return _unpack(logp, packed), _unpack(entropy, packed)
+
+
+def _head_inputs(model, train_example, pad_id, eos_id):
+  """``(hidden, labels, weight, weight_layout, packed)``: the final hidden states that
+  predict each scored token (``[B, L, D]``, in the model's dtype, as Tunix's head computes
+  in it), the tokens, and the head."""
   prompt, completion = train_example.prompt_ids, train_example.completion_ids
   segment_ids = getattr(train_example, "segment_ids", None)
   tokens, positions, attention_mask, input_segment_ids = common.process_ids(
@@ -62,18 +74,23 @@ def per_token_logps(model, train_example, pad_id, eos_id, temperature=1.0):
   model = nnx.merge(graphdef, state)  # a copy: the sown hidden states stay out of `model`
   model(tokens, positions, None, attention_mask, output_hidden_states=True, **kwargs)
   (hidden,) = _value(nnx.pop(model, nnx.Intermediate)["all_hidden_states"])
-  if segment_ids is not None:  # packed: every position but the first predicts the next
+  packed = segment_ids is not None
+  if packed:  # every position but the first predicts the next
     hidden, labels = hidden[:, :-1], tokens[:, 1:]
   else:
     hidden, labels = hidden[:, -completion.shape[1] - 1:-1], completion
   weight, layout = _head(model)
-  dtype = model.config.dtype  # Tunix's head computes in the model's dtype
-  logp, entropy = jaxce.linear_logprobs_and_entropy(
-      hidden.astype(dtype), weight.astype(dtype), labels,
-      temperature=1.0 if temperature == 0.0 else temperature, weight_layout=layout)
-  if segment_ids is not None:  # Tunix pads the first position back with 0
-    logp, entropy = (jnp.pad(a, ((0, 0), (1, 0))) for a in (logp, entropy))
-  return logp, entropy
+  dtype = model.config.dtype
+  return hidden.astype(dtype), labels, weight.astype(dtype), layout, packed
+
+
+def _unpack(per_token, packed):
+  """Packed sequences: Tunix pads the first position back with 0."""
+  return jnp.pad(per_token, ((0, 0), (1, 0))) if packed else per_token
+
+
+def _temperature(temperature):
+  return 1.0 if temperature == 0.0 else temperature  # Tunix divides only by others
 
 
 def _head(model):
@@ -92,40 +109,67 @@ def grpo_loss(model, train_example, algo_config, pad_id, eos_id, **kwargs):
   """Tunix's ``grpo`` policy loss (``algo_core.grpo_loss_fn``: ``loss_algo`` "grpo" or
   "gspo-token", every ``loss_agg_mode``, dual clip ``epsilon_c``, ``sampler_is_weights``,
   the KL penalty ``beta`` with ``kl_loss_mode``) with jaxce's log-probs and entropy.
-  Returns ``(loss, aux)`` with Tunix's aux keys."""
+  Returns ``(loss, aux)`` with Tunix's aux keys.
+
+  ``loss_algo="grpo"`` on unpacked sequences is a sum of per-token terms (every
+  ``loss_agg_mode`` is linear in the per-token losses: its weights are the gradient of
+  Tunix's own ``aggregate_loss``), so it runs as :func:`jaxce.linear_token_loss`; GSPO's
+  sequence ratio couples the tokens and takes the per-token path."""
   del kwargs
   mask = train_example.completion_mask
   mode = algo_config.loss_agg_mode
   aggregate = lambda x: common.aggregate_loss(x, mask, mode)
   mean = lambda x: algo_core.masked_mean(x, mask)
-  logp, entropy = per_token_logps(model, train_example, pad_id, eos_id,
-                                  algo_config.temperature)
-  old = (jax.lax.stop_gradient(logp) if train_example.old_per_token_logps is None
-         else train_example.old_per_token_logps.astype(jnp.float32))
-  log_ratio = logp - old
-  ppo_kl = mean(-log_ratio)
-  log_ratio = jnp.clip(log_ratio, -20.0, 20.0)
+  advantages = train_example.advantages.astype(jnp.float32)
+  adv = advantages if advantages.ndim == 2 else advantages[:, None]
+  sampler_weights = getattr(train_example, "sampler_is_weights", None)
+  has_old = train_example.old_per_token_logps is not None
+  old_logp = train_example.old_per_token_logps if has_old else jnp.zeros(mask.shape)
+  ref_logp = train_example.ref_per_token_logps
+  beta = algo_config.beta if ref_logp is not None else 0.0
+  fused = algo_config.loss_algo == "grpo" and getattr(train_example, "segment_ids",
+                                                       None) is None
+  if fused:  # the gradient formed in the forward pass: three matmuls
+    pg_weight = jax.grad(aggregate)(jnp.zeros(mask.shape, jnp.float32))  # linear in x
+
+    def objective(logp, entropy, adv, old_logp, ref_logp, pg_weight, sampler_weight):
+      del entropy
+      old = old_logp if has_old else jax.lax.stop_gradient(logp)
+      value = _surrogate(_log_ratio(logp, old), adv, algo_config)[0] * sampler_weight
+      if beta:
+        value = value + beta * common.compute_kl_divergence(
+            logp, ref_logp, algo_config.kl_loss_mode, clamp_value=algo_config.kl_clamp_value)
+      return pg_weight * value
+
+    hidden, labels, weight, layout, _ = _head_inputs(model, train_example, pad_id, eos_id)
+    loss, (logp, entropy) = jaxce.linear_token_loss(
+        objective, hidden, weight, labels, adv, old_logp.astype(jnp.float32),
+        jnp.zeros(mask.shape) if ref_logp is None else ref_logp.astype(jnp.float32),
+        pg_weight, 1.0 if sampler_weights is None else sampler_weights.astype(jnp.float32),
+        temperature=_temperature(algo_config.temperature), weight_layout=layout,
+        return_entropy=True)
+    logp, entropy = jax.lax.stop_gradient(logp), jax.lax.stop_gradient(entropy)  # metrics
+  else:
+    logp, entropy = per_token_logps(model, train_example, pad_id, eos_id,
+                                    algo_config.temperature)
+  old = old_logp.astype(jnp.float32) if has_old else jax.lax.stop_gradient(logp)
+  ppo_kl = mean(old - logp)
+  log_ratio = _log_ratio(logp, old)
   if algo_config.loss_algo == "gspo-token":  # the sequence's mean log-ratio, per token
     sequence = (log_ratio * mask).sum(-1) / jnp.clip(mask.sum(-1), min=1)
     log_ratio = jnp.clip(logp - jax.lax.stop_gradient(logp)
                          + jax.lax.stop_gradient(sequence)[:, None], max=10.0)
-  ratio = jnp.exp(log_ratio)
-  advantages = train_example.advantages.astype(jnp.float32)
-  adv = advantages if advantages.ndim == 2 else advantages[:, None]
-  epsilon = algo_config.epsilon
-  unclipped = -adv * ratio
-  clipped = -adv * jnp.clip(ratio, 1 - epsilon, 1 + getattr(algo_config, "epsilon_high",
-                                                           epsilon))
-  per_token = jnp.maximum(unclipped, clipped)
-  dual, dual_fraction = _dual_clip(per_token, adv, getattr(algo_config, "epsilon_c", None))
-  sampler_weights = getattr(train_example, "sampler_is_weights", None)
-  if sampler_weights is not None:
-    dual = dual * sampler_weights.astype(jnp.float32)
-  loss = aggregate(dual)
+  per_token, dual_fraction, ratio, unclipped, clipped = _surrogate(log_ratio, adv,
+                                                                    algo_config)
+  dual = per_token if sampler_weights is None else per_token * sampler_weights.astype(
+      jnp.float32)
+  pg_loss = aggregate(dual)
+  if not fused:
+    loss = pg_loss
   kept = mask > 0
   adv_all = jnp.broadcast_to(adv, mask.shape)
   aux = {
-      "kl": 0.0, "kl_loss": 0.0, "pg_loss": loss,
+      "kl": 0.0, "kl_loss": 0.0, "pg_loss": pg_loss,
       "pg_clipfrac": mean(clipped > unclipped), "ppo_kl": ppo_kl,
       "pg_clipfrac_lower": aggregate(dual_fraction),
       "is_ratio/mean": mean(ratio),
@@ -149,7 +193,7 @@ def grpo_loss(model, train_example, algo_config, pad_id, eos_id, **kwargs):
                                       clamp_value=algo_config.kl_clamp_value)
     aux["kl"] = ((kl * mask).sum() / jnp.clip(mask.sum(), min=1)).astype(jnp.float32)
     aux["kl_loss"] = aggregate(kl)
-    if algo_config.beta:
+    if algo_config.beta and not fused:
       loss = loss + algo_config.beta * aux["kl_loss"]
   aux["entropy"] = aggregate(entropy)
   return loss, aux
@@ -181,6 +225,24 @@ def ppo_loss(model, train_example, algo_config, pad_id, eos_id, **kwargs):
     aux["kl"] = mean(kl)
     loss = loss + algo_config.kl_coef * aux["kl"]
   return loss, aux
+
+
+def _log_ratio(logp, old):
+  """Tunix's GRPO log importance ratio, clipped to ±20."""
+  return jnp.clip(logp - old, -20.0, 20.0)
+
+
+def _surrogate(log_ratio, adv, algo_config):
+  """GRPO's per-token clipped surrogate and dual clip: ``(loss, dual-clip fraction,
+  ratio, unclipped, clipped)``."""
+  ratio = jnp.exp(log_ratio)
+  epsilon = algo_config.epsilon
+  unclipped = -adv * ratio
+  clipped = -adv * jnp.clip(ratio, 1 - epsilon, 1 + getattr(algo_config, "epsilon_high",
+                                                           epsilon))
+  loss, fraction = _dual_clip(jnp.maximum(unclipped, clipped), adv,
+                              getattr(algo_config, "epsilon_c", None))
+  return loss, fraction, ratio, unclipped, clipped
 
 
 def _dual_clip(per_token, adv, epsilon_c):

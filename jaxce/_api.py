@@ -162,9 +162,11 @@ def linear_logprobs_and_entropy(hidden, weight, labels, *, bias=None, logit_soft
   ``Linear(dtype=jnp.bfloat16)`` does); its gradient then comes back in f32 through the cast.
 
   Memory: no ``[T, V]`` array. Forward: two f32 ``[chunk, Vb]`` tiles, the weight block
-  being read and O(T). Backward: ``d hidden`` and ``d weight`` (the outputs), an f32
-  ``[T, D]`` accumulator for ``d hidden`` (none with ``hidden_grad_accumulation=
-  "output"``), an f32 ``[D, Vb]`` accumulator for the weight block and two f32 tiles.
+  being read and O(T). Backward: ``d hidden`` and ``d weight`` (the outputs), two f32
+  tiles, and the smaller of (``jaxce.plan.linear_backward_order``) an f32 ``[T, D]``
+  accumulator for ``d hidden`` with an f32 ``[D, Vb]`` one for the weight block (none of
+  the first with ``hidden_grad_accumulation="output"``), or an f32 accumulator like the
+  weight with an f32 ``[chunk, D]`` one: past ``V_local`` tokens, flat in T.
   """
   hidden = _checks.as_array("hidden", hidden)
   weight = _checks.as_array("weight", weight)
@@ -613,7 +615,9 @@ def _linear_shard(hidden, weight, bias, *, labels, logit_softcap, temperature, w
       softcap=None if logit_softcap is None else float(logit_softcap),
       with_entropy=return_entropy, vocab_dim=vocab_dim,
       pallas=chosen == "pallas", mosaic=chosen == "mosaic",
-      hidden_grad_in_output=hidden_grad_accumulation == "output")
+      hidden_grad_in_output=hidden_grad_accumulation == "output",
+      token_outer=plan.linear_backward_order(num_tokens, num_columns,
+                                             hidden_grad_accumulation) == "token")
   out = _linear.logprobs_entropy(
       hidden.reshape(num_tokens, hidden.shape[-1]), weight, bias,
       labels.reshape(-1).astype(jnp.int32), inv_temp.reshape(-1), valid.reshape(-1), config)

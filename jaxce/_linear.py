@@ -12,7 +12,10 @@ inputs' common dtype, as ``hidden @ weight`` would promote them; f32 accumulatio
 * backward: each tile's ``d logits`` (cast to the operand dtype) feeds two matmuls:
   ``d W_block = hidden_chunkᵀ @ d`` accumulates in f32 over the token chunks of the
   block and is then written once; ``d hidden += d @ W_blockᵀ`` accumulates in an f32
-  ``[T, D]`` buffer, all-reduced over ``vocab_axis`` once at the end.
+  ``[T, D]`` buffer, all-reduced over ``vocab_axis`` once at the end. With more tokens
+  than columns (``plan.linear_backward_order``) the loops swap: each chunk's ``d hidden``
+  rows sum over the blocks in an f32 ``[chunk, D]`` carry and are written once, and
+  ``d W`` sums over the chunks in an f32 array like the weight, so nothing grows with T.
 
 No ``[T, V]`` (or ``[T, V_local]``) buffer exists at any time. A ragged last chunk or
 block is clamped back inside the array; its overlap is masked so nothing counts twice.
@@ -47,6 +50,8 @@ class Config(NamedTuple):
       backward) and each backward tile's ``d logits`` (formed in its matmul's epilogue,
       written once in the operand dtype; ``chunk`` a multiple of 256, ``block`` of 128).
     hidden_grad_in_output: sum ``d hidden`` in its own dtype (else an f32 buffer).
+    token_outer: the backward walks token chunks outer, vocab blocks inner (an f32 sum
+      like the weight instead of one like ``hidden``: ``plan.linear_backward_order``).
   """
   vocab_size: int
   mask_vocab: int | None
@@ -59,6 +64,7 @@ class Config(NamedTuple):
   pallas: bool = False
   hidden_grad_in_output: bool = False
   mosaic: bool = False
+  token_outer: bool = False
 
 
 def logprobs_entropy(hidden, weight, bias, labels, inv_temp, valid, config: Config):
@@ -68,9 +74,10 @@ def logprobs_entropy(hidden, weight, bias, labels, inv_temp, valid, config: Conf
   ``hidden``, ``weight`` and ``bias`` (jitted once per configuration).
 
   Memory: no ``[T, V]`` array. Forward: two f32 ``[chunk, block]`` tiles, the weight
-  block being read and O(T). Backward: ``d hidden`` and ``d weight`` (the outputs), an
-  f32 ``[T, D]`` accumulator for ``d hidden`` (none with ``hidden_grad_in_output``), an
-  f32 ``[D, block]`` accumulator for the weight block and two f32 tiles.
+  block being read and O(T). Backward: ``d hidden`` and ``d weight`` (the outputs), two
+  f32 tiles and either (vocab order) an f32 ``[T, D]`` accumulator for ``d hidden`` (none
+  with ``hidden_grad_in_output``) and an f32 ``[D, block]`` one for the weight block, or
+  (``token_outer``) an f32 accumulator like the weight and an f32 ``[chunk, D]`` one.
   """
   return _jitted_linear_logprobs_entropy(hidden, weight, bias, labels, inv_temp, valid, config)
 
@@ -240,9 +247,9 @@ def _linear_logprobs_entropy_bwd(config, residuals, cotangents):
   operand_dtype, dtype = dtypes(hidden, weight)
   vocab_dim = config.vocab_dim
 
-  def tile_grads(d_hidden, w_cols, b_cols, col, first_column, i):
-    """Tile ``(j, i)``: ``d hidden`` with its rows added, and the tile's f32 ``d W`` and
-    ``d bias`` columns (exactly 0 in a clamped block's overlap and at ignored rows)."""
+  def tile_grads(w_cols, b_cols, col, first_column, i):
+    """Tile ``(j, i)``: its f32 ``d hidden`` rows ``[chunk, D]`` and ``d W`` and ``d bias``
+    columns (exactly 0 in a clamped block's overlap and at ignored rows)."""
     start = _chunking.chunk_start(i, num_tokens, chunk)
     rows = lambda a: None if a is None else lax.dynamic_slice_in_dim(a, start, chunk, 0)
     h = rows(hidden)
@@ -268,9 +275,24 @@ def _linear_logprobs_entropy_bwd(config, residuals, cotangents):
       d = dx.astype(operand_dtype)
     dw_tile = weight_grad(h, d, vocab_dim)
     dh_rows = contract(d, w_cols, 1, vocab_dim)
-    d_hidden = lax.dynamic_update_slice_in_dim(
-        d_hidden, (rows(d_hidden) + dh_rows).astype(d_hidden.dtype), start, 0)
-    return d_hidden, dw_tile, (None if bias is None else jnp.sum(dx, axis=0))
+    return dh_rows, dw_tile, (None if bias is None else jnp.sum(dx, axis=0))
+
+  def block_slices(j):
+    """Block ``j``'s first local column, weight and bias columns, first global id."""
+    col = _chunking.chunk_start(j, num_columns, block)
+    w_cols = lax.dynamic_slice_in_dim(weight, col, block, vocab_dim)
+    b_cols = None if bias is None else lax.dynamic_slice_in_dim(bias, col, block, 0)
+    return col, w_cols, b_cols, shard_start + j * block
+
+  if config.token_outer:
+    return _token_outer_grads(tile_grads, block_slices, hidden, weight, bias, primals,
+                              config, n_chunks, n_blocks, dtype)
+
+  def add_rows(d_hidden, dh_rows, i):
+    start = _chunking.chunk_start(i, num_tokens, chunk)
+    rows = lax.dynamic_slice_in_dim(d_hidden, start, chunk, 0)
+    return lax.dynamic_update_slice_in_dim(d_hidden, (rows + dh_rows).astype(rows.dtype),
+                                           start, 0)
 
   # A ragged vocabulary's clamped last block runs first: its overlap with the block before
   # it gets exact zeros, which that block's own columns then overwrite (no read-back).
@@ -279,22 +301,20 @@ def _linear_logprobs_entropy_bwd(config, residuals, cotangents):
   def block_step(carry, k):
     d_hidden, d_weight, d_bias = carry
     j = (k + n_blocks - 1) % n_blocks if ragged else k
-    col = _chunking.chunk_start(j, num_columns, block)
-    first_column = shard_start + j * block
-    w_cols = lax.dynamic_slice_in_dim(weight, col, block, vocab_dim)
-    b_cols = None if bias is None else lax.dynamic_slice_in_dim(bias, col, block, 0)
-    step = partial(tile_grads, w_cols=w_cols, b_cols=b_cols, col=col,
-                   first_column=first_column)
+    col, w_cols, b_cols, first_column = block_slices(j)
+    step = partial(tile_grads, w_cols, b_cols, col, first_column)
 
     def chunk_step(carry, i):
       d_hidden, dw_block, db_block = carry
-      d_hidden, dw_tile, db_tile = step(d_hidden, i=i)
-      return (d_hidden, dw_block + dw_tile,
+      dh_rows, dw_tile, db_tile = step(i)
+      return (add_rows(d_hidden, dh_rows, i), dw_block + dw_tile,
               None if db_block is None else db_block + db_tile), None
 
     # The first tile starts the block's f32 sums (no zero-filled accumulator to add to).
+    dh_rows, dw_block, db_block = step(0)
     (d_hidden, dw_block, db_block), _ = lax.scan(
-        chunk_step, step(d_hidden, i=0), jnp.arange(1, n_chunks))
+        chunk_step, (add_rows(d_hidden, dh_rows, 0), dw_block, db_block),
+        jnp.arange(1, n_chunks))
     d_weight = lax.dynamic_update_slice_in_dim(d_weight, dw_block.astype(weight.dtype), col,
                                                vocab_dim)
     if bias is not None:
@@ -307,6 +327,51 @@ def _linear_logprobs_entropy_bwd(config, residuals, cotangents):
   if config.vocab_axis is not None:
     d_hidden = lax.psum(d_hidden, config.vocab_axis)  # partial sums over vocab shards
   grads = (d_hidden.astype(hidden.dtype), d_weight, d_bias)
+  grads = tuple(None if g is None else _math.reduce_to_varying(g, p)
+                for g, p in zip(grads, primals))
+  return grads + (None, None, None)
+
+
+def _token_outer_grads(tile_grads, block_slices, hidden, weight, bias, primals, config,
+                       n_chunks, n_blocks, dtype):
+  """The backward with token chunks outer and vocab blocks inner: each chunk's ``d hidden``
+  rows are summed over the blocks in an f32 ``[chunk, D]`` carry (all-reduced over the
+  vocab axis) and written once; ``d W`` (and ``d bias``) sum over the chunks in an f32
+  array like the weight. Its memory beyond the outputs is that sum and one chunk's tiles,
+  whatever T. A clamped block's overlap and a clamped chunk's repeated rows add exact
+  zeros; only the chunk's fresh rows are written."""
+  num_tokens, chunk = hidden.shape[0], config.chunk
+
+  def chunk_step(carry, i):
+    d_hidden, d_weight, d_bias = carry
+
+    def block_step(carry, j):
+      dh_rows, d_weight, d_bias = carry
+      col, w_cols, b_cols, first_column = block_slices(j)
+      dh_tile, dw_tile, db_tile = tile_grads(w_cols, b_cols, col, first_column, i)
+      add = lambda a, t, dim: lax.dynamic_update_slice_in_dim(
+          a, lax.dynamic_slice_in_dim(a, col, t.shape[dim], dim) + t, col, dim)
+      return (dh_rows + dh_tile, add(d_weight, dw_tile, config.vocab_dim),
+              None if d_bias is None else add(d_bias, db_tile, 0)), None
+
+    dh_rows = jnp.zeros_like(hidden[:chunk], dtype)  # (zeros_like: the varying type too)
+    (dh_rows, d_weight, d_bias), _ = lax.scan(block_step, (dh_rows, d_weight, d_bias),
+                                              jnp.arange(n_blocks))
+    if config.vocab_axis is not None:
+      dh_rows = lax.psum(dh_rows, config.vocab_axis)  # partial sums over vocab shards
+    start = _chunking.chunk_start(i, num_tokens, chunk)
+    fresh = _chunking.fresh_rows(i, start, chunk)[:, None]
+    old = lax.dynamic_slice_in_dim(d_hidden, start, chunk, 0)
+    d_hidden = lax.dynamic_update_slice_in_dim(
+        d_hidden, jnp.where(fresh, dh_rows.astype(d_hidden.dtype), old), start, 0)
+    return (d_hidden, d_weight, d_bias), None
+
+  # d hidden's rows are all-reduced as they are written: the sum has hidden's own type.
+  carry = (jnp.zeros_like(primals[0]), jnp.zeros_like(weight, dtype),
+           None if bias is None else jnp.zeros_like(bias, dtype))
+  (d_hidden, d_weight, d_bias), _ = lax.scan(chunk_step, carry, jnp.arange(n_chunks))
+  grads = (d_hidden, d_weight.astype(weight.dtype),
+           None if bias is None else d_bias.astype(bias.dtype))
   grads = tuple(None if g is None else _math.reduce_to_varying(g, p)
                 for g, p in zip(grads, primals))
   return grads + (None, None, None)

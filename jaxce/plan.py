@@ -4,6 +4,7 @@ Public, so that benchmarks, notebooks and users can see the plan a call will use
 
     chunk = jaxce.plan.logits_chunk(num_tokens, num_columns)          # logits path
     chunk, block = jaxce.plan.linear_tiles(num_tokens, num_columns)   # fused path
+    jaxce.plan.linear_backward_order(num_tokens, num_columns)       # "vocab" or "token"
     chunk = jaxce.plan.linear_objective_chunk(num_tokens, num_columns) # linear_token_loss
     jaxce.plan.implementation(None, logits)                  # "pallas", "xla" or "mosaic"
 
@@ -97,6 +98,18 @@ def linear_kernel_tiles(num_tokens: int, num_columns: int, requested_chunk: int 
   to one of 128 (the kernel's tile; at least that, at most the array)."""
   chunk, block = linear_tiles(num_tokens, num_columns, requested_chunk, requested_block)
   return _multiple(chunk, 256, num_tokens), _multiple(block, 128, num_columns)
+
+
+def linear_backward_order(num_tokens: int, num_columns: int,
+                          hidden_grad_accumulation: str = "float32") -> str:
+  """The loop order of the fused backward: ``"vocab"`` (vocab blocks outer: ``d hidden``
+  sums in an f32 ``[T, D]`` array) or ``"token"`` (token chunks outer: ``d W`` sums in an
+  f32 array like the weight, ``[D, V_local]``), whichever sum is smaller, so the memory
+  beyond the outputs stays flat in T. ``hidden_grad_accumulation="output"`` keeps the
+  vocab order, which then needs no f32 sum at all."""
+  if hidden_grad_accumulation == "output" or num_tokens <= num_columns:
+    return "vocab"
+  return "token"
 
 
 def _multiple(size: int, multiple: int, total: int) -> int:

@@ -270,3 +270,41 @@ def test_default_implementation_follows_the_platform_of_the_call(monkeypatch):
   out = jax.jit(lambda h, w: jaxce.sharded_linear_logprobs_and_entropy(
       h, w, labels, mesh=mesh, vocab_axis="vocab"))(h, w)  # would fail with the kernel
   np.testing.assert_allclose(out[0], np.full(4, -np.log(16.0)), rtol=1e-2)
+
+
+@pytest.mark.parametrize("dtype,chunk_size,vocab_block_size,layout", [
+    (jnp.float64, 7, 24, "dv"), (jnp.float64, None, None, "vd"), (jnp.float32, 16, 50, "dv")])
+def test_token_outer_backward_matches_reference(dtype, chunk_size, vocab_block_size, layout):
+  """More tokens than columns: the backward walks token chunks outer (its f32 sum is
+  like the weight, not like ``hidden``); ragged chunks and blocks, bias, softcap,
+  temperature, ignored and masked rows, a padded vocabulary, both weight layouts."""
+  rng, h, w, b, loss_kw = _case(6, (3, 41), 12, 101, vocab_size=97)
+  assert jaxce.plan.linear_backward_order(3 * 41, 101) == "token"
+  if layout == "vd":
+    w = np.ascontiguousarray(w.T)
+  _check(h, w, b, dtype, loss_kw, chunk_size=chunk_size, vocab_block_size=vocab_block_size,
+         logit_softcap=4.0, temperature=rng.uniform(0.5, 1.5, (3, 1)), vocab_size=97,
+         where=rng.random((3, 41)) < 0.85, weight_layout=layout)
+
+
+def test_token_outer_backward_sharded():
+  """The token-outer backward inside shard_map: each chunk's d hidden rows all-reduced
+  over the vocab axis, d W per shard."""
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+  mesh = Mesh(np.array(devices(2)), ("vocab",))
+  rng, h, w, b, loss_kw = _case(8, (90,), 10, 64)
+  assert jaxce.plan.linear_backward_order(90, 32) == "token"
+  arrays = (jnp.asarray(h, jnp.float32),
+            jax.device_put(jnp.asarray(w, jnp.float32), NamedSharding(mesh, P(None, "vocab"))),
+            jax.device_put(jnp.asarray(b, jnp.float32), NamedSharding(mesh, P("vocab"))))
+  f = lambda h, w, b, labels, **k: jaxce.sharded_linear_logprobs_and_entropy(
+      h, w, labels, bias=b, mesh=mesh, vocab_axis="vocab", chunk_size=16, vocab_block_size=12,
+      temperature=0.9, **k)
+  fr = lambda h, w, b, labels, **k: reference.linear_logprobs_and_entropy(
+      h, w, labels, bias=b, temperature=0.9, **k)
+  (logp, ent), grads = value_and_grads(f, arrays, (0, 1, 2), **loss_kw)
+  (logp_r, ent_r), grads_r = value_and_grads(
+      fr, tuple(jnp.asarray(a, jnp.float64) for a in (h, w, b)), (0, 1, 2), **loss_kw)
+  assert_close(logp, logp_r, TOLERANCE[jnp.float32]["value"], "logp")
+  for name, g, gr in zip(("d hidden", "d weight", "d bias"), grads, grads_r):
+    assert_close(g, gr, TOLERANCE[jnp.float32]["grad"] * 10, name)

@@ -144,3 +144,23 @@ def test_default_plan_bounds_cpu_memory():
                jax.ShapeDtypeStruct((tokens,), jnp.int32))
   plan = jax.jit(lambda x, l: jaxce.logprobs_and_entropy(x, l)).lower(x, labels).compile()
   assert plan.memory_analysis().temp_size_in_bytes <= 5 * jaxce.plan.LOGITS_TILE_BYTES["cpu"]
+
+
+def test_linear_backward_memory_is_flat_in_tokens():
+  """Past V_local tokens the fused backward sums d W (f32, like the weight) instead of
+  d hidden (f32 [T, D]): its compiled working set stops growing with T but for O(T)
+  vectors (labels, statistics, cotangents)."""
+  dim, columns = 64, 512
+
+  def plan(tokens):
+    assert jaxce.plan.linear_backward_order(tokens, columns) == "token"
+    h, labels, adv = (jnp.zeros((tokens, dim), jnp.float32), jnp.zeros((tokens,), jnp.int32),
+                      jnp.ones((tokens,), jnp.float32))
+    w = jnp.zeros((dim, columns), jnp.float32)
+    fn = lambda h, w, l: jaxce.linear_logprobs_and_entropy(h, w, l, chunk_size=128,
+                                                           vocab_block_size=256)
+    return _compiled(jax.grad(_loss(fn, labels, adv), (0, 1)), h, w)
+
+  small, large = plan(2048), plan(8192)
+  grow = large.memory_analysis().temp_size_in_bytes - small.memory_analysis().temp_size_in_bytes
+  assert grow <= (8192 - 2048) * 64, grow  # an f32 [T, D] sum would add 6144 * 256 bytes

@@ -129,8 +129,9 @@ def platform(*arrays, mesh=None) -> str:
 
 def implementation(requested: str | None, *arrays, mesh=None) -> str:
   """``"pallas"``, ``"xla"`` or ``"mosaic"`` for a call's forward statistics over ``arrays``
-  (the logits, or the hidden states and the weight; ``"mosaic"``, the fused path's Mosaic
-  GPU kernel, only when asked for). ``None``: the Pallas kernel when the call runs on
+  (the logits, or the hidden states and the weight; ``"mosaic"`` is the fused path's
+  Mosaic GPU kernel, which ``jaxce.linear_logprobs_and_entropy`` puts in place of
+  ``"pallas"`` on Hopper GPUs where it can run). ``None``: the Pallas kernel when the call runs on
   GPUs (:func:`platform`) unless an array is float64, inside ``shard_map`` too. Off GPUs
   the kernel runs in JAX's Pallas interpreter (tests only), which cannot run inside
   ``shard_map`` once an operand differs per shard; on GPUs that case is checked by

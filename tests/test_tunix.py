@@ -118,6 +118,27 @@ def test_ppo_matches_tunix(tied):
   _compare(_model(tied), example, config, "ppo", jaxce_tunix.PPO_LOSS)
 
 
+@pytest.mark.parametrize("loss_algo", ["grpo", "gspo-token"])
+def test_packed_sequences_match_tunix(loss_algo):
+  """Sequence packing: no prompts, the documents' segment ids and positions; every
+  position but the first predicts the next token (Tunix pads the first back)."""
+  rng = np.random.default_rng(3)
+  shape, vocab_size = (2, 12), 300
+  positions = np.stack([np.r_[np.arange(5), np.arange(7)], np.r_[np.arange(8), np.arange(4)]])
+  near = lambda: jnp.asarray(-np.log(vocab_size) + 0.1 * rng.normal(size=shape), jnp.float32)
+  example = common.TrainExample(
+      prompt_ids=jnp.zeros((2, 0), jnp.int32), prompt_mask=jnp.zeros((2, 0), bool),
+      completion_ids=jnp.asarray(rng.integers(2, vocab_size, shape)),
+      completion_mask=jnp.asarray(rng.random(shape) < 0.7, jnp.int32),
+      advantages=jnp.asarray(rng.normal(size=shape), jnp.float32),
+      ref_per_token_logps=near(), old_per_token_logps=near(),
+      segment_ids=jnp.asarray(1 + (positions < np.roll(positions, 1, axis=1)).cumsum(1)),
+      segment_positions=jnp.asarray(positions))
+  config = GRPOConfig(num_generations=2, beta=0.04, loss_algo=loss_algo)
+  config.temperature = 0.8
+  _compare(_model(False), example, config, "grpo", jaxce_tunix.GRPO_LOSS)
+
+
 def test_use_jaxce_selects_the_registered_losses():
   config = jaxce_tunix.use_jaxce(GRPOConfig(num_generations=2))
   assert config.policy_loss_fn == jaxce_tunix.GRPO_LOSS

@@ -55,7 +55,8 @@ def per_token_logps(model, train_example, pad_id, eos_id, temperature=1.0):
   hidden, labels, weight, layout, packed = _head_inputs(model, train_example, pad_id, eos_id)
   logp, entropy = jaxce.linear_logprobs_and_entropy(
       hidden, weight, labels, temperature=_temperature(temperature), weight_layout=layout)
-  return _unpack(logp, packed), _unpack(entropy, packed)
+  vocab_size = weight.shape[1 if layout == "dv" else 0]
+  return _unpack(logp, packed, 0.0), _unpack(entropy, packed, jnp.log(vocab_size))
 
 
 def _head_inputs(model, train_example, pad_id, eos_id):
@@ -84,9 +85,12 @@ def _head_inputs(model, train_example, pad_id, eos_id):
   return hidden.astype(dtype), labels, weight.astype(dtype), layout, packed
 
 
-def _unpack(per_token, packed):
-  """Packed sequences: Tunix pads the first position back with 0."""
-  return jnp.pad(per_token, ((0, 0), (1, 0))) if packed else per_token
+def _unpack(per_token, packed, first):
+  """Packed sequences: Tunix pads the first position back (its logits with zeros: a
+  log-prob of 0 and a uniform distribution's entropy, ``log V``)."""
+  if not packed:
+    return per_token
+  return jnp.pad(per_token, ((0, 0), (1, 0)), constant_values=first)
 
 
 def _temperature(temperature):

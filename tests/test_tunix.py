@@ -1,6 +1,7 @@
-"""jaxce behind Tunix's policy losses: for the same Tunix Qwen3, batch and seed, Tunix's own
-``grpo`` / ``ppo`` loss and the jaxce-backed one agree in loss, aux metrics and every
-parameter's gradient, and the jaxce step's compiled program holds no ``[B, L, V]`` array.
+"""jaxce behind Tunix's policy losses: for the same Tunix model (Qwen3; Gemma), batch and
+seed, Tunix's own ``grpo`` / ``ppo`` loss and the jaxce-backed one agree in loss, aux
+metrics and every parameter's gradient, and the jaxce step's compiled program holds no
+``[B, L, V]`` array.
 
 Tolerances (float32 model): both sides compute the same float32 function; they differ
 only in how the softmax sums are ordered (jaxce's online softmax over vocab tiles against
@@ -137,6 +138,21 @@ def test_packed_sequences_match_tunix(loss_algo):
   config = GRPOConfig(num_generations=2, beta=0.04, loss_algo=loss_algo)
   config.temperature = 0.8
   _compare(_model(False), example, config, "grpo", jaxce_tunix.GRPO_LOSS)
+
+
+@pytest.mark.parametrize("loss_algo", ["grpo", "gspo-token"])
+def test_gemma_matches_tunix(loss_algo):
+  """Tunix's Gemma: a tied head without a compute-dtype cast, the final-logit softcap
+  (Gemma 2's, applied before the temperature), no segment ids in its call."""
+  from tunix.models.gemma import model as gemma  # pylint: disable=import-outside-toplevel
+  config = gemma.ModelConfig(
+      num_layers=2, num_embed=300, embed_dim=64, hidden_dim=128, num_heads=2, head_dim=32,
+      num_kv_heads=1, final_logit_softcap=3.0, use_post_attn_norm=True,
+      use_post_ffw_norm=True, attention_types=(gemma.AttentionType.GLOBAL,) * 2)
+  algo_config = GRPOConfig(num_generations=2, beta=0.04, loss_algo=loss_algo)
+  algo_config.temperature = 0.8
+  _compare(gemma.Gemma(config, rngs=nnx.Rngs(0)), _example(np.random.default_rng(1)),
+           algo_config, "grpo", jaxce_tunix.GRPO_LOSS)
 
 
 def test_use_jaxce_selects_the_registered_losses():

@@ -20,11 +20,13 @@ signature ``(model, train_example, algo_config, pad_id, eos_id)``, ``common.proc
 ``common.aggregate_loss``, ``common.compute_kl_divergence``, ``algo_core.masked_mean``,
 and the model's ``output_hidden_states=True`` (it sows the final-norm output as the
 ``nnx.Intermediate`` ``all_hidden_states``) with its head at ``lm_head.w`` (``[D, V]``) or,
-tied, ``embedder.input_embedding`` (``[V, D]``), as Tunix's Qwen3, Qwen2, Llama3 and Gemma
-models have them.
+tied, ``embedder.input_embedding`` (``[V, D]``), and Gemma's ``final_logit_softcap``, as
+Tunix's Qwen3, Qwen2, Llama3 and Gemma models have them (tests: Qwen3 and Gemma).
 """
 
 from __future__ import annotations
+
+import inspect
 
 import jax
 import jax.numpy as jnp
@@ -54,22 +56,23 @@ def per_token_logps(model, train_example, pad_id, eos_id, temperature=1.0):
   """
   hidden, labels, weight, layout, packed = _head_inputs(model, train_example, pad_id, eos_id)
   logp, entropy = jaxce.linear_logprobs_and_entropy(
-      hidden, weight, labels, temperature=_temperature(temperature), weight_layout=layout)
+      hidden, weight, labels, temperature=_temperature(temperature), weight_layout=layout,
+      logit_softcap=_softcap(model))
   vocab_size = weight.shape[1 if layout == "dv" else 0]
   return _unpack(logp, packed, 0.0), _unpack(entropy, packed, jnp.log(vocab_size))
 
 
 def _head_inputs(model, train_example, pad_id, eos_id):
   """``(hidden, labels, weight, weight_layout, packed)``: the final hidden states that
-  predict each scored token (``[B, L, D]``, in the model's dtype, as Tunix's head computes
-  in it), the tokens, and the head."""
+  predict each scored token (``[B, L, D]``; both in the head's compute dtype where the
+  head casts to one, as Tunix's Qwen and Llama heads do), the tokens, and the head."""
   prompt, completion = train_example.prompt_ids, train_example.completion_ids
   segment_ids = getattr(train_example, "segment_ids", None)
   tokens, positions, attention_mask, input_segment_ids = common.process_ids(
       prompt, completion, pad_id, eos_id, segment_ids,
       getattr(train_example, "segment_positions", None))
   kwargs = {}
-  if segment_ids is not None or input_segment_ids is not None:
+  if _takes_segment_ids(model) and (segment_ids is not None or input_segment_ids is not None):
     kwargs["segment_ids"] = segment_ids if segment_ids is not None else input_segment_ids
   graphdef, state = nnx.split(model)
   model = nnx.merge(graphdef, state)  # a copy: the sown hidden states stay out of `model`
@@ -80,9 +83,20 @@ def _head_inputs(model, train_example, pad_id, eos_id):
     hidden, labels = hidden[:, :-1], tokens[:, 1:]
   else:
     hidden, labels = hidden[:, -completion.shape[1] - 1:-1], completion
-  weight, layout = _head(model)
-  dtype = model.config.dtype
-  return hidden.astype(dtype), labels, weight.astype(dtype), layout, packed
+  weight, layout, dtype = _head(model)
+  if dtype is not None:
+    hidden, weight = hidden.astype(dtype), weight.astype(dtype)
+  return hidden, labels, weight, layout, packed
+
+
+def _takes_segment_ids(model):
+  """Whether the model's ``__call__`` accepts ``segment_ids`` (Tunix passes them only then)."""
+  try:
+    parameters = inspect.signature(model.__call__).parameters.values()
+  except (TypeError, ValueError):
+    return False
+  return any(p.name == "segment_ids" or p.kind == inspect.Parameter.VAR_KEYWORD
+             for p in parameters)
 
 
 def _unpack(per_token, packed, first):
@@ -98,10 +112,17 @@ def _temperature(temperature):
 
 
 def _head(model):
-  """``(weight, weight_layout)`` of the model's LM head."""
-  if getattr(model.config, "use_tied_embedding", False):
-    return _value(model.embedder.input_embedding), "vd"
-  return _value(model.lm_head.w), "dv"
+  """``(weight, weight_layout, compute dtype or None)`` of the model's LM head: its own
+  ``lm_head`` (``[D, V]``), else the tied embedding table (``[V, D]``)."""
+  if hasattr(model, "lm_head"):
+    return _value(model.lm_head.w), "dv", getattr(model.lm_head, "dtype", None)
+  return (_value(model.embedder.input_embedding), "vd",
+          getattr(model.embedder, "dtype", None))
+
+
+def _softcap(model):
+  """The model's final-logit softcap (Gemma's), or None."""
+  return getattr(model.config, "final_logit_softcap", None)
 
 
 def _value(variable):
@@ -151,7 +172,7 @@ def grpo_loss(model, train_example, algo_config, pad_id, eos_id, **kwargs):
         jnp.zeros(mask.shape) if ref_logp is None else ref_logp.astype(jnp.float32),
         pg_weight, 1.0 if sampler_weights is None else sampler_weights.astype(jnp.float32),
         temperature=_temperature(algo_config.temperature), weight_layout=layout,
-        return_entropy=True)
+        logit_softcap=_softcap(model), return_entropy=True)
     logp, entropy = jax.lax.stop_gradient(logp), jax.lax.stop_gradient(entropy)  # metrics
   else:
     logp, entropy = per_token_logps(model, train_example, pad_id, eos_id,

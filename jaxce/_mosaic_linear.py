@@ -1,17 +1,22 @@
-"""The fused LM-head forward's tile statistics as a Pallas Mosaic GPU kernel (sm90).
+"""The fused LM-head path's tiles as a Pallas Mosaic GPU kernel (sm90), with two epilogues:
+the forward's softmax statistics (``statistics``) and the backward's ``d logits``
+(``logits_grad``).
 
 ``hidden @ weight`` is computed tile by tile on the tensor cores (wgmma, bf16/f16
-operands, f32 accumulation) and each ``[256, 128]`` tile is folded, in registers, into
-its rows' softmax statistics before the next one starts: the logits never reach device
-memory. Layout of one CTA (three warpgroups):
+operands, f32 accumulation) and each ``[256, 128]`` tile is finished in registers before
+the next one starts: the forward folds it into its rows' softmax statistics, so the
+logits never reach device memory; the backward forms its ``d logits`` from the saved
+statistics and writes them once, in the operand dtype. Layout of one CTA (three
+warpgroups):
 
 * a memory warpgroup streams ``[256, 64]`` hidden and ``[64, 128]`` weight blocks into
   shared memory with TMA, ``STAGES`` steps ahead (``emit_pipeline_warp_specialized``);
 * two compute warpgroups, 128 rows each, accumulate the tile over the hidden dim, then
-  (epilogue) apply the softcap and the per-row temperature, mask columns outside
+  (forward epilogue) apply the softcap and the per-row temperature, mask columns outside
   ``[tile start, limit)``, and reduce the tile to per-row ``(m, s, q, picked)``: its max,
   ``Σ exp(z - m)``, ``Σ exp(z - m)(z - m)`` and the label's ``z`` (0 when the label is
-  not in the tile).
+  not in the tile); or (backward epilogue) ``_math.logit_grad`` and the softcap's and
+  temperature's factors, stored through shared memory with TMA.
 
 The grid is persistent (one CTA per SM) over (row blocks × vocab tiles), walked in
 ``planar_snake`` order 8 row blocks wide, so that the CTAs running together share 8

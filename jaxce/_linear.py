@@ -109,14 +109,15 @@ def tile_logits(hidden_rows, weight_cols, bias_cols, softcap, vocab_dim):
   return x
 
 
-def logits_input_grad(dz, inv_temp, x, softcap):
+def logits_input_grad(dz, inv_temp, x, softcap, keep):
   """``d loss / d (hidden @ W + bias)`` of a ``[C, Vb]`` tile from ``dz = d loss / d z``:
   the temperature's factor (``inv_temp [C]``) and, with a softcap, its derivative (``x``
-  holds the capped logits)."""
+  holds the capped logits); exactly 0 at rows where ``keep [C]`` is False, after every
+  factor (an ignored row's NaN logits would otherwise come back as ``0 * NaN``)."""
   dx = dz * inv_temp[:, None].astype(dz.dtype)
   if softcap is not None:
     dx = dx * (1 - jnp.square(x / softcap))
-  return dx
+  return jnp.where(keep[:, None], dx, 0)
 
 
 def weight_grad(h, d, vocab_dim):
@@ -271,7 +272,7 @@ def _linear_logprobs_entropy_bwd(config, residuals, cotangents):
                               first_column)
       dz = _math.logit_grad(z, label_column, rows(shift), rows(log_sum), rows(entropy),
                             rows(g_logp), rows(g_entropy), keep)
-      dx = logits_input_grad(dz, rows(inv_temp), x, config.softcap)
+      dx = logits_input_grad(dz, rows(inv_temp), x, config.softcap, keep)
       d = dx.astype(operand_dtype)
     dw_tile = weight_grad(h, d, vocab_dim)
     dh_rows = contract(d, w_cols, 1, vocab_dim)

@@ -88,7 +88,7 @@ def _run(objective, hidden, weight, bias, labels, inv_temp, valid, token_args, c
     z = _math.scaled_logits(x, rows(inv_temp), column_start, config.mask_vocab)
     dz = _math.logit_grad(z, rows(labels) - column_start, shift, log_sum, entropy, g_logp,
                           g_entropy, keep)
-    dx = _linear.logits_input_grad(dz, rows(inv_temp), x, config.softcap)
+    dx = _linear.logits_input_grad(dz, rows(inv_temp), x, config.softcap, keep)
     d = dx.astype(operand_dtype)
     h = jnp.where(keep[:, None], h, 0)  # an ignored row's NaN must not reach d W as 0 * NaN
     dh_rows = _linear.contract(d, weight, 1, vocab_dim)

@@ -90,11 +90,16 @@ def test_ignored_bad_token_gives_zeros_and_touches_nothing(path, mask):
   assert np.all(_token_grad(path, grads)[row] == 0)
 
 
-def test_ignored_nan_hidden_state_leaves_weight_grad_finite():
+@pytest.mark.parametrize("softcap", [None, 5.0])
+def test_ignored_nan_hidden_state_leaves_weight_grad_finite(softcap):
+  """Padding whose hidden state is garbage: with a softcap too, whose factor
+  ``1 - tanh²(x / c)`` of a NaN logit must not reach the gradients as ``0 * NaN``."""
   diff, rest, cot = _inputs("linear")
-  rest = dict(rest, where=np.arange(T) != 7)  # padding whose hidden state is garbage
-  _, grads = _run("linear", _poison("linear", (diff, rest, cot), 7, np.nan), chunk_size=CHUNK)
+  rest = dict(rest, where=np.arange(T) != 7)
+  _, grads = _run("linear", _poison("linear", (diff, rest, cot), 7, np.nan), chunk_size=CHUNK,
+                  logit_softcap=softcap)
   assert np.isfinite(grads["weight"]).all() and np.isfinite(grads["bias"]).all()
+  assert np.all(grads["hidden"][7] == 0) and np.isfinite(grads["hidden"]).all()
 
 
 @pytest.mark.parametrize("path,shards", [("logits", 1), ("logits", 2), ("linear", 2)])

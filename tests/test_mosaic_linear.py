@@ -109,7 +109,7 @@ def test_logits_grad_tile_matches_float64(vocab_dim, softcap, first_kept, limit)
       shift, log_sum, entropy)), jnp.asarray(g_logp, jnp.float64),
       jnp.asarray(g_entropy, jnp.float64), jnp.asarray(keep))
   want = _linear.logits_input_grad(dz, jnp.asarray(inv_temp, jnp.float64), jnp.asarray(x),
-                                   softcap)
+                                   softcap, jnp.asarray(keep))
   assert got.dtype == jnp.bfloat16
   assert not np.any(np.asarray(got)[~keep]), "dropped rows must be exactly 0"
   assert not np.any(np.asarray(got)[:, :first_kept]), "the overlap must be exactly 0"

@@ -306,3 +306,19 @@ def test_objective_path_is_as_exact_as_the_general_path(path):
   assert error(logp, ref_logp) <= error(general_logp, ref_logp) + scale(ref_logp)
   for g, gg, r in zip(grads, general_grads, ref_grads):
     assert error(g, r) <= error(gg, r) + scale(r)
+
+
+@pytest.mark.parametrize("softcap", [None, 5.0])
+def test_ignored_nan_hidden_state_stays_out_of_the_fused_objective_grads(softcap):
+  """A padding row with a NaN hidden state (ignored by its label): the loss and every
+  gradient stay finite, with a softcap too (its factor of a NaN logit is NaN)."""
+  rng = np.random.default_rng(0)
+  hidden = jnp.asarray(rng.normal(size=(6, 8)), jnp.float32).at[2].set(jnp.nan)
+  weight = jnp.asarray(rng.normal(size=(8, 50)), jnp.float32)
+  labels = jnp.asarray([1, 2, -100, 4, 5, 6])
+  advantages = jnp.asarray(rng.normal(size=6), jnp.float32)
+  loss = lambda h, w: jaxce.linear_token_loss(lambda logp, ent, a: -a * logp, h, w, labels,
+                                              advantages, logit_softcap=softcap)[0]
+  value, (d_hidden, d_weight) = jax.value_and_grad(loss, (0, 1))(hidden, weight)
+  assert np.isfinite(value) and np.isfinite(d_weight).all()
+  assert np.all(d_hidden[2] == 0) and np.isfinite(d_hidden).all()

@@ -47,8 +47,7 @@ def parse_args(argv=None):
 
 def build(args):
   """``(model, optimizer, example, config)`` of the chosen size."""
-  import jax  # pylint: disable=import-outside-toplevel
-  import jax.numpy as jnp
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   import numpy as np
   import optax
   from flax import nnx

@@ -1,0 +1,177 @@
+"""Fingerprints of the StableHLO that jaxce's public calls lower to, for refactors that must
+not change what runs.
+
+    python scripts/hlo_fingerprints.py > before.json     # on the old code
+    python scripts/hlo_fingerprints.py --compare before.json
+
+Each program is one public call (forward, or forward + gradient with per-token cotangents)
+lowered on CPU with 8 simulated devices: plain, inside ``shard_map`` with ``vocab_axis``,
+through ``sharded_*`` and on arrays split over explicit mesh axes, with the options that
+change the program. A fingerprint is the SHA-256 of the StableHLO text with its function
+symbols renamed in order of appearance (``@f0``, ``@f1``...), so renaming a private Python
+function does not count as a change; the raw text's hash is kept beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import re
+import sys
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                           + " --xla_force_host_platform_device_count=8").strip()
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
+
+import jaxce  # noqa: E402
+
+T, V, D = 24, 160, 16
+
+
+def _arrays():
+  rng = np.random.default_rng(0)
+  logits = jnp.asarray(rng.normal(size=(2, T // 2, V)), jnp.bfloat16)
+  hidden = jnp.asarray(rng.normal(size=(2, T // 2, D)), jnp.bfloat16)
+  weight = jnp.asarray(rng.normal(size=(D, V)) / 4, jnp.bfloat16)
+  labels = jnp.asarray(rng.integers(0, 150, (2, T // 2)), jnp.int32)
+  cot = jnp.asarray(rng.normal(size=(2, 2, T // 2)), jnp.float32)
+  return logits, hidden, weight, labels, cot
+
+
+def _weighted(fn, cot):
+  def loss(*a):
+    logp, ent = fn(*a)
+    return jnp.sum(cot[0] * logp) + (0.0 if ent is None else jnp.sum(cot[1] * ent))
+  return loss
+
+
+def programs():
+  """``{name: (function, args)}``: the calls whose lowering is fingerprinted."""
+  logits, hidden, weight, labels, cot = _arrays()
+  where = labels % 5 != 0
+  temp = jnp.linspace(0.7, 1.3, labels.size).reshape(labels.shape)
+  mesh2 = Mesh(np.array(jax.devices()[:2]), ("v",))
+  mesh4 = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("b", "v"))
+  out = {}
+
+  logits_options = {
+      "default": {}, "no_entropy": dict(return_entropy=False),
+      "where_temp_vocab": dict(where=where, temperature=temp, vocab_size=150),
+      "chunk5": dict(chunk_size=5), "in_place": dict(backward_in_place=True, chunk_size=7),
+      "pallas": dict(implementation="pallas"),
+  }
+  for name, kw in logits_options.items():
+    f = lambda x, kw=kw: jaxce.logprobs_and_entropy(x, labels, **kw)
+    out[f"logits/{name}/fwd"] = (f, (logits,))
+    out[f"logits/{name}/grad"] = (jax.grad(_weighted(f, cot)), (logits,))
+
+  linear_options = {
+      "default": {}, "no_entropy": dict(return_entropy=False),
+      "bias_softcap": dict(bias=jnp.linspace(-1, 1, V).astype(jnp.bfloat16), logit_softcap=5.0),
+      "where_temp_vocab": dict(where=where, temperature=temp, vocab_size=150),
+      "tiles": dict(chunk_size=7, vocab_block_size=48),
+      "token_outer": dict(chunk_size=8, vocab_block_size=32),
+      "output_accumulation": dict(hidden_grad_accumulation="output", vocab_block_size=64),
+      "pallas": dict(implementation="pallas", vocab_block_size=64),
+  }
+  for name, kw in linear_options.items():
+    f = lambda h, w, kw=kw: jaxce.linear_logprobs_and_entropy(h, w, labels, **kw)
+    out[f"linear/{name}/fwd"] = (f, (hidden, weight))
+    out[f"linear/{name}/grad"] = (jax.grad(_weighted(f, cot), (0, 1)), (hidden, weight))
+  vd = lambda h, w: jaxce.linear_logprobs_and_entropy(h, w, labels, weight_layout="vd")
+  out["linear/vd/grad"] = (jax.grad(_weighted(vd, cot), (0, 1)), (hidden, weight.T))
+
+  # Inside the caller's shard_map, through sharded_*, and explicitly split arrays.
+  def in_shard_map(fn, specs):
+    return jax.shard_map(fn, mesh=mesh2, in_specs=specs, out_specs=P())
+
+  f = lambda x, lab: jnp.sum(jaxce.logprobs_and_entropy(x, lab, vocab_axis="v")[0])
+  out["logits/shard_map/grad"] = (jax.grad(in_shard_map(f, (P(None, None, "v"), P()))),
+                                  (logits, labels))
+  f = lambda h, w, lab: jnp.sum(jaxce.linear_logprobs_and_entropy(h, w, lab, vocab_axis="v")[1])
+  out["linear/shard_map/grad"] = (jax.grad(in_shard_map(f, (P(), P(None, "v"), P())), (0, 1)),
+                                  (hidden, weight, labels))
+  f = lambda x: jaxce.sharded_logprobs_and_entropy(x, labels, mesh=mesh4, vocab_axis="v",
+                                                   batch_axis="b")
+  out["logits/sharded/grad"] = (jax.grad(_weighted(f, cot)), (logits,))
+  f = lambda h, w: jaxce.sharded_linear_logprobs_and_entropy(h, w, labels, mesh=mesh4,
+                                                             vocab_axis="v", batch_axis="b")
+  out["linear/sharded/grad"] = (jax.grad(_weighted(f, cot), (0, 1)), (hidden, weight))
+
+  objective = jaxce.objectives.grpo(0.2, 0.28, beta=0.04, entropy_coef=0.01)
+  token_args = (cot[0], cot[1] - 3, cot[1] - 2, jnp.full(labels.shape, 0.1))
+  f = lambda x: jaxce.token_loss(objective, x, labels, *token_args, where=where)[0]
+  out["token_loss/default/grad"] = (jax.grad(f), (logits,))
+  f = lambda h, w: jaxce.linear_token_loss(objective, h, w, labels, *token_args, where=where)[0]
+  out["linear_token_loss/default/grad"] = (jax.grad(f, (0, 1)), (hidden, weight))
+  f = lambda h, w: jaxce.linear_token_loss(objective, h, w, labels, *token_args,
+                                           chunk_size=5, logit_softcap=4.0)[0]
+  out["linear_token_loss/chunk5_softcap/grad"] = (jax.grad(f, (0, 1)), (hidden, weight))
+  f = lambda x: jaxce.sharded_token_loss(objective, x, labels, *token_args, mesh=mesh4,
+                                         vocab_axis="v", batch_axis="b")[0]
+  out["token_loss/sharded/grad"] = (jax.grad(f), (logits,))
+  f = lambda h, w: jaxce.sharded_linear_token_loss(objective, h, w, labels, *token_args,
+                                                   mesh=mesh4, vocab_axis="v",
+                                                   batch_axis="b")[0]
+  out["linear_token_loss/sharded/grad"] = (jax.grad(f, (0, 1)), (hidden, weight))
+
+  explicit = jax.make_mesh((2,), ("v",), axis_types=(jax.sharding.AxisType.Explicit,),
+                           devices=jax.devices()[:2])
+  with jax.set_mesh(explicit):
+    split_w = jax.device_put(weight, NamedSharding(explicit, P(None, "v")))
+    f = lambda h, w: jaxce.linear_logprobs_and_entropy(h, w, labels)
+    out["linear/explicit/grad"] = (jax.grad(_weighted(f, cot), (0, 1)), (hidden, split_w),
+                                   explicit)
+  return out
+
+
+def fingerprint(text):
+  names = {}
+  normal = re.sub(r"@([\w.$-]+)", lambda m: "@" + names.setdefault(m.group(1), f"f{len(names)}"),
+                  text)
+  return {"normalized": hashlib.sha256(normal.encode()).hexdigest()[:16],
+          "raw": hashlib.sha256(text.encode()).hexdigest()[:16]}
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--compare", help="a JSON file written by this script")
+  parser.add_argument("--dump", help="a folder to write each program's StableHLO to")
+  args = parser.parse_args()
+  result = {}
+  for name, (fn, arrays, *mesh) in programs().items():
+    if mesh:
+      with jax.set_mesh(mesh[0]):
+        text = jax.jit(fn).lower(*arrays).as_text()
+    else:
+      text = jax.jit(fn).lower(*arrays).as_text()
+    result[name] = fingerprint(text)
+    if args.dump:
+      os.makedirs(args.dump, exist_ok=True)
+      with open(os.path.join(args.dump, name.replace("/", "_") + ".mlir"), "w") as f:
+        f.write(text)
+  if not args.compare:
+    json.dump(result, sys.stdout, indent=1)
+    print()
+    return
+  with open(args.compare) as f:
+    before = json.load(f)
+  changed = [n for n in result if n in before
+             and result[n]["normalized"] != before[n]["normalized"]]
+  for name in sorted(set(result) | set(before)):
+    state = ("new" if name not in before else "gone" if name not in result
+             else "CHANGED" if name in changed else "same")
+    print(f"{state:8s} {name}")
+  print(f"{len(result)} programs, {len(changed)} changed")
+  sys.exit(1 if changed else 0)
+
+
+if __name__ == "__main__":
+  main()

@@ -85,6 +85,9 @@ def programs():
     f = lambda h, w, kw=kw: jaxce.linear_logprobs_and_entropy(h, w, labels, **kw)
     out[f"linear/{name}/fwd"] = (f, (hidden, weight))
     out[f"linear/{name}/grad"] = (jax.grad(_weighted(f, cot), (0, 1)), (hidden, weight))
+  narrow = lambda h, w: jaxce.linear_logprobs_and_entropy(h, w, labels % 16, chunk_size=5)
+  out["linear/token_order/grad"] = (jax.grad(_weighted(narrow, cot), (0, 1)),
+                                    (hidden, weight[:, :16]))  # T > V: token chunks outer
   vd = lambda h, w: jaxce.linear_logprobs_and_entropy(h, w, labels, weight_layout="vd")
   out["linear/vd/grad"] = (jax.grad(_weighted(vd, cot), (0, 1)), (hidden, weight.T))
 

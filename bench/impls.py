@@ -96,17 +96,19 @@ def _tokamax_implementation():
     return None
 
 
-def _planned_chunk(num_tokens, num_columns, kw, linear=False):
-  """The chunk jaxce will use (``jaxce.plan``; ``num_columns`` is the local vocabulary), or
-  ``None`` where the call runs none (the Pallas forward with the one-pass backward)."""
+def _planned_chunk(config, num_columns, kw, linear=False):
+  """The chunk jaxce will use (``jaxce.plan.of`` on one shard's shapes: ``num_columns`` is
+  the local vocabulary), or ``None`` where the call runs none (the Triton forward with the
+  one-pass backward)."""
+  import jaxce
   from jaxce import plan
+  dtype, labels = jnp.dtype(config.dtype), jax.ShapeDtypeStruct((config.T,), jnp.int32)
   if linear:
-    return int(plan.linear_tiles(num_tokens, num_columns, kw["chunk_size"])[0])
-  dtype = np.zeros((), np.float32)  # the default picks by backend (and float64 only)
-  if plan.implementation(kw.get("implementation"), dtype) == "pallas" and not kw.get(
-      "backward_in_place"):
-    return None
-  return int(plan.logits_chunk(num_tokens, num_columns, kw["chunk_size"]))
+    return plan.of(jaxce.linear_logprobs_and_entropy,
+                   jax.ShapeDtypeStruct((config.T, config.D), dtype),
+                   jax.ShapeDtypeStruct((config.D, num_columns), dtype), labels, **kw).chunk
+  return plan.of(jaxce.logprobs_and_entropy,
+                 jax.ShapeDtypeStruct((config.T, num_columns), dtype), labels, **kw).chunk
 
 
 def _options_note(kw) -> str:
@@ -135,7 +137,7 @@ def _per_token_fn(config: Config, mesh: Mesh, n_devices: int):
     if impl == "jaxce":
       fn = jaxce.sharded_logprobs_and_entropy if sharded else jaxce.logprobs_and_entropy
       f = lambda h, w, lab: fn(_matmul(h, w), lab, **shard_kw, **kw)
-      return f, _planned_chunk(config.T, v_local, kw), _options_note(kw)
+      return f, _planned_chunk(config, v_local, kw), _options_note(kw)
     return (lambda h, w, lab: plain_logprobs_entropy(_matmul(h, w), lab, entropy)), None, ""
 
   if impl == "jaxce":
@@ -143,7 +145,7 @@ def _per_token_fn(config: Config, mesh: Mesh, n_devices: int):
       fn = jaxce.sharded_linear_logprobs_and_entropy if sharded else \
           jaxce.linear_logprobs_and_entropy
       f = lambda h, w, lab: fn(h, w, lab, **shard_kw, **kw)
-      return f, _planned_chunk(config.T, v_local, kw, True), _options_note(kw)
+      return f, _planned_chunk(config, v_local, kw, True), _options_note(kw)
     fn = jaxce.sharded_logprobs_and_entropy if sharded else jaxce.logprobs_and_entropy
     f = lambda x, lab: fn(x, lab, **shard_kw, **kw)
     note = _options_note(kw)
@@ -151,7 +153,7 @@ def _per_token_fn(config: Config, mesh: Mesh, n_devices: int):
       note = "; ".join(filter(None, ["logits donated", (
           "jax.grad: gradient only, no loss value" if config.variant == "inplace_grad"
           else "jax.value_and_grad"), note]))
-    return f, _planned_chunk(config.T, v_local, kw), note
+    return f, _planned_chunk(config, v_local, kw), note
 
   if impl == "jax_plain":
     if linear:
@@ -268,7 +270,7 @@ def _objective_build(config: Config, floats, names) -> Built:
     columns = config.V
     chunk = (plan.linear_objective_chunk(config.T, columns, config.chunk_size)
              if linear and config.variant != "grpo" else
-             _planned_chunk(config.T, columns, dict(chunk_size=config.chunk_size), linear))
+             _planned_chunk(config, columns, dict(chunk_size=config.chunk_size), linear))
   note = "" if config.variant == "objective" else GRPO_NOTE
   return Built(jax.value_and_grad(loss, argnums=tuple(range(len(floats)))), names,
                chunk_used=chunk, note=note)

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxce import _math
+from jaxce._kernels import plumbing
 
 
 def is_concrete(*values) -> bool:
@@ -178,10 +178,10 @@ def check_mesh(mesh, vocab_axis, batch_axis, num_columns, columns_name, leading_
     raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
   names = set(mesh.axis_names)
   for name, axis in (("vocab_axis", vocab_axis), ("batch_axis", batch_axis)):
-    for a in _math.axis_names(axis):
+    for a in plumbing.axis_names(axis):
       if a not in names:
         raise ValueError(f"{name}={axis!r} is not an axis of the mesh {mesh.axis_names}")
-  shards, batch_shards = (math.prod(mesh.shape[a] for a in _math.axis_names(axis))
+  shards, batch_shards = (math.prod(mesh.shape[a] for a in plumbing.axis_names(axis))
                           for axis in (vocab_axis, batch_axis))
   if batch_shards > 1 and (not leading_shape or leading_shape[0] % batch_shards):
     raise ValueError(
@@ -194,6 +194,59 @@ def check_mesh(mesh, vocab_axis, batch_axis, num_columns, columns_name, leading_
         f"the {shards} shards of vocab_axis={vocab_axis!r}: pad the columns to a multiple of "
         f"{shards} and pass vocab_size={num_columns}")
   return shards
+
+
+# Primitives that combine several tokens: an objective using one of them is not a sum of
+# per-token terms (a mean over the batch, a sequence's sum, a sort...).
+_ACROSS_TOKENS = frozenset({
+    "reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or",
+    "reduce_xor", "argmax", "argmin", "cumsum", "cumprod", "cummax", "cummin",
+    "cumlogsumexp", "sort", "dot_general", "conv_general_dilated", "reduce_precision_sum",
+    "psum", "pmax", "pmin", "all_gather", "all_to_all", "top_k", "scatter-add", "scatter_add",
+})
+
+
+def _primitives(jaxpr):
+  """Every primitive name in ``jaxpr`` and the jaxprs nested in its equations."""
+  for eqn in jaxpr.eqns:
+    yield eqn.primitive.name
+    for param in eqn.params.values():
+      for sub in (param if isinstance(param, (tuple, list)) else (param,)):
+        inner = getattr(sub, "jaxpr", sub)
+        if hasattr(inner, "eqns"):
+          yield from _primitives(inner)
+
+
+def check_objective(objective, num_tokens, token_args, dtype) -> bool:
+  """Trace ``objective`` on ``[num_tokens]`` inputs; return whether it uses the entropy.
+
+  Raises:
+    TypeError: it is not callable, or does not return one ``[num_tokens]`` float array.
+    ValueError: it combines tokens (a reduction, cumulative op, sort or matmul over its
+      inputs): not a sum of per-token terms.
+  """
+  if not callable(objective):
+    raise TypeError(f"objective must be a function (logp, entropy, *token_args) -> per-token "
+                    f"terms, got {type(objective).__name__}")
+  shape = jax.ShapeDtypeStruct((num_tokens,), dtype)
+  args = [jax.ShapeDtypeStruct((num_tokens,), a.dtype) for a in token_args]
+  closed = jax.make_jaxpr(objective)(shape, shape, *args)
+  out = closed.out_avals
+  if len(out) != 1 or out[0].shape != (num_tokens,) or not jnp.issubdtype(out[0].dtype,
+                                                                          jnp.floating):
+    raise TypeError(
+        "objective must return one float array of per-token terms with the shape of its "
+        f"inputs ({num_tokens},), got {[(a.shape, str(a.dtype)) for a in out]}")
+  across = sorted(set(_primitives(closed.jaxpr)) & _ACROSS_TOKENS)
+  if across:
+    raise ValueError(
+        f"objective combines tokens ({', '.join(across)}): token_loss needs a sum of "
+        "per-token terms. Pass per-token weights (e.g. jaxce.objectives.token_weights) for "
+        "normalizations; for sequence-level objectives (GSPO's sequence ratio) use "
+        "linear_logprobs_and_entropy / logprobs_and_entropy with autodiff")
+  entropy_var = closed.jaxpr.invars[1]
+  reads = [v for eqn in closed.jaxpr.eqns for v in eqn.invars] + list(closed.jaxpr.outvars)
+  return any(v is entropy_var for v in reads)
 
 
 # --- normalizations (no checks) ----------------------------------------------------------

@@ -1,5 +1,5 @@
 """``jax.shard_map`` wiring for global arrays: partition specs and resharding, no maths
-and no checks (the front door, ``jaxce._api``, has checked the global arrays and passes
+and no checks (the front door, ``jaxce._dispatch``, has checked the global arrays and passes
 the function each shard runs)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from __future__ import annotations
 import jax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxce import _math
+from jaxce._kernels import plumbing
 
 
 def token_spec(ndim, batch_axis):
@@ -31,7 +31,7 @@ def _typed_split(x):
   if mesh is None or spec is None:
     return None
   explicit = _explicit_axes(mesh)
-  if not any(n in explicit for entry in spec for n in _math.axis_names(entry)):
+  if not any(n in explicit for entry in spec for n in plumbing.axis_names(entry)):
     return None
   return mesh, tuple(spec) + (None,) * (x.ndim - len(spec))
 
@@ -87,7 +87,7 @@ def _placed(arrays, specs, mesh):
     return arrays
 
   def explicit_part(entry):
-    names = tuple(n for n in _math.axis_names(entry) if n in explicit)
+    names = tuple(n for n in plumbing.axis_names(entry) if n in explicit)
     return names if len(names) > 1 else (names[0] if names else None)
 
   return tuple(jax.sharding.reshard(a, NamedSharding(mesh, P(*map(explicit_part, s))))
@@ -96,7 +96,7 @@ def _placed(arrays, specs, mesh):
 
 def token_axes(token_entries):
   """The mesh axes the token dims are split over (a loss sums over them)."""
-  return tuple(n for entry in token_entries for n in _math.axis_names(entry))
+  return tuple(n for entry in token_entries for n in plumbing.axis_names(entry))
 
 
 def run(shard_fn, arrays, specs, token_arrays, mesh, token_entries, out_kinds):

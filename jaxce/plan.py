@@ -1,21 +1,43 @@
-"""How a call is run: the tile plan of both paths and the forward's implementation.
+"""The planner: how a call runs, decided in one place.
 
-Public, so that benchmarks, notebooks and users can see the plan a call will use:
+Every public function checks its arguments once, then, where the shard's shapes are known
+(on this device, or inside ``shard_map`` for each shard), asks :func:`make` for one
+:class:`Plan`: the backend of the forward statistics, the tiles, the backward's loop
+order. The kernels take that plan and never re-derive it. A local call, the same call
+inside ``shard_map`` with ``vocab_axis``, a ``sharded_*`` call and a call on arrays split
+over explicit mesh axes get the same plan for the same per-shard shapes.
 
-    chunk = jaxce.plan.logits_chunk(num_tokens, num_columns)          # logits path
-    chunk, block = jaxce.plan.linear_tiles(num_tokens, num_columns)   # fused path
-    jaxce.plan.linear_backward_order(num_tokens, num_columns)       # "vocab" or "token"
-    chunk = jaxce.plan.linear_objective_chunk(num_tokens, num_columns) # linear_token_loss
-    jaxce.plan.implementation(None, logits)                  # "pallas", "xla" or "mosaic"
+See what a call will use, and why, without running it:
 
-``num_columns`` is the vocabulary a device holds (``V_local`` when it is split). Every
-budget is per backend; bench/NOTES.md has the measurements behind each number.
+    jaxce.plan.of(jaxce.linear_logprobs_and_entropy, hidden, weight, labels)
+    # Plan(backend='mosaic', reason='...', chunk=..., block=..., ...)
+
+The tile sizes are public too, for benchmarks and notebooks (``num_columns`` is the
+vocabulary a device holds, ``V_local`` when it is split; every budget is per platform and
+bench/NOTES.md has the measurements behind each number):
+
+    jaxce.plan.logits_chunk(num_tokens, num_columns)           # logits path
+    jaxce.plan.linear_tiles(num_tokens, num_columns)           # fused path: (chunk, block)
+    jaxce.plan.linear_backward_order(num_tokens, num_columns)  # "vocab" or "token"
+    jaxce.plan.linear_objective_chunk(num_tokens, num_columns) # linear_token_loss
 """
 
 from __future__ import annotations
 
+import contextlib
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
+
+from jaxce._kernels import mosaic_head, triton_rows
+from jaxce._kernels.config import Plan
+
+__all__ = [
+    "IMPLEMENTATIONS", "Plan", "Target", "chunk_size", "linear_backward_order",
+    "linear_kernel_chunk", "linear_kernel_tiles", "linear_objective_chunk", "linear_tiles",
+    "logits_chunk", "make", "of", "target",
+]
 
 # Logits path: bytes of one f32 [chunk, V_local] tile of the XLA forward (fused into the
 # row reductions on GPUs, so the real working set is about 1% of it; materialized on
@@ -33,12 +55,50 @@ LINEAR_OBJECTIVE_ROWS_BYTES = {"gpu": 2**30, "cpu": 16 * 2**20}
 # Fused path, Mosaic GPU forward: bytes of one chunk's f32 [V_local / 128, 4, chunk] tile
 # statistics (1/32 of its f32 [chunk, V_local] logits).
 LINEAR_KERNEL_STATS_BYTES = 256 * 2**20
-IMPLEMENTATIONS = ("xla", "pallas", "mosaic")
+
+# The backends: "triton" is Pallas on Triton (JAX deprecates that backend), "mosaic" Pallas
+# on Mosaic GPU (Hopper). "pallas" is the old name of "triton".
+IMPLEMENTATIONS = ("xla", "triton", "mosaic")
+ALIASES = {"pallas": "triton"}
+# The backends each operation has, in the order the default tries them on GPUs.
+BACKENDS = {
+    "logprobs_and_entropy": ("triton", "xla"),
+    "token_loss": ("triton", "xla"),
+    "linear_logprobs_and_entropy": ("mosaic", "triton", "xla"),
+    "linear_token_loss": ("triton", "xla"),
+}
 
 
-def backend() -> str:
-  """The budgets' key: ``"cpu"``, or ``"gpu"`` for every other backend."""
-  return "cpu" if jax.default_backend() == "cpu" else "gpu"
+class Target(NamedTuple):
+  """Where a call runs: its platform (``"gpu"``, ``"cpu"``...), its GPUs' compute
+  capability (``"9.0"`` on Hopper; ``None`` elsewhere) and their streaming
+  multiprocessors (the Mosaic kernels' persistent grid; 4 off GPUs, for the interpreter)."""
+  platform: str
+  capability: str | None
+  num_cores: int
+
+
+def target(*arrays, mesh=None) -> Target:
+  """The :class:`Target` of a call over ``arrays``: its mesh's devices, else those of the
+  first array placed on devices, else (traced arrays) JAX's default backend."""
+  device = None
+  if isinstance(mesh, jax.sharding.Mesh) and mesh.devices.size:  # (an AbstractMesh has none)
+    device = mesh.devices.flat[0]
+  for a in arrays:
+    if device is None and isinstance(a, jax.Array) and not isinstance(a, jax.core.Tracer):
+      device = next(iter(a.sharding.device_set))
+  platform = jax.default_backend() if device is None else device.platform
+  if platform != "gpu":
+    return Target(platform, None, 4)
+  device = device or jax.devices()[0]
+  return Target(platform, getattr(device, "compute_capability", None),
+                getattr(device, "core_count", None) or 132)
+
+
+def _budget_key(platform: str | None) -> str:
+  if platform is None:
+    platform = jax.default_backend()
+  return "cpu" if platform == "cpu" else "gpu"
 
 
 def chunk_size(num_tokens: int, num_columns: int, requested: int | None,
@@ -59,44 +119,49 @@ def chunk_size(num_tokens: int, num_columns: int, requested: int | None,
   return cap
 
 
-def logits_chunk(num_tokens: int, num_columns: int, requested: int | None = None) -> int:
+def logits_chunk(num_tokens: int, num_columns: int, requested: int | None = None,
+                 platform: str | None = None) -> int:
   """Tokens per step of the logits path's XLA forward and in-place backward
-  (``LOGITS_TILE_BYTES`` of this backend)."""
-  return chunk_size(num_tokens, num_columns, requested, LOGITS_TILE_BYTES[backend()])
+  (``LOGITS_TILE_BYTES`` of ``platform``, JAX's default backend when ``None``)."""
+  return chunk_size(num_tokens, num_columns, requested, LOGITS_TILE_BYTES[_budget_key(platform)])
 
 
 def linear_tiles(num_tokens: int, num_columns: int, requested_chunk: int | None = None,
-                 requested_block: int | None = None) -> tuple[int, int]:
+                 requested_block: int | None = None,
+                 platform: str | None = None) -> tuple[int, int]:
   """``(chunk, block)`` of the fused path: ``block = min(requested_block or
   DEFAULT_VOCAB_BLOCK, num_columns)``, the chunk planned for a ``[chunk, block]`` tile
-  of ``LINEAR_TILE_BYTES`` of this backend."""
+  of ``LINEAR_TILE_BYTES`` of ``platform``."""
   block = min(requested_block or DEFAULT_VOCAB_BLOCK, num_columns)
-  return chunk_size(num_tokens, block, requested_chunk, LINEAR_TILE_BYTES[backend()]), block
+  return chunk_size(num_tokens, block, requested_chunk,
+                    LINEAR_TILE_BYTES[_budget_key(platform)]), block
 
 
-def linear_objective_chunk(num_tokens: int, num_columns: int,
-                           requested: int | None = None) -> int:
+def linear_objective_chunk(num_tokens: int, num_columns: int, requested: int | None = None,
+                           platform: str | None = None) -> int:
   """Tokens per step of the fused objective path, whose full ``[chunk, num_columns]``
-  rows are held at once (``LINEAR_OBJECTIVE_ROWS_BYTES`` of this backend)."""
+  rows are held at once (``LINEAR_OBJECTIVE_ROWS_BYTES`` of ``platform``)."""
   return chunk_size(num_tokens, num_columns, requested,
-                    LINEAR_OBJECTIVE_ROWS_BYTES[backend()])
+                    LINEAR_OBJECTIVE_ROWS_BYTES[_budget_key(platform)])
 
 
 def linear_kernel_chunk(num_tokens: int, num_columns: int) -> int:
-  """Tokens per call of the fused path's Mosaic GPU forward kernel (``implementation=
-  "mosaic"``): its tile statistics take 1/32 of the bytes of the chunk's f32 logits,
-  planned to ``LINEAR_KERNEL_STATS_BYTES`` and rounded down to a multiple of 256 (the
-  kernel's row block; at least 256, at most ``num_tokens``)."""
+  """Tokens per call of the fused path's Mosaic GPU forward kernel: its tile statistics
+  take 1/32 of the bytes of the chunk's f32 logits, planned to
+  ``LINEAR_KERNEL_STATS_BYTES`` and rounded down to a multiple of 256 (the kernel's row
+  block; at least 256, at most ``num_tokens``)."""
   return _multiple(chunk_size(num_tokens, num_columns, None, 32 * LINEAR_KERNEL_STATS_BYTES),
                    256, num_tokens)
 
 
 def linear_kernel_tiles(num_tokens: int, num_columns: int, requested_chunk: int | None = None,
-                        requested_block: int | None = None) -> tuple[int, int]:
+                        requested_block: int | None = None,
+                        platform: str | None = None) -> tuple[int, int]:
   """``(chunk, block)`` of the fused backward with the Mosaic GPU kernels:
   :func:`linear_tiles`' plan, the chunk rounded down to a multiple of 256 and the block
   to one of 128 (the kernel's tile; at least that, at most the array)."""
-  chunk, block = linear_tiles(num_tokens, num_columns, requested_chunk, requested_block)
+  chunk, block = linear_tiles(num_tokens, num_columns, requested_chunk, requested_block,
+                              platform)
   return _multiple(chunk, 256, num_tokens), _multiple(block, 128, num_columns)
 
 
@@ -116,30 +181,136 @@ def _multiple(size: int, multiple: int, total: int) -> int:
   return min(max(size - size % multiple, multiple), total)
 
 
-def platform(*arrays, mesh=None) -> str:
-  """The platform a call runs on: its mesh's devices', else those of the first array
-  placed on devices, else (traced arrays) JAX's default backend."""
-  if isinstance(mesh, jax.sharding.Mesh) and mesh.devices.size:  # (an AbstractMesh has none)
-    return mesh.devices.flat[0].platform
-  for a in arrays:
-    if isinstance(a, jax.Array) and not isinstance(a, jax.core.Tracer):
-      return next(iter(a.sharding.device_set)).platform
-  return jax.default_backend()
+def _unsupported(backend, *, target, dtypes, has_bias, depth, num_tokens, num_columns):
+  """Why ``backend``'s kernel cannot run a call (a sentence), or None: each backend's
+  module says for itself."""
+  if backend == "triton":
+    return triton_rows.unsupported(dtypes=dtypes)
+  if backend == "mosaic":
+    return mosaic_head.unsupported(
+        platform=target.platform, capability=target.capability, hidden_dtype=dtypes[0],
+        weight_dtype=dtypes[1], has_bias=has_bias, depth=depth, num_tokens=num_tokens,
+        num_columns=num_columns)
+  return None
 
 
-def implementation(requested: str | None, *arrays, mesh=None) -> str:
-  """``"pallas"``, ``"xla"`` or ``"mosaic"`` for a call's forward statistics over ``arrays``
-  (the logits, or the hidden states and the weight; ``"mosaic"`` is the fused path's
-  Mosaic GPU kernel, which ``jaxce.linear_logprobs_and_entropy`` puts in place of
-  ``"pallas"`` on Hopper GPUs where it can run). ``None``: the Pallas kernel when the call runs on
-  GPUs (:func:`platform`) unless an array is float64, inside ``shard_map`` too. Off GPUs
-  the kernel runs in JAX's Pallas interpreter (tests only), which cannot run inside
-  ``shard_map`` once an operand differs per shard; on GPUs that case is checked by
-  ``scripts/gpu_check_sharded_pallas.py``."""
-  if requested is None:
-    return "pallas" if platform(*arrays, mesh=mesh) == "gpu" and not any(
-        a.dtype == jnp.float64 for a in arrays) else "xla"
-  if requested not in IMPLEMENTATIONS:
-    raise ValueError(f'implementation must be None, "xla", "pallas" or "mosaic", got '
-                     f'{requested!r}')
-  return requested
+def _backend(operation, requested, **call):
+  """``(backend, reason)`` of a call: the requested one (a ``ValueError`` when it cannot
+  run the call, with the reason), else on GPUs the first of the operation's backends that
+  can run it, else XLA."""
+  backends = BACKENDS[operation]
+  if requested is not None:
+    if requested not in backends:
+      return _refuse(requested, f"{operation} has no {requested} kernel (it has "
+                                f"{', '.join(backends)})")
+    reason = _unsupported(requested, **call)
+    if reason:
+      return _refuse(requested, reason)
+    return requested, "asked for"
+  if call["target"].platform != "gpu":
+    return "xla", (f"the call runs on {call['target'].platform}: the Pallas kernels run "
+                   "there only interpreted (tests)")
+  skipped = []
+  for backend in backends:
+    reason = _unsupported(backend, **call)
+    if reason is None:
+      because = "; ".join(skipped)
+      return backend, f"the fastest that runs this call on GPUs{': ' if because else ''}{because}"
+    skipped.append(f"not {backend}: {reason}")
+  raise AssertionError("XLA runs every call")  # (xla is every operation's last backend)
+
+
+def _refuse(requested, reason):
+  raise ValueError(f'implementation="{requested}" cannot run this call: {reason}')
+
+
+def make(operation: str, *, target: Target, implementation: str | None, num_tokens: int,
+         num_columns: int, dtypes: tuple, depth: int | None = None, has_bias: bool = False,
+         chunk_size: int | None = None, vocab_block_size: int | None = None,
+         hidden_grad_accumulation: str = "float32", backward_in_place: bool = False) -> Plan:
+  """The :class:`Plan` of one shard's call.
+
+  Args:
+    operation: the public function's name without ``sharded_`` (``"logprobs_and_entropy"``,
+      ``"linear_logprobs_and_entropy"``, ``"token_loss"``, ``"linear_token_loss"``).
+    target: where it runs (:func:`target`).
+    implementation: ``None`` or a backend (``"pallas"`` is accepted for ``"triton"``).
+    num_tokens, num_columns: ``T`` and this shard's ``V_local``.
+    dtypes: the dtypes of the logits, or of hidden and the weight.
+    depth, has_bias: the fused paths' ``D`` and whether a bias is added.
+    chunk_size, vocab_block_size, hidden_grad_accumulation, backward_in_place: the
+      public options of the same names.
+
+  Raises:
+    ValueError: the requested implementation cannot run the call (the message says why).
+  """
+  if implementation is not None:
+    implementation = ALIASES.get(implementation, implementation)
+  backend, reason = _backend(operation, implementation, target=target, dtypes=dtypes,
+                             has_bias=has_bias, depth=depth, num_tokens=num_tokens,
+                             num_columns=num_columns)
+  common = dict(backend=backend, reason=reason, interpret=target.platform != "gpu",
+                num_cores=target.num_cores)
+  platform = target.platform
+  if operation == "logprobs_and_entropy":
+    uses_chunks = backend == "xla" or backward_in_place
+    chunk = logits_chunk(num_tokens, num_columns, chunk_size, platform) if uses_chunks else None
+    plan = Plan(chunk=chunk, **common)
+  elif operation == "token_loss":
+    chunk = None if backend == "triton" else logits_chunk(num_tokens, num_columns, chunk_size,
+                                                          platform)
+    plan = Plan(chunk=chunk, **common)
+  elif operation == "linear_token_loss":
+    plan = Plan(chunk=linear_objective_chunk(num_tokens, num_columns, chunk_size, platform),
+                **common)
+  else:
+    tiles = linear_kernel_tiles if backend == "mosaic" else linear_tiles
+    chunk, block = tiles(num_tokens, num_columns, chunk_size, vocab_block_size, platform)
+    plan = Plan(chunk=chunk, block=block,
+                kernel_chunk=(linear_kernel_chunk(num_tokens, num_columns)
+                              if backend == "mosaic" else None),
+                backward_order=linear_backward_order(num_tokens, num_columns,
+                                                     hidden_grad_accumulation), **common)
+  if _recorded is not None:
+    _recorded.append(plan)
+    raise _Planned
+  return plan
+
+
+_recorded: list | None = None
+
+
+class _Planned(Exception):
+  """Stops a call traced by :func:`of` once its plan is made."""
+
+
+def of(function, *args, **kwargs) -> Plan:
+  """The :class:`Plan` that ``function(*args, **kwargs)`` (one of jaxce's public
+  functions, or a function that makes one such call) runs with, and why (its ``reason``).
+  Nothing is computed: the call is traced up to its plan. Arrays may be given as
+  ``jax.ShapeDtypeStruct`` (traced, so they run where JAX's default backend does).
+
+  Raises:
+    ValueError: as the call would (bad arguments, an implementation that cannot run it),
+      or the function planned no jaxce call, or several.
+  """
+  global _recorded
+  leaves, tree = jax.tree.flatten((args, kwargs))
+  shapes = [i for i, x in enumerate(leaves) if isinstance(x, jax.ShapeDtypeStruct)]
+
+  def call(*traced):
+    for i, x in zip(shapes, traced):
+      leaves[i] = x
+    call_args, call_kwargs = jax.tree.unflatten(tree, leaves)
+    return function(*call_args, **call_kwargs)
+
+  previous, _recorded = _recorded, []
+  try:
+    with contextlib.suppress(_Planned):
+      jax.eval_shape(call, *(leaves[i] for i in shapes))
+    plans = _recorded
+  finally:
+    _recorded = previous
+  if len(plans) != 1:
+    raise ValueError(f"expected a call that runs one jaxce operation, it planned {len(plans)}")
+  return plans[0]

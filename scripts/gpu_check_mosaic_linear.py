@@ -151,9 +151,11 @@ def profile(tokens, dim, columns, repeats):
   """Where the Mosaic path's fwd+bwd time goes, one whole-array piece at a time: the
   forward kernel, the backward's d-logits kernel over all tiles at once, and the two
   gradient GEMMs (XLA); plus the forward kernel with other L2 walk widths and depths."""
-  from jaxce import _mosaic_linear as ml  # pylint: disable=import-outside-toplevel
+  from jaxce._kernels import mosaic_head as ml  # pylint: disable=import-outside-toplevel
   hidden, weight, labels, cot = _problem(tokens, dim, columns)
   ones = jnp.ones((tokens,), jnp.float32)
+  device = dict(interpret=jax.default_backend() != "gpu",
+                num_cores=jaxce.plan.target().num_cores)
   flops = 2 * tokens * dim * columns
   rows = []
 
@@ -166,10 +168,10 @@ def profile(tokens, dim, columns, repeats):
     ml.SNAKE_WIDTH, ml.STAGES = width, stages
     add(f"forward kernel, snake {width}, {stages} stages", lambda h, w: ml.statistics(
         h, w, labels, ones, columns, column_start=0, vocab_dim=1, softcap=None,
-        with_entropy=True), hidden, weight)
+        with_entropy=True, **device), hidden, weight)
   ml.SNAKE_WIDTH, ml.STAGES = 8, 4
   grad = lambda h, w: ml.logits_grad(h, w, labels, ones, columns, 0, ones, ones, ones, cot[0],
-                                     cot[1], ones > 0, vocab_dim=1, softcap=None)
+                                     cot[1], ones > 0, vocab_dim=1, softcap=None, **device)
   add("d logits kernel, all tiles", grad, hidden, weight)
   d = jax.block_until_ready(jax.jit(grad)(hidden, weight))
   add("d W = h^T d (XLA)", lambda h, d: jnp.einsum("td,tv->dv", h, d,

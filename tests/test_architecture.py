@@ -1,6 +1,8 @@
 """The package's structure: no import cycle (module-level and function-level imports
-alike), kernels that import neither the front door nor the shard_map wiring, and public
-modules that say what they export."""
+alike); the kernels (every module of ``jaxce._kernels``, found from the package, not
+listed) import neither the front door, the planner nor the wiring, and use no other
+module's private names; the wiring imports no kernel; public modules say what they
+export."""
 
 import ast
 import pathlib
@@ -10,12 +12,22 @@ import pytest
 import jaxce
 
 PACKAGE = pathlib.Path(jaxce.__file__).parent
-KERNELS = ("jaxce._logits", "jaxce._linear", "jaxce._pallas", "jaxce._math", "jaxce._chunking")
+# Above the kernels: the public names, the front door, the planner and the wiring.
+TOP = {"jaxce", "jaxce._api", "jaxce._dispatch", "jaxce._options", "jaxce._checks",
+       "jaxce.plan", "jaxce._sharded"}
 
 
 def _modules():
-  return {"jaxce." + p.stem if p.stem != "__init__" else "jaxce": p
-          for p in PACKAGE.glob("*.py")}
+  """``{dotted name: path}`` of every module of the package (subpackages too)."""
+  modules = {}
+  for path in PACKAGE.rglob("*.py"):
+    parts = ("jaxce",) + path.relative_to(PACKAGE).with_suffix("").parts
+    modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+  return modules
+
+
+def kernels():
+  return sorted(m for m in _modules() if m.startswith("jaxce._kernels"))
 
 
 def _imports(module, path, modules):
@@ -88,14 +100,55 @@ def test_the_package_has_no_import_cycle():
   assert find_cycle(graph) is None, f"import cycle: {' -> '.join(find_cycle(graph))}"
 
 
-@pytest.mark.parametrize("kernel", KERNELS)
-def test_kernels_import_neither_the_front_door_nor_the_wiring(kernel):
-  assert not import_graph()[kernel] & {"jaxce._api", "jaxce._sharded", "jaxce"}
+def test_the_kernels_are_found_from_the_package():
+  assert {"jaxce._kernels.linear", "jaxce._kernels.mosaic_head", "jaxce._kernels.token_loss",
+          "jaxce._kernels.linear_token_loss", "jaxce._kernels.softmax"} <= set(kernels())
+  assert all(m in import_graph() for m in TOP)
+
+
+@pytest.mark.parametrize("kernel", kernels())
+def test_kernels_import_nothing_above_them(kernel):
+  """No kernel imports the front door, the planner, the options or the wiring."""
+  assert not import_graph()[kernel] & TOP, import_graph()[kernel] & TOP
+
+
+def _private_uses(path, modules):
+  """``module._name`` attribute uses and ``from module import _name`` imports of another
+  jaxce module's private names in ``path``'s source."""
+  tree = ast.parse(path.read_text())
+  aliases = {}  # local name -> jaxce module
+  found = []
+  for node in ast.walk(tree):
+    if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("jaxce"):
+      for a in node.names:
+        target = f"{node.module}.{a.name}"
+        if target in modules:
+          aliases[a.asname or a.name] = target
+        elif a.name.startswith("_") and not a.name.startswith("__"):
+          found.append(f"from {node.module} import {a.name}")
+  for node in ast.walk(tree):
+    if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+        and node.value.id in aliases and node.attr.startswith("_")
+        and not node.attr.startswith("__")):
+      found.append(f"{aliases[node.value.id]}.{node.attr}")
+  return found
+
+
+@pytest.mark.parametrize("kernel", kernels())
+def test_kernels_use_no_private_helpers_of_other_modules(kernel):
+  modules = _modules()
+  assert not _private_uses(modules[kernel], modules)
+
+
+def test_the_private_helper_check_can_fail(tmp_path):
+  path = tmp_path / "k.py"
+  path.write_text("from jaxce._kernels import linear\nx = linear._forward\n")
+  assert _private_uses(path, _modules()) == ["jaxce._kernels.linear._forward"]
 
 
 def test_the_wiring_imports_no_kernel_and_no_front_door():
-  assert not import_graph()["jaxce._sharded"] & {"jaxce._api", "jaxce._logits",
-                                                  "jaxce._linear", "jaxce._pallas"}
+  allowed = {"jaxce._kernels", "jaxce._kernels.plumbing"}  # JAX type plumbing, no maths
+  assert not import_graph()["jaxce._sharded"] - allowed
 
 
 @pytest.mark.parametrize("module", [jaxce, jaxce.plan, jaxce.reference])

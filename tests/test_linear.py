@@ -244,34 +244,6 @@ def test_mixed_dtypes_promote_like_a_matmul(hidden_dtype, weight_dtype):
     assert_close(g, gr, tol["grad"] * 10 + bf16, name)
 
 
-def test_default_implementation_follows_the_platform_of_the_call(monkeypatch):
-  """With GPUs as the default backend the default is the Pallas kernel for traced arrays,
-  outside shard_map and inside it (also when only the weight varies: hidden replicated over
-  the vocab axis); float64 stays on XLA; and a call whose arrays or mesh live on CPU
-  devices (a CPU mesh on a GPU host) uses XLA: the kernel cannot run there."""
-  from jax.sharding import Mesh, PartitionSpec as P
-  implementation = jaxce.plan.implementation
-  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-  h, w = jnp.zeros((4, 8), jnp.bfloat16), jnp.zeros((8, 16), jnp.float32)
-  seen = []
-
-  def body(h, w):
-    seen.append((implementation(None, h, w), implementation(None, h, w.astype(jnp.float64))))
-    return h
-
-  mesh = Mesh(np.array(devices(2)), ("vocab",))
-  jax.eval_shape(body, h, w)
-  jax.eval_shape(jax.shard_map(body, mesh=mesh, in_specs=(P(), P(None, "vocab")), out_specs=P()),
-                 h, w)
-  assert seen == [("pallas", "xla")] * 2
-  assert implementation(None, h, w) == "xla"  # concrete arrays on CPU devices
-  assert implementation(None, *jax.eval_shape(lambda: (h, w)), mesh=mesh) == "xla"
-  labels = jnp.arange(4, dtype=jnp.int32)
-  out = jax.jit(lambda h, w: jaxce.sharded_linear_logprobs_and_entropy(
-      h, w, labels, mesh=mesh, vocab_axis="vocab"))(h, w)  # would fail with the kernel
-  np.testing.assert_allclose(out[0], np.full(4, -np.log(16.0)), rtol=1e-2)
-
-
 @pytest.mark.parametrize("dtype,chunk_size,vocab_block_size,layout", [
     (jnp.float64, 7, 24, "dv"), (jnp.float64, None, None, "vd"), (jnp.float32, 16, 50, "dv")])
 def test_token_outer_backward_matches_reference(dtype, chunk_size, vocab_block_size, layout):

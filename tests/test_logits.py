@@ -219,15 +219,15 @@ def test_pallas_forward_matches_reference(case):
 def test_pallas_row_statistics_column_ranges(num_columns, start, limit):
   """The kernel's ``(m, s, q)`` over ``[start, limit)`` (Pallas interpret mode) against
   float64: the log-sum-exp ``m + log s`` and the entropy ``log s - q / s``."""
-  from jaxce import _pallas
+  from jaxce._kernels import triton_rows
   rng = np.random.default_rng(num_columns + start + limit)
   logits = adversarial_logits(rng, (3, num_columns), offset=-40.0, peak=0.0)
   # Peaks at the range's ends and inside it: a column counted twice or left out shows.
   logits[np.arange(3), [start, max(limit - 1, start), (start + limit) // 2]] += 25.0
   inv_temp = rng.uniform(0.5, 2.0, 3)
-  m, s, q = (np.asarray(a, np.float64) for a in _pallas.row_statistics(
+  m, s, q = (np.asarray(a, np.float64) for a in triton_rows.row_statistics(
       jnp.asarray(logits, jnp.float32), jnp.asarray(inv_temp, jnp.float32), limit, True,
-      start=start))
+      start=start, interpret=True))
   if start == limit:
     np.testing.assert_array_equal(s, 0.0)
     return
@@ -246,9 +246,9 @@ def test_implementation_is_checked():
 def test_chunk_size_recompiles_only_where_it_is_used():
   """The Pallas forward with the one-pass backward runs no chunks: another ``chunk_size``
   reuses the compiled program; XLA's forward and the in-place backward use it."""
-  from jaxce import _logits
+  from jaxce._kernels import logits
   x, labels = jnp.ones((16, 40), jnp.float32), jnp.arange(16, dtype=jnp.int32)
-  compiled = _logits._jitted_logprobs_entropy._cache_size
+  compiled = logits._jitted_logprobs_entropy._cache_size
   for implementation, backward_in_place, new_programs in [
       ("pallas", False, 1), ("xla", False, 2), ("pallas", True, 2)]:
     before = compiled()

@@ -10,7 +10,7 @@ import pytest
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from helpers import assert_close, jaxce, reference, value_and_grads
-from jaxce import _mosaic_linear
+from jaxce._kernels import mosaic_head
 
 if jax.default_backend() != "gpu" and not hasattr(plgpu, "InterpretGPUParams"):
   pytest.skip(f"the Mosaic GPU interpreter needs JAX >= 0.11 (this is {jax.__version__}); "
@@ -57,9 +57,9 @@ def test_tile_statistics_match_float64(tokens, dim, num_columns, vocab_dim, soft
   labels = jnp.asarray(rng.integers(0, num_columns + 30, tokens), jnp.int32)
   inv_temp = jnp.asarray(rng.uniform(0.5, 2.0, tokens), jnp.float32)
   limit = num_columns - 9  # padded columns at the end
-  got = _mosaic_linear.statistics(hidden, weight, labels, inv_temp, limit,
-                                  column_start=column_start, vocab_dim=vocab_dim,
-                                  softcap=softcap, with_entropy=True)
+  got = mosaic_head.statistics(hidden, weight, labels, inv_temp, limit,
+                               column_start=column_start, vocab_dim=vocab_dim,
+                               softcap=softcap, with_entropy=True, interpret=True, num_cores=4)
   want = _statistics_f64(hidden, weight, labels, inv_temp, limit, column_start, vocab_dim,
                          softcap)
   # m and picked: f32 rounding of the logits, relative to their size. s: each exp(z - m)
@@ -79,7 +79,7 @@ def test_logits_grad_tile_matches_float64(vocab_dim, softcap, first_kept, limit)
   """The backward's tile: d logits from the saved statistics, per-row cotangents and
   temperature; a clamped block's overlap (columns below ``first_kept``) and padded
   columns (from ``limit``) get 0, dropped rows get 0 even with NaN hidden states."""
-  from jaxce import _linear, _math
+  from jaxce._kernels import head, softmax
   rng, hidden, weight = _inputs(11, 512, 128, 384, vocab_dim)
   keep = rng.random(512) < 0.9
   hidden = hidden.at[np.flatnonzero(~keep)[:3]].set(jnp.nan)
@@ -101,14 +101,14 @@ def test_logits_grad_tile_matches_float64(vocab_dim, softcap, first_kept, limit)
   log_sum = np.log(e.sum(axis=1))
   with np.errstate(invalid="ignore"):  # 0 * -inf at excluded columns, dropped by the where
     entropy = log_sum - np.where(e > 0, e * (z - shift[:, None]), 0).sum(axis=1) / e.sum(axis=1)
-  got = _mosaic_linear.logits_grad(
+  got = mosaic_head.logits_grad(
       hidden, weight, label_column, inv_temp, limit, first_kept, *(jnp.asarray(a, jnp.float32)
       for a in (shift, log_sum, entropy)), g_logp, g_entropy, jnp.asarray(keep),
-      vocab_dim=vocab_dim, softcap=softcap)
-  dz = _math.logit_grad(jnp.asarray(z), jnp.asarray(label_column), *(jnp.asarray(a) for a in (
+      vocab_dim=vocab_dim, softcap=softcap, interpret=True, num_cores=4)
+  dz = softmax.logit_grad(jnp.asarray(z), jnp.asarray(label_column), *(jnp.asarray(a) for a in (
       shift, log_sum, entropy)), jnp.asarray(g_logp, jnp.float64),
       jnp.asarray(g_entropy, jnp.float64), jnp.asarray(keep))
-  want = _linear.logits_input_grad(dz, jnp.asarray(inv_temp, jnp.float64), jnp.asarray(x),
+  want = head.logits_input_grad(dz, jnp.asarray(inv_temp, jnp.float64), jnp.asarray(x),
                                    softcap, jnp.asarray(keep))
   assert got.dtype == jnp.bfloat16
   assert not np.any(np.asarray(got)[~keep]), "dropped rows must be exactly 0"
@@ -166,6 +166,7 @@ def test_unsupported_calls_say_why(change, message):
 
 
 def test_other_paths_refuse_mosaic():
-  with pytest.raises(ValueError, match='"mosaic" is for linear_logprobs_and_entropy'):
+  with pytest.raises(ValueError, match='"mosaic" cannot run this call: logprobs_and_entropy '
+                                       'has no mosaic kernel'):
     jaxce.logprobs_and_entropy(jnp.zeros((4, 8)), jnp.zeros(4, jnp.int32),
                                implementation="mosaic")

@@ -21,7 +21,6 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.custom_derivatives import SymbolicZero
 
 
 def compute_dtype(*dtypes) -> jnp.dtype:
@@ -113,6 +112,12 @@ def logit_grad(z, label_column, shift, log_sum, entropy, g_logp, g_entropy, vali
   return jnp.where(valid[:, None], dz, 0)
 
 
+def column_limit(mask_vocab, tile_start, width):
+  """The first local column of a tile of ``width`` columns (global ids from ``tile_start``)
+  that lies beyond the logical vocabulary: ``width`` when ``mask_vocab`` is ``None``."""
+  return width if mask_vocab is None else jnp.clip(mask_vocab - tile_start, 0, width)
+
+
 def shard_column_start(num_columns, vocab_axis):
   """Global id of this shard's first column (0 without ``vocab_axis``)."""
   if vocab_axis is None:
@@ -173,69 +178,6 @@ def chunk_statistics(x, labels, inv_temp, valid, column_start, vocab_size, mask_
   logp, entropy_out = finish_outputs((reduced[-1] - m) - log_s, entropy, labels, valid,
                                      vocab_size)
   return logp, m, log_s, entropy_out
-
-
-def symbolic_zero_to_none(cotangent):
-  return None if isinstance(cotangent, SymbolicZero) else cotangent
-
-
-def _manual_type(x):
-  """``(keyword, value)`` of ``x``'s type over manual mesh axes as ``jax.ShapeDtypeStruct``
-  takes it (``manual_axis_type=aval.mat`` in JAX >= 0.10, ``vma=aval.vma`` before), or
-  ``None`` when ``x`` varies over none (outside shard_map)."""
-  aval = jax.typeof(x)
-  mat = getattr(aval, "mat", None)
-  if mat is not None:
-    return ("manual_axis_type", mat) if mat.varying else None
-  vma = getattr(aval, "vma", None)
-  return ("vma", vma) if vma else None
-
-
-def varying_axes(x):
-  """The manual mesh axes ``x`` varies over; empty outside shard_map."""
-  manual = _manual_type(x)
-  if manual is None:
-    return frozenset()
-  keyword, value = manual
-  return frozenset(value.varying if keyword == "manual_axis_type" else value)
-
-
-def shape_dtype_like(x, shape, dtype):
-  """A ``jax.ShapeDtypeStruct`` that varies over the same shard_map axes as ``x``
-  (``check_vma`` needs it spelled out for a Pallas kernel's outputs)."""
-  manual = _manual_type(x)
-  return jax.ShapeDtypeStruct(shape, dtype, **(dict([manual]) if manual else {}))
-
-
-def axis_names(entry):
-  """The mesh axis names of ``vocab_axis`` / a ``PartitionSpec`` entry (None, a name or a
-  tuple of names), as a tuple."""
-  return () if entry is None else (entry if isinstance(entry, tuple) else (entry,))
-
-
-def unify_varying(arrays, vocab_axis):
-  """Cast every array (``None`` passes through) to vary over the union of the arrays'
-  manual axes and ``vocab_axis``, so that scan carries built from any of them type-check
-  inside ``shard_map``. A no-op outside shard_map; under pmap, where values carry no
-  varying type, the arrays come back unchanged."""
-  union = frozenset(axis_names(vocab_axis)).union(*(varying_axes(a) for a in arrays if a is not None))
-  out = []
-  for a in arrays:
-    missing = () if a is None else tuple(sorted(union - varying_axes(a)))
-    if missing:
-      try:
-        a = lax.pcast(a, missing, to="varying")
-      except (NameError, ValueError):  # pmap: no varying types to match
-        return tuple(arrays)
-    out.append(a)
-  return tuple(out)
-
-
-def reduce_to_varying(cotangent, primal):
-  """Sum a cotangent over the manual axes its primal does not vary over (the transpose
-  of the implicit broadcast that made the primal varying)."""
-  extra = tuple(sorted(varying_axes(cotangent) - varying_axes(primal)))
-  return lax.psum(cotangent, extra) if extra else cotangent
 
 
 def merge_running(m, s, q, m_new):

@@ -5,7 +5,7 @@ of exp); this kernel reads each row once. One program per token walks the row in
 of ``block`` columns with an online softmax: running ``m`` (max), ``s = sum exp(z - m)``
 and ``q = sum exp(z - m) (z - m)``, rescaled when the max grows. The label's logit is
 gathered outside (T elements) and shards (or, on the fused path, vocab blocks) combine
-``(m, s, q)`` outside with ``_math``'s functions, so the maths stays there.
+``(m, s, q)`` outside with ``softmax``'s functions, so the maths stays there.
 
 On other platforms the same kernel runs in Pallas interpret mode (for tests only).
 """
@@ -20,7 +20,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jaxce import _math
+from jaxce._kernels import plumbing
 
 # Columns loaded per step and warps per program (bench/NOTES.md, entries 3, 9 and 13).
 MAX_BLOCK = 2048
@@ -99,7 +99,7 @@ def _row_kernel(x_ref, inv_temp_ref, start_ref, limit_ref, m_ref, s_ref, q_ref, 
   q_ref[...] = jnp.sum(q)
 
 
-def row_statistics(x, inv_temp, limit, with_entropy, start=0):
+def row_statistics(x, inv_temp, limit, with_entropy, start=0, *, interpret):
   """Per-row ``(m, s, q)`` of ``z = x * inv_temp`` over the columns in ``[start, limit)``.
 
   Args:
@@ -109,6 +109,7 @@ def row_statistics(x, inv_temp, limit, with_entropy, start=0):
     with_entropy: compute ``q`` (else it is returned as zeros).
     start: int32 scalar: columns below it are excluded (on the fused path, the columns of
       a clamped last vocab block that an earlier block already covered).
+    interpret: run in Pallas' interpreter (off GPUs: tests).
 
   Returns:
     ``(m, s, q)``, ``[T]`` float32 each. ``m`` starts at ``finfo.min``, so a row with
@@ -116,16 +117,24 @@ def row_statistics(x, inv_temp, limit, with_entropy, start=0):
   """
   num_columns = x.shape[1]
   block = min(MAX_BLOCK, 1 << (num_columns.bit_length() - 1))
-  scalar = _math.shape_dtype_like(x, (), jnp.float32)
+  scalar = plumbing.shape_dtype_like(x, (), jnp.float32)
   call = pl.pallas_call(
       partial(_row_kernel, block=block, with_entropy=with_entropy),
       out_shape=(scalar, scalar, scalar),
       grid=(),
       compiler_params=plgpu.CompilerParams(num_warps=NUM_WARPS if block >= 1024 else 2,
                                            num_stages=1),
-      interpret=jax.default_backend() != "gpu",
+      interpret=interpret,
       name="jaxce_row_statistics",
   )
   return jax.vmap(call, in_axes=(0, 0, None, None))(
       x, inv_temp.astype(jnp.float32), jnp.asarray(start, jnp.int32),
       jnp.asarray(limit, jnp.int32))
+
+
+def unsupported(*, dtypes) -> str | None:
+  """Why the kernel cannot run a call over arrays of ``dtypes`` (a sentence), or None. It
+  runs on GPUs and, interpreted, anywhere (tests)."""
+  if any(jnp.dtype(d) == jnp.float64 for d in dtypes):
+    return "it computes in float32 and the inputs are float64"
+  return None

@@ -1,38 +1,20 @@
 """The logits path's objective kernel: ``sum objective(logp, entropy, *token_args)`` of
 ``softmax(logits)`` and, under differentiation, its gradient, formed in the forward pass.
 
-The logits path's forward statistics (``_logits.forward``: one Pallas pass, or XLA's
-chunked scan; shards combine them with one pmax + one psum), the objective's per-token
-terms and cotangents (O(T)), then, when differentiating, ``d logits`` in one elementwise
-pass (``_logits.logits_gradient``): two passes over the logits (read; read + write). The
+The logits rows' forward statistics (``rows.forward``: one Triton pass, or XLA's chunked
+scan; shards combine them with one pmax + one psum), the objective's per-token terms and
+cotangents (O(T)), then, when differentiating, ``d logits`` in one elementwise pass
+(``rows.gradient``): two passes over the logits (read; read + write). The
 custom_vjp's backward only scales the stored gradient by the loss's cotangent.
 """
 
 from __future__ import annotations
 
 from functools import partial
-from typing import NamedTuple
-
 import jax
 
-from jaxce import _logits, _math, _objective
-
-
-class Config(NamedTuple):
-  """The static configuration of one call (see ``_logits.Config`` for the shared fields).
-
-  Attributes:
-    chunk: tokens per step of XLA's statistics scan (``None`` with the Pallas kernel).
-    with_entropy: compute (and return) the entropy: the objective uses it, or the caller
-      asked for it.
-    pallas: the chunk's row statistics by the Pallas kernel (else XLA).
-  """
-  vocab_size: int
-  mask_vocab: int | None
-  chunk: int | None
-  vocab_axis: object
-  with_entropy: bool
-  pallas: bool
+from jaxce._kernels import objective as objectives, plumbing, rows, softmax
+from jaxce._kernels.config import Config
 
 
 def token_loss(objective, x, labels, inv_temp, valid, token_args, config: Config):
@@ -50,22 +32,17 @@ def _token_loss(objective, x, labels, inv_temp, valid, token_args, config):
 def _run(objective, x, labels, inv_temp, valid, token_args, config, with_grads):
   """``((loss, (logp, entropy)), (d x, type witness) or None)``: the gradient of this
   device's loss, not yet summed over shard_map axes."""
-  statistics_config = _logits.Config(
-      vocab_size=config.vocab_size, mask_vocab=config.mask_vocab, chunk=config.chunk,
-      vocab_axis=config.vocab_axis, with_entropy=config.with_entropy,
-      implementation="pallas" if config.pallas else "xla", in_place=False)
-  outputs, (shift, log_sum, entropy) = _logits.forward(x, labels, inv_temp, valid,
-                                                       statistics_config)
+  outputs, (shift, log_sum, entropy) = rows.forward(x, labels, inv_temp, valid, config)
   logp = outputs[0]
   entropy = outputs[1] if config.with_entropy else None
-  loss, g_logp, g_entropy = _objective.terms_and_cotangents(objective, logp, entropy,
+  loss, g_logp, g_entropy = objectives.terms_and_cotangents(objective, logp, entropy,
                                                             token_args, valid, with_grads)
   out = (loss, (logp, entropy))
   if not with_grads:
     return out, None
-  grad = _logits.logits_gradient(
+  grad = rows.gradient(
       x, labels, inv_temp, valid, shift, log_sum, entropy, g_logp, g_entropy,
-      config.mask_vocab, _math.shard_column_start(x.shape[1], config.vocab_axis))
+      config.mask_vocab, softmax.shard_column_start(x.shape[1], config.vocab_axis))
   # A zero-size slice carries x's type over shard_map axes to the backward, which sums
   # the scaled gradient over the axes x does not vary over.
   return out, (grad, x.reshape(-1)[:0])
@@ -79,7 +56,7 @@ def _bwd(objective, config, residuals, cotangents):
   del objective, config
   grad, witness = residuals
   scale = cotangents[0]  # the outputs (logp, entropy) are for metrics: no gradient
-  return (_math.reduce_to_varying(grad * scale.astype(grad.dtype), witness), None, None, None,
+  return (plumbing.reduce_to_varying(grad * scale.astype(grad.dtype), witness), None, None, None,
           None)
 
 

@@ -15,14 +15,14 @@ warpgroups):
   (forward epilogue) apply the softcap and the per-row temperature, mask columns outside
   ``[tile start, limit)``, and reduce the tile to per-row ``(m, s, q, picked)``: its max,
   ``Σ exp(z - m)``, ``Σ exp(z - m)(z - m)`` and the label's ``z`` (0 when the label is
-  not in the tile); or (backward epilogue) ``_math.logit_grad`` and the softcap's and
+  not in the tile); or (backward epilogue) ``softmax.logit_grad`` and the softcap's and
   temperature's factors, stored through shared memory with TMA.
 
 The grid is persistent (one CTA per SM) over (row blocks × vocab tiles), walked in
 ``planar_snake`` order 8 row blocks wide, so that the CTAs running together share 8
 hidden blocks and a few weight tiles through L2. Each tile writes its 4 statistics to
 an f32 ``[vocab tiles, 4, C]`` array, which ``statistics`` merges over the tiles with
-``_math``'s functions: 16 bytes per row per 128 columns (about 0.5% of the logits'
+``softmax``'s functions: 16 bytes per row per 128 columns (about 0.5% of the logits'
 bytes in bf16, written and read once).
 
 Every copy starts at a multiple of its tile (TMA into swizzled shared memory needs it):
@@ -42,7 +42,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from jaxce import _math
+from jaxce._kernels import softmax
 
 TILE_M = 128  # rows per compute warpgroup; a CTA holds two
 TILE_N = 128  # vocabulary columns per tile
@@ -54,36 +54,36 @@ _LOG2_E = 1.4426950408889634
 _ROW = plgpu.Layout.WGMMA.reduce(1)
 
 
-def unsupported(hidden, weight, bias, num_tokens: int, vocab_dim: int) -> str | None:
-  """Why the kernel cannot run this call (a sentence), or None when it can."""
-  if jax.default_backend() == "gpu":
-    capability = getattr(jax.devices()[0], "compute_capability", None)
+def unsupported(*, platform, capability, hidden_dtype, weight_dtype, has_bias, depth,
+                num_tokens, num_columns) -> str | None:
+  """Why the kernels cannot run a fused call (a sentence), or None when they can.
+
+  Args:
+    platform, capability: the call's platform and its GPUs' compute capability.
+    hidden_dtype, weight_dtype, has_bias: the operands.
+    depth, num_tokens, num_columns: ``D``, ``T`` and this device's ``V_local``.
+  """
+  if platform == "gpu":
     if capability != "9.0":
       return f"it needs a Hopper GPU (compute capability 9.0), got {capability}"
   elif not hasattr(plgpu, "InterpretGPUParams"):
     return f"off GPUs it runs in the GPU interpreter of JAX >= 0.11, got {jax.__version__}"
-  if hidden.dtype != weight.dtype or hidden.dtype not in (jnp.bfloat16, jnp.float16):
-    return (f"hidden and weight must share a 16-bit float dtype, got {hidden.dtype} and "
-            f"{weight.dtype}")
-  if bias is not None:
+  if hidden_dtype != weight_dtype or hidden_dtype not in (jnp.bfloat16, jnp.float16):
+    return (f"hidden and weight must share a 16-bit float dtype, got {hidden_dtype} and "
+            f"{weight_dtype}")
+  if has_bias:
     return "a bias is not supported"
-  if hidden.shape[-1] % TILE_K:
-    return f"the hidden dim must be a multiple of {TILE_K}, got {hidden.shape[-1]}"
+  if depth % TILE_K:
+    return f"the hidden dim must be a multiple of {TILE_K}, got {depth}"
   if num_tokens < 2 * TILE_M:
     return f"at least {2 * TILE_M} tokens are needed, got {num_tokens}"
-  if weight.shape[vocab_dim] % TILE_N:
-    return (f"the vocabulary (per device) must be a multiple of {TILE_N}, got "
-            f"{weight.shape[vocab_dim]}")
+  if num_columns % TILE_N:
+    return f"the vocabulary (per device) must be a multiple of {TILE_N}, got {num_columns}"
   return None
 
 
-def _num_sms() -> int:
-  device = jax.devices()[0]
-  return getattr(device, "core_count", None) or 132 if device.platform == "gpu" else 4
-
-
 def _tiles(hidden, weight, row_inputs, *, vocab_dim, stages, epilogue, out_type, scratch,
-           store):
+           store, interpret, num_cores):
   """The kernel skeleton: every ``[TILE_M, TILE_N]`` tile of ``hidden @ weight`` (f32
   accumulation) handed to ``epilogue`` in registers, and its result to ``store``.
 
@@ -92,7 +92,8 @@ def _tiles(hidden, weight, row_inputs, *, vocab_dim, stages, epilogue, out_type,
   vectors. ``epilogue(x, rows, column)`` (``column``: the tile's first column) returns
   what ``store(scratch_ref, out_ref, result, n_idx, rows, column)`` writes, through
   ``scratch`` (this warpgroup's part of a shared-memory buffer of type ``scratch``,
-  leading dim 2) into the output of type ``out_type``.
+  leading dim 2) into the output of type ``out_type``. ``interpret``: run in JAX's GPU
+  interpreter; ``num_cores``: the persistent grid's size (one CTA per SM).
   """
   num_rows, depth = hidden.shape
   num_columns = weight.shape[vocab_dim]
@@ -178,15 +179,14 @@ def _tiles(hidden, weight, row_inputs, *, vocab_dim, stages, epilogue, out_type,
 
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-  interpret = None if jax.default_backend() == "gpu" else plgpu.InterpretGPUParams()
   call = plgpu.kernel(
       kernel,
       out_type=out_type,
-      grid=(min(_num_sms(), m_iters * n_iters),),
+      grid=(min(num_cores, m_iters * n_iters),),
       grid_names=("sm",),
       num_threads=3,
       thread_name="wg",
-      interpret=interpret,
+      interpret=plgpu.InterpretGPUParams() if interpret else None,
   )
   return call(hidden, weight, row_inputs)
 
@@ -199,7 +199,8 @@ def _transforms(minor_dim, dtype):
           plgpu.SwizzleTransform(swizzle))
 
 
-def _tile_statistics(hidden, weight, row_inputs, *, vocab_dim, softcap, with_entropy):
+def _tile_statistics(hidden, weight, row_inputs, *, vocab_dim, softcap, with_entropy,
+                     interpret, num_cores):
   """``[vocab tiles, 4, C]`` f32: ``(m, s, q, picked)`` of every ``[row, tile]``;
   ``row_inputs [3, C]``: the inverse temperature, the label's column in this weight (-1
   when not here) and the first excluded column, per row."""
@@ -219,10 +220,11 @@ def _tile_statistics(hidden, weight, row_inputs, *, vocab_dim, softcap, with_ent
   return _tiles(hidden, weight, row_inputs, vocab_dim=vocab_dim, stages=STAGES,
                 epilogue=epilogue,
                 out_type=jax.ShapeDtypeStruct((n_iters, 4, num_rows), jnp.float32),
-                scratch=plgpu.SMEM((2, 4, TILE_M), jnp.float32), store=store)
+                scratch=plgpu.SMEM((2, 4, TILE_M), jnp.float32), store=store,
+                interpret=interpret, num_cores=num_cores)
 
 
-def _tile_logits_grad(hidden, weight, row_inputs, *, vocab_dim, softcap):
+def _tile_logits_grad(hidden, weight, row_inputs, *, vocab_dim, softcap, interpret, num_cores):
   """``[C, V]`` ``d loss / d (hidden @ weight)`` in hidden's dtype; ``row_inputs [10, C]``
   as ``_grad_epilogue`` takes them."""
   num_rows, dtype = hidden.shape[0], hidden.dtype
@@ -241,12 +243,12 @@ def _tile_logits_grad(hidden, weight, row_inputs, *, vocab_dim, softcap):
                 out_type=jax.ShapeDtypeStruct((num_rows, weight.shape[vocab_dim]), dtype),
                 scratch=plgpu.SMEM((2, TILE_M, TILE_N), dtype,
                                    transforms=_transforms(TILE_N, dtype)),
-                store=store)
+                store=store, interpret=interpret, num_cores=num_cores)
 
 
 def _grad_epilogue(x, inv_temp, label, limit, first_kept, shift, log_sum, entropy, g_logp,
                    g_entropy, keep, column, softcap):
-  """``_math.logit_grad`` then ``_linear.logits_input_grad`` of one accumulator tile
+  """``softmax.logit_grad`` then ``head.logits_input_grad`` of one accumulator tile
   ``x [TILE_M, TILE_N]`` (WGMMA layout) whose first column is ``column``; every other
   argument is a ``[TILE_M]`` f32 vector (``keep``: 1 or 0)."""
   shape = x.shape
@@ -288,9 +290,9 @@ def _epilogue(x, inv_temp, label, limit, column, softcap, with_entropy):
 
 
 def statistics(hidden, weight, labels, inv_temp, limit, *, column_start, vocab_dim,
-               softcap, with_entropy):
+               softcap, with_entropy, interpret, num_cores):
   """Per-row ``(m, s, q, picked)`` of ``z = softcap(hidden @ weight) * inv_temp`` over
-  this weight's columns below ``limit``, as ``_math``'s running statistics.
+  this weight's columns below ``limit``, as ``softmax``'s running statistics.
 
   Args:
     hidden: ``[C, D]`` bf16 or f16, ``C`` a multiple of 256, ``D`` of 64.
@@ -300,6 +302,7 @@ def statistics(hidden, weight, labels, inv_temp, limit, *, column_start, vocab_d
     inv_temp: ``[C]`` float32.
     limit: int32 scalar: local columns at or beyond it are excluded (padded vocabulary).
     with_entropy: compute ``q`` (else zeros).
+    interpret, num_cores: as the plan says (``_tiles``).
 
   Returns:
     ``(m, s, q, picked)``, ``[C]`` float32 each. Memory: the ``[V_local / 128, 4, C]``
@@ -311,16 +314,17 @@ def statistics(hidden, weight, labels, inv_temp, limit, *, column_start, vocab_d
   row_inputs = jnp.stack([inv_temp.astype(jnp.float32), label_column.astype(jnp.float32),
                           jnp.broadcast_to(jnp.asarray(limit, jnp.float32), inv_temp.shape)])
   tiles = _tile_statistics(hidden, weight, row_inputs, vocab_dim=vocab_dim, softcap=softcap,
-                           with_entropy=with_entropy)
+                           with_entropy=with_entropy, interpret=interpret,
+                           num_cores=num_cores)
   m_tiles, s_tiles, q_tiles, picked = (tiles[:, i] for i in range(4))
   m = jnp.max(m_tiles, axis=0)
-  s, q = _math.merge_running(m_tiles, s_tiles, q_tiles if with_entropy else None, m[None])
+  s, q = softmax.merge_running(m_tiles, s_tiles, q_tiles if with_entropy else None, m[None])
   return m, jnp.sum(s, axis=0), (jnp.sum(q, axis=0) if with_entropy else None), jnp.sum(
       picked, axis=0)
 
 
 def logits_grad(hidden, weight, label_column, inv_temp, limit, first_kept, shift, log_sum,
-                entropy, g_logp, g_entropy, keep, *, vocab_dim, softcap):
+                entropy, g_logp, g_entropy, keep, *, vocab_dim, softcap, interpret, num_cores):
   """``d loss / d (hidden @ weight)`` of one ``[C, Vb]`` tile of the fused backward, formed
   in the matmul's epilogue and written once, in hidden's dtype (the operand of the two
   gradient matmuls): no f32 tile reaches device memory.
@@ -336,6 +340,7 @@ def logits_grad(hidden, weight, label_column, inv_temp, limit, first_kept, shift
     limit, first_kept: int32 scalars: the block's columns outside ``[first_kept, limit)``
       are excluded (padded vocabulary; a clamped last block's overlap).
     keep: bool ``[C]``: rows that are False get exactly 0.
+    interpret, num_cores: as the plan says (``_tiles``).
 
   Returns:
     ``[C, Vb]`` in hidden's dtype. Memory: that array only.
@@ -346,4 +351,5 @@ def logits_grad(hidden, weight, label_column, inv_temp, limit, first_kept, shift
   row_inputs = jnp.stack([rows(inv_temp), label_column.astype(jnp.float32), scalar(limit),
                           scalar(first_kept), rows(shift), rows(log_sum), rows(entropy),
                           rows(g_logp), rows(g_entropy), keep.astype(jnp.float32)])
-  return _tile_logits_grad(hidden, weight, row_inputs, vocab_dim=vocab_dim, softcap=softcap)
+  return _tile_logits_grad(hidden, weight, row_inputs, vocab_dim=vocab_dim, softcap=softcap,
+                           interpret=interpret, num_cores=num_cores)

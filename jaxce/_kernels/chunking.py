@@ -1,4 +1,4 @@
-"""The ragged-chunk-without-copy helpers shared by the kernels (``jaxce.plan`` sizes chunks).
+"""The ragged-chunk-without-copy helpers shared by the kernels (the planner sizes chunks).
 
 A scan over ``n = ceil(T / C)`` chunks reads chunk ``i`` at rows
 ``[start_i, start_i + C)`` with ``start_i = min(i * C, T - C)``: the last chunk is
@@ -26,6 +26,18 @@ def chunk_start(i, total: int, size: int):
 def fresh_rows(i, start, size: int):
   """``[size]`` bool: rows of chunk ``i`` no earlier chunk has produced."""
   return start + lax.iota(jnp.int32, size) >= i * size
+
+
+def write_fresh(buffer, rows, start, fresh, old=None):
+  """``buffer`` with a chunk's ``rows`` written at ``start``, except where ``fresh`` (its
+  ``fresh_rows``) is False: rows an earlier chunk already produced (a clamped last chunk's
+  overlap) keep ``old`` (``buffer``'s rows there unless given)."""
+  if rows.ndim > 1:
+    fresh = fresh[(slice(None),) + (None,) * (rows.ndim - 1)]
+  rows = rows.astype(buffer.dtype)
+  if old is None:
+    old = lax.dynamic_slice_in_dim(buffer, start, rows.shape[0], 0)
+  return lax.dynamic_update_slice_in_dim(buffer, jnp.where(fresh, rows, old), start, 0)
 
 
 def unchunk(stacked, total: int):

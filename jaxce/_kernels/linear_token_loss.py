@@ -16,31 +16,12 @@ one chunk's rows (f32 and the operand-dtype ``d``), flat in T beyond ``d hidden`
 from __future__ import annotations
 
 from functools import partial
-from typing import NamedTuple
-
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxce import _chunking, _linear, _math, _objective
-
-
-class Config(NamedTuple):
-  """The static configuration of one call (see ``_linear.Config`` for the shared fields).
-
-  Attributes:
-    chunk: tokens per scan step (their full vocabulary rows are held at once).
-    with_entropy: compute (and return) the entropy: the objective uses it, or the caller
-      asked for it.
-  """
-  vocab_size: int
-  mask_vocab: int | None
-  chunk: int
-  vocab_axis: object
-  softcap: float | None
-  with_entropy: bool
-  vocab_dim: int
-  pallas: bool
+from jaxce._kernels import chunking, head, objective as objectives, plumbing, rows, softmax
+from jaxce._kernels.config import Config
 
 
 def linear_token_loss(objective, hidden, weight, bias, labels, inv_temp, valid, token_args,
@@ -65,39 +46,37 @@ def _run(objective, hidden, weight, bias, labels, inv_temp, valid, token_args, c
   """``((loss, (logp, entropy)), ((d hidden, d weight, d bias), type witnesses) or
   None)``: the gradients of this device's loss, not yet summed over shard_map axes."""
   num_tokens, num_columns = hidden.shape[0], weight.shape[config.vocab_dim]
-  chunk, vocab_dim = config.chunk, config.vocab_dim
-  operand_dtype, dtype = _linear.dtypes(hidden, weight)
-  column_start = _math.shard_column_start(num_columns, config.vocab_axis)
+  chunk, vocab_dim = config.plan.chunk, config.vocab_dim
+  operand_dtype, dtype = head.dtypes(hidden, weight)
+  column_start = softmax.shard_column_start(num_columns, config.vocab_axis)
   primals = (hidden, weight, bias)
 
   def step(carry, i):
-    start = _chunking.chunk_start(i, num_tokens, chunk)
-    rows = lambda a: None if a is None else lax.dynamic_slice_in_dim(a, start, chunk, 0)
-    h = rows(hidden)
-    x = _linear.tile_logits(h, weight, bias, config.softcap, vocab_dim)
-    logp, shift, log_sum, entropy = _objective.statistics(
-        x, rows(labels), rows(inv_temp), rows(valid), column_start, config.vocab_size,
-        config.mask_vocab, config.vocab_axis, config.with_entropy, config.pallas)
-    keep = rows(valid) & _chunking.fresh_rows(i, start, chunk)  # the overlap counts once
-    loss, g_logp, g_entropy = _objective.terms_and_cotangents(
-        objective, logp, entropy, [rows(a) for a in token_args], keep, with_grads)
+    start = chunking.chunk_start(i, num_tokens, chunk)
+    take = lambda a: None if a is None else lax.dynamic_slice_in_dim(a, start, chunk, 0)
+    h = take(hidden)
+    x = head.tile_logits(h, weight, bias, config.softcap, vocab_dim)
+    logp, shift, log_sum, entropy = rows.statistics(
+        x, take(labels), take(inv_temp), take(valid), column_start, config)
+    keep = take(valid) & chunking.fresh_rows(i, start, chunk)  # the overlap counts once
+    loss, g_logp, g_entropy = objectives.terms_and_cotangents(
+        objective, logp, entropy, [take(a) for a in token_args], keep, with_grads)
     outputs = (loss, logp) + ((entropy,) if config.with_entropy else ())
     if not with_grads:
       return carry, outputs
     d_hidden, d_weight, d_bias = carry
-    z = _math.scaled_logits(x, rows(inv_temp), column_start, config.mask_vocab)
-    dz = _math.logit_grad(z, rows(labels) - column_start, shift, log_sum, entropy, g_logp,
-                          g_entropy, keep)
-    dx = _linear.logits_input_grad(dz, rows(inv_temp), x, config.softcap, keep)
+    z = softmax.scaled_logits(x, take(inv_temp), column_start, config.mask_vocab)
+    dz = softmax.logit_grad(z, take(labels) - column_start, shift, log_sum, entropy, g_logp,
+                            g_entropy, keep)
+    dx = head.logits_input_grad(dz, take(inv_temp), x, config.softcap, keep)
     d = dx.astype(operand_dtype)
     h = jnp.where(keep[:, None], h, 0)  # an ignored row's NaN must not reach d W as 0 * NaN
-    dh_rows = _linear.contract(d, weight, 1, vocab_dim)
+    dh_rows = head.contract(d, weight, 1, vocab_dim)
     if config.vocab_axis is not None:
       dh_rows = lax.psum(dh_rows, config.vocab_axis)  # partial sums over vocab shards
-    fresh = _chunking.fresh_rows(i, start, chunk)[:, None]
-    d_hidden = lax.dynamic_update_slice_in_dim(
-        d_hidden, jnp.where(fresh, dh_rows.astype(d_hidden.dtype), rows(d_hidden)), start, 0)
-    dw = _linear.weight_grad(h, d, vocab_dim)
+    fresh = chunking.fresh_rows(i, start, chunk)
+    d_hidden = chunking.write_fresh(d_hidden, dh_rows, start, fresh)
+    dw = head.weight_grad(h, d, vocab_dim)
     d_bias = None if d_bias is None else d_bias + jnp.sum(dx, axis=0)
     return (d_hidden, d_weight + dw, d_bias), outputs
 
@@ -105,14 +84,14 @@ def _run(objective, hidden, weight, bias, labels, inv_temp, valid, token_args, c
   if with_grads:
     # d hidden's rows arrive summed over the vocab shards, so it varies like hidden; the
     # d weight and d bias sums vary like every input together (reduced at the end).
-    d_weight, d_bias = _math.unify_varying(
+    d_weight, d_bias = plumbing.unify_varying(
         (jnp.zeros(weight.shape, dtype), None if bias is None else jnp.zeros(bias.shape, dtype),
          hidden, weight, labels, inv_temp, valid), config.vocab_axis)[:2]
     carry = (jnp.zeros_like(hidden), d_weight, d_bias)
-  n_chunks = _chunking.num_chunks(num_tokens, chunk)
+  n_chunks = chunking.num_chunks(num_tokens, chunk)
   carry, (loss, logp, *entropy) = lax.scan(step, carry, jnp.arange(n_chunks))
-  logp = _chunking.unchunk(logp, num_tokens)
-  entropy = _chunking.unchunk(entropy[0], num_tokens) if entropy else None
+  logp = chunking.unchunk(logp, num_tokens)
+  entropy = chunking.unchunk(entropy[0], num_tokens) if entropy else None
   out = (jnp.sum(loss), (logp, entropy))
   if not with_grads:
     return out, None
@@ -135,7 +114,7 @@ def _bwd(objective, config, residuals, cotangents):
   del objective, config
   grads, witnesses = residuals
   scale = cotangents[0]  # the outputs (logp, entropy) are for metrics: no gradient
-  scaled = tuple(None if g is None else _math.reduce_to_varying(g * scale.astype(g.dtype), w)
+  scaled = tuple(None if g is None else plumbing.reduce_to_varying(g * scale.astype(g.dtype), w)
                  for g, w in zip(grads, witnesses))
   return scaled + (None, None, None, None)
 

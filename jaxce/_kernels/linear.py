@@ -1,5 +1,5 @@
 """The fused LM-head path's kernel: log-prob and entropy of ``hidden @ weight`` without
-the logits, on arrays the front door (``jaxce._api``) has checked and flattened.
+the logits, on arrays the front door has checked and flattened.
 
 Both passes walk a grid of ``[C, Vb]`` tiles, vocab blocks outer and token chunks
 inner, recomputing ``hidden_chunk @ weight_block`` for each tile (operands in the
@@ -7,13 +7,15 @@ inputs' common dtype, as ``hidden @ weight`` would promote them; f32 accumulatio
 
 * forward: an online softmax folds each tile into per-token running sums ``(m, s, q)``
   and the label's logit, ``[T]`` f32 each; shards combine them with one pmax + one psum.
-  The tile's own statistics take two XLA passes over it, or one with the Pallas kernel
-  of ``_pallas`` (the default on GPUs).
+  The tile's own statistics take two XLA passes over it, or one with the Triton kernel
+  of ``triton_rows``; with the ``"mosaic"`` backend one Mosaic GPU kernel
+  (``mosaic_head``) runs the whole forward, the tiles' statistics formed in registers.
 * backward: each tile's ``d logits`` (cast to the operand dtype) feeds two matmuls:
   ``d W_block = hidden_chunkᵀ @ d`` accumulates in f32 over the token chunks of the
   block and is then written once; ``d hidden += d @ W_blockᵀ`` accumulates in an f32
-  ``[T, D]`` buffer, all-reduced over ``vocab_axis`` once at the end. With more tokens
-  than columns (``plan.linear_backward_order``) the loops swap: each chunk's ``d hidden``
+  ``[T, D]`` buffer, all-reduced over ``vocab_axis`` once at the end (with the ``"mosaic"``
+  backend each tile's ``d logits`` is formed in its matmul's epilogue, ``mosaic_head``).
+  With more tokens than columns (the plan's ``backward_order``) the loops swap: each chunk's ``d hidden``
   rows sum over the blocks in an f32 ``[chunk, D]`` carry and are written once, and
   ``d W`` sums over the chunks in an f32 array like the weight, so nothing grows with T.
 
@@ -24,47 +26,12 @@ block is clamped back inside the array; its overlap is masked so nothing counts 
 from __future__ import annotations
 
 from functools import partial
-from typing import NamedTuple
-
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxce import _chunking, _math, _mosaic_linear, _pallas, plan
-
-
-class Config(NamedTuple):
-  """The static (Python, hashable) configuration of one call.
-
-  Attributes:
-    vocab_size: the logical vocabulary (kept labels at or above it give NaN).
-    mask_vocab: ``vocab_size`` when some columns must be masked, else ``None``.
-    chunk, block: the tile, ``[chunk tokens, block vocab columns]``.
-    vocab_axis: the mesh axis (or tuple) the columns are split over, or ``None``.
-    softcap: ``c`` of ``c * tanh(x / c)``, or ``None``.
-    with_entropy: compute (and return) the entropy.
-    vocab_dim: the weight's vocabulary dim (1: ``[D, V]``, 0: ``[V, D]``).
-    pallas: the tiles' forward statistics by the Pallas (Triton) kernel (else XLA).
-    mosaic: the Mosaic GPU kernels of ``_mosaic_linear``: the whole forward (the tiles'
-      matmul and statistics in one kernel; ``chunk`` and ``block`` then only shape the
-      backward) and each backward tile's ``d logits`` (formed in its matmul's epilogue,
-      written once in the operand dtype; ``chunk`` a multiple of 256, ``block`` of 128).
-    hidden_grad_in_output: sum ``d hidden`` in its own dtype (else an f32 buffer).
-    token_outer: the backward walks token chunks outer, vocab blocks inner (an f32 sum
-      like the weight instead of one like ``hidden``: ``plan.linear_backward_order``).
-  """
-  vocab_size: int
-  mask_vocab: int | None
-  chunk: int
-  block: int
-  vocab_axis: object
-  softcap: float | None
-  with_entropy: bool
-  vocab_dim: int
-  pallas: bool = False
-  hidden_grad_in_output: bool = False
-  mosaic: bool = False
-  token_outer: bool = False
+from jaxce._kernels import chunking, head, mosaic_head, plumbing, softmax, triton_rows
+from jaxce._kernels.config import Config
 
 
 def logprobs_entropy(hidden, weight, bias, labels, inv_temp, valid, config: Config):
@@ -82,53 +49,9 @@ def logprobs_entropy(hidden, weight, bias, labels, inv_temp, valid, config: Conf
   return _jitted_linear_logprobs_entropy(hidden, weight, bias, labels, inv_temp, valid, config)
 
 
-def dtypes(hidden, weight):
-  """``(operand dtype, compute dtype)``: the matmuls take the inputs' common dtype, as
-  ``hidden @ weight`` would, and accumulate (and compute the softmax) in f32 (f64 for
-  f64 inputs)."""
-  operand_dtype = jnp.promote_types(hidden.dtype, weight.dtype)
-  return operand_dtype, _math.compute_dtype(operand_dtype)
-
-
-def contract(a, b, a_dim, b_dim):
-  """``a`` and ``b`` contracted over one dimension each, in their common dtype with f32
-  (f64) accumulation."""
-  operand_dtype, dtype = dtypes(a, b)
-  return lax.dot_general(a.astype(operand_dtype), b.astype(operand_dtype),
-                         (((a_dim,), (b_dim,)), ((), ())), preferred_element_type=dtype)
-
-
-def tile_logits(hidden_rows, weight_cols, bias_cols, softcap, vocab_dim):
-  """``[C, Vb]`` f32 logits of one tile (f32 accumulation)."""
-  dtype = dtypes(hidden_rows, weight_cols)[1]
-  x = contract(hidden_rows, weight_cols, 1, 1 - vocab_dim)
-  if bias_cols is not None:
-    x = x + bias_cols.astype(dtype)
-  if softcap is not None:
-    x = softcap * jnp.tanh(x / softcap)
-  return x
-
-
-def logits_input_grad(dz, inv_temp, x, softcap, keep):
-  """``d loss / d (hidden @ W + bias)`` of a ``[C, Vb]`` tile from ``dz = d loss / d z``:
-  the temperature's factor (``inv_temp [C]``) and, with a softcap, its derivative (``x``
-  holds the capped logits); exactly 0 at rows where ``keep [C]`` is False, after every
-  factor (an ignored row's NaN logits would otherwise come back as ``0 * NaN``)."""
-  dx = dz * inv_temp[:, None].astype(dz.dtype)
-  if softcap is not None:
-    dx = dx * (1 - jnp.square(x / softcap))
-  return jnp.where(keep[:, None], dx, 0)
-
-
-def weight_grad(h, d, vocab_dim):
-  """A tile's ``d W`` columns in the weight's layout: ``[D, Vb] = hᵀ d``, or
-  ``[Vb, D] = dᵀ h`` (f32 accumulation)."""
-  return contract(h, d, 0, 0) if vocab_dim else contract(d, h, 0, 0)
-
-
 def _grid(num_tokens, num_columns, chunk, block):
   """``(vocab blocks, token chunks)``: the static trip counts of the two loops."""
-  return _chunking.num_chunks(num_columns, block), _chunking.num_chunks(num_tokens, chunk)
+  return chunking.num_chunks(num_columns, block), chunking.num_chunks(num_tokens, chunk)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(6,))
@@ -139,48 +62,47 @@ def _linear_logprobs_entropy(hidden, weight, bias, labels, inv_temp, valid, conf
 
 def _forward(hidden, weight, bias, labels, inv_temp, valid, config):
   num_tokens, num_columns = hidden.shape[0], weight.shape[config.vocab_dim]
-  chunk, block = config.chunk, config.block
+  chunk, block = config.plan.chunk, config.plan.block
   n_blocks, n_chunks = _grid(num_tokens, num_columns, chunk, block)
-  shard_start = _math.shard_column_start(num_columns, config.vocab_axis)
-  dtype = dtypes(hidden, weight)[1]
+  shard_start = softmax.shard_column_start(num_columns, config.vocab_axis)
+  dtype = head.dtypes(hidden, weight)[1]
   outer_labels, outer_valid = labels, valid  # the outputs vary like these, not per shard
-  hidden, weight, bias, labels, inv_temp, valid = _math.unify_varying(
+  hidden, weight, bias, labels, inv_temp, valid = plumbing.unify_varying(
       (hidden, weight, bias, labels, inv_temp, valid), config.vocab_axis)
-  m, s, q = _math.running_start(num_tokens, dtype, config.with_entropy, inv_temp)
+  m, s, q = softmax.running_start(num_tokens, dtype, config.with_entropy, inv_temp)
   picked = jnp.zeros_like(s)
-  if config.mosaic:
+  if config.plan.backend == "mosaic":
     m, s, q, picked = _mosaic_statistics(hidden, weight, labels, inv_temp, (m, s, q, picked),
                                          shard_start, config)
     return _finish_forward(m, s, q, picked, outer_labels, outer_valid, config)
 
   def block_step(carry, j):
-    col = _chunking.chunk_start(j, num_columns, block)
+    col = chunking.chunk_start(j, num_columns, block)
     first_column = shard_start + j * block  # earlier blocks own the columns below
     w_cols = lax.dynamic_slice_in_dim(weight, col, block, config.vocab_dim)
     b_cols = None if bias is None else lax.dynamic_slice_in_dim(bias, col, block, 0)
 
     def chunk_step(carry, i):
-      start = _chunking.chunk_start(i, num_tokens, chunk)
+      start = chunking.chunk_start(i, num_tokens, chunk)
       rows = lambda a: lax.dynamic_slice_in_dim(a, start, chunk, 0)
-      x = tile_logits(rows(hidden), w_cols, b_cols, config.softcap, config.vocab_dim)
+      x = head.tile_logits(rows(hidden), w_cols, b_cols, config.softcap, config.vocab_dim)
       m, s, q, picked = (None if c is None else rows(c) for c in carry)
-      if config.pallas:  # the tile's own columns: global ids in [first_column, mask_vocab)
+      if config.plan.backend == "triton":  # the tile's columns: ids in [first_column, mask_vocab)
         tile_start = shard_start + col
-        limit = block if config.mask_vocab is None else jnp.clip(
-            config.mask_vocab - tile_start, 0, block)
-        tile_m, tile_s, tile_q = _pallas.row_statistics(
-            x, rows(inv_temp), limit, config.with_entropy, start=first_column - tile_start)
-        new = _math.merge_statistics(m, s, q, tile_m, tile_s,
-                                     tile_q if config.with_entropy else None)
+        limit = softmax.column_limit(config.mask_vocab, tile_start, block)
+        tile_m, tile_s, tile_q = triton_rows.row_statistics(
+            x, rows(inv_temp), limit, config.with_entropy, start=first_column - tile_start,
+            interpret=config.plan.interpret)
+        new = softmax.merge_statistics(m, s, q, tile_m, tile_s,
+                                       tile_q if config.with_entropy else None)
       else:
-        z = _math.scaled_logits(x, rows(inv_temp), shard_start + col, config.mask_vocab,
-                                first_column)
-        new = _math.accumulate_tile(m, s, q, z)
-      new += (picked + _math.label_logit(x, rows(labels), rows(inv_temp), shard_start + col,
-                                         first_column),)
-      fresh = _chunking.fresh_rows(i, start, chunk)  # the clamped chunk's overlap is done
-      return tuple(None if c is None else
-                   lax.dynamic_update_slice_in_dim(c, jnp.where(fresh, n, o), start, 0)
+        z = softmax.scaled_logits(x, rows(inv_temp), shard_start + col, config.mask_vocab,
+                                  first_column)
+        new = softmax.accumulate_tile(m, s, q, z)
+      new += (picked + softmax.label_logit(x, rows(labels), rows(inv_temp), shard_start + col,
+                                           first_column),)
+      fresh = chunking.fresh_rows(i, start, chunk)  # the clamped chunk's overlap is done
+      return tuple(None if c is None else chunking.write_fresh(c, n, start, fresh, old=o)
                    for c, n, o in zip(carry, new, (m, s, q, picked))), None
 
     carry, _ = lax.scan(chunk_step, carry, jnp.arange(n_chunks))
@@ -192,32 +114,31 @@ def _forward(hidden, weight, bias, labels, inv_temp, valid, config):
 
 def _mosaic_statistics(hidden, weight, labels, inv_temp, carry, shard_start, config):
   """``(m, s, q, picked)`` ``[T]`` over this device's columns by the Mosaic GPU kernel,
-  one call per chunk of ``plan.linear_kernel_chunk`` tokens."""
+  one call per chunk of the plan's ``kernel_chunk`` tokens."""
   num_tokens, num_columns = hidden.shape[0], weight.shape[config.vocab_dim]
-  chunk = plan.linear_kernel_chunk(num_tokens, num_columns)
-  limit = num_columns if config.mask_vocab is None else jnp.clip(
-      config.mask_vocab - shard_start, 0, num_columns)
+  chunk = config.plan.kernel_chunk
+  limit = softmax.column_limit(config.mask_vocab, shard_start, num_columns)
 
   def chunk_step(carry, i):
-    start = _chunking.chunk_start(i, num_tokens, chunk)
+    start = chunking.chunk_start(i, num_tokens, chunk)
     rows = lambda a: lax.dynamic_slice_in_dim(a, start, chunk, 0)
-    new = _mosaic_linear.statistics(
+    new = mosaic_head.statistics(
         rows(hidden), weight, rows(labels), rows(inv_temp), limit, column_start=shard_start,
-        vocab_dim=config.vocab_dim, softcap=config.softcap, with_entropy=config.with_entropy)
-    fresh = _chunking.fresh_rows(i, start, chunk)
-    return tuple(None if c is None else
-                 lax.dynamic_update_slice_in_dim(c, jnp.where(fresh, n, rows(c)), start, 0)
+        vocab_dim=config.vocab_dim, softcap=config.softcap, with_entropy=config.with_entropy,
+        interpret=config.plan.interpret, num_cores=config.plan.num_cores)
+    fresh = chunking.fresh_rows(i, start, chunk)
+    return tuple(None if c is None else chunking.write_fresh(c, n, start, fresh)
                  for c, n in zip(carry, new)), None
 
-  carry, _ = lax.scan(chunk_step, carry, jnp.arange(_chunking.num_chunks(num_tokens, chunk)))
+  carry, _ = lax.scan(chunk_step, carry, jnp.arange(chunking.num_chunks(num_tokens, chunk)))
   return carry
 
 
 def _finish_forward(m, s, q, picked, labels, valid, config):
   """Outputs and residuals from this device's running statistics."""
-  m, s, q, picked = _math.combine_shards(m, s, q, picked, config.vocab_axis)
-  log_s, entropy = _math.finish_statistics(s, q)
-  logp, entropy_out = _math.finish_outputs((picked - m) - log_s, entropy, labels, valid,
+  m, s, q, picked = softmax.combine_shards(m, s, q, picked, config.vocab_axis)
+  log_s, entropy = softmax.finish_statistics(s, q)
+  logp, entropy_out = softmax.finish_outputs((picked - m) - log_s, entropy, labels, valid,
                                            config.vocab_size)
   out = (logp,) + ((entropy_out,) if config.with_entropy else ())
   return out, (m, log_s, entropy)
@@ -232,65 +153,65 @@ def _linear_logprobs_entropy_fwd(hidden, weight, bias, labels, inv_temp, valid, 
 
 def _linear_logprobs_entropy_bwd(config, residuals, cotangents):
   primals = residuals[:3]
-  hidden, weight, bias, labels, inv_temp, valid, shift, log_sum, entropy = _math.unify_varying(
-      residuals, config.vocab_axis)
-  g_logp = _math.symbolic_zero_to_none(cotangents[0])
-  g_entropy = _math.symbolic_zero_to_none(cotangents[1]) if config.with_entropy else None
+  (hidden, weight, bias, labels, inv_temp, valid, shift, log_sum,
+   entropy) = plumbing.unify_varying(residuals, config.vocab_axis)
+  g_logp = plumbing.symbolic_zero_to_none(cotangents[0])
+  g_entropy = plumbing.symbolic_zero_to_none(cotangents[1]) if config.with_entropy else None
   no_bias_grad = None if bias is None else jnp.zeros_like(bias)
   if g_logp is None and g_entropy is None:
     return (jnp.zeros_like(primals[0]), jnp.zeros_like(primals[1]),
             None if bias is None else jnp.zeros_like(primals[2]), None, None, None)
 
   num_tokens, num_columns = hidden.shape[0], weight.shape[config.vocab_dim]
-  chunk, block = config.chunk, config.block
+  chunk, block = config.plan.chunk, config.plan.block
   n_blocks, n_chunks = _grid(num_tokens, num_columns, chunk, block)
-  shard_start = _math.shard_column_start(num_columns, config.vocab_axis)
-  operand_dtype, dtype = dtypes(hidden, weight)
+  shard_start = softmax.shard_column_start(num_columns, config.vocab_axis)
+  operand_dtype, dtype = head.dtypes(hidden, weight)
   vocab_dim = config.vocab_dim
 
   def tile_grads(w_cols, b_cols, col, first_column, i):
     """Tile ``(j, i)``: its f32 ``d hidden`` rows ``[chunk, D]`` and ``d W`` and ``d bias``
     columns (exactly 0 in a clamped block's overlap and at ignored rows)."""
-    start = _chunking.chunk_start(i, num_tokens, chunk)
+    start = chunking.chunk_start(i, num_tokens, chunk)
     rows = lambda a: None if a is None else lax.dynamic_slice_in_dim(a, start, chunk, 0)
     h = rows(hidden)
-    keep = rows(valid) & _chunking.fresh_rows(i, start, chunk)
+    keep = rows(valid) & chunking.fresh_rows(i, start, chunk)
     label_column = rows(labels) - (shard_start + col)
     label_column = jnp.where(rows(labels) >= first_column, label_column, -1)
-    if config.mosaic:  # d formed in the matmul's epilogue (no bias on this path)
+    if config.plan.backend == "mosaic":  # d formed in the matmul's epilogue (no bias here)
       h = jnp.where(keep[:, None], h, 0)
-      limit = block if config.mask_vocab is None else jnp.clip(
-          config.mask_vocab - (shard_start + col), 0, block)
-      d = _mosaic_linear.logits_grad(
+      limit = softmax.column_limit(config.mask_vocab, shard_start + col, block)
+      d = mosaic_head.logits_grad(
           h, w_cols, label_column, rows(inv_temp), limit, first_column - (shard_start + col),
           rows(shift), rows(log_sum), rows(entropy), rows(g_logp), rows(g_entropy), keep,
-          vocab_dim=vocab_dim, softcap=config.softcap)
+          vocab_dim=vocab_dim, softcap=config.softcap, interpret=config.plan.interpret,
+          num_cores=config.plan.num_cores)
     else:
-      x = tile_logits(h, w_cols, b_cols, config.softcap, vocab_dim)
+      x = head.tile_logits(h, w_cols, b_cols, config.softcap, vocab_dim)
       h = jnp.where(keep[:, None], h, 0)  # an ignored row's NaN must not reach d W as 0 * NaN
-      z = _math.scaled_logits(x, rows(inv_temp), shard_start + col, config.mask_vocab,
-                              first_column)
-      dz = _math.logit_grad(z, label_column, rows(shift), rows(log_sum), rows(entropy),
-                            rows(g_logp), rows(g_entropy), keep)
-      dx = logits_input_grad(dz, rows(inv_temp), x, config.softcap, keep)
+      z = softmax.scaled_logits(x, rows(inv_temp), shard_start + col, config.mask_vocab,
+                                first_column)
+      dz = softmax.logit_grad(z, label_column, rows(shift), rows(log_sum), rows(entropy),
+                              rows(g_logp), rows(g_entropy), keep)
+      dx = head.logits_input_grad(dz, rows(inv_temp), x, config.softcap, keep)
       d = dx.astype(operand_dtype)
-    dw_tile = weight_grad(h, d, vocab_dim)
-    dh_rows = contract(d, w_cols, 1, vocab_dim)
+    dw_tile = head.weight_grad(h, d, vocab_dim)
+    dh_rows = head.contract(d, w_cols, 1, vocab_dim)
     return dh_rows, dw_tile, (None if bias is None else jnp.sum(dx, axis=0))
 
   def block_slices(j):
     """Block ``j``'s first local column, weight and bias columns, first global id."""
-    col = _chunking.chunk_start(j, num_columns, block)
+    col = chunking.chunk_start(j, num_columns, block)
     w_cols = lax.dynamic_slice_in_dim(weight, col, block, vocab_dim)
     b_cols = None if bias is None else lax.dynamic_slice_in_dim(bias, col, block, 0)
     return col, w_cols, b_cols, shard_start + j * block
 
-  if config.token_outer:
+  if config.plan.backward_order == "token":
     return _token_outer_grads(tile_grads, block_slices, hidden, weight, bias, primals,
                               config, n_chunks, n_blocks, dtype)
 
   def add_rows(d_hidden, dh_rows, i):
-    start = _chunking.chunk_start(i, num_tokens, chunk)
+    start = chunking.chunk_start(i, num_tokens, chunk)
     rows = lax.dynamic_slice_in_dim(d_hidden, start, chunk, 0)
     return lax.dynamic_update_slice_in_dim(d_hidden, (rows + dh_rows).astype(rows.dtype),
                                            start, 0)
@@ -328,7 +249,7 @@ def _linear_logprobs_entropy_bwd(config, residuals, cotangents):
   if config.vocab_axis is not None:
     d_hidden = lax.psum(d_hidden, config.vocab_axis)  # partial sums over vocab shards
   grads = (d_hidden.astype(hidden.dtype), d_weight, d_bias)
-  grads = tuple(None if g is None else _math.reduce_to_varying(g, p)
+  grads = tuple(None if g is None else plumbing.reduce_to_varying(g, p)
                 for g, p in zip(grads, primals))
   return grads + (None, None, None)
 
@@ -341,7 +262,7 @@ def _token_outer_grads(tile_grads, block_slices, hidden, weight, bias, primals, 
   array like the weight. Its memory beyond the outputs is that sum and one chunk's tiles,
   whatever T. A clamped block's overlap and a clamped chunk's repeated rows add exact
   zeros; only the chunk's fresh rows are written."""
-  num_tokens, chunk = hidden.shape[0], config.chunk
+  num_tokens, chunk = hidden.shape[0], config.plan.chunk
 
   def chunk_step(carry, i):
     d_hidden, d_weight, d_bias = carry
@@ -360,11 +281,9 @@ def _token_outer_grads(tile_grads, block_slices, hidden, weight, bias, primals, 
                                               jnp.arange(n_blocks))
     if config.vocab_axis is not None:
       dh_rows = lax.psum(dh_rows, config.vocab_axis)  # partial sums over vocab shards
-    start = _chunking.chunk_start(i, num_tokens, chunk)
-    fresh = _chunking.fresh_rows(i, start, chunk)[:, None]
-    old = lax.dynamic_slice_in_dim(d_hidden, start, chunk, 0)
-    d_hidden = lax.dynamic_update_slice_in_dim(
-        d_hidden, jnp.where(fresh, dh_rows.astype(d_hidden.dtype), old), start, 0)
+    start = chunking.chunk_start(i, num_tokens, chunk)
+    d_hidden = chunking.write_fresh(d_hidden, dh_rows, start,
+                                    chunking.fresh_rows(i, start, chunk))
     return (d_hidden, d_weight, d_bias), None
 
   # d hidden's rows are all-reduced as they are written: the sum has hidden's own type.
@@ -373,7 +292,7 @@ def _token_outer_grads(tile_grads, block_slices, hidden, weight, bias, primals, 
   (d_hidden, d_weight, d_bias), _ = lax.scan(chunk_step, carry, jnp.arange(n_chunks))
   grads = (d_hidden, d_weight.astype(weight.dtype),
            None if bias is None else d_bias.astype(bias.dtype))
-  grads = tuple(None if g is None else _math.reduce_to_varying(g, p)
+  grads = tuple(None if g is None else plumbing.reduce_to_varying(g, p)
                 for g, p in zip(grads, primals))
   return grads + (None, None, None)
 

@@ -1,0 +1,173 @@
+"""One path for every public operation: check once, then run the operation's per-shard
+function on this device's arrays, inside the caller's ``shard_map`` / ``pmap``
+(``vocab_axis`` given), or over a mesh (``sharded_*``, or arrays whose types split them
+over a mesh's explicit axes: decided here, once; below, ``vocab_axis=None`` only means
+"not split").
+
+Per shard: flatten the tokens, normalize the temperature and the mask, ask the planner
+(``jaxce.plan.make``) for the shard's ``Plan``, and call the operation's kernel with a
+``Config`` that holds it.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, NamedTuple
+
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from jaxce import _checks, _options, _sharded, plan
+from jaxce._kernels import linear, linear_token_loss, logits, softmax, token_loss
+from jaxce._kernels.config import Config
+
+
+class Operation(NamedTuple):
+  """A public operation: its name (``jaxce.plan.BACKENDS``' keys), whether it takes
+  ``(hidden, weight)`` (else logits), whether it is an objective (a scalar loss and
+  per-token metrics, else per-token outputs), and its kernel."""
+  name: str
+  fused: bool
+  objective: bool
+  kernel: Callable
+
+
+LOGPROBS = Operation("logprobs_and_entropy", False, False, logits.logprobs_entropy)
+LINEAR_LOGPROBS = Operation("linear_logprobs_and_entropy", True, False,
+                            linear.logprobs_entropy)
+TOKEN_LOSS = Operation("token_loss", False, True, token_loss.token_loss)
+LINEAR_TOKEN_LOSS = Operation("linear_token_loss", True, True,
+                              linear_token_loss.linear_token_loss)
+
+
+def run(op: Operation, operands, labels, kw, *, objective=None, token_args=(),
+        vocab_axis=None, mesh=None, batch_axis=None):
+  """``op`` on ``operands`` (``(logits,)`` or ``(hidden, weight)``) and ``labels`` with
+  the keyword options ``kw`` (every keyword of the public function but ``vocab_axis``).
+
+  ``mesh`` (with ``vocab_axis`` and ``batch_axis``): global arrays, run in ``shard_map``.
+  Else ``vocab_axis``: this device's shard, inside the caller's ``shard_map``. Else, when
+  the arrays' types split them over a mesh's explicit axes, over that mesh as they say;
+  else on this device's arrays.
+  """
+  names = ("hidden", "weight") if op.fused else ("logits",)
+  operands = tuple(_checks.as_array(n, a) for n, a in zip(names, operands))
+  labels = _checks.as_array("labels", labels)
+  token_entries = None
+  if mesh is not None:
+    token_entries = _sharded.token_spec(operands[0].ndim - 1, batch_axis)
+  elif vocab_axis is None:
+    others = (kw.get("bias"), kw["where"], kw["temperature"], *token_args)
+    if op.fused:
+      split = _sharded.linear_split(*operands, labels, _checks.vocab_dim(kw["weight_layout"]),
+                                    *others)
+    else:
+      split = _sharded.logits_split(*operands, labels, *others[1:])
+    if split is not None:  # split over a mesh's explicit axes: as their types say
+      mesh, vocab_axis, token_entries = split
+  options, operands = _options.check(op.name, operands, labels, kw, vocab_axis=vocab_axis,
+                                     mesh=mesh, batch_axis=batch_axis)
+  if op.objective:
+    token_args, options = _options.check_objective(objective, labels, token_args,
+                                                   [a.dtype for a in operands[:2]], options)
+  if mesh is None:
+    return _shard(op, options, objective, operands, labels, kw["temperature"], kw["where"],
+                  token_args, vocab_axis)
+  return _on_mesh(op, options, objective, operands, labels, kw, token_args, mesh, vocab_axis,
+                  token_entries)
+
+
+def _on_mesh(op, options, objective, operands, labels, kw, token_args, mesh, vocab_axis,
+             token_entries):
+  """``_shard`` in ``shard_map`` over ``mesh``: the operands split over the vocabulary
+  (and the tokens), every per-token array (labels, array ``temperature`` / ``where``
+  broadcast to the labels' shape, the objective's ``token_args``) split like the labels."""
+  token_arrays = {"labels": labels}
+  scalars = {}
+  for name in ("temperature", "where"):
+    value = kw[name]
+    if value is not None and jnp.ndim(value) > 0:
+      value = _checks.as_array(name, value)
+      token_arrays[name] = _checks.broadcast_token_array(value, labels.shape, value.dtype)
+    else:
+      scalars[name] = value
+  token_arrays.update({f"arg{k}": a for k, a in enumerate(token_args)})
+  if op.fused:
+    bias = operands[2]
+    arrays = operands[:2] + (() if bias is None else (bias,))
+    weight_spec = (vocab_axis, None) if options.vocab_dim == 0 else (None, vocab_axis)
+    specs = (P(*token_entries, None), P(*weight_spec), P(vocab_axis))[:len(arrays)]
+  else:
+    arrays, specs = operands, (P(*token_entries, vocab_axis),)
+  axes = _sharded.token_axes(token_entries)
+
+  def shard_fn(*shard_arrays, labels, **token):
+    args = [token.pop(f"arg{k}") for k in range(len(token_args))]
+    shard_operands = shard_arrays + ((None,) if op.fused and len(shard_arrays) == 2 else ())
+    out = _shard(op, options, objective, shard_operands, labels,
+                 token.get("temperature", scalars.get("temperature")),
+                 token.get("where", scalars.get("where")), args, vocab_axis)
+    if not op.objective:
+      return out
+    loss, (logp, entropy) = out
+    return (lax.psum(loss, axes) if axes else loss), logp, entropy
+
+  kinds = ("token", "token") if options.return_entropy else ("token",)
+  if op.objective:
+    kinds = ("scalar",) + kinds
+  out = _sharded.run(shard_fn, arrays, specs, token_arrays, mesh, token_entries, kinds)
+  if op.objective:
+    return out[0], _per_token_outputs(out[1:])
+  return _per_token_outputs(out)
+
+
+def _per_token_outputs(out):
+  """``(logp, entropy or None)`` from the wrapper's outputs."""
+  return out if len(out) == 2 else (out[0], None)
+
+
+def _shard(op, options, objective, operands, labels, temperature, where, token_args,
+           vocab_axis):
+  """Flatten, normalize, plan and run ``op``'s kernel on this device's (shard's) arrays."""
+  primary = operands[0]
+  dtype = softmax.compute_dtype(*(a.dtype for a in operands[:2]))
+  inv_temp = _checks.inverse_temperature(temperature, labels.shape, dtype)
+  valid = _checks.valid_mask(labels, where)
+  with_entropy = options.return_entropy
+  if labels.size == 0:
+    zeros = jnp.zeros(labels.shape, dtype)
+    outputs = zeros, (zeros if with_entropy else None)
+    return (jnp.zeros((), dtype), outputs) if op.objective else outputs
+  num_tokens = labels.size
+  if op.fused:
+    hidden, weight, bias = operands
+    num_columns = weight.shape[options.vocab_dim]
+    flat = (hidden.reshape(num_tokens, hidden.shape[-1]), weight, bias)
+  else:
+    num_columns = primary.shape[-1]
+    flat = (primary.reshape(num_tokens, num_columns),)
+  shard_plan = plan.make(
+      op.name, target=options.target, implementation=options.implementation,
+      num_tokens=num_tokens, num_columns=num_columns, dtypes=tuple(a.dtype for a in operands[:2]),
+      depth=primary.shape[-1] if op.fused else None,
+      has_bias=op.fused and operands[2] is not None, chunk_size=options.chunk_size,
+      vocab_block_size=options.vocab_block_size,
+      hidden_grad_accumulation=options.hidden_grad_accumulation,
+      backward_in_place=options.backward_in_place)
+  mask_vocab = (options.vocab_size if options.vocab_size < num_columns * options.vocab_shards
+                else None)
+  config = Config(
+      plan=shard_plan, vocab_size=options.vocab_size, mask_vocab=mask_vocab,
+      vocab_axis=vocab_axis, with_entropy=with_entropy, softcap=options.logit_softcap,
+      vocab_dim=options.vocab_dim, in_place=options.backward_in_place,
+      hidden_grad_in_output=options.hidden_grad_accumulation == "output")
+  flat_rows = (labels.reshape(-1).astype(jnp.int32), inv_temp.reshape(-1), valid.reshape(-1))
+  if not op.objective:
+    out = op.kernel(*flat, *flat_rows, config)
+    return out[0].reshape(labels.shape), (out[1].reshape(labels.shape) if with_entropy
+                                          else None)
+  flat_args = tuple(lax.stop_gradient(jnp.broadcast_to(a, labels.shape).reshape(-1))
+                    for a in token_args)
+  loss, (logp, entropy) = op.kernel(objective, *flat, *flat_rows, flat_args, config)
+  logp = lax.stop_gradient(logp.reshape(labels.shape))
+  return loss, (logp, None if entropy is None else lax.stop_gradient(entropy.reshape(labels.shape)))

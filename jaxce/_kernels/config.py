@@ -1,0 +1,66 @@
+"""The static records a kernel takes: the ``Plan`` the planner (``jaxce.plan``) made for one
+shard's shapes, and the ``Config`` of one call (the checked options and that plan).
+
+Both are hashable NamedTuples: the kernels are jitted with them as static arguments, so a
+new value compiles a new program and an equal one reuses it.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+
+class Plan(NamedTuple):
+  """How one shard's call runs, decided once by ``jaxce.plan.make``; kernels never
+  re-derive any of it.
+
+  Attributes:
+    backend: ``"xla"``, ``"triton"`` (Pallas Triton) or ``"mosaic"`` (Pallas Mosaic GPU):
+      the forward statistics' implementation (and, with ``"mosaic"``, the fused
+      backward's ``d logits`` tiles).
+    reason: why this backend (a sentence, for ``jaxce.plan.of``).
+    chunk: tokens per step, or ``None`` where no loop over tokens runs. Logits path: the
+      XLA forward's scan and the in-place backward's loop; fused per-token path: the
+      tile's rows (a multiple of 256 with ``"mosaic"``); objective paths: the rows whose
+      full vocabulary is held at once.
+    block: vocabulary columns per tile of the fused per-token path (else ``None``).
+    kernel_chunk: tokens per call of the Mosaic forward kernel (else ``None``).
+    backward_order: the fused per-token backward's outer loop, ``"vocab"`` or
+      ``"token"`` (else ``None``).
+    interpret: run the Pallas kernels in JAX's interpreter (the call runs off GPUs).
+    num_cores: streaming multiprocessors of the device (the Mosaic kernels' persistent
+      grid).
+  """
+  backend: str
+  reason: str
+  chunk: int | None = None
+  block: int | None = None
+  kernel_chunk: int | None = None
+  backward_order: str | None = None
+  interpret: bool = True
+  num_cores: int = 4
+
+
+class Config(NamedTuple):
+  """The static configuration of one kernel call.
+
+  Attributes:
+    plan: the shard's ``Plan``.
+    vocab_size: the logical vocabulary (kept labels at or above it give NaN).
+    mask_vocab: ``vocab_size`` when some of the columns lie beyond it, else ``None``.
+    vocab_axis: the mesh axis (or tuple) the columns are split over, or ``None``.
+    with_entropy: compute (and return) the entropy.
+    softcap: ``c`` of ``c * tanh(x / c)`` (fused paths), or ``None``.
+    vocab_dim: the fused weight's vocabulary dim (1: ``[D, V]``, 0: ``[V, D]``).
+    in_place: the logits path's backward overwrites the logits chunk by chunk.
+    hidden_grad_in_output: the fused backward sums ``d hidden`` in its own dtype.
+  """
+  plan: Plan
+  vocab_size: int
+  mask_vocab: int | None
+  vocab_axis: object
+  with_entropy: bool
+  softcap: float | None = None
+  vocab_dim: int = 1
+  in_place: bool = False
+  hidden_grad_in_output: bool = False

@@ -1,0 +1,69 @@
+"""Full logits rows ``[C, V_local]``: their forward statistics (XLA's two fused passes, or
+the one-pass Triton kernel of ``triton_rows``, as the plan says) combined over the vocab
+shards, and their gradient in one elementwise pass. Shared by the logits path's per-token
+and objective kernels and by the fused objective kernel, which holds a chunk's full rows."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax import lax
+
+from jaxce._kernels import chunking, softmax, triton_rows
+
+
+def statistics(x, labels, inv_temp, valid, column_start, config):
+  """``(logp, m, log s, entropy or None)``, ``[C]`` each, of the rows ``x [C, V_local]``
+  (``labels`` int32, ``inv_temp``, ``valid`` bool ``[C]``; ``column_start`` the global id
+  of ``x``'s first column): ``softmax.chunk_statistics``, or with the ``"triton"`` backend
+  the row statistics by the one-pass kernel. One pmax and one psum over the vocab axis."""
+  if config.plan.backend != "triton":
+    return softmax.chunk_statistics(x, labels, inv_temp, valid, column_start,
+                                    config.vocab_size, config.mask_vocab, config.vocab_axis,
+                                    config.with_entropy)
+  limit = softmax.column_limit(config.mask_vocab, column_start, x.shape[1])
+  m, s, q = triton_rows.row_statistics(x, inv_temp, limit, config.with_entropy,
+                                       interpret=config.plan.interpret)
+  picked = softmax.label_logit(x, labels, inv_temp, column_start)
+  m, s, q, picked = softmax.combine_shards(m, s, q if config.with_entropy else None, picked,
+                                           config.vocab_axis)
+  log_s, entropy = softmax.finish_statistics(s, q)
+  logp, entropy = softmax.finish_outputs((picked - m) - log_s, entropy, labels, valid,
+                                         config.vocab_size)
+  return logp, m, log_s, entropy
+
+
+def forward(x, labels, inv_temp, valid, config):
+  """``((logp,) or (logp, entropy), (m, log s, entropy or None))`` of every row of
+  ``x [T, V_local]`` (no gradient): the outputs and the statistics the gradient needs.
+  The Triton kernel reads all rows in one pass; XLA's statistics run in a scan over
+  ``config.plan.chunk`` rows (a clamped last chunk, no copy)."""
+  num_tokens, num_columns = x.shape
+  with_entropy = config.with_entropy
+  column_start = softmax.shard_column_start(num_columns, config.vocab_axis)
+  if config.plan.backend == "triton":
+    logp, m, log_s, entropy_out = statistics(x, labels, inv_temp, valid, column_start, config)
+    return (logp,) + ((entropy_out,) if with_entropy else ()), (m, log_s, entropy_out)
+  chunk = config.plan.chunk
+
+  def step(_, i):
+    start = chunking.chunk_start(i, num_tokens, chunk)
+    rows = lambda a: lax.dynamic_slice_in_dim(a, start, chunk, 0)
+    logp, m, log_s, entropy = statistics(rows(x), rows(labels), rows(inv_temp), rows(valid),
+                                         column_start, config)
+    return None, (logp, m, log_s) + ((entropy,) if with_entropy else ())
+
+  _, stacked = lax.scan(step, None, jnp.arange(chunking.num_chunks(num_tokens, chunk)))
+  logp, m, log_s, *entropy = (chunking.unchunk(s, num_tokens) for s in stacked)
+  # Residuals: m, log s and the entropy ([T] each; ignored rows get no gradient).
+  return (logp,) + tuple(entropy), (m, log_s, entropy[0] if with_entropy else None)
+
+
+def gradient(x, labels, inv_temp, valid, shift, log_sum, entropy, g_logp, g_entropy,
+             mask_vocab, column_start):
+  """``d loss / d x`` of logits rows ``x [C, V_local]`` (in ``x``'s dtype) from their
+  statistics and the per-token cotangents (``[C]`` each; ``None`` for a symbolic zero):
+  one elementwise pass. ``column_start``: the global id of ``x``'s first column."""
+  z = softmax.scaled_logits(x, inv_temp, column_start, mask_vocab)
+  dz = softmax.logit_grad(z, labels - column_start, shift, log_sum, entropy, g_logp,
+                          g_entropy, valid)
+  return (dz * inv_temp[:, None].astype(dz.dtype)).astype(x.dtype)

@@ -1,0 +1,136 @@
+"""The front door's checks, once per call, into one typed record of options.
+
+``check`` validates a call's arrays and keyword options (every error names the argument,
+its shape or value, and what was expected) and returns :class:`Options`; nothing
+downstream reads a keyword again. Where the call runs (``jaxce.plan.target``) is decided
+here too, once, so every shard plans for the same platform.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+
+from jaxce import _checks, plan
+from jaxce._kernels import softmax
+
+HIDDEN_GRAD_ACCUMULATIONS = ("float32", "output")
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+  """One call's checked options.
+
+  Attributes:
+    vocab_size: the logical vocabulary (all the columns unless padded), global ids.
+    vocab_shards: how many shards the vocabulary is split over (1: not split).
+    return_entropy: compute (and return) the entropy. Objective paths: the objective uses
+      it or the caller asked for it.
+    chunk_size, implementation: as passed (``implementation`` with ``"pallas"`` read
+      as ``"triton"``); the planner turns them into a ``Plan``.
+    target: where the call runs (``jaxce.plan.Target``).
+    backward_in_place: the logits path's backward overwrites the logits.
+    logit_softcap: the fused paths' softcap ``c`` (a float), or ``None``.
+    vocab_block_size: the fused per-token path's vocab columns per tile, or ``None``.
+    vocab_dim: the fused weight's vocabulary dim (1: ``[D, V]``, 0: ``[V, D]``).
+    hidden_grad_accumulation: the fused per-token backward's ``d hidden`` sum.
+  """
+  vocab_size: int
+  vocab_shards: int
+  return_entropy: bool
+  chunk_size: int | None
+  implementation: str | None
+  target: plan.Target
+  backward_in_place: bool = False
+  logit_softcap: float | None = None
+  vocab_block_size: int | None = None
+  vocab_dim: int = 1
+  hidden_grad_accumulation: str = "float32"
+
+
+def check(operation, operands, labels, kw, *, vocab_axis, mesh=None, batch_axis=None):
+  """``(Options, operands)`` of a call after its checks; the operands come back as arrays
+  (a fused call's ``(hidden, weight, bias or None)``: the bias from ``kw``).
+
+  Args:
+    operation: the public operation's name (``jaxce.plan.BACKENDS``' keys).
+    operands: ``(logits,)`` or ``(hidden, weight)``, as arrays.
+    labels: int array.
+    kw: the call's keyword options (``temperature``, ``where``, ... ; ``bias`` and the
+      other fused options for the fused paths).
+    vocab_axis: the vocabulary's mesh axis, inside ``shard_map`` when ``mesh`` is None.
+    mesh, batch_axis: the mesh of a call on global arrays.
+  """
+  fused = operation.startswith("linear")
+  if fused:
+    hidden, weight = operands
+    _checks.check_float("hidden", hidden)
+    _checks.check_float("weight", weight)
+    _checks.check_weight(hidden, weight, kw["weight_layout"])
+    vocab_dim = _checks.vocab_dim(kw["weight_layout"])
+    num_columns, columns_name = weight.shape[vocab_dim], "weight"
+    leading, leading_name = hidden.shape[:-1], "hidden.shape[:-1]"
+  else:
+    (logits,) = operands
+    _checks.check_float("logits", logits)
+    num_columns, columns_name = logits.shape[-1], "logits"
+    leading, leading_name = logits.shape[:-1], "logits.shape[:-1]"
+  if mesh is not None:
+    shards = _checks.check_mesh(mesh, vocab_axis, batch_axis, num_columns, columns_name,
+                                leading, leading_name)
+    total_columns = num_columns
+  else:
+    shards = _checks.vocab_shards(vocab_axis)
+    total_columns = num_columns * shards
+    if shards > 1:
+      columns_name = f"{columns_name} across {shards} shards of {vocab_axis!r}"
+  _checks.check_columns("weight" if fused else "logits", num_columns)
+  extra = {}
+  if fused:
+    if "vocab_block_size" in kw:  # (the per-token path's options)
+      _checks.check_size(kw["vocab_block_size"], "vocab_block_size")
+      _checks.check_choice("hidden_grad_accumulation", kw["hidden_grad_accumulation"],
+                           HIDDEN_GRAD_ACCUMULATIONS)
+      extra.update(vocab_block_size=kw["vocab_block_size"],
+                   hidden_grad_accumulation=kw["hidden_grad_accumulation"])
+    _checks.check_softcap(kw["logit_softcap"])
+    bias = _checks.check_bias(kw["bias"], num_columns)
+    operands = (hidden, weight, bias)
+    extra.update(vocab_dim=vocab_dim, logit_softcap=(None if kw["logit_softcap"] is None
+                                                     else float(kw["logit_softcap"])))
+  else:
+    extra.update(backward_in_place=bool(kw.get("backward_in_place", False)))
+  _checks.check_labels(labels, leading, leading_name)
+  _checks.check_size(kw["chunk_size"], "chunk_size")
+  implementation = kw["implementation"]
+  if implementation is not None:
+    _checks.check_choice("implementation", implementation,
+                         plan.IMPLEMENTATIONS + tuple(plan.ALIASES))
+    implementation = plan.ALIASES.get(implementation, implementation)
+  _checks.check_temperature(kw["temperature"], labels.shape)
+  _checks.check_where(kw["where"], labels.shape)
+  vocab_size = _checks.check_vocab_size(kw["vocab_size"], total_columns, columns_name)
+  _checks.check_labels_in_range(labels, kw["where"], vocab_size)
+  options = Options(vocab_size=vocab_size, vocab_shards=shards,
+                    return_entropy=kw["return_entropy"], chunk_size=kw["chunk_size"],
+                    implementation=implementation,
+                    target=plan.target(*operands[:2], mesh=mesh), **extra)
+  return options, operands
+
+
+def check_objective(objective, labels, token_args, dtypes, options):
+  """``(token_args as arrays of the labels' shape, options with return_entropy resolved
+  to whether the entropy is computed)`` of an objective call."""
+  arrays = []
+  for k, arg in enumerate(token_args):
+    name = f"token_args[{k}]"
+    arg = _checks.as_array(name, arg)
+    _checks.check_broadcastable(name, arg, labels.shape)
+    arrays.append(jnp.broadcast_to(arg, labels.shape))
+  dtype = softmax.compute_dtype(*dtypes)
+  uses_entropy = _checks.check_objective(objective, 8, arrays, dtype)
+  if options.return_entropy is False and uses_entropy:
+    raise ValueError("return_entropy=False, but the objective uses the entropy")
+  with_entropy = uses_entropy or bool(options.return_entropy)
+  return arrays, dataclasses.replace(options, return_entropy=with_entropy)

@@ -1,0 +1,156 @@
+"""One dispatcher, one planner: a call gets the same plan (backend, tiles, loop order)
+whether it runs on one device, inside the caller's ``shard_map`` with ``vocab_axis``,
+through ``sharded_*`` or on arrays split over explicit mesh axes, for the same per-shard
+shapes; the default follows the platform the call runs on; an implementation that cannot
+run a call is a ``ValueError`` that says why, and ``jaxce.plan.of`` tells which runs."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from helpers import devices, jaxce
+
+plan = jaxce.plan
+T, D, V_LOCAL, SHARDS = 512, 64, 256, 2  # shapes where every kernel can run
+HOPPER = plan.Target("gpu", "9.0", 132)
+
+
+def _inputs(columns):
+  rng = np.random.default_rng(0)
+  return dict(
+      logits=jnp.asarray(rng.normal(size=(T, columns)), jnp.bfloat16),
+      hidden=jnp.asarray(rng.normal(size=(T, D)), jnp.bfloat16),
+      weight=jnp.asarray(rng.normal(size=(D, columns)), jnp.bfloat16),
+      labels=jnp.asarray(rng.integers(0, V_LOCAL, T), jnp.int32),
+      adv=jnp.asarray(rng.normal(size=T), jnp.float32))
+
+
+OBJECTIVE = lambda logp, entropy, adv: -adv * logp + 0.01 * entropy
+# operation -> (its local function, its sharded_* function, its operands' names)
+OPERATIONS = {
+    "logprobs_and_entropy": (jaxce.logprobs_and_entropy, jaxce.sharded_logprobs_and_entropy,
+                             ("logits",)),
+    "linear_logprobs_and_entropy": (jaxce.linear_logprobs_and_entropy,
+                                    jaxce.sharded_linear_logprobs_and_entropy,
+                                    ("hidden", "weight")),
+    "token_loss": (jaxce.token_loss, jaxce.sharded_token_loss, ("logits",)),
+    "linear_token_loss": (jaxce.linear_token_loss, jaxce.sharded_linear_token_loss,
+                          ("hidden", "weight")),
+}
+EXPECTED = {"logprobs_and_entropy": "triton", "linear_logprobs_and_entropy": "mosaic",
+            "token_loss": "triton", "linear_token_loss": "triton"}
+
+
+def _call(operation, fn, operands, labels, adv, **kw):
+  if operation.endswith("token_loss"):
+    return fn(OBJECTIVE, *operands, labels, adv, **kw)
+  return fn(*operands, labels, **kw)
+
+
+def _plans(operation):
+  """The plans of one shard's call made four ways: locally on the shard's shapes, inside
+  shard_map with vocab_axis, through sharded_*, and on explicitly split arrays."""
+  local_fn, sharded_fn, names = OPERATIONS[operation]
+  local, full = _inputs(V_LOCAL), _inputs(V_LOCAL * SHARDS)
+  vocab_spec = {"logits": P(None, "v"), "hidden": P(), "weight": P(None, "v")}
+  mesh = Mesh(np.array(devices(SHARDS)), ("v",))
+  plans = {"local": plan.of(_call, operation, local_fn, [local[n] for n in names],
+                            local["labels"], local["adv"])}
+
+  def in_shard_map(*operands):
+    out = _call(operation, local_fn, operands, full["labels"], full["adv"], vocab_axis="v")
+    return out[0]
+  plans["shard_map"] = plan.of(jax.shard_map(
+      in_shard_map, mesh=mesh, in_specs=tuple(vocab_spec[n] for n in names), out_specs=P()),
+      *[full[n] for n in names])
+  plans["sharded"] = plan.of(_call, operation, sharded_fn, [full[n] for n in names],
+                             full["labels"], full["adv"], mesh=mesh, vocab_axis="v")
+  explicit = jax.make_mesh((SHARDS,), ("v",), axis_types=(jax.sharding.AxisType.Explicit,),
+                           devices=devices(SHARDS))
+  with jax.set_mesh(explicit):
+    split = [jax.device_put(full[n], NamedSharding(explicit, vocab_spec[n])) for n in names]
+    plans["explicit"] = plan.of(_call, operation, local_fn, split, full["labels"], full["adv"])
+  return plans
+
+
+@pytest.mark.parametrize("operation", list(OPERATIONS))
+def test_the_same_plan_on_one_device_and_on_a_mesh(operation, monkeypatch):
+  """With the platform a Hopper GPU's (so the Mosaic kernel is supported), every way of
+  calling an operation plans the same for the same per-shard shapes: before the one
+  dispatcher, sharded_linear_logprobs_and_entropy chose Triton where the local call chose
+  Mosaic."""
+  monkeypatch.setattr(plan, "target", lambda *arrays, mesh=None: HOPPER)
+  plans = _plans(operation)
+  assert plans["local"].backend == EXPECTED[operation], plans["local"]
+  assert plans["local"].interpret is False and plans["local"].num_cores == 132
+  for way, p in plans.items():
+    assert p == plans["local"], (way, p, plans["local"])
+
+
+@pytest.mark.parametrize("operation", list(OPERATIONS))
+def test_the_same_plan_off_gpus(operation):
+  """On CPUs the default is XLA, the same four ways."""
+  plans = _plans(operation)
+  assert plans["local"].backend == "xla"
+  assert all(p == plans["local"] for p in plans.values()), plans
+
+
+def test_the_default_follows_the_platform_of_the_call(monkeypatch):
+  """With GPUs as the default backend a traced call takes a Pallas kernel (Triton: these
+  'GPUs' report no Hopper capability), outside shard_map and inside it; float64 stays on
+  XLA; a call whose arrays or mesh live on CPU devices (a CPU mesh on a GPU host) uses
+  XLA: the kernels cannot run there."""
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  h = jax.ShapeDtypeStruct((4, 8), jnp.bfloat16)
+  w, labels = jax.ShapeDtypeStruct((8, 16), jnp.float32), jax.ShapeDtypeStruct((4,), jnp.int32)
+  fused = jaxce.linear_logprobs_and_entropy
+  got = plan.of(fused, h, w, labels)
+  assert (got.backend, got.interpret) == ("triton", False), got
+  assert "not mosaic: it needs a Hopper GPU" in got.reason, got.reason
+  assert plan.of(fused, h, jax.ShapeDtypeStruct((8, 16), jnp.float64), labels).backend == "xla"
+  mesh = Mesh(np.array(devices(2)), ("vocab",))
+  inside = jax.shard_map(lambda h, w, lab: fused(h, w, lab, vocab_axis="vocab")[0], mesh=mesh,
+                         in_specs=(P(), P(None, "vocab"), P()), out_specs=P())
+  assert plan.of(inside, h, w, labels).backend == "triton"
+  concrete = (jnp.zeros((4, 8), jnp.bfloat16), jnp.zeros((8, 16), jnp.float32),
+              jnp.arange(4, dtype=jnp.int32))
+  assert plan.of(fused, *concrete).backend == "xla"  # concrete arrays on CPU devices
+  sharded = lambda h, w, lab: jaxce.sharded_linear_logprobs_and_entropy(
+      h, w, lab, mesh=mesh, vocab_axis="vocab")
+  assert plan.of(sharded, h, w, labels).backend == "xla"  # a CPU mesh
+  out = jax.jit(sharded)(*concrete)  # would fail with the kernel
+  np.testing.assert_allclose(out[0], np.full(4, -np.log(16.0)), rtol=1e-2)
+
+
+@pytest.mark.parametrize("operation,implementation,reason", [
+    ("logprobs_and_entropy", "mosaic", "logprobs_and_entropy has no mosaic kernel"),
+    ("token_loss", "mosaic", "token_loss has no mosaic kernel"),
+    ("linear_token_loss", "mosaic", "linear_token_loss has no mosaic kernel"),
+    ("linear_logprobs_and_entropy", "mosaic", "the hidden dim must be a multiple of 64"),
+])
+def test_an_implementation_that_cannot_run_says_why(operation, implementation, reason,
+                                                    monkeypatch):
+  monkeypatch.setattr(plan, "target", lambda *arrays, mesh=None: HOPPER)
+  local_fn, _, names = OPERATIONS[operation]
+  inputs = _inputs(V_LOCAL)
+  operands = [inputs[n][:, :48] if n == "hidden" else inputs[n] for n in names]
+  if "weight" in names:
+    operands[1] = operands[1][:48]
+  with pytest.raises(ValueError, match=f'implementation="{implementation}" cannot run this '
+                                       f"call: {reason}"):
+    plan.of(_call, operation, local_fn, operands, inputs["labels"], inputs["adv"],
+            implementation=implementation)
+
+
+def test_pallas_is_the_old_name_of_triton():
+  inputs = _inputs(V_LOCAL)
+  got = plan.of(jaxce.logprobs_and_entropy, inputs["logits"], inputs["labels"],
+                implementation="pallas")
+  assert (got.backend, got.reason) == ("triton", "asked for")
+
+
+def test_plan_of_needs_one_call():
+  with pytest.raises(ValueError, match="planned 0"):
+    plan.of(lambda x: x, jnp.zeros(3))

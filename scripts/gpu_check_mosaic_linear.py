@@ -19,10 +19,8 @@ Exits 1 when a check fails. Prints a table last.
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
-import time
 import warnings
 
 import jax
@@ -31,6 +29,7 @@ import numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
 
 import jaxce
+from bench.timing import time_ms
 from jaxce import reference
 
 V, D = 151936, 4096
@@ -118,17 +117,6 @@ def _problem(tokens, dim, columns, seed=0):
   return hidden, weight, labels, cot
 
 
-def _median_ms(fn, args, repeats):
-  jax.block_until_ready(fn(*args))  # compile and warm up
-  jax.block_until_ready(fn(*args))
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append((time.perf_counter() - start) * 1e3)
-  return statistics.median(times), min(times)
-
-
 def timing(tokens, dim, columns, repeats, implementations):
   hidden, weight, labels, cot = _problem(tokens, dim, columns)
   rows = []
@@ -137,8 +125,8 @@ def timing(tokens, dim, columns, repeats, implementations):
         h, w, labels, implementation=n))
     loss = weighted(jaxce.linear_logprobs_and_entropy, labels, cot, implementation=name)
     both = jax.jit(jax.value_and_grad(loss, (0, 1)))
-    fwd_ms, fwd_min = _median_ms(forward, (hidden, weight), repeats)
-    both_ms, _ = _median_ms(both, (hidden, weight), max(3, repeats // 2))
+    fwd_ms, fwd_min = time_ms(forward, (hidden, weight), repeats)
+    both_ms, _ = time_ms(both, (hidden, weight), max(3, repeats // 2))
     row = dict(tokens=tokens, implementation=name, forward_ms=fwd_ms,
                forward_tflops=2 * tokens * dim * columns / fwd_min / 1e9,
                fwd_bwd_ms=both_ms)
@@ -160,7 +148,7 @@ def profile(tokens, dim, columns, repeats):
   rows = []
 
   def add(name, fn, *args):
-    ms, best = _median_ms(jax.jit(fn), args, repeats)
+    ms, best = time_ms(jax.jit(fn), args, repeats)
     rows.append(dict(piece=name, tokens=tokens, ms=ms, tflops=flops / best / 1e9))
     print(json.dumps(rows[-1]), flush=True)
 

@@ -108,7 +108,7 @@ def test_the_default_follows_the_platform_of_the_call(monkeypatch):
   fused = jaxce.linear_logprobs_and_entropy
   got = plan.of(fused, h, w, labels)
   assert (got.backend, got.interpret) == ("triton", False), got
-  assert "not mosaic: it needs a Hopper GPU" in got.reason, got.reason
+  assert "not mosaic:" in got.reason, got.reason  # (no Hopper here, or the mixed dtypes)
   assert plan.of(fused, h, jax.ShapeDtypeStruct((8, 16), jnp.float64), labels).backend == "xla"
   mesh = Mesh(np.array(devices(2)), ("vocab",))
   inside = jax.shard_map(lambda h, w, lab: fused(h, w, lab, vocab_axis="vocab")[0], mesh=mesh,

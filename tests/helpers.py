@@ -49,6 +49,13 @@ def value_and_grads(fn, arrays, argnums, **kw):
   return outputs, grads
 
 
+def kernel_device():
+  """The keywords a backend kernel takes about where it runs (``interpret`` off GPUs, the
+  Mosaic kernels' SM count), as the planner sets them for this platform."""
+  target = jaxce.plan.target()
+  return dict(interpret=target.platform != "gpu", num_cores=target.num_cores)
+
+
 def devices(n):
   """The first ``n`` devices, or a skip naming how many the test needs (on one GPU; CPU
   runs simulate 8)."""
@@ -75,5 +82,5 @@ def assert_close(actual, expected, atol, what):
   assert err <= atol, f"{what}: max abs error {err:.3e} > {atol:.1e}"
 
 
-__all__ = ["TOLERANCE", "adversarial_logits", "assert_close", "devices", "jaxce", "reference",
-           "reference_options", "value_and_grads", "weighted_loss"]
+__all__ = ["TOLERANCE", "adversarial_logits", "assert_close", "devices", "jaxce", "kernel_device",
+           "reference", "reference_options", "value_and_grads", "weighted_loss"]

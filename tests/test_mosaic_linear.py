@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from helpers import assert_close, jaxce, reference, value_and_grads
+from helpers import assert_close, jaxce, kernel_device, reference, value_and_grads
 from jaxce._kernels import mosaic_head
 
 if jax.default_backend() != "gpu" and not hasattr(plgpu, "InterpretGPUParams"):
@@ -59,7 +59,7 @@ def test_tile_statistics_match_float64(tokens, dim, num_columns, vocab_dim, soft
   limit = num_columns - 9  # padded columns at the end
   got = mosaic_head.statistics(hidden, weight, labels, inv_temp, limit,
                                column_start=column_start, vocab_dim=vocab_dim,
-                               softcap=softcap, with_entropy=True, interpret=True, num_cores=4)
+                               softcap=softcap, with_entropy=True, **kernel_device())
   want = _statistics_f64(hidden, weight, labels, inv_temp, limit, column_start, vocab_dim,
                          softcap)
   # m and picked: f32 rounding of the logits, relative to their size. s: each exp(z - m)
@@ -104,7 +104,7 @@ def test_logits_grad_tile_matches_float64(vocab_dim, softcap, first_kept, limit)
   got = mosaic_head.logits_grad(
       hidden, weight, label_column, inv_temp, limit, first_kept, *(jnp.asarray(a, jnp.float32)
       for a in (shift, log_sum, entropy)), g_logp, g_entropy, jnp.asarray(keep),
-      vocab_dim=vocab_dim, softcap=softcap, interpret=True, num_cores=4)
+      vocab_dim=vocab_dim, softcap=softcap, **kernel_device())
   dz = softmax.logit_grad(jnp.asarray(z), jnp.asarray(label_column), *(jnp.asarray(a) for a in (
       shift, log_sum, entropy)), jnp.asarray(g_logp, jnp.float64),
       jnp.asarray(g_entropy, jnp.float64), jnp.asarray(keep))

@@ -1,34 +1,46 @@
-"""``python -m bench``: run a suite, merge its rows into bench/results/<device>.json.
+"""``python -m bench``: run a suite, write its rows to bench/out/<device>.json (.md, .png).
 
     python -m bench                                  # the small CPU suite (~2 min)
-    python -m bench --suite gpu --input logits       # see bench/README.md for GPU runs
+    python -m bench --suite gpu,objective            # see bench/README.md for GPU runs
     python -m bench --suite cpu --impl jaxce,jax_plain --T 1024,4096 --mode fwd_bwd
+    python -m bench --save-results --merge           # into bench/results/, the committed files
 
 One process probes the device and measures the floors; then every configuration runs in
 a fresh process (``python -m bench.runner``), because peak device memory can only be read
 per process. On CPU, where the memory figure is XLA's compiled plan, not a peak, the JAX
-configurations share one process unless ``--fresh`` is given.
+configurations share one process unless ``--fresh`` is given; on a GPU the rows of one
+PyTorch peer share one process (its peak is reset per row) unless ``--fresh``.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
-import importlib.util
 import json
 import os
 import re
 import subprocess
 import sys
 import tempfile
+import time
+from importlib import metadata
 
 from bench import configs, floors, inputs, report
-from bench.configs import Config
+from bench.configs import Config, skip_reason
 from bench.runner import PROBE_PREFIX, ROW_PREFIX
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-RESULTS = os.path.join(ROOT, "bench", "results")
+RESULTS = os.path.join(ROOT, "bench", "results")  # committed: written with --save-results
+OUT = os.path.join(ROOT, "bench", "out")  # ignored by git: the default destination
 ROW_TIMEOUT_S = 900
+# Printed on CPU under a table with the logits forward (bench/NOTES.md, entry 0).
+CPU_COPY_NOTE = (
+    "note: on CPU the logits forward's plan holds an f32 copy of the logits (x logits = 2): "
+    "XLA's CPU compiler hoists the f32 upcast out of the chunk loop; the GPU plan, which "
+    "holds none, is the target (bench/results/nvidia-h200-x1.md)")
+VERSIONS = ("jax", "jaxlib", "jax-cuda12-plugin", "jax-cuda13-plugin", "numpy", "torch",
+            "triton", "tokamax", "liger-kernel", "nvidia-cutlass-dsl", "cut-cross-entropy",
+            "optax")
 
 
 def _list(text, cast=str):
@@ -39,7 +51,8 @@ def _list(text, cast=str):
 
 def parse_args(argv=None):
   p = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
-  p.add_argument("--suite", default=configs.DEFAULT_SUITE, choices=sorted(configs.SUITES))
+  p.add_argument("--suite", default=configs.DEFAULT_SUITE,
+                 help=f"comma list of: {', '.join(sorted(configs.SUITES))}")
   p.add_argument("--impl", help="comma list of impl or impl:variant names to keep")
   p.add_argument("--input", help="comma list: logits,linear")
   p.add_argument("--mode", help="comma list: fwd,fwd_bwd")
@@ -51,12 +64,30 @@ def parse_args(argv=None):
   p.add_argument("--repeats", type=int, default=5, help="timed calls at most (default 5)")
   p.add_argument("--repeat-seconds", type=float,
                  help="seconds of timed calls per config, at most (default 2)")
-  p.add_argument("--out", default=RESULTS, help="results directory (default bench/results)")
+  p.add_argument("--out", help="results directory (default bench/out, ignored by git)")
+  p.add_argument("--save-results", action="store_true",
+                 help="write into bench/results/, the committed results (not with --out)")
+  p.add_argument("--merge", action="store_true",
+                 help="keep the destination file's rows that this run does not redo (the "
+                 "table then names each row's commit)")
   p.add_argument("--device-slug", help="results file name (default from the device)")
-  p.add_argument("--fresh", action="store_true", help="one process per config on CPU too")
+  p.add_argument("--fresh", action="store_true",
+                 help="one process per config, on CPU and for the PyTorch peers too")
   p.add_argument("--timeout", type=int, default=ROW_TIMEOUT_S, help="seconds per process")
+  p.add_argument("--budget-s", type=float,
+                 help="start no configuration after this many seconds (the rest: skipped)")
+  p.add_argument("--accuracy", action="store_true",
+                 help="also the accuracy vs float64 of every fused-path impl (GPU; "
+                 "python -m bench.accuracy)")
   p.add_argument("--list", action="store_true", help="print the configs and exit")
-  return p.parse_args(argv)
+  args = p.parse_args(argv)
+  unknown = [s for s in args.suite.split(",") if s not in configs.SUITES]
+  if unknown:
+    p.error(f"unknown suite {unknown}; choose from {sorted(configs.SUITES)}")
+  if args.save_results and args.out:
+    p.error("--save-results writes into bench/results; --out names another directory")
+  args.out = RESULTS if args.save_results else (args.out or OUT)
+  return args
 
 
 def child_env(n_devices: int) -> dict:
@@ -144,22 +175,24 @@ def finish_row(config: Config, fields: dict, facts: dict, stamp: dict) -> dict:
   return row
 
 
-def _missing(config: Config):
-  module = configs.REQUIRES.get(config.impl)
-  if module and importlib.util.find_spec(module) is None:
-    return (f"not installed: {config.impl} needs the Python package providing '{module}' "
-            "(bench/README.md, 'GPU runs': bash bench/get_peers.sh, then pip install "
-            "--no-deps bench/.wheels/*.whl)")
-  return None
-
-
 def _oom_key(config: Config):
   return configs.row_key(config)[:4] + configs.row_key(config)[5:]
 
 
-def run_suite(todo, facts, fresh, timeout, stamp, progress, save=None):
-  """Run ``todo`` (a list of configs); returns the finished rows in order. ``save``, if
-  given, receives the rows finished so far after each one (a killed run keeps them)."""
+def run_suite(todo, facts, fresh, timeout, stamp, progress, save=None, budget_s=None,
+              fresh_torch=None):
+  """Run ``todo`` (a list of configs); returns the finished rows in order.
+
+  Args:
+    fresh: one process per JAX config (else one process for all of them: CPU).
+    fresh_torch: one process per PyTorch config; default: on CPU (whose peak resident
+      memory cannot be reset), else one process per peer (its CUDA peak is reset per row).
+    save: receives the rows finished so far after each one (a killed run keeps them).
+    budget_s: no process starts after this many seconds; the rest are "skipped".
+  """
+  platform = facts.get("platform", "cpu")
+  fresh_torch = platform != "gpu" if fresh_torch is None else fresh_torch
+  start = time.monotonic()
   rows = {}
   oom_at = {}  # an OOM at T skips the same config at larger T (memory grows with T)
 
@@ -177,6 +210,22 @@ def run_suite(todo, facts, fresh, timeout, stamp, progress, save=None):
                    + (f"  {row['error'][:100]}" if row["error"] else ""))
     progress.update(1)
 
+  def why_not(config):
+    """A row's fields when ``config`` is not to run (``None`` when it is)."""
+    reason = skip_reason(config, platform)
+    smaller = oom_at.get(_oom_key(config))
+    if reason:
+      return dict(status="skipped", error=reason, skipped=reason.split(":")[0])
+    if config.n_devices > facts["n_devices"]:
+      return dict(status="skipped", error=f"needs {config.n_devices} devices, "
+                  f"{facts['n_devices']} present", skipped="too few devices")
+    if smaller is not None and smaller < config.T:
+      return dict(status="oom", error=f"not run: out of memory at T={smaller}")
+    if budget_s is not None and time.monotonic() - start > budget_s:
+      return dict(status="skipped", error=f"not run: the run's time budget (--budget-s "
+                  f"{budget_s:g}) was spent", skipped="time budget")
+    return None
+
   batch = []
 
   def flush():
@@ -184,18 +233,19 @@ def run_suite(todo, facts, fresh, timeout, stamp, progress, save=None):
       _run_batch(list(batch), timeout, done)
       batch.clear()
 
-  for config in todo:
-    reason = _missing(config)
-    smaller = oom_at.get(_oom_key(config))
-    if reason:
-      done(config, dict(status="skipped", error=reason, skipped="not installed"))
-    elif config.n_devices > facts["n_devices"]:
-      done(config, dict(status="skipped", error=f"needs {config.n_devices} devices, "
-                        f"{facts['n_devices']} present", skipped="too few devices"))
-    elif smaller is not None and smaller < config.T:
-      done(config, dict(status="oom", error=f"not run: out of memory at T={smaller}"))
-    elif fresh or config.impl in configs.TORCH_IMPLS:
+  for i, config in enumerate(todo):
+    if configs.row_key(config) in rows:
+      continue  # ran in an earlier PyTorch batch
+    fields = why_not(config)
+    if fields:
+      done(config, fields)
+    elif config.impl in configs.TORCH_IMPLS:
       flush()
+      group = [config] if fresh_torch else [
+          c for c in todo[i:] if c.impl == config.impl and configs.row_key(c) not in rows
+          and (c is config or why_not(c) is None)]
+      _run_batch(group, timeout, done)
+    elif fresh:
       _run_batch([config], timeout, done)
     else:
       batch.append(config)
@@ -220,12 +270,34 @@ def _run_batch(batch, timeout, done):
     done(config, dict(status=status, error=f"{why}: {err.strip()[-1500:]}"))
 
 
+def versions() -> dict:
+  """Installed versions of the packages the rows depend on (``None``: not installed)."""
+  out = {}
+  for dist in VERSIONS:
+    try:
+      out[dist] = metadata.version(dist)
+    except metadata.PackageNotFoundError:
+      out[dist] = None
+  return out
+
+
+def skipped_lines(rows) -> list[str]:
+  """Each distinct reason a row did not run, whole, once, with the rows it applies to."""
+  reasons = {}
+  for r in rows:
+    if r["status"] == "skipped" and r.get("error"):
+      reasons.setdefault(r["error"], []).append(r)
+  return [f"skipped {len(rs)} row(s) of {', '.join(sorted({report.name(r) for r in rs}))}: "
+          f"{reason}" for reason, rs in reasons.items()]
+
+
 def main(argv=None):
   args = parse_args(argv)
   if args.repeat_seconds:
     os.environ["BENCH_REPEAT_SECONDS"] = str(args.repeat_seconds)  # read by the runners
+  groups = [g for name in args.suite.split(",") for g in configs.SUITES[name]]
   todo = configs.expand(
-      configs.SUITES[args.suite], impls=_list(args.impl), inputs=_list(args.input),
+      groups, impls=_list(args.impl), inputs=_list(args.input),
       modes=_list(args.mode), Ts=_list(args.T, int), V=args.V, D=args.D, dtype=args.dtype,
       chunk_sizes=_list(args.chunk_size, int), repeats=args.repeats)
   if args.list or not todo:
@@ -251,22 +323,35 @@ def main(argv=None):
         f"HBM {facts['hbm_GBps']:.1f} GB/s, bf16 {facts['bf16_tflops']:.3g} TFLOP/s; "
         f"{len(todo)} configurations, {'one process each' if fresh else 'batched'}")
   path = os.path.join(args.out, f"{slug}.json")
-  previous = report.load(path)
+  previous = report.load(path) if args.merge else None
+  top = dict(device=facts["device"], n_devices=facts["n_devices"], jax=facts["jax"],
+             platform=facts["platform"], host=facts["host"], hbm_GBps=facts["hbm_GBps"],
+             bf16_tflops=facts["bf16_tflops"], matmul_tflops=facts["matmul_tflops"],
+             commit=commit, dirty=dirty, date=date, suite=args.suite, versions=versions())
+  if args.accuracy:
+    from bench import accuracy
+    top["accuracy"] = accuracy.run_in_process(timeout=args.timeout)
 
-  def save(rows):
-    results = dict(device=facts["device"], n_devices=facts["n_devices"], jax=facts["jax"],
-                   platform=facts["platform"], host=facts["host"], hbm_GBps=facts["hbm_GBps"],
-                   bf16_tflops=facts["bf16_tflops"], matmul_tflops=facts["matmul_tflops"],
-                   commit=commit, dirty=dirty, date=date, rows=rows)
-    return report.write(report.merge(previous, results), path)
+  def results_of(rows):
+    results = dict(top, rows=report.sort_rows(rows))
+    return report.merge(previous, results) if previous else results
 
   with tqdm(total=len(todo), desc=args.suite, unit="cfg", file=sys.stderr) as progress:
-    rows = run_suite(todo, facts, fresh, args.timeout, stamp, progress, save=save)
-  written = save(rows)
+    rows = run_suite(todo, facts, fresh, args.timeout, stamp, progress,
+                     save=lambda rows: report.write(results_of(rows), path),
+                     budget_s=args.budget_s, fresh_torch=args.fresh or None)
+  results = results_of(rows)
+  written = report.write(results, path)
   print()
-  print(report.table(report.sort_rows(rows)))
+  print(report.table(results["rows"], results.get("accuracy")))
   print()
-  print("wrote " + ", ".join(written.values()))
+  for line in skipped_lines(results["rows"]):
+    print(line)
+  if facts["platform"] == "cpu" and any(
+      r["impl"] == "jaxce" and r["input"] == "logits" and r["mode"] == "fwd"
+      for r in results["rows"]):
+    print(CPU_COPY_NOTE)
+  print("wrote " + ", ".join(os.path.relpath(p) for p in written.values()))
 
 
 if __name__ == "__main__":

@@ -13,20 +13,73 @@ import json
 from typing import Optional, Sequence
 
 IMPLS = ("jaxce", "jax_plain", "jax_scan_remat", "optax", "tokamax", "torch_eager", "liger",
-         "cce")
-TORCH_IMPLS = ("torch_eager", "liger", "cce")
+         "liger_flsce", "liger_grpo", "cce")
+TORCH_IMPLS = ("torch_eager", "liger", "liger_flsce", "liger_grpo", "cce")
 # Peers that return only the log-prob: their rows use c = 0 (no entropy term).
-LOGP_ONLY_IMPLS = ("optax", "tokamax", "liger", "cce")
-# The module each optional peer needs; a missing one gives a "skipped" row, no process.
-REQUIRES = {"optax": "optax", "tokamax": "tokamax", "torch_eager": "torch",
-            "liger": "liger_kernel", "cce": "cut_cross_entropy"}
+# liger_grpo: Liger's GRPO loss, which has no entropy term.
+LOGP_ONLY_IMPLS = ("optax", "tokamax", "liger", "liger_grpo", "cce")
+# Peers that run only on a CUDA GPU: elsewhere their rows are "skipped" (no process).
+GPU_ONLY_IMPLS = ("liger", "liger_flsce", "liger_grpo", "cce")
+_WHEELS = "bash bench/get_peers.sh (PyPI access), then pip install --no-deps bench/.wheels/*.whl"
+_LIGER = ("Liger-Kernel 0.8.5 and the CUTLASS DSL 4.8.1 (FLSCE's sm90 kernel): "
+          "bash ../shared/peers/prepare.sh here, then on the GPU machine bash "
+          "../shared/peers/install.sh a, then b (../shared/peers/README.md)")
+
+
+@dataclasses.dataclass(frozen=True)
+class Peer:
+  """An optional package a peer's rows need: the module, the version, how to install it."""
+  module: str
+  install: str
+  version: Optional[str] = None  # the distribution and version the rows are for
+
+
+# The package each optional peer needs; a missing one gives a "skipped" row, no process.
+PEERS = {
+    "optax": Peer("optax", "pip install optax (the [bench] extra)"),
+    "tokamax": Peer("tokamax", "tokamax 0.0.17 needs Python >= 3.12 and JAX >= 0.11.1: "
+                    + _WHEELS, version="tokamax==0.0.17"),
+    "torch_eager": Peer("torch", "pip install torch (CPU: --index-url "
+                        "https://download.pytorch.org/whl/cpu); the GPU image has it"),
+    "liger": Peer("liger_kernel", _LIGER),
+    "liger_flsce": Peer("liger_kernel", _LIGER),
+    "liger_grpo": Peer("liger_kernel", _LIGER),
+    "cce": Peer("cut_cross_entropy", "cut-cross-entropy 25.1.1: " + _WHEELS),
+}
+REQUIRES = {impl: peer.module for impl, peer in PEERS.items()}
+
+
+def skip_reason(config: "Config", platform: str) -> Optional[str]:
+  """Why ``config`` cannot run on ``platform`` (its peer missing, or a GPU-only peer
+  without a GPU), with how to install the peer; ``None`` when it can run."""
+  import importlib.util  # pylint: disable=import-outside-toplevel
+  from importlib import metadata  # pylint: disable=import-outside-toplevel
+  peer = PEERS.get(config.impl)
+  if peer is None:
+    return None
+  if config.impl in GPU_ONLY_IMPLS and platform != "gpu":
+    return (f"GPU only: {config.impl} runs on a CUDA GPU, this is {platform}. "
+            f"To install it there: {peer.install}")
+  if importlib.util.find_spec(peer.module) is None:
+    return (f"not installed: {config.impl} needs the Python package providing "
+            f"'{peer.module}'. To install: {peer.install}")
+  if peer.version:
+    dist, want = peer.version.split("==")
+    try:
+      have = metadata.version(dist)
+    except metadata.PackageNotFoundError:
+      have = "?"
+    if have != want:
+      return (f"wrong version: {config.impl} rows are for {peer.version}, {dist} {have} is "
+              f"installed. To install: {peer.install}")
+  return None
 # Impls that chunk over tokens (the others ignore ``chunk_size``; their rows keep None).
 CHUNKED_IMPLS = ("jaxce", "jax_scan_remat")
 # Which impl runs which input path.
 SUPPORTS = {
     "logits": ("jaxce", "jax_plain", "jax_scan_remat", "optax", "torch_eager"),
     "linear": ("jaxce", "jax_plain", "jax_scan_remat", "tokamax", "torch_eager", "liger",
-               "cce"),
+               "liger_flsce", "liger_grpo", "cce"),
 }
 # Variants: "default"; "logp_only" (c = 0, entropy not computed); "inplace" (jaxce, logits
 # donated so the gradient can take their buffer; value and gradient like every row);
@@ -45,9 +98,11 @@ IN_PLACE_VARIANTS = ("inplace", "inplace_grad", "inplace_loop")
 LOOP_VARIANTS = ("inplace_loop", "train_step_loop")
 TRAIN_STEP_VARIANTS = ("train_step", "train_step_loop")
 IMPLEMENTATION_VARIANTS = ("xla", "pallas")
+# tokamax rows name the implementation they ask for (tokamax 0.0.17 has both on GPU).
+TOKAMAX_VARIANTS = ("xla", "chunked_xla")
 OBJECTIVE_VARIANTS = ("objective", "grpo", "objective_grpo")
 VARIANTS = ("default", "logp_only", "hidden_grad_output") + IN_PLACE_VARIANTS + \
-    TRAIN_STEP_VARIANTS + IMPLEMENTATION_VARIANTS + OBJECTIVE_VARIANTS
+    TRAIN_STEP_VARIANTS + IMPLEMENTATION_VARIANTS + ("chunked_xla",) + OBJECTIVE_VARIANTS
 GRPO_NOTE = ("GRPO: clip 0.2 / 0.28, k3 KL to a reference with beta 0.04, entropy bonus 0.01, "
              "sequence-mean-token-mean over sequences of 1024 tokens")
 MODES = ("fwd", "fwd_bwd")
@@ -116,8 +171,14 @@ class Config:
         self.impl not in ("jaxce", "jax_plain") or self.input != "linear"
         or self.mode != "fwd_bwd" or (self.impl != "jaxce" and self.variant in LOOP_VARIANTS)):
       return f"{self.variant} is a jaxce (train_step: or jax_plain) linear fwd_bwd variant"
-    if self.variant in IMPLEMENTATION_VARIANTS and self.impl != "jaxce":
-      return f"{self.variant} is a jaxce variant"
+    if self.impl == "tokamax" and self.variant not in TOKAMAX_VARIANTS:
+      return f"tokamax rows name the implementation: tokamax:{' or tokamax:'.join(TOKAMAX_VARIANTS)}"
+    if self.impl == "liger_grpo" and self.mode != "fwd_bwd":
+      return "liger_grpo is a fwd_bwd loss"
+    if self.variant in IMPLEMENTATION_VARIANTS + TOKAMAX_VARIANTS and not (
+        self.impl == "tokamax" or self.impl == "jaxce" and self.variant in
+        IMPLEMENTATION_VARIANTS):
+      return f"{self.variant} is a jaxce (xla, pallas) or tokamax (xla, chunked_xla) variant"
     if self.variant in OBJECTIVE_VARIANTS and (
         self.mode != "fwd_bwd" or self.n_devices != 1 or self.impl not in (
             ("jaxce", "jax_plain") if self.variant == "grpo" else ("jaxce",))):
@@ -163,37 +224,61 @@ _BWD = dict(modes=("fwd_bwd",))
 
 
 def _cpu_groups(Ts, V, D):
-  """jaxce and plain JAX in both modes; the other peers and variants in fwd_bwd only."""
+  """jaxce and plain JAX in both modes; the other peers and variants in fwd_bwd only (the
+  GPU-only peers give one "skipped" row each, with how to install them)."""
   return [
       Group("logits", ("jaxce", "jax_plain"), Ts, V),
       Group("logits", ("jaxce:inplace", "jaxce:inplace_grad", "jax_scan_remat", "optax",
                        "torch_eager"), Ts, V,
             **_BWD),
       Group("linear", ("jaxce", "jax_plain"), Ts, V, D),
-      Group("linear", ("jaxce:logp_only", "jax_scan_remat", "tokamax", "torch_eager",
-                       "jaxce:train_step", "jax_plain:train_step"), Ts, V, D, **_BWD),
+      Group("linear", ("jaxce:logp_only", "jax_scan_remat", "tokamax:chunked_xla",
+                       "torch_eager", "jaxce:train_step", "jax_plain:train_step"), Ts, V, D,
+            **_BWD),
+      Group("linear", ("liger_flsce",), Ts[-1:], V, D, **_BWD),
   ]
 
 
-_GPU_T = (8192, 32768, 131072)
+_GPU_T = (8192, 32768)
+_LARGE_T = (262144, 1048576)
 _GPU_V, _GPU_D = 151936, 4096
 _SHARDED_T = (32768, 131072)
+# Every peer on the fused path, in both modes (liger_grpo, a loss, in the objective suite).
+_FUSED_PEERS = ("jaxce", "jax_plain", "tokamax:xla", "tokamax:chunked_xla", "torch_eager",
+                "liger_flsce", "liger", "cce")
 
 
 def _gpu_groups(Ts):
-  """The one-GPU suite: every peer; variants and the chunked peers in fwd_bwd only."""
+  """The one-GPU suite: jaxce against every peer; the chunked peers in fwd_bwd only."""
   return [
       Group("logits", ("jaxce", "jax_plain", "torch_eager"), Ts, _GPU_V),
+      Group("logits", ("jaxce:inplace", "jax_scan_remat", "optax"), Ts, _GPU_V, **_BWD),
+      Group("linear", _FUSED_PEERS, Ts, _GPU_V, _GPU_D),
+      Group("linear", ("jax_scan_remat", "jaxce:train_step", "jax_plain:train_step"), Ts,
+            _GPU_V, _GPU_D, **_BWD),
+  ]
+
+
+def _gpu_variant_groups(Ts):
+  """jaxce's own variants and backends on one GPU (the levers, not the peers)."""
+  return [
       Group("logits", ("jaxce:xla",), Ts, _GPU_V),
-      Group("logits", ("jaxce:inplace", "jaxce:inplace_grad", "jaxce:inplace_loop",
-                       "jax_scan_remat", "optax"), Ts, _GPU_V, **_BWD),
-      Group("linear", ("jaxce", "jax_plain", "tokamax", "torch_eager", "liger", "cce"), Ts,
-            _GPU_V, _GPU_D),
+      Group("logits", ("jaxce:inplace_grad", "jaxce:inplace_loop"), Ts, _GPU_V, **_BWD),
       # The fused forward before its Mosaic GPU kernel (Triton statistics of XLA tiles).
       Group("linear", ("jaxce:pallas",), Ts, _GPU_V, _GPU_D),
-      Group("linear", ("jaxce:logp_only", "jaxce:xla", "jax_scan_remat", "jaxce:train_step",
-                       "jaxce:train_step_loop", "jax_plain:train_step", "jaxce:objective"), Ts,
-            _GPU_V, _GPU_D, **_BWD),
+      Group("linear", ("jaxce:logp_only", "jaxce:xla", "jaxce:train_step_loop"), Ts, _GPU_V,
+            _GPU_D, **_BWD),
+  ]
+
+
+def _objective_groups(Ts):
+  """A GRPO objective (GRPO_NOTE), issue 20: the objective path (gradient in the forward)
+  against the per-token path + autodiff, plain JAX and Liger's fused GRPO loss."""
+  return [
+      Group("linear", ("jaxce:objective_grpo", "jaxce:grpo", "jax_plain:grpo",
+                       "jaxce:objective", "jaxce", "liger_grpo"), Ts, _GPU_V, _GPU_D, **_BWD),
+      Group("logits", ("jaxce:objective_grpo", "jaxce:grpo", "jax_plain:grpo",
+                       "jaxce:objective", "jaxce"), Ts, _GPU_V, **_BWD),
   ]
 
 
@@ -215,6 +300,13 @@ SUITES = {
     ],
     # One GPU: the headline numbers (V = 151936, bf16; D = 4096 on the fused path).
     "gpu": _gpu_groups(_GPU_T),
+    "gpu-variants": _gpu_variant_groups(_GPU_T),
+    # One GPU, long batches (run with --fresh: one process per row, torch rows included):
+    # the fused path's memory-bounded methods only, T-major (every method at 262144 first).
+    "gpu-large": [
+        Group("linear", ("jaxce", "liger_flsce", "jaxce:objective_grpo", "liger_grpo",
+                         "jaxce:objective", "tokamax:chunked_xla"), (T,), _GPU_V, _GPU_D,
+              **_BWD) for T in _LARGE_T],
     # All visible GPUs, vocabulary split: jaxce's shard_map vs plain JAX under jit, and the
     # one-device figures at T = 32768 on the same machine to compare with (issue 24).
     "gpu-sharded": [
@@ -238,15 +330,7 @@ SUITES = {
         Group("logits", ("jaxce", "jax_plain"), (32768,), _GPU_V, **_BWD),
         Group("linear", ("jaxce", "jax_plain"), (32768,), _GPU_V, _GPU_D, **_BWD),
     ],
-    # A GRPO objective (GRPO_NOTE), issue 20: the objective path (gradient in the forward)
-    # against the per-token path + autodiff and plain JAX, fused and on logits.
-    "objective": [
-        Group("linear", ("jaxce:objective_grpo", "jaxce:grpo", "jax_plain:grpo",
-                         "jaxce:objective", "jaxce"), (8192, 32768), _GPU_V, _GPU_D, **_BWD),
-        Group("logits", ("jaxce:objective_grpo", "jaxce:grpo", "jax_plain:grpo",
-                         "jaxce:objective", "jaxce"), (8192, 32768), _GPU_V, **_BWD),
-        Group("linear", ("jaxce:objective_grpo",), (1048576,), _GPU_V, _GPU_D, **_BWD),
-    ],
+    "objective": _objective_groups(_GPU_T),
     "objective-cpu": [
         Group("linear", ("jaxce:objective_grpo", "jaxce:grpo", "jax_plain:grpo",
                          "jaxce:objective"), (2048,), 16384, 64, **_BWD),

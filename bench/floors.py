@@ -21,25 +21,13 @@ Per device for sharded rows (``V / n`` columns each).
 
 from __future__ import annotations
 
-import time
-
 from bench.configs import TRAIN_STEP_VARIANTS, Config
 
 
 def median_seconds(fn, *args, repeats):
-  """Median wall seconds of ``fn(*args)`` after one warm-up call; each call's outputs are
-  dropped before the next."""
-  import jax
-  import numpy as np
-  jax.block_until_ready(fn(*args))
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    out = fn(*args)
-    jax.block_until_ready(out)
-    times.append(time.perf_counter() - start)
-    del out
-  return float(np.median(times))
+  """Median wall seconds of ``fn(*args)`` after one warm-up call (``bench.timing``)."""
+  from bench.timing import time_ms
+  return time_ms(fn, args, repeats, warmup=1) / 1e3
 
 
 def measure(dtypes=("bfloat16",)) -> dict:

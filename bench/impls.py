@@ -87,13 +87,38 @@ def _matmul(hidden, weight):
   return hidden @ weight
 
 
-def _tokamax_implementation():
-  """tokamax's chunked XLA implementation where this version has one, else its default."""
-  try:
-    from tokamax._src.ops.linear_softmax_cross_entropy_loss import api
-    return "chunked_xla" if "chunked_xla" in api.IMPLEMENTATIONS else None
-  except Exception:  # pylint: disable=broad-except  # private layout changed: use default
-    return None
+def _import_tokamax():
+  """``tokamax`` (0.0.17), importable without ``xprof``, which only tokamax's own
+  benchmarking module uses and whose wheels lag (a stub stands in for it)."""
+  import importlib.util
+  import types
+  if importlib.util.find_spec("xprof") is None:
+    for name in ("xprof", "xprof.cli", "xprof.cli.tools"):
+      sys.modules.setdefault(name, types.ModuleType(name))
+    sys.modules["xprof.cli.tools"].get_kernel_stats_tool = None
+  import tokamax
+  from absl import flags
+  if not flags.FLAGS.is_parsed():  # tokamax reads absl flags from sys.argv: not ours
+    flags.FLAGS([sys.argv[0]])
+  return tokamax
+
+
+def _tokamax(config: Config, names) -> Built:
+  """tokamax's ``linear_softmax_cross_entropy_loss(..., reduction="none")``: per-token
+  ``-logp``, the implementation named by the variant (``xla`` materializes the logits,
+  ``chunked_xla`` does not); log-prob only, so c = 0."""
+  tokamax = _import_tokamax()
+  note = (f"tokamax {getattr(tokamax, '__version__', '?')} implementation="
+          f"{config.variant!r}, reduction='none'")
+
+  def logp(h, w, lab):
+    return -tokamax.linear_softmax_cross_entropy_loss(
+        h, lab, w, reduction="none", implementation=config.variant)
+
+  if config.mode == "fwd":
+    return Built(logp, names, note=note)
+  loss = lambda h, w, lab, adv: jnp.sum(adv * logp(h, w, lab))
+  return Built(jax.value_and_grad(loss, argnums=(0, 1)), names, note=note)
 
 
 def _planned_chunk(config, num_columns, kw, linear=False):
@@ -188,24 +213,7 @@ def build(config: Config, devices) -> Built:
   donate = (0,) if config.variant in IN_PLACE_VARIANTS else ()
 
   if config.impl == "tokamax":
-    import tokamax
-    from absl import flags
-    if not flags.FLAGS.is_parsed():  # tokamax reads absl flags from sys.argv: not ours
-      flags.FLAGS([sys.argv[0]])
-    implementation = _tokamax_implementation()
-    note = (f"tokamax {getattr(tokamax, '__version__', '?')} "
-            f"implementation={implementation or 'default'}; reduction='sum' (no per-token "
-            "weights): fwd returns sum(logp), fwd_bwd differentiates sum(logp)")
-
-    def sum_logp(h, w, lab):
-      return -tokamax.linear_softmax_cross_entropy_loss(
-          h, lab, w, reduction="sum", implementation=implementation)
-
-    if config.mode == "fwd":
-      return Built(sum_logp, names, note=note)
-    return Built(jax.value_and_grad(lambda h, w, lab, adv: sum_logp(h, w, lab),
-                                    argnums=(0, 1)), names, note=note)
-
+    return _tokamax(config, names)
   if config.variant in OBJECTIVE_VARIANTS:
     return _objective_build(config, floats, names)
   f, chunk_used, note = _per_token_fn(config, mesh, n_devices)

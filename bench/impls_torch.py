@@ -1,6 +1,8 @@
 """The PyTorch peers: eager PyTorch, Liger-Kernel and Cut Cross-Entropy (optional extras).
 
-Same inputs and loss as the JAX implementations. On CUDA: time with
+Same inputs and loss as the JAX implementations (``liger_grpo``: Liger's own GRPO loss).
+Several configurations may share one process (``python -m bench`` batches one peer's rows
+on a GPU unless ``--fresh``): the CUDA peak is reset for each. On CUDA: time with
 ``torch.cuda.synchronize`` around each call, memory = ``torch.cuda.max_memory_allocated``
 (peak reset after the warm-up, so Triton autotuning is not counted, like XLA's autotuning
 at compile time) minus the bytes allocated once the inputs are placed. On CPU: the
@@ -9,12 +11,13 @@ process's peak resident memory growth (``ru_maxrss``), a coarse figure.
 
 from __future__ import annotations
 
+import gc
 import resource
-import time
 
 import numpy as np
 
 from bench.configs import Config
+from bench.timing import time_calls
 
 
 def _tensor(torch, array, device):
@@ -51,11 +54,55 @@ def _per_token(config: Config):
       out = loss(t["weight_vd"], t["hidden"], t["labels"])
       return -(out[0] if isinstance(out, tuple) else out).float(), None
     return liger, names
+  if config.impl == "liger_flsce":
+    return flsce(entropy), names
   if config.impl == "cce":
     from cut_cross_entropy import linear_cross_entropy
     return (lambda t: (-linear_cross_entropy(t["hidden"], t["weight_vd"], t["labels"],
                                              reduction="none").float(), None)), names
   raise ValueError(f"unknown torch impl {config.impl}")
+
+
+def flsce(entropy: bool):
+  """Liger-Kernel's fused linear scaled cross-entropy (FLSCE; on an H100/H200 its sm90
+  CuTe-DSL kernel): ``t -> (logp [T] f32, H [T] f32 or None)``, differentiable. bf16
+  hidden ``[T, D]``, weight ``[V, D]`` (contiguous), int64 labels; its entropy is bf16."""
+  from liger_kernel.ops.fused_linear_scaled_cross_entropy import (
+      LigerFusedLinearScaledCrossEntropyFunction)
+
+  def f(t):
+    out = LigerFusedLinearScaledCrossEntropyFunction.apply(
+        t["hidden"], t["weight_vd"], t["labels"], 1.0, -100, 1, entropy)
+    nll, ent = out if entropy else (out, None)
+    return -nll, None if ent is None else ent.float()
+  return f
+
+
+GRPO_SEQUENCE = 1024  # tokens per sequence, as bench.impls' GRPO objective
+LIGER_GRPO_NOTE = ("Liger's LigerFusedLinearGRPOLoss with its defaults (loss_type='dapo', "
+                   "clip 0.2 / 0.2, torch.compile, chunk_size=1) and beta=0.04: k3 KL to "
+                   "given reference log-probs, no entropy term; sequences of 1024 tokens, "
+                   "advantages per sequence")
+
+
+def _liger_grpo_loss(t):
+  """Liger's fused GRPO loss (a scalar) over sequences of GRPO_SEQUENCE tokens, with old
+  and reference log-probs near the policy's as the JAX GRPO rows use."""
+  from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
+  if "grpo" not in t:
+    T, D = t["hidden"].shape
+    L = min(GRPO_SEQUENCE, T)
+    B = T // L
+    adv = t["adv"][:B * L].view(B, L)
+    t["grpo"] = dict(module=LigerFusedLinearGRPOLoss(beta=0.04), B=B, L=L,
+                     mask=t["labels"].new_ones(B, L), adv=adv[:, 0].contiguous(),
+                     old=(-2.0 + 0.1 * adv).contiguous(), ref=(-2.0 - 0.1 * adv).contiguous())
+  g = t["grpo"]
+  n = g["B"] * g["L"]
+  loss, _ = g["module"](t["hidden"][:n].view(g["B"], g["L"], -1), t["weight_vd"],
+                        t["labels"][:n].view(g["B"], g["L"]), g["mask"], g["adv"],
+                        ref_per_token_logps=g["ref"], old_per_token_logps=g["old"])
+  return loss
 
 
 def run(config: Config, host: dict, budget_s: float) -> dict:
@@ -64,8 +111,14 @@ def run(config: Config, host: dict, budget_s: float) -> dict:
   if config.n_devices not in (0, 1):
     raise ValueError("the PyTorch peers run on one device only")
   cuda = torch.cuda.is_available()
+  if cuda:  # an earlier row of this process left nothing behind
+    gc.collect()
+    torch.cuda.empty_cache()
   device = torch.device("cuda" if cuda else "cpu")
-  f, float_names = _per_token(config)
+  if config.impl == "liger_grpo":
+    f, float_names = None, ("hidden", "weight_vd")
+  else:
+    f, float_names = _per_token(config)
   tensors = {"labels": _tensor(torch, host["labels"], device).long(),
              "adv": _tensor(torch, host["adv"], device)}
   if config.input == "logits":
@@ -78,6 +131,10 @@ def run(config: Config, host: dict, budget_s: float) -> dict:
     tensors[name].requires_grad_(grad)
 
   def call():
+    if config.impl == "liger_grpo":
+      loss = _liger_grpo_loss(tensors)
+      loss.backward()
+      return loss.detach()
     if not grad:
       with torch.no_grad():
         return f(tensors)
@@ -88,34 +145,63 @@ def run(config: Config, host: dict, budget_s: float) -> dict:
     loss.backward()
     return loss.detach()
 
-  def timed():
+  def sync(_):
     if cuda:
       torch.cuda.synchronize()
-    start = time.perf_counter()
-    out = call()
-    if cuda:
-      torch.cuda.synchronize()
-    seconds = time.perf_counter() - start
-    del out
-    for name in float_names:  # drop this call's gradients before the next call
+
+  def drop_grads():  # this call's gradients go before the next call
+    for name in float_names:
       tensors[name].grad = None
-    return seconds
 
   rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
   if cuda:
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
-  warm = timed()
-  if cuda:
+  warm = time_calls(call, (), 1, warmup=0, sync=sync, after=drop_grads)[0]
+  if cuda:  # after the warm-up: Triton autotuning and compilation are not counted
     torch.cuda.reset_peak_memory_stats()
-  repeats = max(1, min(config.repeats, int(budget_s / max(warm, 1e-9))))
-  times = [timed() for _ in range(repeats)]
+  repeats = max(1, min(config.repeats, int(budget_s * 1e3 / max(warm, 1e-6))))
+  times = time_calls(call, (), repeats, warmup=0, sync=sync, after=drop_grads)
   if cuda:
     peak, source = torch.cuda.max_memory_allocated() - base, "torch_cuda_peak"
   else:
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - rss_before
     source = "host_rss"
-  return dict(ms=float(np.median(times)) * 1e3, ms_all=[t * 1e3 for t in times],
-              repeats=repeats, peak_extra_bytes=int(peak), memory_source=source,
-              n_devices=1, device=torch.cuda.get_device_name() if cuda else "cpu",
-              torch=torch.__version__)
+  note = LIGER_GRPO_NOTE if config.impl == "liger_grpo" else (
+      "entropy returned in bf16" if config.impl == "liger_flsce" and config.entropy else "")
+  return dict(ms=float(np.median(times)), ms_all=times, repeats=repeats,
+              peak_extra_bytes=int(peak), memory_source=source, n_devices=1,
+              device=torch.cuda.get_device_name() if cuda else "cpu", note=note,
+              torch=torch.__version__, peer_version=_peer_version(config.impl))
+
+
+def _peer_version(impl: str):
+  from importlib import metadata
+  dist = {"liger": "liger-kernel", "liger_flsce": "liger-kernel", "liger_grpo": "liger-kernel",
+          "cce": "cut-cross-entropy"}.get(impl)
+  try:
+    return metadata.version(dist) if dist else None
+  except metadata.PackageNotFoundError:
+    return None
+
+
+def outputs(config: Config, host: dict) -> dict:
+  """Per-token ``logp``, ``entropy`` (``None`` for log-prob-only peers) and the gradients
+  ``d_hidden [T, D]``, ``d_W [D, V]`` of the row's loss, as float32 numpy
+  (:mod:`bench.accuracy`)."""
+  import torch
+  device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+  f, _ = _per_token(config)
+  t = {"labels": _tensor(torch, host["labels"], device).long(),
+       "adv": _tensor(torch, host["adv"], device),
+       "hidden": _tensor(torch, host["hidden"], device).requires_grad_(True),
+       "weight_vd": _tensor(torch, np.ascontiguousarray(host["weight"].T), device)
+       .requires_grad_(True)}
+  logp, entropy = f(t)
+  loss = (t["adv"] * logp).sum()
+  if entropy is not None:
+    loss = loss + config.coef * entropy.sum()
+  loss.backward()
+  host32 = lambda x: None if x is None else x.detach().float().cpu().numpy()
+  return dict(logp=host32(logp), entropy=host32(entropy), d_hidden=host32(t["hidden"].grad),
+              d_W=host32(t["weight_vd"].grad).T)

@@ -68,23 +68,49 @@ def _fmt(value, spec):
   return "–" if value is None else format(value, spec)
 
 
-def table(rows) -> str:
+def _accuracy_by_name(accuracy) -> dict:
+  return {name(a): a for a in (accuracy or {}).get("rows", []) if a.get("status") == "ok"}
+
+
+def _errors(a) -> str:
+  """``logp, H, d hidden, d W`` errors of one accuracy row (bench/README.md defines them)."""
+  return ", ".join(_fmt(a.get(k), ".1e") for k in ACCURACY_KEYS)
+
+
+ACCURACY_KEYS = ("logp", "entropy", "d_hidden", "d_W")
+
+
+def table(rows, accuracy=None) -> str:
   """A markdown table of ``rows``: memory in GiB and as a multiple of the logits' bytes,
-  time in ms and as a multiple of the floor."""
+  time in ms and as a multiple of the floor; a ``commit`` column when the rows come from
+  several commits (a merged file); with ``accuracy`` (:mod:`bench.accuracy`'s results),
+  each fused-path row's errors vs float64 at its T."""
+  commits = len({r.get("commit") for r in rows}) > 1
+  by_name = _accuracy_by_name(accuracy)
   head = ("| impl | input | mode | T | V | D | dtype | chunk | dev | status | extra GiB "
           "| × logits | ms | floor ms | × floor | memory from |")
+  if by_name:
+    head += f" error vs f64 at T={accuracy['T']}: logp, H, d hidden, d W |"
+  if commits:
+    head += " commit |"
   lines = [head, "|" + "---|" * head.count(" | ") + "---|"]
   for r in rows:
     chunk = r["chunk_size"] if r["chunk_size"] is not None else (
         f"auto ({r['chunk_used']})" if r.get("chunk_used") else "–")
     status = r["status"] if r["status"] == "ok" else f"**{r['status']}**"
     extra = None if r["peak_extra_bytes"] is None else r["peak_extra_bytes"] / GiB
-    lines.append(
+    line = (
         f"| {name(r)}{'' if r.get('entropy', True) else ' (logp)'} | {r['input']} "
         f"| {r['mode']} | {r['T']} | {r['V']} | {_fmt(r['D'], 'd')} | {r['dtype']} | {chunk} "
         f"| {r['n_devices']} | {status} | {_fmt(extra, '.3f')} | {_fmt(r.get('x_logits'), '.2f')} "
         f"| {_fmt(r['ms'], '.2f')} | {_fmt(r['floor_ms'], '.2f')} "
         f"| {_fmt(r.get('x_floor'), '.2f')} | {r.get('memory_source') or '–'} |")
+    if by_name:
+      a = by_name.get(name(r)) if r["input"] == "linear" and r["n_devices"] == 1 else None
+      line += f" {_errors(a) if a else '–'} |"
+    if commits:
+      line += f" {(r.get('commit') or '?')[:7]} |"
+    lines.append(line)
   return "\n".join(lines)
 
 
@@ -129,8 +155,13 @@ def markdown(results: dict) -> str:
       "floors). memory from: `device_peak` = measured allocator peak, `xla_plan` = XLA's "
       "compiled memory plan (CPU), `torch_cuda_peak`, `host_rss`.",
       "",
-      table(results["rows"]),
+      table(results["rows"], results.get("accuracy")),
   ]
+  if results.get("accuracy"):
+    parts += ["", accuracy_markdown(results["accuracy"])]
+  if results.get("machine_floors"):
+    from bench import machine_floors
+    parts += ["", machine_floors.markdown(results["machine_floors"])]
   sweeps = sweep_summary(results["rows"])
   if sweeps:
     parts += ["", "## Chunk-size sweeps: the default chunk vs the best one", "",
@@ -141,11 +172,28 @@ def markdown(results: dict) -> str:
   if errors:
     parts += ["", "## Rows that did not run", ""]
     parts += [f"- {name(r)} {r['input']} {r['mode']} T={r['T']} n={r['n_devices']}: "
-              f"{r['status']}: {r['error'].splitlines()[0][:200]}" for r in errors]
+              f"{r['status']}: " + (r["error"] if r["status"] == "skipped" else
+                                    r["error"].splitlines()[0][:300]) for r in errors]
   notes = sorted({f"{name(r)}: {r['note']}" for r in results["rows"] if r.get("note")})
   if notes:
     parts += ["", "## Notes", ""] + [f"- {n}" for n in notes]
   return "\n".join(parts) + "\n"
+
+
+def accuracy_markdown(accuracy: dict) -> str:
+  """The accuracy section: each fused-path impl's errors vs float64 (bench/README.md)."""
+  lines = [f"## Error vs float64 (T = {accuracy['T']}, V = {accuracy['V']}, D = "
+           f"{accuracy['D']}, {accuracy['dtype']} operands)", "",
+           accuracy.get("definition", ""), "",
+           "| impl | loss | logp | entropy | d hidden | d W | note |", "|---|---|---|---|---|---|---|"]
+  for a in accuracy["rows"]:
+    if a.get("status") != "ok":
+      lines.append(f"| {name(a)} | – | **{a.get('status')}** | – | – | – | "
+                   f"{(a.get('error') or '').splitlines()[0][:200] if a.get('error') else ''} |")
+      continue
+    lines.append(f"| {name(a)} | {a.get('loss', '')} | " + " | ".join(
+        _fmt(a.get(k), ".2e") for k in ACCURACY_KEYS) + f" | {a.get('note') or ''} |")
+  return "\n".join(lines)
 
 
 def sweep_summary(rows) -> list[str]:
@@ -169,6 +217,14 @@ def sweep_summary(rows) -> list[str]:
   return lines
 
 
+def panels(rows) -> list[tuple]:
+  """The plot's panels: one ``(input, V, D, dtype)`` each (``D`` 0 on logits), so that no
+  panel mixes shapes; logits first."""
+  order = {"logits": 0, "linear": 1}
+  return sorted({(r["input"], r["V"], r["D"] or 0, r["dtype"]) for r in rows},
+                key=lambda k: (order.get(k[0], 2),) + k[1:])
+
+
 def plot(results: dict, path: str) -> None:
   """Peak extra memory vs T (fwd_bwd, default chunk sizes), one line per implementation,
   one panel per path."""
@@ -177,8 +233,8 @@ def plot(results: dict, path: str) -> None:
   import matplotlib.pyplot as plt
   import matplotlib.ticker
   rows = [r for r in results["rows"] if r["mode"] == "fwd_bwd" and r["chunk_size"] is None]
-  inputs = [i for i in ("logits", "linear") if any(r["input"] == i for r in rows)] or ["logits"]
-  fig, axes = plt.subplots(1, len(inputs), figsize=(6.5 * len(inputs), 4.8), squeeze=False)
+  shapes = panels(rows) or [("logits", 0, 0, "?")]
+  fig, axes = plt.subplots(1, len(shapes), figsize=(6.5 * len(shapes), 4.8), squeeze=False)
 
   def label(r):
     return name(r) + ("" if r.get("entropy", True) else " (logp)") + (
@@ -187,14 +243,16 @@ def plot(results: dict, path: str) -> None:
   keys = sorted({label(r) for r in rows})
   palette = plt.get_cmap("tab10" if len(keys) <= 10 else "tab20").colors
   colors = {k: palette[i % len(palette)] for i, k in enumerate(keys)}
-  for ax, inp in zip(axes[0], inputs):
+  for ax, shape in zip(axes[0], shapes):
     lines = {}
-    for r in rows:
-      if r["input"] == inp:
+    for r in rows:  # one panel, one shape: never two (V, D) on the same axes
+      if (r["input"], r["V"], r["D"] or 0, r["dtype"]) == shape:
         lines.setdefault(label(r), []).append(r)
     for key, group in sorted(lines.items()):
       ok = sorted((r["T"], r["peak_extra_bytes"] / GiB) for r in group
                   if r["status"] == "ok" and r["peak_extra_bytes"] is not None)
+      if not ok and not any(r["status"] == "oom" for r in group):
+        continue  # skipped rows: named under the table, not in the legend
       style = "-" if key.startswith("jaxce") else "--"
       ax.plot([t for t, _ in ok], [m for _, m in ok], style, marker="o", label=key,
               color=colors[key])
@@ -202,18 +260,22 @@ def plot(results: dict, path: str) -> None:
       if failed:
         ax.plot(failed, [1.0] * len(failed), "x", color=colors[key], markersize=10,
                 transform=ax.get_xaxis_transform(), clip_on=False)
+    if not any(line.get_xydata().size for line in ax.get_lines()):
+      ax.text(0.5, 0.5, "no measured rows", ha="center", transform=ax.transAxes)
+      ax.set_title(f"{shape[0]} path, fwd+bwd", fontsize=10)
+      continue
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda y, _: f"{y:g}"))
     ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     ax.set_xlabel("tokens T")
     ax.set_ylabel("peak extra memory per device (GiB)")
-    example = next((r for r in rows if r["input"] == inp), None)
-    shape = "" if example is None else f"V={example['V']}" + (
-        f", D={example['D']}" if example["D"] else "") + f", {example['dtype']}"
-    ax.set_title(f"{inp} path, fwd+bwd ({shape})", fontsize=10)
+    inp, V, D, dtype = shape
+    ax.set_title(f"{inp} path, fwd+bwd: V={V}" + (f", D={D}" if D else "") + f", {dtype}",
+                 fontsize=10)
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=7)
+    if lines:
+      ax.legend(fontsize=7)
   sources = sorted({r.get("memory_source") for r in rows if r.get("memory_source")})
   fig.suptitle(f"{results['device']} × {results['n_devices']}, JAX {results['jax']} "
                f"(memory: {', '.join(sources)}; × = out of memory)", fontsize=10)

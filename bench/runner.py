@@ -27,13 +27,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import time
 import traceback
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 from bench import inputs  # noqa: E402  (numpy only; no JAX import before the env is set)
 from bench.configs import TORCH_IMPLS, Config  # noqa: E402
+from bench.timing import time_calls  # noqa: E402
 
 ROW_PREFIX = "BENCH_ROW "
 PROBE_PREFIX = "BENCH_PROBE "
@@ -92,23 +92,15 @@ def run_jax(config: Config, blocks: dict) -> dict:
   args = [full(k) for k in built.names]
   base = _stats(devices, "bytes_in_use")
 
-  def timed():
-    start = time.perf_counter()
-    out = compiled(*args)
-    jax.block_until_ready(out)
-    seconds = time.perf_counter() - start
-    del out
-    for i in built.donate:  # the call consumed these buffers: make fresh ones (untimed)
+  def refill():  # a call consumed the donated buffers: make fresh ones (untimed)
+    for i in built.donate:
       args[i] = full(built.names[i])
-    return seconds
 
-  warm = timed()
-  repeats = max(1, min(config.repeats, int(REPEAT_BUDGET_S / max(warm, 1e-9))))
-  times = [timed() for _ in range(repeats)]
+  times = time_calls(compiled, args, config.repeats, warmup=1, budget_s=REPEAT_BUDGET_S,
+                     after=refill if built.donate else None)
   peak = _stats(devices, "peak_bytes_in_use")
-  row = dict(ms=float(np.median(times)) * 1e3, ms_all=[t * 1e3 for t in times],
-             repeats=repeats, plan_extra_bytes=plan, n_devices=n,
-             chunk_used=built.chunk_used, note=built.note, device=devices[0].device_kind)
+  row = dict(ms=float(np.median(times)), ms_all=times, repeats=len(times),
+             plan_extra_bytes=plan, n_devices=n, chunk_used=built.chunk_used, note=built.note, device=devices[0].device_kind)
   if peak is not None and base is not None and max(compile_peak) >= max(peak):
     # The allocator's peak was set while compiling (XLA's GEMM autotuner allocates the
     # outputs it tries, twice with its correctness check), so the run's own peak cannot

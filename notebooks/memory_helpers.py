@@ -26,7 +26,6 @@ import os
 import pathlib
 import subprocess
 import sys
-import time
 
 NOTEBOOK_DIR = pathlib.Path(__file__).resolve().parent
 REPO_ROOT = NOTEBOOK_DIR.parent
@@ -43,6 +42,12 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxce import reference
+
+try:
+  from bench.timing import time_ms
+except ImportError:  # the notebook's kernel runs in notebooks/: bench sits in the checkout
+  sys.path.append(str(REPO_ROOT))
+  from bench.timing import time_ms
 
 ENTROPY_WEIGHT = 0.01
 
@@ -148,16 +153,8 @@ def host_inputs(case, seed=0, block_rows=256):
 
 def run_time(compiled, device_arrays, reps) -> float:
   """Median seconds per call (after one warm-up call); each call's outputs are dropped
-  before the next, so two results are never alive at once."""
-  jax.block_until_ready(compiled(*device_arrays))
-  times = []
-  for _ in range(reps):
-    start = time.perf_counter()
-    out = compiled(*device_arrays)
-    jax.block_until_ready(out)
-    times.append(time.perf_counter() - start)
-    del out
-  return float(np.median(times))
+  before the next, so two results are never alive at once (``bench.timing``)."""
+  return time_ms(compiled, device_arrays, reps, warmup=1) / 1e3
 
 
 def memory_stats(device):

@@ -82,7 +82,7 @@ def main():
       row = dict(operation=name, way=way, tokens=n, plan=jaxce.plan.of(call, *arrays)._asdict(),
                  custom_calls=_custom_calls(step.lower(*arrays).compile().as_text()))
       if name == "linear_logprobs_and_entropy":
-        row["fwd_bwd_ms"] = time_ms(step, arrays, args.repeats)[0]
+        row["fwd_bwd_ms"] = time_ms(step, arrays, args.repeats)
       rows.append(row)
       print(json.dumps(row), flush=True)
   local, shard = (r for r in rows if r["operation"] == "linear_logprobs_and_entropy")

@@ -125,8 +125,8 @@ def timing(tokens, dim, columns, repeats, implementations):
         h, w, labels, implementation=n))
     loss = weighted(jaxce.linear_logprobs_and_entropy, labels, cot, implementation=name)
     both = jax.jit(jax.value_and_grad(loss, (0, 1)))
-    fwd_ms, fwd_min = time_ms(forward, (hidden, weight), repeats)
-    both_ms, _ = time_ms(both, (hidden, weight), max(3, repeats // 2))
+    fwd_ms, fwd_min = time_ms(forward, (hidden, weight), repeats, with_min=True)
+    both_ms = time_ms(both, (hidden, weight), max(3, repeats // 2))
     row = dict(tokens=tokens, implementation=name, forward_ms=fwd_ms,
                forward_tflops=2 * tokens * dim * columns / fwd_min / 1e9,
                fwd_bwd_ms=both_ms)
@@ -148,7 +148,7 @@ def profile(tokens, dim, columns, repeats):
   rows = []
 
   def add(name, fn, *args):
-    ms, best = time_ms(jax.jit(fn), args, repeats)
+    ms, best = time_ms(jax.jit(fn), args, repeats, with_min=True)
     rows.append(dict(piece=name, tokens=tokens, ms=ms, tflops=flops / best / 1e9))
     print(json.dumps(rows[-1]), flush=True)
 

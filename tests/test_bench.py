@@ -1,8 +1,10 @@
 """The benchmark's smoke suite end to end on CPU: ``python -m bench --suite smoke``.
 
 One subprocess runs the whole suite (about 30 s on 2 cores) into a temporary results
-directory; the tests then check the JSON schema of issue 4, the table and the plot, and
-that merging a second run replaces rows instead of duplicating them.
+directory; the tests then check the JSON schema of issue 4, the table and the plot, that
+the printed table is the written one, that merging a second run (``--merge``) replaces rows
+instead of duplicating them, and that a run with the default destination leaves the
+checkout clean. The GPU-only modules are imported, and run where they can on CPU.
 """
 
 import json
@@ -26,9 +28,10 @@ ROW = {"impl": str, "input": str, "mode": str, "T": int, "V": int, "D": (int, ty
 
 
 def _run_smoke(out_dir, *extra):
+  out = ["--out", str(out_dir)] if out_dir is not None else []
   env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
   proc = subprocess.run([sys.executable, "-m", "bench", "--suite", "smoke", "--repeats", "2",
-                         "--out", str(out_dir), *extra], cwd=ROOT, env=env,
+                         *out, *extra], cwd=ROOT, env=env,
                         capture_output=True, text=True, timeout=300)
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
   return proc
@@ -124,7 +127,8 @@ def test_rerun_merges_rows(smoke, tmp_path):
   out, results, _ = smoke
   path = tmp_path / "cpu.json"
   path.write_text(json.dumps(results))
-  _run_smoke(tmp_path, "--impl", "jaxce", "--input", "logits", "--mode", "fwd", "--T", "64,300")
+  _run_smoke(tmp_path, "--impl", "jaxce", "--input", "logits", "--mode", "fwd", "--T", "64,300",
+             "--merge")
   merged = json.loads(path.read_text())
   keys = [configs.row_key(r) for r in merged["rows"]]
   assert len(keys) == len(set(keys)), "a re-run duplicated rows"
@@ -133,6 +137,65 @@ def test_rerun_merges_rows(smoke, tmp_path):
          and r["input"] == "logits" and r["n_devices"] == 1]
   assert sorted(r["T"] for r in new) == [64, 200, 300]
   assert all("commit" in r and "date" in r for r in new)
+  # Without --merge the file holds this run's rows only.
+  proc = _run_smoke(tmp_path, "--impl", "jaxce", "--input", "logits", "--mode", "fwd",
+                    "--T", "64")
+  alone = json.loads(path.read_text())
+  assert [(r["impl"], r["T"]) for r in alone["rows"]] == [("jaxce", 64)]
+  assert _tables(proc.stdout) == _tables((tmp_path / "cpu.md").read_text())[:1]
+
+
+def _tables(text):
+  """The markdown tables in ``text`` (runs of lines that start with ``|``)."""
+  tables, current = [], []
+  for line in text.splitlines() + [""]:
+    if line.startswith("|"):
+      current.append(line)
+    elif current:
+      tables.append("\n".join(current))
+      current = []
+  return tables
+
+
+def test_printed_table_is_the_written_table(smoke):
+  out, _, stdout = smoke
+  printed = _tables(stdout)
+  assert len(printed) == 1, "the run prints one table"
+  assert printed[0] == _tables((out / "cpu.md").read_text())[0]
+  assert f"wrote {os.path.relpath(out / 'cpu.json')}" in stdout
+
+
+def test_cpu_run_says_why_the_logits_forward_holds_an_f32_copy(smoke):
+  from bench.__main__ import CPU_COPY_NOTE
+  _, _, stdout = smoke
+  assert stdout.count(CPU_COPY_NOTE) == 1
+
+
+def test_default_destination_is_ignored_and_leaves_the_checkout_clean():
+  from bench import __main__ as driver
+  assert driver.parse_args([]).out == driver.OUT
+  assert driver.parse_args(["--save-results"]).out == driver.RESULTS
+  assert driver.parse_args(["--out", "/tmp/x"]).out == "/tmp/x"
+  with pytest.raises(SystemExit):
+    driver.parse_args(["--save-results", "--out", "/tmp/x"])
+  with pytest.raises(SystemExit):
+    driver.parse_args(["--suite", "cpu,nope"])
+  git = lambda *a: subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True)
+  if git("rev-parse", "--git-dir").returncode != 0:
+    pytest.skip("not a git checkout")
+  slug = "test-default-destination"
+  assert git("check-ignore", "-q", os.path.join("bench", "out", f"{slug}.json")).returncode == 0
+  before = git("status", "--porcelain").stdout
+  proc = _run_smoke(None, "--impl", "jaxce", "--input", "logits", "--mode", "fwd", "--T", "64",
+                    "--device-slug", slug)
+  try:
+    assert git("status", "--porcelain").stdout == before, "the default run wrote a tracked file"
+    assert f"wrote {os.path.join('bench', 'out', slug + '.json')}" in proc.stdout
+  finally:
+    for ext in (".json", ".md", "_memory.png"):
+      path = os.path.join(driver.OUT, slug + ext)
+      if os.path.exists(path):
+        os.remove(path)
 
 
 class _Progress:
@@ -156,13 +219,14 @@ def test_oom_skips_larger_T_and_missing_peers_start_no_process(monkeypatch):
                    error=None if ok else "RESOURCE_EXHAUSTED: Out of memory"))
 
   monkeypatch.setattr(driver, "_run_batch", fake_batch)
-  monkeypatch.setitem(configs.REQUIRES, "cce", "a_module_that_is_not_installed")
+  monkeypatch.setitem(configs.PEERS, "cce", configs.Peer("a_module_that_is_not_installed",
+                                                         "pip install it from somewhere"))
   todo = configs.expand(configs.SUITES["smoke"], impls=["jaxce"], inputs=["logits"],
                         modes=["fwd"], Ts=[32, 64, 200])
   todo.append(configs.Config(impl="cce", input="linear", mode="fwd_bwd", T=64, V=1000, D=32))
   todo.append(configs.Config(impl="jaxce", input="logits", mode="fwd", T=32, V=1000,
                              n_devices=4))
-  facts = dict(hbm_GBps=1.0, matmul_tflops={"bfloat16": 1.0}, n_devices=2)
+  facts = dict(hbm_GBps=1.0, matmul_tflops={"bfloat16": 1.0}, n_devices=2, platform="gpu")
   rows = driver.run_suite(todo, facts, True, 1, {}, _Progress())
   assert started == [("jaxce", 32), ("jaxce", 64)]
   assert [r["status"] for r in rows] == ["ok", "oom", "oom", "skipped", "skipped"]
@@ -170,7 +234,9 @@ def test_oom_skips_larger_T_and_missing_peers_start_no_process(monkeypatch):
   rows = rows[:4]
   assert "not run: out of memory at T=64" in rows[2]["error"]
   assert rows[3]["skipped"] == "not installed" and rows[3]["peak_extra_bytes"] is None
-  assert "not installed: cce needs" in rows[3]["error"] and "get_peers.sh" in rows[3]["error"]
+  assert rows[3]["error"] == ("not installed: cce needs the Python package providing "
+                              "'a_module_that_is_not_installed'. To install: pip install it "
+                              "from somewhere")
   assert rows[0]["x_floor"] == rows[0]["ms"] / rows[0]["floor_ms"]
 
   # A not-installed row never replaces a measured one; any other new row does.
@@ -180,6 +246,74 @@ def test_oom_skips_larger_T_and_missing_peers_start_no_process(monkeypatch):
   assert len(merged["rows"]) == 4
   assert by_impl_T[("cce", 64)]["status"] == "ok"
   assert by_impl_T[("jaxce", 32)]["ms"] == 1.0
+
+
+def test_gpu_only_peers_are_skipped_on_cpu_with_the_install_hint(monkeypatch):
+  """Liger's rows (and every GPU-only peer's) never start a process on CPU: each is a
+  "skipped" row whose reason, printed whole, says how to install the peer."""
+  from bench import __main__ as driver
+  monkeypatch.setattr(driver, "_run_batch", lambda *a: pytest.fail("a process started"))
+  todo = configs.expand(configs.SUITES["gpu"] + configs.SUITES["objective"],
+                        impls=list(configs.GPU_ONLY_IMPLS), Ts=[64], V=1000, D=32)
+  assert {c.impl for c in todo} == set(configs.GPU_ONLY_IMPLS)
+  facts = dict(hbm_GBps=1.0, matmul_tflops={"bfloat16": 1.0}, n_devices=1, platform="cpu")
+  rows = driver.run_suite(todo, facts, False, 1, {}, _Progress())
+  assert all(r["status"] == "skipped" for r in rows)
+  flsce = next(r for r in rows if r["impl"] == "liger_flsce")
+  assert flsce["error"].startswith("GPU only: liger_flsce runs on a CUDA GPU, this is cpu.")
+  assert "install.sh" in flsce["error"] and "prepare.sh" in flsce["error"]
+  lines = driver.skipped_lines(rows)
+  assert any(flsce["error"] in line for line in lines)
+  assert len(lines) == len({r["error"] for r in rows})
+  assert "install.sh" in report.markdown(dict(device="cpu", n_devices=1, jax="0", hbm_GBps=1.0,
+                                              bf16_tflops=1.0, commit="", rows=rows))
+
+
+def test_time_budget_skips_the_rest(monkeypatch):
+  from bench import __main__ as driver
+  started = []
+  monkeypatch.setattr(driver, "_run_batch", lambda batch, t, done: [
+      started.append(c.T) or done(c, dict(status="ok", ms=1.0, peak_extra_bytes=1))
+      for c in batch])
+  todo = configs.expand(configs.SUITES["smoke"], impls=["jaxce"], inputs=["logits"],
+                        modes=["fwd"], Ts=[32, 64])
+  facts = dict(hbm_GBps=1.0, matmul_tflops={"bfloat16": 1.0}, n_devices=1, platform="gpu")
+  rows = driver.run_suite(todo, facts, True, 1, {}, _Progress(), budget_s=-1)
+  assert started == [] and all(r["skipped"] == "time budget" for r in rows)
+
+
+def test_torch_rows_of_one_peer_share_a_process_on_gpu(monkeypatch):
+  from bench import __main__ as driver
+  batches = []
+  monkeypatch.setattr(driver, "_run_batch", lambda batch, t, done: [
+      batches.append([(c.impl, c.T) for c in batch])] + [
+          done(c, dict(status="ok", ms=1.0, peak_extra_bytes=1)) for c in batch])
+  monkeypatch.setattr(driver, "skip_reason", lambda config, platform: None)
+  todo = configs.expand(configs.SUITES["gpu"], impls=["torch_eager", "jaxce:default"],
+                        inputs=["linear"], modes=["fwd"])
+  facts = dict(hbm_GBps=1.0, matmul_tflops={"bfloat16": 1.0}, n_devices=1, platform="gpu")
+  driver.run_suite(todo, facts, True, 1, {}, _Progress())
+  assert batches == [[("jaxce", 8192)], [("jaxce", 32768)],
+                     [("torch_eager", 8192), ("torch_eager", 32768)]]
+  batches.clear()
+  driver.run_suite(todo, facts, True, 1, {}, _Progress(), fresh_torch=True)
+  assert len(batches) == 4
+
+
+def test_merged_table_names_each_rows_commit_and_plots_never_mix_shapes():
+  base = dict(impl="jaxce", variant="default", input="logits", mode="fwd_bwd", T=64, V=1000,
+              D=None, dtype="bfloat16", chunk_size=None, n_devices=1, status="ok", ms=1.0,
+              floor_ms=1.0, peak_extra_bytes=2**20)
+  rows = [dict(base, commit="a" * 40), dict(base, T=128, commit="b" * 40)]
+  table = report.table(rows)
+  assert table.splitlines()[0].endswith(" commit |")
+  assert "| aaaaaaa |" in table and "| bbbbbbb |" in table
+  assert "commit" not in report.table(rows[:1])
+  rows.append(dict(base, V=2000, commit="b" * 40))
+  rows.append(dict(base, input="linear", D=32, commit="b" * 40))
+  assert report.panels(rows) == [("logits", 1000, 0, "bfloat16"),
+                                 ("logits", 2000, 0, "bfloat16"),
+                                 ("linear", 1000, 32, "bfloat16")]
 
 
 def test_oom_classification():
@@ -220,8 +354,14 @@ def test_implementation_variants_pass_the_option():
       assert c.invalid() is None
       built = impls.build(c, jax.devices()[:1])
       assert f"implementation={variant!r}" in built.note, built.note
-  assert configs.Config(impl="jax_plain", input="logits", mode="fwd", T=8, V=64,
-                        variant="pallas").invalid() == "pallas is a jaxce variant"
+  assert "is a jaxce (xla, pallas) or tokamax" in configs.Config(
+      impl="jax_plain", input="logits", mode="fwd", T=8, V=64, variant="pallas").invalid()
+  assert configs.Config(impl="jaxce", input="linear", mode="fwd", T=8, V=64, D=8,
+                        variant="chunked_xla").invalid()
+  for variant in configs.TOKAMAX_VARIANTS:
+    assert configs.Config(impl="tokamax", input="linear", mode="fwd", T=8, V=64, D=8,
+                          variant=variant).invalid() is None
+  assert configs.Config(impl="tokamax", input="linear", mode="fwd", T=8, V=64, D=8).invalid()
 
 
 def test_sweep_summary_compares_default_with_best_chunk():

@@ -79,6 +79,9 @@ def parse_args(argv=None):
   p.add_argument("--accuracy", action="store_true",
                  help="also the accuracy vs float64 of every fused-path impl (GPU; "
                  "python -m bench.accuracy)")
+  p.add_argument("--machine-floors", action="store_true",
+                 help="first measure the floors at the machine's best (GPU; python -m "
+                 "bench.machine_floors): the rows' floor_ms come from them")
   p.add_argument("--list", action="store_true", help="print the configs and exit")
   args = p.parse_args(argv)
   unknown = [s for s in args.suite.split(",") if s not in configs.SUITES]
@@ -168,6 +171,12 @@ def finish_row(config: Config, fields: dict, facts: dict, stamp: dict) -> dict:
   size = inputs.itemsize(config.dtype)
   row["logits_bytes"] = inputs.logits_bytes(config, n)
   row["floor_ms"] = floors.floor_ms(config, n, facts["hbm_GBps"], facts["matmul_tflops"], size)
+  best = None
+  if facts.get("machine_floors", {}).get("floors"):
+    from bench import machine_floors
+    best = machine_floors.floor_ms(config, facts["machine_floors"], size)
+  row["floor_source"] = "machine_best" if best else "probe"
+  row["floor_ms"] = best or row["floor_ms"]
   row["x_floor"] = row["ms"] / row["floor_ms"] if row["ms"] else None
   row["x_logits"] = (row["peak_extra_bytes"] / row["logits_bytes"]
                      if row["peak_extra_bytes"] is not None else None)
@@ -270,6 +279,21 @@ def _run_batch(batch, timeout, done):
     done(config, dict(status=status, error=f"{why}: {err.strip()[-1500:]}"))
 
 
+def run_module(module: str, prefix: str, args=(), timeout=ROW_TIMEOUT_S) -> dict:
+  """``python -m MODULE ARGS`` in a fresh process: the JSON of its ``PREFIX`` line, or
+  ``{"error": ...}`` (bench.accuracy, bench.machine_floors)."""
+  try:
+    proc = subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, env=child_env(1),
+                          capture_output=True, text=True, timeout=timeout)
+  except subprocess.TimeoutExpired:
+    return dict(error=f"python -m {module} timed out after {timeout} s")
+  lines = [l for l in proc.stdout.splitlines() if l.startswith(prefix)]
+  if not lines:
+    return dict(error=f"python -m {module} exited with {proc.returncode}: "
+                f"{proc.stderr.strip()[-2000:]}")
+  return json.loads(lines[-1][len(prefix):])
+
+
 def versions() -> dict:
   """Installed versions of the packages the rows depend on (``None``: not installed)."""
   out = {}
@@ -328,9 +352,15 @@ def main(argv=None):
              platform=facts["platform"], host=facts["host"], hbm_GBps=facts["hbm_GBps"],
              bf16_tflops=facts["bf16_tflops"], matmul_tflops=facts["matmul_tflops"],
              commit=commit, dirty=dirty, date=date, suite=args.suite, versions=versions())
+  if args.machine_floors:
+    from bench import machine_floors
+    print("floors at the machine's best: python -m bench.machine_floors", flush=True)
+    top["machine_floors"] = facts["machine_floors"] = run_module(
+        "bench.machine_floors", machine_floors.PREFIX, timeout=args.timeout)
   if args.accuracy:
     from bench import accuracy
-    top["accuracy"] = accuracy.run_in_process(timeout=args.timeout)
+    print("accuracy vs float64: python -m bench.accuracy", flush=True)
+    top["accuracy"] = run_module("bench.accuracy", accuracy.PREFIX, timeout=args.timeout)
 
   def results_of(rows):
     results = dict(top, rows=report.sort_rows(rows))

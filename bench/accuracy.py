@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import traceback
 
@@ -165,18 +164,6 @@ def measure(specs=IMPLS, t=T, v=V, d=D, platform=None) -> dict:
         row["note"] = "entropy returned in bf16"
   return dict(T=t, V=v, D=d, dtype="bfloat16", definition=DEFINITION,
               reference="numpy float64 on the host", rows=rows)
-
-
-def run_in_process(timeout=900, extra=()) -> dict:
-  """:func:`measure` in a fresh process (``python -m bench.accuracy``), for the driver."""
-  from bench.__main__ import ROOT, child_env  # pylint: disable=import-outside-toplevel
-  proc = subprocess.run([sys.executable, "-m", "bench.accuracy", *extra], cwd=ROOT,
-                        env=child_env(1), capture_output=True, text=True, timeout=timeout)
-  lines = [l for l in proc.stdout.splitlines() if l.startswith(PREFIX)]
-  if not lines:
-    return dict(T=T, V=V, D=D, dtype="bfloat16", definition=DEFINITION, rows=[],
-                error=f"exit {proc.returncode}: {proc.stderr[-2000:]}")
-  return json.loads(lines[-1][len(PREFIX):])
 
 
 def main(argv=None):

@@ -32,13 +32,15 @@ class Peer:
   module: str
   install: str
   version: Optional[str] = None  # the distribution and version the rows are for
+  needs: tuple = ()  # other modules it imports that a GPU image may lack
 
 
 # The package each optional peer needs; a missing one gives a "skipped" row, no process.
 PEERS = {
     "optax": Peer("optax", "pip install optax (the [bench] extra)"),
     "tokamax": Peer("tokamax", "tokamax 0.0.17 needs Python >= 3.12 and JAX >= 0.11.1: "
-                    + _WHEELS, version="tokamax==0.0.17"),
+                    + _WHEELS + " (and flax, which qwix imports)", version="tokamax==0.0.17",
+                    needs=("qwix", "flax", "jaxtyping", "pydantic", "einshape")),
     "torch_eager": Peer("torch", "pip install torch (CPU: --index-url "
                         "https://download.pytorch.org/whl/cpu); the GPU image has it"),
     "liger": Peer("liger_kernel", _LIGER),
@@ -60,9 +62,10 @@ def skip_reason(config: "Config", platform: str) -> Optional[str]:
   if config.impl in GPU_ONLY_IMPLS and platform != "gpu":
     return (f"GPU only: {config.impl} runs on a CUDA GPU, this is {platform}. "
             f"To install it there: {peer.install}")
-  if importlib.util.find_spec(peer.module) is None:
+  missing = [m for m in (peer.module,) + peer.needs if importlib.util.find_spec(m) is None]
+  if missing:
     return (f"not installed: {config.impl} needs the Python package providing "
-            f"'{peer.module}'. To install: {peer.install}")
+            f"'{missing[0]}'. To install: {peer.install}")
   if peer.version:
     dist, want = peer.version.split("==")
     try:

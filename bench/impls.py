@@ -92,7 +92,7 @@ def _import_tokamax():
   benchmarking module uses and whose wheels lag (a stub stands in for it)."""
   import importlib.util
   import types
-  if importlib.util.find_spec("xprof") is None:
+  if "xprof" not in sys.modules and importlib.util.find_spec("xprof") is None:
     for name in ("xprof", "xprof.cli", "xprof.cli.tools"):
       sys.modules.setdefault(name, types.ModuleType(name))
     sys.modules["xprof.cli.tools"].get_kernel_stats_tool = None

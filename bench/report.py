@@ -2,6 +2,7 @@
 
     python -m bench.report bench/results/cpu.json     # rewrite cpu.md and cpu_memory.png
     python -m bench.report bench/results/cpu.json --readme-T 4096   # README's table
+    python -m bench.report OUT/main/nvidia-h200-x1.json --merge-into bench/results/nvidia-h200-x1.json
 
 JSON schema (issue 4; extra keys are documented in bench/README.md)::
 
@@ -69,6 +70,8 @@ def _fmt(value, spec):
 
 
 def _accuracy_by_name(accuracy) -> dict:
+  if accuracy and "T" not in accuracy:
+    return {}
   return {name(a): a for a in (accuracy or {}).get("rows", []) if a.get("status") == "ok"}
 
 
@@ -182,6 +185,8 @@ def markdown(results: dict) -> str:
 
 def accuracy_markdown(accuracy: dict) -> str:
   """The accuracy section: each fused-path impl's errors vs float64 (bench/README.md)."""
+  if "rows" not in accuracy:
+    return f"## Error vs float64\n\nNot measured: {accuracy.get('error')}"
   lines = [f"## Error vs float64 (T = {accuracy['T']}, V = {accuracy['V']}, D = "
            f"{accuracy['D']}, {accuracy['dtype']} operands)", "",
            accuracy.get("definition", ""), "",
@@ -304,10 +309,21 @@ def main(argv=None):
                       help="print README's summary table of the rows at this T instead")
   parser.add_argument("--chunks", action="store_true",
                       help="with --readme-T: also the rows of a given chunk size")
+  parser.add_argument("--merge-into", metavar="RESULTS_JSON",
+                      help="merge this run's rows into RESULTS_JSON (e.g. bench/results/"
+                      "nvidia-h200-x1.json, from a GPU session's $OUT) and rewrite its .md/.png")
   args = parser.parse_args(argv)
   results = load(args.json)
   if results is None:
     raise SystemExit(f"no such file: {args.json}")
+  if args.merge_into:
+    merged = merge(load(args.merge_into), results)
+    for key in ("accuracy", "machine_floors"):  # this run's, or the file's own
+      if key not in results and key in (load(args.merge_into) or {}):
+        merged[key] = load(args.merge_into)[key]
+    for path in write(merged, args.merge_into).values():
+      print(path)
+    return
   if args.readme_T:
     print(summary_table(results, args.readme_T, args.chunks))
     return

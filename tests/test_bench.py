@@ -395,3 +395,93 @@ def test_readme_tables_come_from_the_committed_results():
         break
       table.append(line)
     assert "\n".join(table) == expected, f"README table of {path} is stale: regenerate it"
+
+
+def test_gpu_only_code_compiles_and_imports_on_cpu():
+  """Every GPU-only path is at least compiled and imported here: the session script, the
+  floors, the accuracy rows, the PyTorch peers and the Mosaic check script they reuse."""
+  import importlib
+  import py_compile
+  for folder in ("bench", "scripts"):
+    for name in os.listdir(os.path.join(ROOT, folder)):
+      if name.endswith(".py"):
+        py_compile.compile(os.path.join(ROOT, folder, name), doraise=True)
+  bash = subprocess.run(["bash", "-n", os.path.join(ROOT, "bench", "gpu_session.sh")],
+                        capture_output=True, text=True)
+  assert bash.returncode == 0, bash.stderr
+  for module in ("bench.machine_floors", "bench.accuracy", "bench.impls_torch",
+                 "scripts.gpu_check_mosaic_linear"):
+    importlib.import_module(module)
+  from bench import impls_torch
+  assert callable(impls_torch.flsce(True)) if importlib.util.find_spec("liger_kernel") else True
+
+
+def test_accuracy_rows_on_cpu():
+  from bench import accuracy
+  result = accuracy.measure(("jaxce", "jaxce:objective", "jax_plain", "liger_flsce"), 16, 1000,
+                            32, platform="cpu")
+  rows = {report.name(r): r for r in result["rows"]}
+  for name in ("jaxce", "jax_plain"):
+    r = rows[name]
+    assert r["status"] == "ok", r
+    assert r["logp"] < 1e-4 and r["entropy"] < 1e-4, r  # f32 statistics of bf16 operands
+    assert 0 < r["d_hidden"] < 2**-6 and 0 < r["d_W"] < 2**-6, r  # bf16 gradients
+  assert rows["jaxce:objective"]["logp"] is None and rows["jaxce:objective"]["d_W"] < 2**-6
+  assert rows["liger_flsce"]["status"] == "skipped"
+  assert "install.sh" in rows["liger_flsce"]["error"]
+  md = report.accuracy_markdown(result)
+  assert "| jaxce |" in md and "max |gradient - float64 gradient|" in md
+  row = dict(impl="jaxce", variant="default", input="linear", mode="fwd_bwd", T=16, V=1000,
+             D=32, dtype="bfloat16", chunk_size=None, n_devices=1, status="ok", ms=1.0,
+             floor_ms=1.0, peak_extra_bytes=1, commit="")
+  table = report.table([row], result)
+  assert "error vs f64 at T=16" in table.splitlines()[0] and "e-0" in table.splitlines()[2]
+
+
+def test_machine_floors_on_cpu():
+  """The floors' XLA GEMM and copy run here; cuBLAS and Mosaic say they need a GPU; a
+  row's floor from the machine's best adds the four GEMMs of the fused path."""
+  from bench import __main__ as driver
+  from bench import machine_floors as mf
+  assert mf.time_gemm("xla", 64, 32, 128, 2) > 0 and mf.time_copy("xla", 64, 128, 2) > 0
+  for backend in ("cublas", "mosaic"):
+    row = mf._attempt(mf.time_gemm, backend, 64, 32, 128, 2)
+    assert row["status"] == "skipped" and row["ms"] is None, row
+  assert mf.datasheet_peak("NVIDIA H200") == mf.datasheet_peak("NVIDIA H100 80GB HBM3") == 989.4
+  floors = [dict(T=1024, shape=s, backend="xla", ms=ms, tflops=1.0, x_peak=None)
+            for s, ms in zip(mf.SHAPES, (1.0, 2.0, 3.0))]
+  gemm = [dict(T=1024, shape=s, M=1, K=1, N=1, backend=b, ms=1.0, tflops=1.0, status="ok")
+          for s in mf.SHAPES for b in mf.BACKENDS]
+  result = dict(V=1000, D=32, floors=floors, gemm=gemm, copy=[dict(T=1024, backend="xla",
+                                                                  ms=1.0, GBps=100.0)], ours=[])
+  c = configs.Config(impl="jaxce", input="linear", mode="fwd_bwd", T=2048, V=1000, D=32)
+  assert mf.floor_ms(c, result) == 2 * (2 * 1.0 + 2.0 + 3.0)
+  assert mf.floor_ms(dataclasses_replace(c, mode="fwd"), result) == 2.0
+  logits = configs.Config(impl="jaxce", input="logits", mode="fwd_bwd", T=2048, V=1000)
+  assert mf.floor_ms(logits, result) == 3 * 2048 * 1000 * 2 / 100e6
+  assert mf.floor_ms(dataclasses_replace(c, V=999), result) is None
+  assert "| 1024 | h @ W |" in mf.markdown(result)
+  facts = dict(hbm_GBps=1.0, matmul_tflops={"bfloat16": 1.0}, machine_floors=result)
+  row = driver.finish_row(c, dict(status="ok", ms=28.0, peak_extra_bytes=1), facts, {})
+  assert row["floor_source"] == "machine_best" and row["x_floor"] == 2.0
+
+
+def dataclasses_replace(config, **kw):
+  import dataclasses
+  return dataclasses.replace(config, **kw)
+
+
+def test_merge_into_rewrites_the_results_file(tmp_path):
+  base = dict(impl="jaxce", variant="default", input="logits", mode="fwd_bwd", T=64, V=1000,
+              D=None, dtype="bfloat16", chunk_size=None, n_devices=1, status="ok", ms=1.0,
+              floor_ms=1.0, peak_extra_bytes=2**20)
+  top = dict(device="cpu", n_devices=1, jax="0", hbm_GBps=1.0, bf16_tflops=1.0)
+  old, new = tmp_path / "old.json", tmp_path / "new.json"
+  old.write_text(json.dumps(dict(top, commit="a" * 40, rows=[dict(base, commit="a" * 40),
+                                                             dict(base, T=8, commit="a" * 40)])))
+  new.write_text(json.dumps(dict(top, commit="b" * 40, rows=[dict(base, ms=2.0,
+                                                                  commit="b" * 40)])))
+  report.main([str(new), "--merge-into", str(old)])
+  merged = json.loads(old.read_text())
+  assert sorted((r["T"], r["ms"]) for r in merged["rows"]) == [(8, 1.0), (64, 2.0)]
+  assert "| bbbbbbb |" in (tmp_path / "old.md").read_text()

@@ -74,6 +74,7 @@ nitpick_ignore_regex = [
 html_theme = "sphinx_book_theme"
 html_title = f"jaxce {release}"
 html_static_path = ["_static"]
+html_css_files = ["custom.css"]
 html_theme_options = {
     # A placeholder until the project has a public home.
     "repository_url": "https://github.com/jaxce/jaxce",

@@ -27,6 +27,19 @@ def clipped_surrogate(epsilon_low=0.2, epsilon_high=None, dual_clip=None):
   of TRL's GRPOTrainer with ``epsilon_high``, and Liger's ``clip_coef_fn``). ``dual_clip=c``
   (c > 1) bounds the term of a negative advantage by ``-c A`` (dual-clip PPO, Ye et al.
   2020). Token args: ``(advantages, old_logp)``.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from jaxce import objectives
+    >>> logp = jnp.log(jnp.array([0.5, 0.5, 0.5]))
+    >>> old_logp = jnp.log(jnp.array([0.25, 0.5, 0.25]))  # ratios r = 2, 1, 2
+    >>> advantages = jnp.array([1.0, 1.0, -1.0])
+    >>> ppo = objectives.clipped_surrogate(epsilon_low=0.2)
+    >>> print(ppo(logp, None, advantages, old_logp))     # r clipped to 1.2 where A > 0
+    [-1.2 -1.   2. ]
+    >>> dual = objectives.clipped_surrogate(epsilon_low=0.2, dual_clip=1.5)
+    >>> print(dual(logp, None, advantages, old_logp))    # where A < 0, at most -1.5 A
+    [-1.2 -1.   1.5]
   """
   high = epsilon_low if epsilon_high is None else epsilon_high
 
@@ -45,7 +58,17 @@ def clipped_surrogate(epsilon_low=0.2, epsilon_high=None, dual_clip=None):
 def cispo(epsilon_high=0.28):
   """CISPO (MiniMax-M1): the importance weight is clipped and carries no gradient,
   ``-stop_gradient(min(r, 1 + epsilon_high)) A logp``. Token args: ``(advantages,
-  old_logp)``."""
+  old_logp)``.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from jaxce import objectives
+    >>> logp = jnp.log(jnp.array([0.5, 0.5]))
+    >>> old_logp = jnp.log(jnp.array([0.25, 0.5]))       # r = 2 (weighted 1.28), 1
+    >>> term = objectives.cispo(epsilon_high=0.28)
+    >>> print(term(logp, None, jnp.array([1.0, 1.0]), old_logp))  # -w A logp
+    [0.8872 0.6931 ]
+  """
   def term(logp, entropy, advantages, old_logp):
     del entropy
     weight = lax.stop_gradient(jnp.minimum(jnp.exp(logp - old_logp), 1 + epsilon_high))
@@ -57,7 +80,18 @@ def kl(estimator="k3"):
   """A per-token estimate of KL(policy || reference) from ``d = ref_logp - logp``
   (Schulman, "Approximating KL divergence"): ``"k1"`` ``-d``; ``"k2"`` ``d² / 2``;
   ``"k3"`` ``exp(d) - d - 1`` (the one TRL's GRPOTrainer, Liger's GRPO loss and Tunix's
-  GRPO learner use). Token args: ``(ref_logp,)``."""
+  GRPO learner use). Token args: ``(ref_logp,)``.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from jaxce import objectives
+    >>> logp = jnp.log(jnp.array([0.5, 0.25]))
+    >>> ref_logp = jnp.log(jnp.array([0.25, 0.25]))     # d = -log 2, 0
+    >>> print(objectives.kl("k3")(logp, None, ref_logp))  # exp(d) - d - 1
+    [0.1931 0.    ]
+    >>> print(objectives.kl("k1")(logp, None, ref_logp))  # -d
+    [ 0.6931 -0.    ]
+  """
   forms = {"k1": lambda d: -d, "k2": lambda d: 0.5 * jnp.square(d),
            "k3": lambda d: jnp.exp(d) - d - 1}
   if estimator not in forms:
@@ -84,6 +118,22 @@ def grpo(epsilon_low=0.2, epsilon_high=None, beta=0.04, kl_estimator="k3",
   normalization (:func:`token_weights`). Matches TRL's GRPOTrainer per-token loss
   (``-min(coef_1 A, coef_2 A) + beta * per_token_kl``) with its ``loss_type`` folded
   into ``weight``.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from jaxce import objectives
+    >>> objective = objectives.grpo(epsilon_low=0.2, epsilon_high=0.28, beta=0.04,
+    ...                             entropy_coef=0.01)
+    >>> logp = jnp.log(jnp.array([0.5, 0.5]))
+    >>> old_logp = ref_logp = jnp.log(jnp.array([0.25, 0.5]))  # r = 2 (clipped to 1.28), 1
+    >>> entropy, advantages = jnp.array([1.0, 2.0]), jnp.array([1.0, -1.0])
+    >>> weight = jnp.array([0.5, 0.5])                  # objectives.token_weights
+    >>> print(objective(logp, entropy, advantages, old_logp, ref_logp, weight))
+    [-0.6411  0.49  ]
+
+    The loss and its gradient, formed in the forward pass:
+    ``jaxce.linear_token_loss(objective, hidden, kernel, labels, advantages, old_logp,
+    ref_logp, weight, where=mask)``.
   """
   if surrogate not in ("clip", "cispo"):
     raise ValueError(f'surrogate must be "clip" or "cispo", got {surrogate=!r}')
@@ -114,6 +164,17 @@ def token_weights(mask, mode="sequence_mean_token_mean", max_length=None):
 
   Returns:
     float32 ``[B, S]``, 0 where ``mask`` is False.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from jaxce import objectives
+    >>> mask = jnp.array([[1, 1, 0], [1, 0, 0]], bool)
+    >>> print(objectives.token_weights(mask, "sequence_mean_token_mean"))
+    [[0.25 0.25 0.  ]
+     [0.5  0.   0.  ]]
+    >>> print(objectives.token_weights(mask, "token_mean"))
+    [[0.3333 0.3333 0.    ]
+     [0.3333 0.     0.    ]]
   """
   mask = jnp.asarray(mask).astype(jnp.float32)
   if mode == "token_mean":

@@ -19,6 +19,16 @@ def logprobs_and_entropy(logits, labels, *, temperature=1.0, where=None, vocab_s
   """``(logp, entropy)`` of ``labels.shape`` in float32 (float64 for float64 logits).
 
   Takes the options that change the numbers, no others (no chunking, no sharding).
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from jaxce import reference
+    >>> logits = jnp.log(jnp.array([[0.5, 0.25, 0.25, 1.0]]))  # [T=1, V=4]: a padded column
+    >>> logp, ent = reference.logprobs_and_entropy(logits, jnp.array([0]), vocab_size=3)
+    >>> print(logp, ent)                                 # the padding is out of the softmax
+    [-0.6931] [1.0397]
+    >>> print(reference.logprobs_and_entropy(logits, jnp.array([3]), vocab_size=3)[0])
+    [nan]
   """
   dtype = jnp.promote_types(logits.dtype, jnp.float32)
   t = lax.stop_gradient(jnp.broadcast_to(jnp.asarray(temperature, dtype), labels.shape))
@@ -48,6 +58,21 @@ def linear_logprobs_and_entropy(hidden, weight, labels, *, bias=None, logit_soft
   ``weight`` is ``[D, V]``, or ``[V, D]`` with ``weight_layout="vd"``. The matmul takes the
   inputs' common dtype with float32 accumulation (float64 for float64 inputs), like the
   real function.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> import jaxce
+    >>> from jaxce import reference
+    >>> hidden = jnp.eye(2)                                # [T=2, D=2]
+    >>> weight = jnp.log(jnp.array([[0.5, 0.25, 0.25], [0.1, 0.2, 0.7]]))  # [D=2, V=3]
+    >>> labels = jnp.array([0, 2])
+    >>> logp, ent = reference.linear_logprobs_and_entropy(hidden, weight, labels,
+    ...                                                   logit_softcap=1.0)
+    >>> print(logp)
+    [-0.9195 -0.7361 ]
+    >>> fused, _ = jaxce.linear_logprobs_and_entropy(hidden, weight, labels, logit_softcap=1.0)
+    >>> bool(jnp.allclose(fused, logp, atol=1e-6))        # the fused path means the same
+    True
   """
   if weight_layout not in ("dv", "vd"):
     raise ValueError(f'weight_layout must be "dv" or "vd", got {weight_layout=!r}')

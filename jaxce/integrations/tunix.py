@@ -280,7 +280,15 @@ def _dual_clip(per_token, adv, epsilon_c):
 
 def use_jaxce(algo_config):
   """Point a Tunix ``GRPOConfig`` / ``PPOConfig`` at the jaxce loss of its kind, after its
-  own validation (which accepts only Tunix's built-in names). Returns ``algo_config``."""
+  own validation (which accepts only Tunix's built-in names). Returns ``algo_config``.
+
+  Example:
+    >>> from tunix.rl.grpo.grpo_learner import GRPOConfig
+    >>> import jaxce.integrations.tunix as jaxce_tunix
+    >>> config = jaxce_tunix.use_jaxce(GRPOConfig(num_generations=4, beta=0.04))
+    >>> config.policy_loss_fn
+    'jaxce_grpo'
+  """
   names = {"grpo": GRPO_LOSS, "ppo": PPO_LOSS, GRPO_LOSS: GRPO_LOSS, PPO_LOSS: PPO_LOSS}
   if algo_config.policy_loss_fn not in names:
     raise ValueError(f'algo_config.policy_loss_fn must be "grpo" or "ppo", got '

@@ -356,11 +356,12 @@ def main(argv=None):
     from bench import machine_floors
     print("floors at the machine's best: python -m bench.machine_floors", flush=True)
     top["machine_floors"] = facts["machine_floors"] = run_module(
-        "bench.machine_floors", machine_floors.PREFIX, timeout=args.timeout)
+        "bench.machine_floors", machine_floors.PREFIX, timeout=max(args.timeout, 480))
   if args.accuracy:
     from bench import accuracy
     print("accuracy vs float64: python -m bench.accuracy", flush=True)
-    top["accuracy"] = run_module("bench.accuracy", accuracy.PREFIX, timeout=args.timeout)
+    top["accuracy"] = run_module("bench.accuracy", accuracy.PREFIX,
+                                 timeout=max(args.timeout, 480))
 
   def results_of(rows):
     results = dict(top, rows=report.sort_rows(rows))

@@ -252,25 +252,26 @@ _FUSED_PEERS = ("jaxce", "jax_plain", "tokamax:xla", "tokamax:chunked_xla", "tor
 
 
 def _gpu_groups(Ts):
-  """The one-GPU suite: jaxce against every peer; the chunked peers in fwd_bwd only."""
+  """The one-GPU suite: jaxce against every peer (the chunked peers in fwd_bwd only)."""
   return [
       Group("logits", ("jaxce", "jax_plain", "torch_eager"), Ts, _GPU_V),
-      Group("logits", ("jaxce:inplace", "jax_scan_remat", "optax"), Ts, _GPU_V, **_BWD),
+      Group("logits", ("jaxce:inplace",), Ts, _GPU_V, **_BWD),
       Group("linear", _FUSED_PEERS, Ts, _GPU_V, _GPU_D),
-      Group("linear", ("jax_scan_remat", "jaxce:train_step", "jax_plain:train_step"), Ts,
-            _GPU_V, _GPU_D, **_BWD),
   ]
 
 
 def _gpu_variant_groups(Ts):
-  """jaxce's own variants and backends on one GPU (the levers, not the peers)."""
+  """jaxce's own variants and backends on one GPU (the levers), and the secondary
+  baselines (scan + remat, optax, the train step with the logits as an intermediate)."""
   return [
       Group("logits", ("jaxce:xla",), Ts, _GPU_V),
-      Group("logits", ("jaxce:inplace_grad", "jaxce:inplace_loop"), Ts, _GPU_V, **_BWD),
+      Group("logits", ("jaxce:inplace_grad", "jaxce:inplace_loop", "jax_scan_remat",
+                       "optax"), Ts, _GPU_V, **_BWD),
       # The fused forward before its Mosaic GPU kernel (Triton statistics of XLA tiles).
       Group("linear", ("jaxce:pallas",), Ts, _GPU_V, _GPU_D),
-      Group("linear", ("jaxce:logp_only", "jaxce:xla", "jaxce:train_step_loop"), Ts, _GPU_V,
-            _GPU_D, **_BWD),
+      Group("linear", ("jaxce:logp_only", "jaxce:xla", "jax_scan_remat", "jaxce:train_step",
+                       "jaxce:train_step_loop", "jax_plain:train_step"), Ts, _GPU_V, _GPU_D,
+            **_BWD),
   ]
 
 

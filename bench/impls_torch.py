@@ -26,6 +26,23 @@ def _tensor(torch, array, device):
   return torch.from_numpy(array).to(device)
 
 
+def _place(torch, blocks: dict, device) -> dict:
+  """Tensors on ``device`` from ``{name: (block, full_shape)}`` (bench.inputs.host_blocks):
+  each block copied over and tiled there to its full rows, as the JAX runner does (the
+  host never holds a full ``[T, V]`` array); ``labels`` int64; ``weight [D, V]`` becomes
+  ``weight_vd [V, D]`` (contiguous, transposed on the device)."""
+  out = {}
+  for name, (block, shape) in blocks.items():
+    t = _tensor(torch, block, device)
+    if t.shape[0] != shape[0]:
+      t = t.repeat((-(-shape[0] // t.shape[0]),) + (1,) * (t.ndim - 1))[:shape[0]]
+    out[name] = t
+  out["labels"] = out["labels"].long()
+  if "weight" in out:
+    out["weight_vd"] = out.pop("weight").t().contiguous()
+  return out
+
+
 def _per_token(config: Config):
   """``f(tensors) -> (logp [T] f32, H [T] f32 or None)`` and the float inputs' names."""
   import torch
@@ -105,8 +122,9 @@ def _liger_grpo_loss(t):
   return loss
 
 
-def run(config: Config, host: dict, budget_s: float) -> dict:
-  """Time and measure one config. Returns the row fields the runner fills in."""
+def run(config: Config, blocks: dict, budget_s: float) -> dict:
+  """Time and measure one config on ``blocks`` (bench.inputs.host_blocks). Returns the row
+  fields the runner fills in."""
   import torch
   if config.n_devices not in (0, 1):
     raise ValueError("the PyTorch peers run on one device only")
@@ -119,13 +137,7 @@ def run(config: Config, host: dict, budget_s: float) -> dict:
     f, float_names = None, ("hidden", "weight_vd")
   else:
     f, float_names = _per_token(config)
-  tensors = {"labels": _tensor(torch, host["labels"], device).long(),
-             "adv": _tensor(torch, host["adv"], device)}
-  if config.input == "logits":
-    tensors["logits"] = _tensor(torch, host["logits"], device)
-  else:
-    tensors["hidden"] = _tensor(torch, host["hidden"], device)
-    tensors["weight_vd"] = _tensor(torch, np.ascontiguousarray(host["weight"].T), device)
+  tensors = _place(torch, blocks, device)
   grad = config.mode == "fwd_bwd"
   for name in float_names:
     tensors[name].requires_grad_(grad)
@@ -192,11 +204,9 @@ def outputs(config: Config, host: dict) -> dict:
   import torch
   device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
   f, _ = _per_token(config)
-  t = {"labels": _tensor(torch, host["labels"], device).long(),
-       "adv": _tensor(torch, host["adv"], device),
-       "hidden": _tensor(torch, host["hidden"], device).requires_grad_(True),
-       "weight_vd": _tensor(torch, np.ascontiguousarray(host["weight"].T), device)
-       .requires_grad_(True)}
+  t = _place(torch, {k: (v, v.shape) for k, v in host.items()}, device)
+  t["hidden"].requires_grad_(True)
+  t["weight_vd"].requires_grad_(True)
   logp, entropy = f(t)
   loss = (t["adv"] * logp).sum()
   if entropy is not None:

@@ -133,7 +133,7 @@ def run(config: Config) -> dict:
   try:
     if config.impl in TORCH_IMPLS:
       from bench import impls_torch
-      row.update(impls_torch.run(config, inputs.host_inputs(config), REPEAT_BUDGET_S))
+      row.update(impls_torch.run(config, inputs.host_blocks(config), REPEAT_BUDGET_S))
     else:
       row.update(run_jax(config, inputs.host_blocks(config)))
   except Exception as e:  # pylint: disable=broad-except  # every failure becomes a row

@@ -10,3 +10,4 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
                              + " --xla_force_host_platform_device_count=4").strip()
 
 collect_ignore_glob = ["_build/*", "notebooks/*"]
+collect_ignore = ["conf.py"]  # Sphinx's configuration, not a module to doctest

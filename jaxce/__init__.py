@@ -12,7 +12,7 @@ The package, top to bottom (each layer imports only the ones below it):
   plumbing). Kernels take a ``Plan`` and import nothing above them.
 """
 
-from jaxce import objectives, plan, reference
+from jaxce import keep, objectives, plan, reference
 from jaxce._api import (linear_logprobs_and_entropy, linear_token_loss, logprobs_and_entropy,
                         sharded_linear_logprobs_and_entropy, sharded_linear_token_loss,
                         sharded_logprobs_and_entropy, sharded_token_loss, token_loss)
@@ -20,6 +20,7 @@ from jaxce._api import (linear_logprobs_and_entropy, linear_token_loss, logprobs
 __version__ = "0.1.0"
 
 __all__ = [
+    "keep",
     "linear_logprobs_and_entropy",
     "linear_token_loss",
     "logprobs_and_entropy",

@@ -28,7 +28,7 @@ def _keywords_of(function, kw):
 
 def logprobs_and_entropy(logits, labels, *, temperature=1.0, where=None, vocab_size=None,
                          chunk_size=None, vocab_axis=None, return_entropy=True,
-                         implementation=None, backward_in_place=False):
+                         implementation=None, backward_in_place=False, keep=None):
   """Per-token log-probability of the label and entropy of softmax(logits / temperature).
 
   Args:
@@ -63,6 +63,17 @@ def logprobs_and_entropy(logits, labels, *, temperature=1.0, where=None, vocab_s
       gradient takes their buffer; when they are still alive XLA copies them first (one
       more read and write of the logits, no more memory). On GPUs this loop runs slower
       than the fused pass (bench/NOTES.md, entry 10).
+
+    keep: optional uint32 ``[..., ceil(V / 32)]``, each token's kept set (the sampler's
+      top-k / top-p / min-p support), packed 32 columns a word (bit ``v % 32`` of word
+      ``v // 32``; ``jaxce.keep`` packs and computes them): the softmax runs over the
+      kept columns only, the others get exactly zero gradient. With ``vocab_axis`` the
+      words of this shard's columns; split over a mesh, the words split with the
+      vocabulary (each shard's columns a multiple of 32). A label outside its kept set is
+      a data error (``jaxce.keep.check`` finds it): its column counts as kept, so every
+      output and gradient stays finite. ``None``: the full vocabulary. Runs on XLA (the
+      Pallas kernels take no kept set yet; ``jaxce.plan.of`` says so). Memory: the mask,
+      read tile by tile, never expanded beyond a tile.
 
   Returns:
     ``(logp, entropy)``, float32 arrays of ``labels.shape`` (entropy ``None`` when
@@ -103,7 +114,7 @@ def linear_logprobs_and_entropy(hidden, weight, labels, *, bias=None, logit_soft
                                 temperature=1.0, where=None, vocab_size=None, chunk_size=None,
                                 vocab_axis=None, return_entropy=True, vocab_block_size=None,
                                 weight_layout="dv", implementation=None,
-                                hidden_grad_accumulation="float32"):
+                                hidden_grad_accumulation="float32", keep=None):
   """Per-token log-prob and entropy of ``softmax(softcap(hidden @ weight + bias) / T)``.
 
   Args:
@@ -114,7 +125,7 @@ def linear_logprobs_and_entropy(hidden, weight, labels, *, bias=None, logit_soft
     bias: optional ``[V]``.
     logit_softcap: optional float c > 0: logits become ``c * tanh(logits / c)`` before the
       temperature (Gemma 2 style).
-    temperature, where, vocab_size, vocab_axis, return_entropy: as in
+    temperature, where, vocab_size, vocab_axis, return_entropy, keep: as in
       :func:`jaxce.logprobs_and_entropy`.
     chunk_size: tokens per tile; ``None`` plans it (``jaxce.plan.linear_tiles``: an f32
       tile budget per platform; with the Mosaic kernels rounded down to a multiple of
@@ -189,7 +200,7 @@ def sharded_linear_logprobs_and_entropy(hidden, weight, labels, *, mesh, vocab_a
 
 def token_loss(objective, logits, labels, *token_args, temperature=1.0, where=None,
                vocab_size=None, chunk_size=None, vocab_axis=None, return_entropy=None,
-               implementation=None):
+               implementation=None, keep=None):
   """``sum`` over kept tokens of ``objective(logp, entropy, *token_args)``, with its
   gradient formed in the forward pass.
 
@@ -199,7 +210,7 @@ def token_loss(objective, logits, labels, *token_args, temperature=1.0, where=No
       over tokens; a ``ValueError`` says so). Normalizations are per-token weights among
       ``token_args`` (``jaxce.objectives.token_weights``). Built-ins: ``jaxce.objectives``.
     logits, labels, temperature, where, vocab_size, chunk_size, vocab_axis,
-      implementation: as in :func:`jaxce.logprobs_and_entropy`.
+      implementation, keep: as in :func:`jaxce.logprobs_and_entropy`.
     *token_args: arrays broadcastable to ``labels.shape`` (advantages, old and reference
       log-probs, weights...); no gradient flows to them.
     return_entropy: ``None``: the entropy is computed (and returned) when the objective
@@ -224,14 +235,14 @@ def token_loss(objective, logits, labels, *token_args, temperature=1.0, where=No
 def linear_token_loss(objective, hidden, weight, labels, *token_args, bias=None,
                       logit_softcap=None, temperature=1.0, where=None, vocab_size=None,
                       chunk_size=None, vocab_axis=None, return_entropy=None,
-                      weight_layout="dv", implementation=None):
+                      weight_layout="dv", implementation=None, keep=None):
   """:func:`jaxce.token_loss` of ``softcap(hidden @ weight + bias)``, three matmuls for
   the loss and all its gradients.
 
   Args:
     objective, token_args, return_entropy: as in :func:`jaxce.token_loss`.
     hidden, weight, labels, bias, logit_softcap, temperature, where, vocab_size,
-      vocab_axis, weight_layout: as in :func:`jaxce.linear_logprobs_and_entropy`.
+      vocab_axis, weight_layout, keep: as in :func:`jaxce.linear_logprobs_and_entropy`.
     chunk_size: tokens per step, whose full ``[chunk, V]`` f32 rows are held at once;
       ``None`` plans it (``jaxce.plan.linear_objective_chunk``).
     implementation: the statistics of each chunk's rows by ``"xla"`` or ``"triton"``, as

@@ -143,6 +143,26 @@ def check_labels_in_range(labels, where, vocab_size: int):
         "where=False or a negative label")
 
 
+def check_keep(keep, shape, num_columns, shards, local):
+  """``keep``: uint32 ``[*labels.shape, W]``, the kept sets packed 32 columns a word.
+  ``num_columns``: the columns of the array passed (this shard's when ``local``, inside
+  ``shard_map``; else all of them, split over ``shards``). A split vocabulary splits the
+  words with it, so each shard's columns must be a multiple of 32."""
+  keep = as_array("keep", keep)
+  if keep.dtype != jnp.uint32:
+    raise TypeError(f"keep must be a uint32 array of packed bits (jaxce.keep.pack), got "
+                    f"{keep.dtype=}")
+  per_shard = num_columns if local else num_columns // shards
+  if shards > 1 and per_shard % 32:
+    raise ValueError(f"keep splits with the vocabulary, 32 columns a word: each of the {shards} "
+                     f"shards must hold a multiple of 32 columns, got {per_shard}")
+  words = -(-num_columns // 32)
+  if keep.shape != (*shape, words):
+    raise ValueError(f"keep must have shape labels.shape + (ceil(V / 32),) = {(*shape, words)}"
+                     f" for V = {num_columns} columns{' on this shard' if local else ''}, got "
+                     f"{keep.shape=}")
+
+
 def check_weight(hidden, weight, weight_layout):
   """The fused path's weight: ``[D, V]`` (``"dv"``) or ``[V, D]`` (``"vd"``)."""
   check_choice("weight_layout", weight_layout, ("dv", "vd"))

@@ -57,7 +57,7 @@ def run(op: Operation, operands, labels, kw, *, objective=None, token_args=(),
   if mesh is not None:
     token_entries = _sharded.token_spec(operands[0].ndim - 1, batch_axis)
   elif vocab_axis is None:
-    others = (kw.get("bias"), kw["where"], kw["temperature"], *token_args)
+    others = (kw.get("bias"), kw["where"], kw["temperature"], kw["keep"], *token_args)
     if op.fused:
       split = _sharded.linear_split(*operands, labels, _checks.vocab_dim(kw["weight_layout"]),
                                     *others)
@@ -70,9 +70,12 @@ def run(op: Operation, operands, labels, kw, *, objective=None, token_args=(),
   if op.objective:
     token_args, options = _options.check_objective(objective, labels, token_args,
                                                    [a.dtype for a in operands[:2]], options)
+  keep = None if kw["keep"] is None else _checks.as_array("keep", kw["keep"])
   if mesh is None:
     return _shard(op, options, objective, operands, labels, kw["temperature"], kw["where"],
-                  token_args, vocab_axis)
+                  keep, token_args, vocab_axis)
+  if keep is not None:  # split like the tokens and, 32 columns a word, like the vocabulary
+    operands += (keep,)
   return _on_mesh(op, options, objective, operands, labels, kw, token_args, mesh, vocab_axis,
                   token_entries)
 
@@ -92,21 +95,26 @@ def _on_mesh(op, options, objective, operands, labels, kw, token_args, mesh, voc
     else:
       scalars[name] = value
   token_arrays.update({f"arg{k}": a for k, a in enumerate(token_args)})
+  keep_spec = P(*token_entries, vocab_axis)
   if op.fused:
     bias = operands[2]
     arrays = operands[:2] + (() if bias is None else (bias,))
     weight_spec = (vocab_axis, None) if options.vocab_dim == 0 else (None, vocab_axis)
     specs = (P(*token_entries, None), P(*weight_spec), P(vocab_axis))[:len(arrays)]
   else:
-    arrays, specs = operands, (P(*token_entries, vocab_axis),)
+    arrays, specs = operands[:1], (P(*token_entries, vocab_axis),)
+  if options.has_keep:
+    arrays, specs = arrays + operands[-1:], specs + (keep_spec,)
   axes = _sharded.token_axes(token_entries)
 
   def shard_fn(*shard_arrays, labels, **token):
     args = [token.pop(f"arg{k}") for k in range(len(token_args))]
+    keep = shard_arrays[-1] if options.has_keep else None
+    shard_arrays = shard_arrays[:-1] if options.has_keep else shard_arrays
     shard_operands = shard_arrays + ((None,) if op.fused and len(shard_arrays) == 2 else ())
     out = _shard(op, options, objective, shard_operands, labels,
                  token.get("temperature", scalars.get("temperature")),
-                 token.get("where", scalars.get("where")), args, vocab_axis)
+                 token.get("where", scalars.get("where")), keep, args, vocab_axis)
     if not op.objective:
       return out
     loss, (logp, entropy) = out
@@ -126,7 +134,7 @@ def _per_token_outputs(out):
   return out if len(out) == 2 else (out[0], None)
 
 
-def _shard(op, options, objective, operands, labels, temperature, where, token_args,
+def _shard(op, options, objective, operands, labels, temperature, where, keep, token_args,
            vocab_axis):
   """Flatten, normalize, plan and run ``op``'s kernel on this device's (shard's) arrays."""
   primary = operands[0]
@@ -150,7 +158,8 @@ def _shard(op, options, objective, operands, labels, temperature, where, token_a
       op.name, target=options.target, implementation=options.implementation,
       num_tokens=num_tokens, num_columns=num_columns, dtypes=tuple(a.dtype for a in operands[:2]),
       depth=primary.shape[-1] if op.fused else None,
-      has_bias=op.fused and operands[2] is not None, chunk_size=options.chunk_size,
+      has_bias=op.fused and operands[2] is not None, has_keep=options.has_keep,
+      chunk_size=options.chunk_size,
       vocab_block_size=options.vocab_block_size,
       hidden_grad_accumulation=options.hidden_grad_accumulation,
       backward_in_place=options.backward_in_place)
@@ -161,7 +170,8 @@ def _shard(op, options, objective, operands, labels, temperature, where, token_a
       vocab_axis=vocab_axis, with_entropy=with_entropy, softcap=options.logit_softcap,
       vocab_dim=options.vocab_dim, in_place=options.backward_in_place,
       hidden_grad_in_output=options.hidden_grad_accumulation == "output")
-  flat_rows = (labels.reshape(-1).astype(jnp.int32), inv_temp.reshape(-1), valid.reshape(-1))
+  flat_rows = (labels.reshape(-1).astype(jnp.int32), inv_temp.reshape(-1), valid.reshape(-1),
+               None if keep is None else keep.reshape(num_tokens, keep.shape[-1]))
   if not op.objective:
     out = op.kernel(*flat, *flat_rows, config)
     return out[0].reshape(labels.shape), (out[1].reshape(labels.shape) if with_entropy

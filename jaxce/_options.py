@@ -35,6 +35,7 @@ class Options:
     vocab_block_size: the fused per-token path's vocab columns per tile, or ``None``.
     vocab_dim: the fused weight's vocabulary dim (1: ``[D, V]``, 0: ``[V, D]``).
     hidden_grad_accumulation: the fused per-token backward's ``d hidden`` sum.
+    has_keep: the call has kept sets (``keep=``).
   """
   vocab_size: int
   vocab_shards: int
@@ -47,6 +48,7 @@ class Options:
   vocab_block_size: int | None = None
   vocab_dim: int = 1
   hidden_grad_accumulation: str = "float32"
+  has_keep: bool = False
 
 
 def check(operation, operands, labels, kw, *, vocab_axis, mesh=None, batch_axis=None):
@@ -112,6 +114,10 @@ def check(operation, operands, labels, kw, *, vocab_axis, mesh=None, batch_axis=
   _checks.check_where(kw["where"], labels.shape)
   vocab_size = _checks.check_vocab_size(kw["vocab_size"], total_columns, columns_name)
   _checks.check_labels_in_range(labels, kw["where"], vocab_size)
+  if kw["keep"] is not None:
+    _checks.check_keep(kw["keep"], labels.shape, num_columns, shards,
+                       local=mesh is None and shards > 1)
+    extra.update(has_keep=True)
   options = Options(vocab_size=vocab_size, vocab_shards=shards,
                     return_entropy=kw["return_entropy"], chunk_size=kw["chunk_size"],
                     implementation=implementation,

@@ -181,16 +181,17 @@ def _multiple(size: int, multiple: int, total: int) -> int:
   return min(max(size - size % multiple, multiple), total)
 
 
-def _unsupported(backend, *, target, dtypes, has_bias, depth, num_tokens, num_columns):
+def _unsupported(backend, *, target, dtypes, has_bias, has_keep, depth, num_tokens,
+                 num_columns):
   """Why ``backend``'s kernel cannot run a call (a sentence), or None: each backend's
   module says for itself."""
   if backend == "triton":
-    return triton_rows.unsupported(dtypes=dtypes)
+    return triton_rows.unsupported(dtypes=dtypes, has_keep=has_keep)
   if backend == "mosaic":
     return mosaic_head.unsupported(
         platform=target.platform, capability=target.capability, hidden_dtype=dtypes[0],
         weight_dtype=dtypes[1], has_bias=has_bias, depth=depth, num_tokens=num_tokens,
-        num_columns=num_columns)
+        num_columns=num_columns, has_keep=has_keep)
   return None
 
 
@@ -226,8 +227,9 @@ def _refuse(requested, reason):
 
 def make(operation: str, *, target: Target, implementation: str | None, num_tokens: int,
          num_columns: int, dtypes: tuple, depth: int | None = None, has_bias: bool = False,
-         chunk_size: int | None = None, vocab_block_size: int | None = None,
-         hidden_grad_accumulation: str = "float32", backward_in_place: bool = False) -> Plan:
+         has_keep: bool = False, chunk_size: int | None = None,
+         vocab_block_size: int | None = None, hidden_grad_accumulation: str = "float32",
+         backward_in_place: bool = False) -> Plan:
   """The :class:`Plan` of one shard's call.
 
   Args:
@@ -238,6 +240,7 @@ def make(operation: str, *, target: Target, implementation: str | None, num_toke
     num_tokens, num_columns: ``T`` and this shard's ``V_local``.
     dtypes: the dtypes of the logits, or of hidden and the weight.
     depth, has_bias: the fused paths' ``D`` and whether a bias is added.
+    has_keep: whether the call has kept sets (``keep=``).
     chunk_size, vocab_block_size, hidden_grad_accumulation, backward_in_place: the
       public options of the same names.
 
@@ -247,8 +250,8 @@ def make(operation: str, *, target: Target, implementation: str | None, num_toke
   if implementation is not None:
     implementation = ALIASES.get(implementation, implementation)
   backend, reason = _backend(operation, implementation, target=target, dtypes=dtypes,
-                             has_bias=has_bias, depth=depth, num_tokens=num_tokens,
-                             num_columns=num_columns)
+                             has_bias=has_bias, has_keep=has_keep, depth=depth,
+                             num_tokens=num_tokens, num_columns=num_columns)
   common = dict(backend=backend, reason=reason, interpret=target.platform != "gpu",
                 num_cores=target.num_cores)
   platform = target.platform

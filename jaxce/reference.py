@@ -11,14 +11,18 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxce import keep as _keep
+
 __all__ = ["logprobs_and_entropy", "linear_logprobs_and_entropy"]
 
 
 def logprobs_and_entropy(logits, labels, *, temperature=1.0, where=None, vocab_size=None,
-                         return_entropy=True):
+                         return_entropy=True, keep=None):
   """``(logp, entropy)`` of ``labels.shape`` in float32 (float64 for float64 logits).
 
   Takes the options that change the numbers, no others (no chunking, no sharding).
+  ``keep``: the packed kept sets (``jaxce.keep``); the dropped logits become ``-inf``,
+  except each token's label column.
 
   Example:
     >>> import jax.numpy as jnp
@@ -36,6 +40,9 @@ def logprobs_and_entropy(logits, labels, *, temperature=1.0, where=None, vocab_s
   num_columns = logits.shape[-1]
   vocab_size = num_columns if vocab_size is None else vocab_size
   z = jnp.where(jnp.arange(num_columns) < vocab_size, z, -jnp.inf)
+  if keep is not None:
+    kept = _keep.unpack(keep, num_columns) | (jnp.arange(num_columns) == labels[..., None])
+    z = jnp.where(kept, z, -jnp.inf)
   log_p = jax.nn.log_softmax(z, axis=-1)
   logp = jnp.take_along_axis(log_p, jnp.clip(labels, 0, num_columns - 1)[..., None], -1)[..., 0]
   valid = labels >= 0
@@ -52,7 +59,7 @@ def logprobs_and_entropy(logits, labels, *, temperature=1.0, where=None, vocab_s
 
 def linear_logprobs_and_entropy(hidden, weight, labels, *, bias=None, logit_softcap=None,
                                 temperature=1.0, where=None, vocab_size=None,
-                                return_entropy=True, weight_layout="dv"):
+                                return_entropy=True, weight_layout="dv", keep=None):
   """The fused path's meaning: ``logits = softcap(hidden @ weight + bias)``, then as above.
 
   ``weight`` is ``[D, V]``, or ``[V, D]`` with ``weight_layout="vd"``. The matmul takes the
@@ -85,4 +92,4 @@ def linear_logprobs_and_entropy(hidden, weight, labels, *, bias=None, logit_soft
   if logit_softcap is not None:
     logits = logit_softcap * jnp.tanh(logits / logit_softcap)
   return logprobs_and_entropy(logits, labels, temperature=temperature, where=where,
-                              vocab_size=vocab_size, return_entropy=return_entropy)
+                              vocab_size=vocab_size, return_entropy=return_entropy, keep=keep)

@@ -15,9 +15,10 @@ inputs' common dtype, as ``hidden @ weight`` would promote them; f32 accumulatio
   block and is then written once; ``d hidden += d @ W_blockᵀ`` accumulates in an f32
   ``[T, D]`` buffer, all-reduced over ``vocab_axis`` once at the end (with the ``"mosaic"``
   backend each tile's ``d logits`` is formed in its matmul's epilogue, ``mosaic_head``).
-  With more tokens than columns (the plan's ``backward_order``) the loops swap: each chunk's ``d hidden``
-  rows sum over the blocks in an f32 ``[chunk, D]`` carry and are written once, and
-  ``d W`` sums over the chunks in an f32 array like the weight, so nothing grows with T.
+  With more tokens than columns (the plan's ``backward_order``) the loops swap: each
+  chunk's ``d hidden`` rows sum over the blocks in an f32 ``[chunk, D]`` carry and are
+  written once, and ``d W`` sums over the chunks in an f32 array like the weight, so
+  nothing grows with T.
 
 No ``[T, V]`` (or ``[T, V_local]``) buffer exists at any time. A ragged last chunk or
 block is clamped back inside the array; its overlap is masked so nothing counts twice.
@@ -34,7 +35,7 @@ from jaxce._kernels import chunking, head, mosaic_head, plumbing, softmax, trito
 from jaxce._kernels.config import Config
 
 
-def logprobs_entropy(hidden, weight, bias, labels, inv_temp, valid, config: Config):
+def logprobs_entropy(hidden, weight, bias, labels, inv_temp, valid, kept, config: Config):
   """``hidden [T, D]``, ``weight`` (``[D, V_local]``, or ``[V_local, D]``), ``bias``
   ``[V_local]`` or None, ``labels`` int32 ``[T]``, ``inv_temp [T]``, ``valid`` bool ``[T]``
   -> ``(logp [T],)`` or ``(logp, entropy)`` in the compute dtype; differentiable in
@@ -46,7 +47,8 @@ def logprobs_entropy(hidden, weight, bias, labels, inv_temp, valid, config: Conf
   with ``hidden_grad_in_output``) and an f32 ``[D, block]`` one for the weight block, or
   (``token_outer``) an f32 accumulator like the weight and an f32 ``[chunk, D]`` one.
   """
-  return _jitted_linear_logprobs_entropy(hidden, weight, bias, labels, inv_temp, valid, config)
+  return _jitted_linear_logprobs_entropy(hidden, weight, bias, labels, inv_temp, valid, kept,
+                                         config)
 
 
 def _grid(num_tokens, num_columns, chunk, block):
@@ -54,21 +56,21 @@ def _grid(num_tokens, num_columns, chunk, block):
   return chunking.num_chunks(num_columns, block), chunking.num_chunks(num_tokens, chunk)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(6,))
-def _linear_logprobs_entropy(hidden, weight, bias, labels, inv_temp, valid, config):
+@partial(jax.custom_vjp, nondiff_argnums=(7,))
+def _linear_logprobs_entropy(hidden, weight, bias, labels, inv_temp, valid, kept, config):
   """``hidden [T, D]``, ``weight [D, V_local]`` -> ``(logp [T],)`` or ``(logp, entropy)``."""
-  return _forward(hidden, weight, bias, labels, inv_temp, valid, config)[0]
+  return _forward(hidden, weight, bias, labels, inv_temp, valid, kept, config)[0]
 
 
-def _forward(hidden, weight, bias, labels, inv_temp, valid, config):
+def _forward(hidden, weight, bias, labels, inv_temp, valid, kept, config):
   num_tokens, num_columns = hidden.shape[0], weight.shape[config.vocab_dim]
   chunk, block = config.plan.chunk, config.plan.block
   n_blocks, n_chunks = _grid(num_tokens, num_columns, chunk, block)
   shard_start = softmax.shard_column_start(num_columns, config.vocab_axis)
   dtype = head.dtypes(hidden, weight)[1]
   outer_labels, outer_valid = labels, valid  # the outputs vary like these, not per shard
-  hidden, weight, bias, labels, inv_temp, valid = plumbing.unify_varying(
-      (hidden, weight, bias, labels, inv_temp, valid), config.vocab_axis)
+  hidden, weight, bias, labels, inv_temp, valid, kept = plumbing.unify_varying(
+      (hidden, weight, bias, labels, inv_temp, valid, kept), config.vocab_axis)
   m, s, q = softmax.running_start(num_tokens, dtype, config.with_entropy, inv_temp)
   picked = jnp.zeros_like(s)
   if config.plan.backend == "mosaic":
@@ -96,8 +98,9 @@ def _forward(hidden, weight, bias, labels, inv_temp, valid, config):
         new = softmax.merge_statistics(m, s, q, tile_m, tile_s,
                                        tile_q if config.with_entropy else None)
       else:
+        kept_tile = _tile_kept(kept, labels, rows, col, block, shard_start)
         z = softmax.scaled_logits(x, rows(inv_temp), shard_start + col, config.mask_vocab,
-                                  first_column)
+                                  first_column, kept_tile)
         new = softmax.accumulate_tile(m, s, q, z)
       new += (picked + softmax.label_logit(x, rows(labels), rows(inv_temp), shard_start + col,
                                            first_column),)
@@ -134,6 +137,14 @@ def _mosaic_statistics(hidden, weight, labels, inv_temp, carry, shard_start, con
   return carry
 
 
+def _tile_kept(kept, labels, rows, col, block, shard_start):
+  """The ``[chunk, block]`` kept set of the tile at local column ``col`` (``rows`` slices
+  the chunk's rows), or None without kept sets."""
+  if kept is None:
+    return None
+  return softmax.kept_columns(rows(kept), col, block, rows(labels) - (shard_start + col))
+
+
 def _finish_forward(m, s, q, picked, labels, valid, config):
   """Outputs and residuals from this device's running statistics."""
   m, s, q, picked = softmax.combine_shards(m, s, q, picked, config.vocab_axis)
@@ -144,23 +155,24 @@ def _finish_forward(m, s, q, picked, labels, valid, config):
   return out, (m, log_s, entropy)
 
 
-def _linear_logprobs_entropy_fwd(hidden, weight, bias, labels, inv_temp, valid, config):
-  hidden, weight, bias, labels, inv_temp, valid = (
-      None if p is None else p.value for p in (hidden, weight, bias, labels, inv_temp, valid))
-  out, stats = _forward(hidden, weight, bias, labels, inv_temp, valid, config)
-  return out, (hidden, weight, bias, labels, inv_temp, valid) + stats
+def _linear_logprobs_entropy_fwd(hidden, weight, bias, labels, inv_temp, valid, kept, config):
+  hidden, weight, bias, labels, inv_temp, valid, kept = (
+      None if p is None else p.value
+      for p in (hidden, weight, bias, labels, inv_temp, valid, kept))
+  out, stats = _forward(hidden, weight, bias, labels, inv_temp, valid, kept, config)
+  return out, (hidden, weight, bias, labels, inv_temp, valid, kept) + stats
 
 
 def _linear_logprobs_entropy_bwd(config, residuals, cotangents):
   primals = residuals[:3]
-  (hidden, weight, bias, labels, inv_temp, valid, shift, log_sum,
+  (hidden, weight, bias, labels, inv_temp, valid, kept, shift, log_sum,
    entropy) = plumbing.unify_varying(residuals, config.vocab_axis)
   g_logp = plumbing.symbolic_zero_to_none(cotangents[0])
   g_entropy = plumbing.symbolic_zero_to_none(cotangents[1]) if config.with_entropy else None
   no_bias_grad = None if bias is None else jnp.zeros_like(bias)
   if g_logp is None and g_entropy is None:
     return (jnp.zeros_like(primals[0]), jnp.zeros_like(primals[1]),
-            None if bias is None else jnp.zeros_like(primals[2]), None, None, None)
+            None if bias is None else jnp.zeros_like(primals[2]), None, None, None, None)
 
   num_tokens, num_columns = hidden.shape[0], weight.shape[config.vocab_dim]
   chunk, block = config.plan.chunk, config.plan.block
@@ -189,8 +201,9 @@ def _linear_logprobs_entropy_bwd(config, residuals, cotangents):
     else:
       x = head.tile_logits(h, w_cols, b_cols, config.softcap, vocab_dim)
       h = jnp.where(keep[:, None], h, 0)  # an ignored row's NaN must not reach d W as 0 * NaN
+      kept_tile = _tile_kept(kept, labels, rows, col, block, shard_start)
       z = softmax.scaled_logits(x, rows(inv_temp), shard_start + col, config.mask_vocab,
-                                first_column)
+                                first_column, kept_tile)
       dz = softmax.logit_grad(z, label_column, rows(shift), rows(log_sum), rows(entropy),
                               rows(g_logp), rows(g_entropy), keep)
       dx = head.logits_input_grad(dz, rows(inv_temp), x, config.softcap, keep)
@@ -251,7 +264,7 @@ def _linear_logprobs_entropy_bwd(config, residuals, cotangents):
   grads = (d_hidden.astype(hidden.dtype), d_weight, d_bias)
   grads = tuple(None if g is None else plumbing.reduce_to_varying(g, p)
                 for g, p in zip(grads, primals))
-  return grads + (None, None, None)
+  return grads + (None, None, None, None)
 
 
 def _token_outer_grads(tile_grads, block_slices, hidden, weight, bias, primals, config,
@@ -294,10 +307,10 @@ def _token_outer_grads(tile_grads, block_slices, hidden, weight, bias, primals, 
            None if bias is None else d_bias.astype(bias.dtype))
   grads = tuple(None if g is None else plumbing.reduce_to_varying(g, p)
                 for g, p in zip(grads, primals))
-  return grads + (None, None, None)
+  return grads + (None, None, None, None)
 
 
 _linear_logprobs_entropy.defvjp(_linear_logprobs_entropy_fwd, _linear_logprobs_entropy_bwd,
                                 symbolic_zeros=True)
 # Jitted once per configuration, so repeated eager calls do not recompile.
-_jitted_linear_logprobs_entropy = jax.jit(_linear_logprobs_entropy, static_argnums=(6,))
+_jitted_linear_logprobs_entropy = jax.jit(_linear_logprobs_entropy, static_argnums=(7,))

@@ -24,24 +24,25 @@ from jaxce._kernels import chunking, head, objective as objectives, plumbing, ro
 from jaxce._kernels.config import Config
 
 
-def linear_token_loss(objective, hidden, weight, bias, labels, inv_temp, valid, token_args,
-                      config: Config):
+def linear_token_loss(objective, hidden, weight, bias, labels, inv_temp, valid, kept,
+                      token_args, config: Config):
   """``hidden [T, D]``, ``weight`` (``[D, V_local]`` or ``[V_local, D]``), ``bias``
   ``[V_local]`` or None, ``labels`` int32 / ``inv_temp`` / ``valid`` bool / each of
-  ``token_args`` ``[T]`` -> ``(loss, (logp [T], entropy [T] or None))``; the loss (this
-  device's tokens) is differentiable in ``hidden``, ``weight`` and ``bias``."""
-  return _jitted(objective, hidden, weight, bias, labels, inv_temp, valid, tuple(token_args),
-                 config)
+  ``token_args`` ``[T]``, ``kept`` uint32 ``[T, V_local / 32]`` or None -> ``(loss,
+  (logp [T], entropy [T] or None))``; the loss (this device's tokens) is differentiable
+  in ``hidden``, ``weight`` and ``bias``."""
+  return _jitted(objective, hidden, weight, bias, labels, inv_temp, valid, kept,
+                 tuple(token_args), config)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(0, 8))
-def _linear_token_loss(objective, hidden, weight, bias, labels, inv_temp, valid, token_args,
-                       config):
-  return _run(objective, hidden, weight, bias, labels, inv_temp, valid, token_args, config,
-              with_grads=False)[0]
+@partial(jax.custom_vjp, nondiff_argnums=(0, 9))
+def _linear_token_loss(objective, hidden, weight, bias, labels, inv_temp, valid, kept,
+                       token_args, config):
+  return _run(objective, hidden, weight, bias, labels, inv_temp, valid, kept, token_args,
+              config, with_grads=False)[0]
 
 
-def _run(objective, hidden, weight, bias, labels, inv_temp, valid, token_args, config,
+def _run(objective, hidden, weight, bias, labels, inv_temp, valid, kept, token_args, config,
          with_grads):
   """``((loss, (logp, entropy)), ((d hidden, d weight, d bias), type witnesses) or
   None)``: the gradients of this device's loss, not yet summed over shard_map axes."""
@@ -57,7 +58,7 @@ def _run(objective, hidden, weight, bias, labels, inv_temp, valid, token_args, c
     h = take(hidden)
     x = head.tile_logits(h, weight, bias, config.softcap, vocab_dim)
     logp, shift, log_sum, entropy = rows.statistics(
-        x, take(labels), take(inv_temp), take(valid), column_start, config)
+        x, take(labels), take(inv_temp), take(valid), column_start, config, take(kept))
     keep = take(valid) & chunking.fresh_rows(i, start, chunk)  # the overlap counts once
     loss, g_logp, g_entropy = objectives.terms_and_cotangents(
         objective, logp, entropy, [take(a) for a in token_args], keep, with_grads)
@@ -65,7 +66,9 @@ def _run(objective, hidden, weight, bias, labels, inv_temp, valid, token_args, c
     if not with_grads:
       return carry, outputs
     d_hidden, d_weight, d_bias = carry
-    z = softmax.scaled_logits(x, take(inv_temp), column_start, config.mask_vocab)
+    kept_tile = None if kept is None else softmax.kept_columns(
+        take(kept), 0, num_columns, take(labels) - column_start)
+    z = softmax.scaled_logits(x, take(inv_temp), column_start, config.mask_vocab, kept=kept_tile)
     dz = softmax.logit_grad(z, take(labels) - column_start, shift, log_sum, entropy, g_logp,
                             g_entropy, keep)
     dx = head.logits_input_grad(dz, take(inv_temp), x, config.softcap, keep)
@@ -104,8 +107,8 @@ def _run(objective, hidden, weight, bias, labels, inv_temp, valid, token_args, c
   return out, (grads, witnesses)
 
 
-def _fwd(objective, hidden, weight, bias, labels, inv_temp, valid, token_args, config):
-  out, grads = _run(objective, hidden, weight, bias, labels, inv_temp, valid, token_args,
+def _fwd(objective, hidden, weight, bias, labels, inv_temp, valid, kept, token_args, config):
+  out, grads = _run(objective, hidden, weight, bias, labels, inv_temp, valid, kept, token_args,
                     config, with_grads=True)
   return out, grads
 
@@ -116,8 +119,8 @@ def _bwd(objective, config, residuals, cotangents):
   scale = cotangents[0]  # the outputs (logp, entropy) are for metrics: no gradient
   scaled = tuple(None if g is None else plumbing.reduce_to_varying(g * scale.astype(g.dtype), w)
                  for g, w in zip(grads, witnesses))
-  return scaled + (None, None, None, None)
+  return scaled + (None, None, None, None, None)
 
 
 _linear_token_loss.defvjp(_fwd, _bwd)
-_jitted = jax.jit(_linear_token_loss, static_argnums=(0, 8))
+_jitted = jax.jit(_linear_token_loss, static_argnums=(0, 9))

@@ -55,12 +55,12 @@ _ROW = plgpu.Layout.WGMMA.reduce(1)
 
 
 def unsupported(*, platform, capability, hidden_dtype, weight_dtype, has_bias, depth,
-                num_tokens, num_columns) -> str | None:
+                num_tokens, num_columns, has_keep=False) -> str | None:
   """Why the kernels cannot run a fused call (a sentence), or None when they can.
 
   Args:
     platform, capability: the call's platform and its GPUs' compute capability.
-    hidden_dtype, weight_dtype, has_bias: the operands.
+    hidden_dtype, weight_dtype, has_bias, has_keep: the operands (and a kept set).
     depth, num_tokens, num_columns: ``D``, ``T`` and this device's ``V_local``.
   """
   if platform == "gpu":
@@ -73,6 +73,8 @@ def unsupported(*, platform, capability, hidden_dtype, weight_dtype, has_bias, d
             f"{weight_dtype}")
   if has_bias:
     return "a bias is not supported"
+  if has_keep:
+    return "a kept set (keep=) is not supported yet"
   if depth % TILE_K:
     return f"the hidden dim must be a multiple of {TILE_K}, got {depth}"
   if num_tokens < 2 * TILE_M:

@@ -11,15 +11,16 @@ from jax import lax
 from jaxce._kernels import chunking, softmax, triton_rows
 
 
-def statistics(x, labels, inv_temp, valid, column_start, config):
+def statistics(x, labels, inv_temp, valid, column_start, config, kept=None):
   """``(logp, m, log s, entropy or None)``, ``[C]`` each, of the rows ``x [C, V_local]``
   (``labels`` int32, ``inv_temp``, ``valid`` bool ``[C]``; ``column_start`` the global id
-  of ``x``'s first column): ``softmax.chunk_statistics``, or with the ``"triton"`` backend
+  of ``x``'s first column; ``kept`` the rows' packed kept sets ``[C, V_local / 32]`` or
+  None): ``softmax.chunk_statistics``, or with the ``"triton"`` backend (no kept sets)
   the row statistics by the one-pass kernel. One pmax and one psum over the vocab axis."""
   if config.plan.backend != "triton":
     return softmax.chunk_statistics(x, labels, inv_temp, valid, column_start,
                                     config.vocab_size, config.mask_vocab, config.vocab_axis,
-                                    config.with_entropy)
+                                    config.with_entropy, kept)
   limit = softmax.column_limit(config.mask_vocab, column_start, x.shape[1])
   m, s, q = triton_rows.row_statistics(x, inv_temp, limit, config.with_entropy,
                                        interpret=config.plan.interpret)
@@ -32,9 +33,10 @@ def statistics(x, labels, inv_temp, valid, column_start, config):
   return logp, m, log_s, entropy
 
 
-def forward(x, labels, inv_temp, valid, config):
+def forward(x, labels, inv_temp, valid, config, kept=None):
   """``((logp,) or (logp, entropy), (m, log s, entropy or None))`` of every row of
-  ``x [T, V_local]`` (no gradient): the outputs and the statistics the gradient needs.
+  ``x [T, V_local]`` (no gradient; ``kept`` the packed kept sets ``[T, V_local / 32]``
+  or None): the outputs and the statistics the gradient needs.
   The Triton kernel reads all rows in one pass; XLA's statistics run in a scan over
   ``config.plan.chunk`` rows (a clamped last chunk, no copy)."""
   num_tokens, num_columns = x.shape
@@ -47,9 +49,9 @@ def forward(x, labels, inv_temp, valid, config):
 
   def step(_, i):
     start = chunking.chunk_start(i, num_tokens, chunk)
-    rows = lambda a: lax.dynamic_slice_in_dim(a, start, chunk, 0)
+    rows = lambda a: None if a is None else lax.dynamic_slice_in_dim(a, start, chunk, 0)
     logp, m, log_s, entropy = statistics(rows(x), rows(labels), rows(inv_temp), rows(valid),
-                                         column_start, config)
+                                         column_start, config, rows(kept))
     return None, (logp, m, log_s) + ((entropy,) if with_entropy else ())
 
   _, stacked = lax.scan(step, None, jnp.arange(chunking.num_chunks(num_tokens, chunk)))
@@ -59,11 +61,14 @@ def forward(x, labels, inv_temp, valid, config):
 
 
 def gradient(x, labels, inv_temp, valid, shift, log_sum, entropy, g_logp, g_entropy,
-             mask_vocab, column_start):
+             mask_vocab, column_start, kept=None):
   """``d loss / d x`` of logits rows ``x [C, V_local]`` (in ``x``'s dtype) from their
   statistics and the per-token cotangents (``[C]`` each; ``None`` for a symbolic zero):
-  one elementwise pass. ``column_start``: the global id of ``x``'s first column."""
-  z = softmax.scaled_logits(x, inv_temp, column_start, mask_vocab)
+  one elementwise pass. ``column_start``: the global id of ``x``'s first column;
+  ``kept``: the rows' packed kept sets or None."""
+  if kept is not None:
+    kept = softmax.kept_columns(kept, 0, x.shape[1], labels - column_start)
+  z = softmax.scaled_logits(x, inv_temp, column_start, mask_vocab, kept=kept)
   dz = softmax.logit_grad(z, labels - column_start, shift, log_sum, entropy, g_logp,
                           g_entropy, valid)
   return (dz * inv_temp[:, None].astype(dz.dtype)).astype(x.dtype)

@@ -29,7 +29,7 @@ def compute_dtype(*dtypes) -> jnp.dtype:
   return functools.reduce(jnp.promote_types, dtypes, jnp.dtype(jnp.float32))
 
 
-def scaled_logits(x, inv_temp, column_start, vocab_size, first_column=None):
+def scaled_logits(x, inv_temp, column_start, vocab_size, first_column=None, kept=None):
   """Upcast, divide by the temperature and mask excluded columns.
 
   Args:
@@ -39,6 +39,8 @@ def scaled_logits(x, inv_temp, column_start, vocab_size, first_column=None):
     vocab_size: logical vocabulary; columns with id >= it become -inf. ``None``: no mask.
     first_column: global ids below it become -inf too (a clamped last vocab block's
       columns that an earlier block already covered). ``None``: no mask.
+    kept: ``[C, V_tile]`` bool, the token's kept set (``kept_columns``): columns outside
+      it become -inf. ``None``: every column is kept.
 
   Returns:
     ``[C, V_tile]`` z in the compute dtype (fused; not materialized on its own).
@@ -49,7 +51,31 @@ def scaled_logits(x, inv_temp, column_start, vocab_size, first_column=None):
     z = jnp.where(column_ids < vocab_size, z, -jnp.inf)
   if first_column is not None:
     z = jnp.where(column_ids >= first_column, z, -jnp.inf)
+  if kept is not None:
+    z = jnp.where(kept, z, -jnp.inf)
   return z
+
+
+def kept_columns(words, start, width, label_column):
+  """``[C, width]`` bool: the kept set of columns ``[start, start + width)`` of a packed
+  ``uint32 [C, W]`` mask over this shard's columns (bit ``v % 32`` of word ``v // 32``),
+  with each row's label column (``label_column [C]``, relative to ``start``; any int)
+  always kept: a sampled token lies in its sampler's kept set, so a mask that leaves it
+  out is a data error, and keeping it makes ``logp`` and every gradient finite.
+
+  ``start == 0`` (a Python int) reads the words in order (a reshape); a traced ``start``
+  gathers each column's word. Memory: the tile's bits, fused into their consumer.
+  """
+  rows = words.shape[0]
+  if isinstance(start, int) and start == 0:
+    shifts = lax.broadcasted_iota(jnp.uint32, (1, 1, 32), 2)
+    bits = ((words[:, :, None] >> shifts) & 1).reshape(rows, words.shape[1] * 32)[:, :width]
+  else:
+    local = start + lax.broadcasted_iota(jnp.int32, (rows, width), 1)
+    picked = jnp.take_along_axis(words, local // 32, axis=1, mode="clip")
+    bits = (picked >> (local % 32).astype(jnp.uint32)) & 1
+  label = lax.broadcasted_iota(jnp.int32, (rows, width), 1) == label_column[:, None]
+  return (bits == 1) | label
 
 
 def row_max(z, vocab_axis):
@@ -153,7 +179,7 @@ def finish_outputs(logp_unmasked, entropy, labels, valid, vocab_size):
 
 
 def chunk_statistics(x, labels, inv_temp, valid, column_start, vocab_size, mask_vocab,
-                     vocab_axis, with_entropy):
+                     vocab_axis, with_entropy, kept=None):
   """Forward statistics of one chunk of tokens over this shard's columns.
 
   Args:
@@ -162,12 +188,15 @@ def chunk_statistics(x, labels, inv_temp, valid, column_start, vocab_size, mask_
     column_start: global id of ``x``'s first column.
     vocab_size: logical vocabulary (kept labels at or above it give NaN).
     mask_vocab: ``vocab_size`` when some columns must be masked, else ``None``.
+    kept: ``[C, V_local / 32]`` uint32, the rows' kept sets (``kept_columns``), or None.
 
   Returns:
     ``(logp, m, log s, entropy or None)``, ``[C]`` each in the compute dtype; logp and
     entropy are 0 at ignored rows. One pmax and one psum over ``vocab_axis``.
   """
-  z = scaled_logits(x, inv_temp, column_start, mask_vocab)
+  if kept is not None:
+    kept = kept_columns(kept, 0, x.shape[1], labels - column_start)
+  z = scaled_logits(x, inv_temp, column_start, mask_vocab, kept=kept)
   picked = label_logit(x, labels, inv_temp, column_start)
   m = row_max(z, vocab_axis)
   sums = tile_sums(z, m, with_entropy)

@@ -132,9 +132,11 @@ def row_statistics(x, inv_temp, limit, with_entropy, start=0, *, interpret):
       jnp.asarray(limit, jnp.int32))
 
 
-def unsupported(*, dtypes) -> str | None:
-  """Why the kernel cannot run a call over arrays of ``dtypes`` (a sentence), or None. It
-  runs on GPUs and, interpreted, anywhere (tests)."""
+def unsupported(*, dtypes, has_keep=False) -> str | None:
+  """Why the kernel cannot run a call over arrays of ``dtypes`` (with a kept set when
+  ``has_keep``), a sentence, or None. It runs on GPUs and, interpreted, anywhere (tests)."""
   if any(jnp.dtype(d) == jnp.float64 for d in dtypes):
     return "it computes in float32 and the inputs are float64"
+  if has_keep:
+    return "it does not take a kept set (keep=) yet"
   return None

@@ -1,0 +1,310 @@
+"""Kept sets (``keep=``): the softmax over each token's kept columns only, on the logits,
+fused and objective paths, against a float64 reference that sets the dropped logits to
+-inf; peaked logits whose arg-max is dropped, a kept set of one token, all kept (bitwise
+the call without ``keep``), labels outside their kept set (finite everywhere), padded
+vocabulary, per-token temperature, softcap, ragged chunks and blocks; the vocabulary split
+over 2, 4 and 8 simulated devices; the helpers against NumPy; no ``[T, V]`` mask in the
+compiled plan; the planner falls back to XLA and says why."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from helpers import adversarial_logits, assert_close, devices, jaxce, reference
+
+T, V, D, VOCAB = 13, 101, 8, 97  # V columns, the last 4 padding
+TOL = dict(value=1e-10, grad=1e-10)  # float64 inputs: the same maths, other order
+
+
+def _problem(seed=0, columns=V, tokens=T):
+  """Peaked, shifted logits; kept sets of ~30 % that drop some rows' arg-max, one row
+  with a single kept column (its label), one row whose label is outside its kept set;
+  random per-token cotangents."""
+  rng = np.random.default_rng(seed)
+  logits = adversarial_logits(rng, (tokens, columns), offset=-30.0)
+  labels = rng.integers(0, min(VOCAB, columns), tokens)
+  mask = rng.random((tokens, columns)) < 0.3
+  mask[np.arange(tokens), labels] = True
+  mask[0, np.argmax(logits[0])] = False  # the arg-max dropped
+  mask[1] = False
+  mask[1, labels[1]] = True  # one kept token: the label
+  mask[2, labels[2]] = False  # a label outside its kept set
+  return dict(logits=logits, labels=labels, mask=mask, keep=jaxce.keep.pack(mask),
+              temperature=rng.uniform(0.6, 1.4, tokens), where=rng.random(tokens) < 0.9,
+              cot=rng.normal(size=(2, tokens)), hidden=rng.normal(size=(tokens, D)),
+              weight=rng.normal(size=(D, columns)) * 1.5, labels_ignored=labels)
+
+
+def _weighted(fn, cot):
+  def loss(*arrays):
+    logp, entropy = fn(*arrays)
+    return jnp.sum(cot[0] * logp) + jnp.sum(cot[1] * entropy)
+  return loss
+
+
+def _check(fn, ref, arrays, cot, argnums):
+  """Outputs and gradients of ``fn`` against ``ref``, each computed in one jitted call."""
+  both = lambda f: jax.jit(lambda *a: (f(*a), jax.grad(_weighted(f, cot), argnums)(*a)))
+  (got, grads), (want, grads_ref) = both(fn)(*arrays), both(ref)(*arrays)
+  for name, g, w in zip(("logp", "entropy"), got, want):
+    assert_close(g, w, TOL["value"], name)
+  for k, (g, w) in enumerate(zip(grads, grads_ref)):
+    assert np.all(np.isfinite(np.asarray(g))), f"grad {k}: not finite"
+    assert_close(g, w, TOL["grad"], f"grad {k}")
+  return got, grads
+
+
+@pytest.mark.parametrize("kw", [{}, dict(backward_in_place=True, chunk_size=5)])
+def test_logits_path(kw):
+  p = _problem()
+  options = dict(labels=p["labels"], keep=p["keep"], temperature=p["temperature"],
+                 where=p["where"], vocab_size=VOCAB)
+  fn = lambda x: jaxce.logprobs_and_entropy(x, **options, **kw)
+  ref = lambda x: reference.logprobs_and_entropy(x, **options)
+  (logp, entropy), (grad,) = _check(fn, ref, (jnp.asarray(p["logits"]),), p["cot"], (0,))
+  # the one kept token: log-prob 0, entropy 0, zero gradient; dropped columns: zero gradient
+  assert abs(float(logp[1])) < 1e-12 and abs(float(entropy[1])) < 1e-12
+  assert np.all(np.asarray(grad)[1] == 0)
+  dropped = ~np.asarray(jaxce.keep.unpack(p["keep"], V))
+  dropped[np.arange(T), p["labels"]] = False
+  assert np.all(np.asarray(grad)[dropped] == 0)
+  # the dropped arg-max changes the answer (the test would see a keep that is ignored)
+  plain = jaxce.logprobs_and_entropy(jnp.asarray(p["logits"]), p["labels"], vocab_size=VOCAB,
+                                     temperature=p["temperature"])
+  assert abs(float(plain[0][0]) - float(logp[0])) > 1.0
+
+
+@pytest.mark.parametrize("kw", [dict(chunk_size=4, vocab_block_size=20),
+                                dict(chunk_size=5, vocab_block_size=40, logit_softcap=20.0,
+                                     weight_layout="vd")])
+def test_fused_path(kw):
+  """Ragged chunks and blocks whose columns do not start at a multiple of 32, the
+  token-outer backward (13 tokens, blocks of 20 columns) and the vocab-outer one (40)."""
+  p = _problem(1)
+  layout = kw.get("weight_layout", "dv")
+  weight = p["weight"] if layout == "dv" else p["weight"].T
+  options = dict(labels=p["labels"], keep=p["keep"], temperature=p["temperature"],
+                 where=p["where"], vocab_size=VOCAB, weight_layout=layout,
+                 logit_softcap=kw.get("logit_softcap"),
+                 bias=jnp.asarray(np.linspace(-3, 3, V)))
+  fn = lambda h, w: jaxce.linear_logprobs_and_entropy(h, w, **options, **{
+      k: v for k, v in kw.items() if k not in options})
+  ref = lambda h, w: reference.linear_logprobs_and_entropy(h, w, **options)
+  _check(fn, ref, (jnp.asarray(p["hidden"]), jnp.asarray(weight)), p["cot"], (0, 1))
+
+
+@pytest.mark.parametrize("path", ["logits", "linear"])
+def test_objective_paths(path):
+  p = _problem(2)
+  objective = lambda logp, entropy, adv: -adv * logp + 0.1 * entropy + 0.3
+  adv = jnp.asarray(p["cot"][0])
+  options = dict(labels=p["labels"], keep=p["keep"], temperature=p["temperature"],
+                 where=p["where"], vocab_size=VOCAB)
+  valid = p["where"] & (p["labels"] >= 0)
+  if path == "logits":
+    arrays, argnums = (jnp.asarray(p["logits"]),), (0,)
+    fn = lambda x: jaxce.token_loss(objective, x, options["labels"], adv, chunk_size=4,
+                                    **{k: v for k, v in options.items() if k != "labels"})[0]
+    per_token = lambda x: reference.logprobs_and_entropy(x, **options)
+  else:
+    arrays, argnums = (jnp.asarray(p["hidden"]), jnp.asarray(p["weight"])), (0, 1)
+    fn = lambda h, w: jaxce.linear_token_loss(
+        objective, h, w, options["labels"], adv, chunk_size=4,
+        **{k: v for k, v in options.items() if k != "labels"})[0]
+    per_token = lambda h, w: reference.linear_logprobs_and_entropy(h, w, **options)
+
+  def ref(*a):
+    logp, entropy = per_token(*a)
+    return jnp.sum(jnp.where(valid, objective(logp, entropy, adv), 0))
+
+  (loss, grads), (loss_ref, grads_ref) = (jax.jit(jax.value_and_grad(f, argnums))(*arrays)
+                                          for f in (fn, ref))
+  assert_close(loss, loss_ref, 1e-10, "loss")
+  for g, w in zip(grads, grads_ref):
+    assert_close(g, w, 1e-10, "grad")
+
+
+@pytest.mark.parametrize("path", ["logits", "linear"])
+def test_all_kept_is_the_call_without_keep_bitwise(path):
+  p = _problem(3)
+  keep = jaxce.keep.pack(np.ones((T, V), bool))
+  if path == "logits":
+    arrays = (jnp.asarray(p["logits"], jnp.float32),)
+    fn = lambda keep: lambda x: jaxce.logprobs_and_entropy(x, p["labels"], keep=keep,
+                                                           chunk_size=4)
+  else:
+    arrays = (jnp.asarray(p["hidden"], jnp.float32), jnp.asarray(p["weight"], jnp.float32))
+    fn = lambda keep: lambda h, w: jaxce.linear_logprobs_and_entropy(
+        h, w, p["labels"], keep=keep, chunk_size=4, vocab_block_size=40)
+  argnums = tuple(range(len(arrays)))
+  cot = jnp.asarray(p["cot"], jnp.float32)
+  both = lambda f: jax.jit(lambda *a: (f(*a), jax.grad(_weighted(f, cot), argnums)(*a)))
+  with_keep, without = both(fn(keep))(*arrays), both(fn(None))(*arrays)
+  for a, b in zip(jax.tree.leaves(with_keep), jax.tree.leaves(without)):
+    np.testing.assert_array_equal(a, b)
+
+
+def test_a_label_outside_its_kept_set_stays_finite_and_is_found():
+  """Row 2's label is outside its kept set: its column counts as kept (the reference
+  does the same), nothing is NaN or inf, and jaxce.keep.check names the position."""
+  p = _problem(4)
+  x = jnp.asarray(p["logits"])
+  logp, entropy = jaxce.logprobs_and_entropy(x, p["labels"], keep=p["keep"])
+  assert np.all(np.isfinite(logp)) and np.all(np.isfinite(entropy))
+  grad = jax.grad(lambda x: jnp.sum(jaxce.logprobs_and_entropy(x, p["labels"],
+                                                               keep=p["keep"])[0]))(x)
+  assert np.all(np.isfinite(grad))
+  with pytest.raises(ValueError, match=r"labels\[\(2,\)\] = \d+ is not in its kept set "
+                                       r"\(1 such position"):
+    jaxce.keep.check(p["keep"], p["labels"])
+  jaxce.keep.check(p["keep"], np.where(np.arange(T) == 2, -100, p["labels"]))  # ignored: fine
+
+
+@pytest.mark.parametrize("path,shards", [("logits", 2), ("linear", 4), ("linear", 8)])
+def test_sharded_equals_one_device(path, shards):
+  """The words split with the vocabulary (256 columns: 32 per shard at 8 shards)."""
+  p = _problem(5, columns=256, tokens=8)
+  mesh = Mesh(np.array(devices(shards)), ("v",))
+  kw = dict(keep=p["keep"], temperature=p["temperature"][:8], vocab_size=250)
+  if path == "logits":
+    arrays = (jnp.asarray(p["logits"]),)
+    local = lambda x: jaxce.logprobs_and_entropy(x, p["labels"], **kw)
+    sharded = lambda x: jaxce.sharded_logprobs_and_entropy(x, p["labels"], mesh=mesh,
+                                                           vocab_axis="v", **kw)
+  else:
+    arrays = (jnp.asarray(p["hidden"]), jnp.asarray(p["weight"]))
+    local = lambda h, w: jaxce.linear_logprobs_and_entropy(h, w, p["labels"], **kw)
+    sharded = lambda h, w: jaxce.sharded_linear_logprobs_and_entropy(
+        h, w, p["labels"], mesh=mesh, vocab_axis="v", **kw)
+  argnums = tuple(range(len(arrays)))
+  cot = jnp.asarray(p["cot"][:, :8])
+  both = lambda f: jax.jit(lambda *a: (f(*a), jax.grad(_weighted(f, cot), argnums)(*a)))
+  for a, b in zip(jax.tree.leaves(both(local)(*arrays)), jax.tree.leaves(both(sharded)(*arrays))):
+    assert_close(a, b, 1e-10, "outputs and grads")
+
+
+def test_inside_shard_map_and_explicitly_split():
+  p = _problem(6, columns=128, tokens=8)
+  x, keep, labels = jnp.asarray(p["logits"]), p["keep"], jnp.asarray(p["labels"])
+  want = jaxce.logprobs_and_entropy(x, labels, keep=keep)[0]
+  mesh = Mesh(np.array(devices(4)), ("v",))
+  inside = jax.shard_map(lambda x, k: jaxce.logprobs_and_entropy(x, labels, keep=k,
+                                                                 vocab_axis="v")[0],
+                         mesh=mesh, in_specs=(P(None, "v"), P(None, "v")), out_specs=P())
+  assert_close(inside(x, keep), want, 1e-10, "inside shard_map")
+  explicit = jax.make_mesh((4,), ("v",), axis_types=(jax.sharding.AxisType.Explicit,),
+                           devices=devices(4))
+  with jax.set_mesh(explicit):
+    split = lambda a: jax.device_put(a, NamedSharding(explicit, P(None, "v")))
+    got = jaxce.logprobs_and_entropy(split(x), labels, keep=split(keep))[0]
+  assert_close(got, want, 1e-10, "explicitly split")
+
+
+@pytest.mark.parametrize("keep,error,message", [
+    (lambda p: p["keep"].astype(jnp.int32), TypeError, "keep must be a uint32"),
+    (lambda p: p["keep"][:, :-1], ValueError, r"keep must have shape .* \(13, 4\)"),
+])
+def test_bad_keep_is_an_error(keep, error, message):
+  p = _problem()
+  with pytest.raises(error, match=message):
+    jaxce.logprobs_and_entropy(jnp.asarray(p["logits"]), p["labels"], keep=keep(p))
+
+
+def test_a_split_vocabulary_needs_shards_of_32_columns():
+  p = _problem(7, columns=96, tokens=4)
+  mesh = Mesh(np.array(devices(2)), ("v",))
+  with pytest.raises(ValueError, match="multiple of 32 columns, got 48"):
+    jaxce.sharded_logprobs_and_entropy(jnp.asarray(p["logits"]), p["labels"], mesh=mesh,
+                                       vocab_axis="v", keep=p["keep"])
+
+
+def test_the_planner_falls_back_to_xla_and_says_why(monkeypatch):
+  monkeypatch.setattr(jaxce.plan, "target", lambda *a, mesh=None: jaxce.plan.Target(
+      "gpu", "9.0", 132))
+  h = jax.ShapeDtypeStruct((512, 64), jnp.bfloat16)
+  w = jax.ShapeDtypeStruct((64, 256), jnp.bfloat16)
+  labels, keep = jax.ShapeDtypeStruct((512,), jnp.int32), jax.ShapeDtypeStruct((512, 8),
+                                                                              jnp.uint32)
+  assert jaxce.plan.of(jaxce.linear_logprobs_and_entropy, h, w, labels).backend == "mosaic"
+  got = jaxce.plan.of(jaxce.linear_logprobs_and_entropy, h, w, labels, keep=keep)
+  assert got.backend == "xla"
+  assert "not mosaic: a kept set (keep=) is not supported yet" in got.reason
+  assert "not triton: it does not take a kept set (keep=) yet" in got.reason
+  with pytest.raises(ValueError, match="triton.*does not take a kept set"):
+    jaxce.plan.of(jaxce.logprobs_and_entropy, jax.ShapeDtypeStruct((512, 256), jnp.bfloat16),
+                  labels, keep=keep, implementation="triton")
+
+
+def test_no_tokens_by_vocab_mask_in_the_compiled_plan():
+  """The fused fwd+bwd with a kept set holds the packed words, never a [T, V] mask."""
+  tokens, columns = 1024, 2048
+  h = jnp.zeros((tokens, 64), jnp.float32)
+  w = jnp.zeros((64, columns), jnp.float32)
+  labels = jnp.zeros((tokens,), jnp.int32)
+  keep = jnp.zeros((tokens, columns // 32), jnp.uint32)
+  loss = lambda h, w: jnp.sum(jaxce.linear_logprobs_and_entropy(
+      h, w, labels, keep=keep, chunk_size=128, vocab_block_size=256)[0])
+  text = jax.jit(jax.grad(loss, (0, 1))).lower(h, w).compile().as_text()
+  sizes = [np.prod([int(d) for d in dims.split(",")]) for dims in re.findall(r"\[([\d,]+)\]",
+                                                                               text)]
+  assert max(sizes) < tokens * columns // 4, max(sizes)
+
+
+# --- the helpers against NumPy -------------------------------------------------------------
+
+def test_pack_and_unpack():
+  rng = np.random.default_rng(8)
+  mask = rng.random((3, 4, 70)) < 0.5
+  words = jaxce.keep.pack(mask)
+  assert words.dtype == jnp.uint32 and words.shape == (3, 4, 3)
+  expected = np.zeros((3, 4, 3), np.uint64)
+  for v in range(70):
+    expected[..., v // 32] |= mask[..., v].astype(np.uint64) << np.uint64(v % 32)
+  np.testing.assert_array_equal(words, expected.astype(np.uint32))
+  np.testing.assert_array_equal(jaxce.keep.unpack(words, 70), mask)
+
+
+def test_from_top_k():
+  ids = np.array([[3, 40, 3], [0, 69, 31]])
+  got = np.asarray(jaxce.keep.unpack(jaxce.keep.from_top_k(ids, 70), 70))
+  want = np.zeros((2, 70), bool)
+  want[0, [3, 40]] = want[1, [0, 69, 31]] = True
+  np.testing.assert_array_equal(got, want)
+  with pytest.raises(ValueError, match=r"ids\[\(1, 1\)\] = 70 is out of range for 70"):
+    jaxce.keep.from_top_k(np.array([[1, 2], [3, 70]]), 70)
+
+
+def _numpy_sampler_set(z, top_k, top_p, min_p):
+  """What a sampler keeps (vLLM / HF order: top-k, then top-p, then min-p), in NumPy."""
+  keep = np.ones_like(z, bool)
+  for row, zr in enumerate(z):
+    kept = np.ones(len(zr), bool)
+    if top_k is not None:
+      kept &= zr >= np.sort(zr)[::-1][top_k - 1]
+    if top_p is not None:
+      p = np.where(kept, np.exp(zr - zr[kept].max()), 0)
+      p /= p.sum()
+      order = np.argsort(-p, kind="stable")
+      before = np.cumsum(p[order]) - p[order]
+      chosen = order[before < top_p]
+      kept &= p >= p[chosen].min()
+    if min_p is not None:
+      p = np.where(kept, np.exp(zr - zr[kept].max()), 0)
+      kept &= p >= min_p
+    keep[row] = kept
+  return keep
+
+
+@pytest.mark.parametrize("top_k,top_p,min_p", [(5, None, None), (None, 0.9, None),
+                                               (None, None, 0.05), (20, 0.8, 0.01),
+                                               (None, 1.0, None)])
+def test_from_logits_matches_numpy(top_k, top_p, min_p):
+  rng = np.random.default_rng(9)
+  logits = rng.normal(size=(6, 70)) * 2
+  got = jaxce.keep.unpack(jaxce.keep.from_logits(jnp.asarray(logits), temperature=0.7,
+                                                 top_k=top_k, top_p=top_p, min_p=min_p), 70)
+  np.testing.assert_array_equal(got, _numpy_sampler_set(logits / 0.7, top_k, top_p, min_p))

@@ -130,16 +130,17 @@ def test_objective_paths(path):
 
 @pytest.mark.parametrize("path", ["logits", "linear"])
 def test_all_kept_is_the_call_without_keep_bitwise(path):
+  """Per implementation (XLA: on GPUs the call without keep would take a Pallas kernel)."""
   p = _problem(3)
   keep = jaxce.keep.pack(np.ones((T, V), bool))
   if path == "logits":
     arrays = (jnp.asarray(p["logits"], jnp.float32),)
     fn = lambda keep: lambda x: jaxce.logprobs_and_entropy(x, p["labels"], keep=keep,
-                                                           chunk_size=4)
+                                                           chunk_size=4, implementation="xla")
   else:
     arrays = (jnp.asarray(p["hidden"], jnp.float32), jnp.asarray(p["weight"], jnp.float32))
     fn = lambda keep: lambda h, w: jaxce.linear_logprobs_and_entropy(
-        h, w, p["labels"], keep=keep, chunk_size=4, vocab_block_size=40)
+        h, w, p["labels"], keep=keep, chunk_size=4, vocab_block_size=40, implementation="xla")
   argnums = tuple(range(len(arrays)))
   cot = jnp.asarray(p["cot"], jnp.float32)
   both = lambda f: jax.jit(lambda *a: (f(*a), jax.grad(_weighted(f, cot), argnums)(*a)))

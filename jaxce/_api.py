@@ -84,6 +84,19 @@ def logprobs_and_entropy(logits, labels, *, temperature=1.0, where=None, vocab_s
   ``[chunk, V_local]`` tile with XLA. The backward reads the logits once and writes the
   gradient (an array like ``logits``) with no temporaries; see ``backward_in_place`` for
   when that array is the logits' own buffer.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> import jaxce
+    >>> logits = jnp.log(jnp.array([[0.5, 0.25, 0.25], [0.1, 0.2, 0.7]]))  # [T=2, V=3]
+    >>> logp, ent = jaxce.logprobs_and_entropy(logits, jnp.array([0, 2]))
+    >>> print(logp)                              # log 0.5, log 0.7
+    [-0.6931 -0.3567]
+    >>> print(ent)                               # each row's entropy
+    [1.0397 0.8018]
+    >>> logp, ent = jaxce.logprobs_and_entropy(logits, jnp.array([0, -100]), temperature=2.0)
+    >>> print(logp)                              # softmax(logits / 2); label -100 is ignored
+    [-0.8814  0.    ]
   """
   return _dispatch.run(_dispatch.LOGPROBS, (logits,), labels, _keywords(locals()),
                        vocab_axis=vocab_axis)
@@ -104,6 +117,18 @@ def sharded_logprobs_and_entropy(logits, labels, *, mesh, vocab_axis, batch_axis
 
   Returns:
     ``(logp, entropy)`` global float32 arrays of ``labels.shape``, split like the labels.
+
+  Example:
+    >>> import jax
+    >>> import jax.numpy as jnp
+    >>> import jaxce
+    >>> mesh = jax.make_mesh((jax.device_count(),), ("vocab",))
+    >>> logits = jnp.sin(jnp.arange(2 * 8.0)).reshape(2, 8)           # [T=2, V=8]
+    >>> labels = jnp.array([3, 7])
+    >>> logp, ent = jaxce.sharded_logprobs_and_entropy(logits, labels, mesh=mesh,
+    ...                                                vocab_axis="vocab")
+    >>> print(logp)                              # as jaxce.logprobs_and_entropy(logits, labels)
+    [-2.2095 -1.8232]
   """
   return _dispatch.run(_dispatch.LOGPROBS, (logits,), labels,
                        _keywords_of(logprobs_and_entropy, kw), mesh=mesh,
@@ -173,6 +198,19 @@ def linear_logprobs_and_entropy(hidden, weight, labels, *, bias=None, logit_soft
   accumulator for ``d hidden`` with an f32 ``[D, Vb]`` one for the weight block (none of
   the first with ``hidden_grad_accumulation="output"``), or an f32 accumulator like the
   weight with an f32 ``[chunk, D]`` one: past ``V_local`` tokens, flat in T.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> import jaxce
+    >>> hidden = jnp.eye(2)                                             # [T=2, D=2]
+    >>> weight = jnp.log(jnp.array([[0.5, 0.25, 0.25], [0.1, 0.2, 0.7]]))  # [D=2, V=3]
+    >>> logp, ent = jaxce.linear_logprobs_and_entropy(hidden, weight, jnp.array([0, 2]))
+    >>> print(logp)                              # of softmax(hidden @ weight): log 0.5, log 0.7
+    [-0.6931 -0.3567]
+    >>> logp, ent = jaxce.linear_logprobs_and_entropy(hidden, weight.T, jnp.array([0, 2]),
+    ...                                               weight_layout="vd")  # a tied [V, D] table
+    >>> print(ent)
+    [1.0397 0.8018]
   """
   return _dispatch.run(_dispatch.LINEAR_LOGPROBS, (hidden, weight), labels,
                        _keywords(locals()), vocab_axis=vocab_axis)
@@ -192,6 +230,18 @@ def sharded_linear_logprobs_and_entropy(hidden, weight, labels, *, mesh, vocab_a
   Returns:
     ``(logp, entropy)`` global float32 arrays of ``labels.shape``. ``d hidden`` is
     reduced over ``vocab_axis`` inside; ``d weight`` stays split.
+
+  Example:
+    >>> import jax
+    >>> import jax.numpy as jnp
+    >>> import jaxce
+    >>> mesh = jax.make_mesh((jax.device_count(),), ("vocab",))
+    >>> hidden = jnp.eye(2)                                             # [T=2, D=2]
+    >>> weight = jnp.sin(jnp.arange(2 * 8.0)).reshape(2, 8)           # [D=2, V=8]
+    >>> logp, ent = jaxce.sharded_linear_logprobs_and_entropy(
+    ...     hidden, weight, jnp.array([3, 7]), mesh=mesh, vocab_axis="vocab")
+    >>> print(logp)                              # softmax(hidden @ weight), vocab split
+    [-2.2095 -1.8232]
   """
   return _dispatch.run(_dispatch.LINEAR_LOGPROBS, (hidden, weight), labels,
                        _keywords_of(linear_logprobs_and_entropy, kw), mesh=mesh,
@@ -227,6 +277,23 @@ def token_loss(objective, logits, labels, *token_args, temperature=1.0, where=No
   logits (the statistics; one elementwise pass that writes the gradient); the backward
   only scales it by the loss's cotangent. Without differentiation no gradient work is
   done. Memory: the gradient (an array like ``logits``) and O(T).
+
+  Example:
+    >>> import jax
+    >>> import jax.numpy as jnp
+    >>> import numpy as np
+    >>> import jaxce
+    >>> logits = jnp.log(jnp.array([[0.5, 0.25, 0.25], [0.1, 0.2, 0.7]]))  # [T=2, V=3]
+    >>> labels, advantages = jnp.array([0, 2]), jnp.array([1.0, -1.0])
+    >>> def objective(logp, entropy, advantages):  # per token
+    ...   return -advantages * logp
+    >>> loss, (logp, entropy) = jaxce.token_loss(objective, logits, labels, advantages)
+    >>> print(loss)                              # -(log 0.5) + log 0.7
+    0.3365
+    >>> grad = jax.grad(lambda x: jaxce.token_loss(objective, x, labels, advantages)[0])
+    >>> print(np.round(np.asarray(grad(logits)), 4))  # -advantages * (onehot(label) - p)
+    [[-0.5   0.25  0.25]
+     [-0.1  -0.2   0.3 ]]
   """
   return _dispatch.run(_dispatch.TOKEN_LOSS, (logits,), labels, _keywords(locals()),
                        objective=objective, token_args=token_args, vocab_axis=vocab_axis)
@@ -256,6 +323,25 @@ def linear_token_loss(objective, hidden, weight, labels, *token_args, bias=None,
   ``d W += hiddenᵀ @ d`` (3); the backward only scales them. Memory: ``d hidden``,
   ``d weight``, an f32 ``[D, V]`` accumulator for ``d weight`` and one chunk's rows; no
   ``[T, V]`` array and nothing else that grows with T.
+
+  Example:
+    >>> import jax
+    >>> import jax.numpy as jnp
+    >>> import jaxce
+    >>> hidden = jnp.eye(2)                                             # [T=2, D=2]
+    >>> weight = jnp.log(jnp.array([[0.5, 0.25, 0.25], [0.1, 0.2, 0.7]]))  # [D=2, V=3]
+    >>> labels, advantages = jnp.array([0, 2]), jnp.array([1.0, -1.0])
+    >>> def objective(logp, entropy, advantages):  # with an entropy bonus
+    ...   return -advantages * logp - 0.1 * entropy
+    >>> loss, (logp, entropy) = jaxce.linear_token_loss(objective, hidden, weight, labels,
+    ...                                                 advantages)
+    >>> print(loss)                              # 0.3365 - 0.1 * (1.0397 + 0.8018)
+    0.1523
+    >>> d_hidden, d_weight = jax.grad(
+    ...     lambda h, w: jaxce.linear_token_loss(objective, h, w, labels, advantages)[0],
+    ...     argnums=(0, 1))(hidden, weight)
+    >>> d_weight.shape
+    (2, 3)
   """
   return _dispatch.run(_dispatch.LINEAR_TOKEN_LOSS, (hidden, weight), labels,
                        _keywords(locals()), objective=objective, token_args=token_args,
@@ -266,7 +352,21 @@ def sharded_token_loss(objective, logits, labels, *token_args, mesh, vocab_axis,
                        batch_axis=None, **kw):
   """:func:`jaxce.token_loss` on global arrays over ``mesh`` (as
   :func:`jaxce.sharded_logprobs_and_entropy`; ``token_args`` are split like the labels).
-  The loss sums over every shard's tokens."""
+  The loss sums over every shard's tokens.
+
+  Example:
+    >>> import jax
+    >>> import jax.numpy as jnp
+    >>> import jaxce
+    >>> mesh = jax.make_mesh((jax.device_count(),), ("vocab",))
+    >>> logits = jnp.sin(jnp.arange(2 * 8.0)).reshape(2, 8)           # [T=2, V=8]
+    >>> labels, advantages = jnp.array([3, 7]), jnp.array([1.0, -1.0])
+    >>> loss, (logp, entropy) = jaxce.sharded_token_loss(
+    ...     lambda logp, entropy, a: -a * logp, logits, labels, advantages, mesh=mesh,
+    ...     vocab_axis="vocab")
+    >>> print(loss)                              # 2.2095 - 1.8232
+    0.3863
+  """
   return _dispatch.run(_dispatch.TOKEN_LOSS, (logits,), labels, _keywords_of(token_loss, kw),
                        objective=objective, token_args=token_args, mesh=mesh,
                        vocab_axis=vocab_axis, batch_axis=batch_axis)
@@ -276,7 +376,22 @@ def sharded_linear_token_loss(objective, hidden, weight, labels, *token_args, me
                               vocab_axis, batch_axis=None, **kw):
   """:func:`jaxce.linear_token_loss` on global arrays over ``mesh`` (as
   :func:`jaxce.sharded_linear_logprobs_and_entropy`; ``token_args`` are split like the
-  labels). The loss sums over every shard's tokens."""
+  labels). The loss sums over every shard's tokens.
+
+  Example:
+    >>> import jax
+    >>> import jax.numpy as jnp
+    >>> import jaxce
+    >>> mesh = jax.make_mesh((jax.device_count(),), ("vocab",))
+    >>> hidden = jnp.eye(2)                                             # [T=2, D=2]
+    >>> weight = jnp.sin(jnp.arange(2 * 8.0)).reshape(2, 8)           # [D=2, V=8]
+    >>> labels, advantages = jnp.array([3, 7]), jnp.array([1.0, -1.0])
+    >>> loss, (logp, entropy) = jaxce.sharded_linear_token_loss(
+    ...     lambda logp, entropy, a: -a * logp, hidden, weight, labels, advantages,
+    ...     mesh=mesh, vocab_axis="vocab")
+    >>> print(loss)
+    0.3863
+  """
   return _dispatch.run(_dispatch.LINEAR_TOKEN_LOSS, (hidden, weight), labels,
                        _keywords_of(linear_token_loss, kw), objective=objective,
                        token_args=token_args, mesh=mesh, vocab_axis=vocab_axis,

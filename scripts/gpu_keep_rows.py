@@ -57,7 +57,7 @@ def main():
     step = jax.jit(jax.value_and_grad(loss, argnums=tuple(range(len(arrays)))))
     compiled = step.lower(*arrays).compile()
     plan = jaxce.plan.of(fn, *arrays, labels, **kw)
-    ms = time_ms(step, arrays, args.repeats)[0]
+    ms = time_ms(step, arrays, args.repeats)
     r = dict(path=path, variant=variant, tokens=labels.shape[0], backend=plan.backend,
              reason=plan.reason, fwd_bwd_ms=ms,
              temp_gib=compiled.memory_analysis().temp_size_in_bytes / 2**30,

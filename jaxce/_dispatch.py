@@ -84,7 +84,8 @@ def _on_mesh(op, options, objective, operands, labels, kw, token_args, mesh, voc
              token_entries):
   """``_shard`` in ``shard_map`` over ``mesh``: the operands split over the vocabulary
   (and the tokens), every per-token array (labels, array ``temperature`` / ``where``
-  broadcast to the labels' shape, the objective's ``token_args``) split like the labels."""
+  broadcast to the labels' shape, the objective's ``token_args``) split like the labels,
+  and the kept sets (``operands``' last, when given) like both."""
   token_arrays = {"labels": labels}
   scalars = {}
   for name in ("temperature", "where"):

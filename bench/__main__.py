@@ -75,7 +75,12 @@ def parse_args(argv=None):
                  help="one process per config, on CPU and for the PyTorch peers too")
   p.add_argument("--timeout", type=int, default=ROW_TIMEOUT_S, help="seconds per process")
   p.add_argument("--budget-s", type=float,
-                 help="start no configuration after this many seconds (the rest: skipped)")
+                 help="start nothing after this many seconds from the start of the run "
+                 "(rows not started: skipped, 'time budget'; floors and accuracy get what "
+                 "is left)")
+  p.add_argument("--resume", action="store_true",
+                 help="with the destination file's rows (as --merge), run only the configs "
+                 "it has no 'ok' row for, and the floors / accuracy only if it lacks them")
   p.add_argument("--accuracy", action="store_true",
                  help="also the accuracy vs float64 of every fused-path impl (GPU; "
                  "python -m bench.accuracy)")
@@ -291,7 +296,9 @@ def run_module(module: str, prefix: str, args=(), timeout=ROW_TIMEOUT_S) -> dict
   if not lines:
     return dict(error=f"python -m {module} exited with {proc.returncode}: "
                 f"{proc.stderr.strip()[-2000:]}")
-  return json.loads(lines[-1][len(prefix):])
+  # The child's progress (with its timings, where it prints them) goes with the result.
+  return dict(json.loads(lines[-1][len(prefix):]),
+              log=[l for l in proc.stderr.splitlines() if l.startswith("[")][-40:])
 
 
 def versions() -> dict:
@@ -316,7 +323,9 @@ def skipped_lines(rows) -> list[str]:
 
 
 def main(argv=None):
+  start = time.monotonic()
   args = parse_args(argv)
+  left = lambda: None if args.budget_s is None else args.budget_s - (time.monotonic() - start)
   if args.repeat_seconds:
     os.environ["BENCH_REPEAT_SECONDS"] = str(args.repeat_seconds)  # read by the runners
   groups = [g for name in args.suite.split(",") for g in configs.SUITES[name]]
@@ -347,21 +356,27 @@ def main(argv=None):
         f"HBM {facts['hbm_GBps']:.1f} GB/s, bf16 {facts['bf16_tflops']:.3g} TFLOP/s; "
         f"{len(todo)} configurations, {'one process each' if fresh else 'batched'}")
   path = os.path.join(args.out, f"{slug}.json")
-  previous = report.load(path) if args.merge else None
+  previous = report.load(path) if args.merge or args.resume else None
+  if args.resume and previous:
+    done_ok = {configs.row_key(r) for r in previous["rows"] if r["status"] == "ok"}
+    todo = [c for c in todo if configs.row_key(c) not in done_ok]
+    print(f"resuming {path}: {len(todo)} configurations left")
   top = dict(device=facts["device"], n_devices=facts["n_devices"], jax=facts["jax"],
              platform=facts["platform"], host=facts["host"], hbm_GBps=facts["hbm_GBps"],
              bf16_tflops=facts["bf16_tflops"], matmul_tflops=facts["matmul_tflops"],
              commit=commit, dirty=dirty, date=date, suite=args.suite, versions=versions())
-  if args.machine_floors:
-    from bench import machine_floors
-    print("floors at the machine's best: python -m bench.machine_floors", flush=True)
-    top["machine_floors"] = facts["machine_floors"] = run_module(
-        "bench.machine_floors", machine_floors.PREFIX, timeout=max(args.timeout, 480))
-  if args.accuracy:
-    from bench import accuracy
-    print("accuracy vs float64: python -m bench.accuracy", flush=True)
-    top["accuracy"] = run_module("bench.accuracy", accuracy.PREFIX,
-                                 timeout=max(args.timeout, 480))
+  for key, flag, module in (("machine_floors", args.machine_floors, "bench.machine_floors"),
+                            ("accuracy", args.accuracy, "bench.accuracy")):
+    kept = (previous or {}).get(key)
+    if args.resume and kept and "error" not in kept:
+      top[key] = kept  # measured by the run this one resumes
+    elif flag:
+      print(f"{key}: python -m {module}", flush=True)
+      timeout = max(args.timeout, 480) if left() is None else max(30, min(480, left()))
+      top[key] = run_module(module, __import__(module, fromlist=["PREFIX"]).PREFIX,
+                            timeout=int(timeout))
+    if key in top:
+      facts[key] = top[key]
 
   def results_of(rows):
     results = dict(top, rows=report.sort_rows(rows))
@@ -370,7 +385,7 @@ def main(argv=None):
   with tqdm(total=len(todo), desc=args.suite, unit="cfg", file=sys.stderr) as progress:
     rows = run_suite(todo, facts, fresh, args.timeout, stamp, progress,
                      save=lambda rows: report.write(results_of(rows), path),
-                     budget_s=args.budget_s, fresh_torch=args.fresh or None)
+                     budget_s=left(), fresh_torch=args.fresh or None)
   results = results_of(rows)
   written = report.write(results, path)
   print()

@@ -5,27 +5,35 @@
 #
 #   bash bench/gpu_session.sh              # main: the gpu and objective suites at T = 8192 and
 #                                          # 32768 with every peer (fused and logits), the floors
-#                                          # at the machine's best, the accuracy rows; < 9 min
+#                                          # at the machine's best, the accuracy rows
+#   bash bench/gpu_session.sh resume       # what main had no time for (same files, merged)
 #   bash bench/gpu_session.sh large        # T = 262144, then 1,048,576: one fresh process per row
 #   bash bench/gpu_session.sh large 262144 # one T only (each T fits one 10-minute device call)
 #
-# Writes under $OUT (default bench/out/gpu-session): <mode>/<device>.json (rows, device,
-# versions, git commit, floors, accuracy), .md, _memory.png, and session-<mode>.log; prints a
-# summary. JAXCE_COMMIT names the commit the tree was sent from (default: git rev-parse HEAD).
-# Time guard: no row starts after BUDGET_S seconds (those rows are "skipped: time budget").
+# Writes bench/out/gpu-session/<main|large>/<device>.json (rows, device, versions, git commit,
+# floors, accuracy), .md, _memory.png, and session-<mode>.log (kept on a warm machine, so
+# `resume` finds them; carry bench/out/gpu-session to resume on a fresh one), then copies them
+# under $OUT (the device tool's returned folder) when it is set; prints a summary. JAXCE_COMMIT names the commit the tree was sent from (default: git rev-parse HEAD).
+# Time guard: nothing starts after DEADLINE_S seconds from the script's start (default 500,
+# large 380: the command ends within 9 minutes); rows not started are "skipped: time budget", and
+# `resume` runs them (on an H200, 2026-11-25: floors ~1 min, accuracy ~3 min, rows ~6.5 min).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MODE=${1:-main}
 shift || true
-OUT=${OUT:-bench/out/gpu-session}
+RUN=bench/out/gpu-session
 PY=${PYTHON:-python3}
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
 export JAXCE_COMMIT=${JAXCE_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
-mkdir -p "$OUT/$MODE"
-LOG="$OUT/session-$MODE.log"
+DIR=$RUN/$([[ $MODE == large ]] && echo large || echo main)
+mkdir -p "$DIR"
+LOG="$RUN/session-$MODE.log"
 start=$(date +%s)
+# large: a 1,048,576-token row of Liger's GRPO loss takes ~3 min, so it starts no later than 380 s
+DEADLINE_S=${DEADLINE_S:-$([[ $MODE == large ]] && echo 380 || echo 500)}
+left() { echo $(( DEADLINE_S - ($(date +%s) - start) )); }
 
-if ls bench/.wheels/*.whl >/dev/null 2>&1; then  # tokamax 0.0.17 and its pure-Python deps
+if ls bench/.wheels/*.whl >/dev/null 2>&1 && ! "$PY" -c "import tokamax" 2>/dev/null; then  # tokamax 0.0.17 and its pure-Python deps
   "$PY" -m pip install -q --no-index --no-deps bench/.wheels/*.whl 2>&1 | tail -2 || true
 fi
 "$PY" - <<'EOF' 2>&1 | tee "$LOG"
@@ -39,21 +47,22 @@ for d in ("torch", "liger-kernel", "nvidia-cutlass-dsl", "tokamax", "cut-cross-e
 EOF
 
 case "$MODE" in
-  main)
-    # Rows stop starting after BUDGET_S; the floors (~1.5 min) and accuracy (~1 min) run first.
+  main|resume)
     "$PY" -m bench --suite gpu,objective --machine-floors --accuracy --repeat-seconds 1 \
-      --timeout 240 --budget-s "${BUDGET_S:-300}" --out "$OUT/main" 2>>"$LOG" | tee -a "$LOG"
+      --timeout 240 --budget-s "$(left)" --out "$DIR" $([[ $MODE == resume ]] && echo --resume) \
+      2>>"$LOG" | tee -a "$LOG"
     ;;
   large)
     # The suite runs every method at 262144 first; given Ts replace the suite's.
     Ts=()
     if [[ $# -gt 0 ]]; then Ts=(--T "$(IFS=,; echo "$*")"); fi
     "$PY" -m bench --suite gpu-large "${Ts[@]}" --fresh --repeats 1 --timeout 400 \
-      --budget-s "${BUDGET_S:-420}" --out "$OUT/large" 2>>"$LOG" | tee -a "$LOG"
+      --budget-s "$(left)" --out "$DIR" 2>>"$LOG" | tee -a "$LOG"
     ;;
   *)
-    echo "usage: bash bench/gpu_session.sh [main | large [T ...]]" >&2
+    echo "usage: bash bench/gpu_session.sh [main | resume | large [T ...]]" >&2
     exit 2
     ;;
 esac
-echo "session $MODE: $(( $(date +%s) - start )) s; files under $OUT/$MODE and $LOG" | tee -a "$LOG"
+echo "session $MODE: $(( $(date +%s) - start )) s; files under $DIR and $LOG" | tee -a "$LOG"
+if [[ -n ${OUT:-} ]]; then cp -r "$RUN"/. "$OUT"/ && echo "copied to $OUT"; fi

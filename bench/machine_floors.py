@@ -151,7 +151,11 @@ def ours(t, v, d, repeats, tiny=False) -> list[dict]:
 
 
 def measure(Ts=TS, v=V, d=D, repeats=10, tiny=False) -> dict:
+  import time
   import jax
+  start = time.perf_counter()
+  log = lambda what: print(f"[{time.perf_counter() - start:6.1f} s] {what}", file=sys.stderr,
+                           flush=True)
   device = jax.devices()[0]
   peak = datasheet_peak(device.device_kind)
   out = dict(device=device.device_kind, platform=device.platform, V=v, D=d, Ts=list(Ts),
@@ -170,6 +174,7 @@ def measure(Ts=TS, v=V, d=D, repeats=10, tiny=False) -> dict:
           best = row if best is None or row["ms"] < best["ms"] else best
         out["gemm"].append(row)
         print(json.dumps(row), file=sys.stderr, flush=True)
+      log(f"T={t} {shape}")
       if best:
         out["floors"].append(dict(T=t, shape=shape, backend=best["backend"], ms=best["ms"],
                                   tflops=best["tflops"], x_peak=best["x_peak"]))
@@ -185,6 +190,7 @@ def measure(Ts=TS, v=V, d=D, repeats=10, tiny=False) -> dict:
       out.setdefault("ours_error", []).append(f"T={t}: {type(e).__name__}: {e}"[:1000])
       traceback.print_exc()
       pieces = []
+    log(f"T={t}: copies and jaxce's kernels")
     for p in pieces:
       m, k, n = gemm_dims(p["shape"], t, v, d) if p["shape"] else (0, 0, 0)
       p["tflops"] = 2 * m * k * n / p["ms"] / 1e9 if p["shape"] else None

@@ -145,6 +145,22 @@ def test_rerun_merges_rows(smoke, tmp_path):
   assert _tables(proc.stdout) == _tables((tmp_path / "cpu.md").read_text())[:1]
 
 
+def test_resume_runs_only_what_is_missing(smoke, tmp_path):
+  _, results, _ = smoke
+  path = tmp_path / "cpu.json"
+  first = [r for r in results["rows"] if r["mode"] == "fwd"]
+  path.write_text(json.dumps(dict(results, rows=first)))
+  proc = _run_smoke(tmp_path, "--impl", "jaxce:default,jax_plain", "--input", "logits", "--T",
+                    "64", "--resume")
+  rows = json.loads(path.read_text())["rows"]
+  assert {(r["impl"], r["mode"], r["T"]) for r in rows if r["input"] == "logits"
+          and r["n_devices"] == 1} >= {("jaxce", "fwd_bwd", 64), ("jax_plain", "fwd_bwd", 64)}
+  # fwd_bwd at T = 64 on one device and on two (the fwd rows are there): four new rows.
+  assert [l for l in proc.stdout.splitlines() if l.startswith("resuming")][0].endswith(
+      ": 4 configurations left")
+  assert len(rows) == len(first) + 4
+
+
 def _tables(text):
   """The markdown tables in ``text`` (runs of lines that start with ``|``)."""
   tables, current = [], []

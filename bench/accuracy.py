@@ -7,7 +7,7 @@ One process: the bf16 inputs are made once on the host (random, with a few peake
 columns); each implementation runs the very functions the bench times (``bench.impls``,
 ``bench.impls_torch``) for its per-token outputs and its gradients of
 ``sum(adv * logp) + c * sum(H)`` (random per-token ``adv``; c = 0.01, 0 for log-prob-only
-peers); the reference is the same loss in float64 with numpy on the host, from the same
+peers); the reference is the same loss in float64 (JAX's x64 mode, on the device), from the same
 bf16 values. Errors (bench/README.md):
 
 * ``logp``, ``entropy``: the largest absolute error over the tokens (nats);
@@ -39,7 +39,7 @@ DEFINITION = (
     "logp, entropy: max over tokens of |value - float64 value| (nats); d hidden, d W: max "
     "|gradient - float64 gradient| / max |float64 gradient|, of sum(adv * logp) + c * sum(H) "
     "with random per-token adv (c = 0.01; 0 for log-prob-only peers); the float64 reference "
-    "(numpy) starts from the same bf16 operands.")
+    "(JAX x64, on the device) starts from the same bf16 operands.")
 
 
 def host_problem(t, v, d, seed=0) -> dict:

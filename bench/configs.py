@@ -22,8 +22,9 @@ LOGP_ONLY_IMPLS = ("optax", "tokamax", "liger", "liger_grpo", "cce")
 GPU_ONLY_IMPLS = ("liger", "liger_flsce", "liger_grpo", "cce")
 _WHEELS = "bash bench/get_peers.sh (PyPI access), then pip install --no-deps bench/.wheels/*.whl"
 _LIGER = ("Liger-Kernel 0.8.5 and the CUTLASS DSL 4.8.1 (FLSCE's sm90 kernel): "
-          "bash ../shared/peers/prepare.sh here, then on the GPU machine bash "
-          "../shared/peers/install.sh a, then b (../shared/peers/README.md)")
+          "bash ../shared/peers/prepare.sh here, then on the GPU machine park .peers/a "
+          "(install.sh a) and, within 30 s, bash .peers/b/install.sh b .peers "
+          "(../shared/peers/README.md; bench/README.md, 'GPU runs')")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -150,7 +150,9 @@ def markdown(results: dict) -> str:
       f"{' (uncommitted changes)' if results.get('dirty') else ''}, {results.get('date', '')}. "
       f"Floors measured by the latest run: HBM {results['hbm_GBps']:.1f} GB/s, "
       f"matmul TFLOP/s: {rates or results['bf16_tflops']}; each row's floor ms comes "
-      "from the run that measured the row.",
+      "from the run that measured the row" + (
+          ", at the machine's best (the floors section below; `floor_source`)"
+          if results.get("machine_floors", {}).get("floors") else "") + ".",
       "",
       "Loss `sum(adv * logp) + c * sum(H)`, c = 0.01 (0 for log-prob-only rows, marked "
       "(logp)). Extra memory = peak minus the inputs, per device; `× logits` = extra / "

@@ -9,6 +9,9 @@ one ``logsumexp``), so log-probs agree to a few float32 ulps of the logits (|z| 
 here: ~1e-5) and gradients to ~1e-5 of their largest entry.
 """
 
+import copy
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -204,3 +207,101 @@ def test_example_steps_follow_the_same_trajectory():
   tunix_run, jaxce_run = (tunix_grpo.measure(args, name) for name in tunix_grpo.LOSSES)
   assert len(tunix_run["losses"]) == 2
   np.testing.assert_allclose(jaxce_run["losses"], tunix_run["losses"], rtol=1e-5, atol=1e-7)
+
+
+# Options at values that change the result, and a completion with no tokens (issue 30).
+# Every ``algo_config`` option jaxce.integrations.tunix reads: loss_agg_mode, beta,
+# loss_algo, kl_loss_mode, temperature (the cases above); epsilon, epsilon_high,
+# epsilon_c and kl_clamp_value for GRPO, epsilon_low, epsilon_high, epsilon_c,
+# entropy_coef, kl_coef and kl_clamp_value for PPO (below), each checked to change
+# Tunix's own loss, so a jaxce loss that ignored it would not match.
+
+
+def _binding_example(seed, *, token_advantages=False, empty_row=None):
+  """``_example`` with a third of the old log-probs 2 lower (ratios near e^2 > 3: the
+  dual clip binds for negative advantages) and a third of the reference log-probs 1.5
+  higher (large KL terms, which a clamp cuts); optionally one completion with no tokens."""
+  rng = np.random.default_rng(seed)
+  example = _example(rng, token_advantages=token_advantages)
+  far = lambda: jnp.asarray(rng.random(example.completion_mask.shape) < 1 / 3)
+  example = example.replace(
+      old_per_token_logps=example.old_per_token_logps - 2.0 * far(),
+      ref_per_token_logps=example.ref_per_token_logps + 1.5 * far())
+  if empty_row is not None:
+    example = example.replace(
+        completion_mask=example.completion_mask.at[empty_row].set(0),
+        completion_ids=example.completion_ids.at[empty_row].set(PAD))
+  return example
+
+
+def _assert_each_option_matters(model, example, config, name, options):
+  """Tunix's own loss changes when each option is set back to ``options[option]`` (its
+  default or off), so a jaxce loss that ignored the option would not match it."""
+  loss_fn = function_registry.get_policy_loss_fn(name)
+  loss = float(loss_fn(model, example, config, PAD, EOS)[0])
+  for option, default in options.items():
+    other = copy.copy(config)
+    setattr(other, option, default)
+    changed = float(loss_fn(model, example, other, PAD, EOS)[0])
+    assert abs(changed - loss) > 1e-4 * abs(loss), f"{option} does not change Tunix's loss"
+
+
+@pytest.mark.parametrize("loss_algo", ["grpo", "gspo-token"])
+def test_grpo_binding_options_match_tunix(loss_algo):
+  """Asymmetric clip (epsilon 0.1, epsilon_high 0.28), a dual clip that binds and a KL
+  clamp that binds, on the fused path ("grpo") and the per-token one ("gspo-token")."""
+  config = GRPOConfig(num_generations=2, epsilon=0.1, beta=0.1, kl_loss_mode="low_var_kl",
+                      loss_agg_mode="token-mean", loss_algo=loss_algo, kl_clamp_value=0.5)
+  config.temperature = 0.7
+  config.epsilon_high = 0.28  # not a GRPOConfig field: Tunix reads it when set
+  config.epsilon_c = 3.0
+  model, example = _model(False), _binding_example(11)
+  aux = function_registry.get_policy_loss_fn("grpo")(model, example, config, PAD, EOS)[1]
+  if loss_algo == "grpo":  # GSPO's sequence ratios are e^mean: its dual clip may not bind
+    assert float(aux["pg_clipfrac_lower"]) > 0, "the dual clip does not bind"
+  _assert_each_option_matters(model, example, config, "grpo", dict(
+      epsilon=0.2, epsilon_high=0.1, kl_clamp_value=None,
+      **({"epsilon_c": None} if loss_algo == "grpo" else {})))
+  _compare(model, example, config, "grpo", jaxce_tunix.GRPO_LOSS)
+
+
+@dataclasses.dataclass(slots=True, kw_only=True)
+class _PPOConfigWithKL(PPOConfig):
+  """Tunix's PPO loss reads ``kl_coef`` when the config has it; PPOConfig (slotted) does
+  not, so a user's config class adds it."""
+  kl_coef: float = 0.0
+
+
+def test_ppo_binding_options_match_tunix():
+  """Asymmetric clip (0.1 / 0.28), a dual clip that binds, the entropy bonus, the KL
+  penalty (``kl_coef``) and a KL clamp that binds."""
+  config = _PPOConfigWithKL(epsilon_low=0.1, epsilon_high=0.28, epsilon_c=3.0,
+                            entropy_coef=0.01, kl_clamp_value=0.2, kl_coef=0.1)
+  model, example = _model(False), _binding_example(12, token_advantages=True)
+  aux = function_registry.get_policy_loss_fn("ppo")(model, example, config, PAD, EOS)[1]
+  assert float(aux["pg_clipfrac_lower"]) > 0, "the dual clip does not bind"
+  _assert_each_option_matters(model, example, config, "ppo", dict(
+      epsilon_low=0.2, epsilon_high=0.1, epsilon_c=None, entropy_coef=0.0, kl_coef=0.0,
+      kl_clamp_value=None))
+  _compare(model, example, config, "ppo", jaxce_tunix.PPO_LOSS)
+
+
+@pytest.mark.parametrize("case", ["grpo", "gspo-token", "ppo"])
+def test_completion_without_tokens_matches_tunix(case):
+  """One completion of the batch has no tokens (all masked): it counts in no mean
+  (Tunix's sequence means skip it) and its rows get no gradient, on the fused GRPO path
+  (``sequence-mean-token-mean``: the mean over non-empty sequences), the per-token one
+  (GSPO, ``seq-mean-token-sum``) and PPO."""
+  model = _model(False)
+  if case == "ppo":
+    config = PPOConfig(epsilon_low=0.2, epsilon_high=0.28, entropy_coef=0.01)
+    example = _binding_example(13, token_advantages=True, empty_row=2)
+  else:
+    config = GRPOConfig(num_generations=2, beta=0.04, loss_algo=case, loss_agg_mode=(
+        "sequence-mean-token-mean" if case == "grpo" else "seq-mean-token-sum"))
+    config.temperature = 0.7
+    example = _binding_example(13, empty_row=2)
+  assert not np.any(example.completion_mask[2]) and np.all(np.asarray(example.completion_mask).sum(1)[
+      [0, 1, 3]] > 0)
+  _compare(model, example, config, case.replace("gspo-token", "grpo"),
+           jaxce_tunix.PPO_LOSS if case == "ppo" else jaxce_tunix.GRPO_LOSS)

@@ -58,9 +58,10 @@ def host_problem(t, v, d, seed=0) -> dict:
 def reference(problem: dict, coef: float) -> dict:
   """float64 ``logp, entropy, d_hidden [t, d]`` and ``d_W [d, v]`` (the last in float32:
   a gradient error is relative to its largest entry), as numpy, computed in float64 on the
-  default device (JAX's x64 mode on for this call only)."""
+  default device (JAX's x64 mode on for this call only, then as it was)."""
   import jax  # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  was_x64 = jax.config.read("jax_enable_x64")
   jax.config.update("jax_enable_x64", True)
   try:
     labels = jnp.asarray(problem["labels"])
@@ -79,7 +80,7 @@ def reference(problem: dict, coef: float) -> dict:
     return dict(logp=np.asarray(logp), entropy=np.asarray(entropy),
                 d_hidden=np.asarray(d_hidden), d_W=np.asarray(d_w.astype(jnp.float32)))
   finally:
-    jax.config.update("jax_enable_x64", False)
+    jax.config.update("jax_enable_x64", was_x64)
 
 
 def _max_abs_diff(a, b) -> float:

@@ -34,7 +34,7 @@ from jaxce._kernels import mosaic_head, triton_rows
 from jaxce._kernels.config import Plan
 
 __all__ = [
-    "IMPLEMENTATIONS", "Plan", "Target", "chunk_size", "linear_backward_order",
+    "IMPLEMENTATIONS", "Plan", "Target", "backend", "chunk_size", "linear_backward_order",
     "linear_kernel_chunk", "linear_kernel_tiles", "linear_objective_chunk", "linear_tiles",
     "logits_chunk", "make", "of", "target",
 ]
@@ -95,7 +95,9 @@ def target(*arrays, mesh=None) -> Target:
                 getattr(device, "core_count", None) or 132)
 
 
-def _budget_key(platform: str | None) -> str:
+def backend(platform: str | None = None) -> str:
+  """The budgets' key for ``platform`` (JAX's default backend when ``None``): ``"cpu"``,
+  or ``"gpu"`` for every other platform."""
   if platform is None:
     platform = jax.default_backend()
   return "cpu" if platform == "cpu" else "gpu"
@@ -123,7 +125,7 @@ def logits_chunk(num_tokens: int, num_columns: int, requested: int | None = None
                  platform: str | None = None) -> int:
   """Tokens per step of the logits path's XLA forward and in-place backward
   (``LOGITS_TILE_BYTES`` of ``platform``, JAX's default backend when ``None``)."""
-  return chunk_size(num_tokens, num_columns, requested, LOGITS_TILE_BYTES[_budget_key(platform)])
+  return chunk_size(num_tokens, num_columns, requested, LOGITS_TILE_BYTES[backend(platform)])
 
 
 def linear_tiles(num_tokens: int, num_columns: int, requested_chunk: int | None = None,
@@ -134,7 +136,7 @@ def linear_tiles(num_tokens: int, num_columns: int, requested_chunk: int | None 
   of ``LINEAR_TILE_BYTES`` of ``platform``."""
   block = min(requested_block or DEFAULT_VOCAB_BLOCK, num_columns)
   return chunk_size(num_tokens, block, requested_chunk,
-                    LINEAR_TILE_BYTES[_budget_key(platform)]), block
+                    LINEAR_TILE_BYTES[backend(platform)]), block
 
 
 def linear_objective_chunk(num_tokens: int, num_columns: int, requested: int | None = None,
@@ -142,7 +144,7 @@ def linear_objective_chunk(num_tokens: int, num_columns: int, requested: int | N
   """Tokens per step of the fused objective path, whose full ``[chunk, num_columns]``
   rows are held at once (``LINEAR_OBJECTIVE_ROWS_BYTES`` of ``platform``)."""
   return chunk_size(num_tokens, num_columns, requested,
-                    LINEAR_OBJECTIVE_ROWS_BYTES[_budget_key(platform)])
+                    LINEAR_OBJECTIVE_ROWS_BYTES[backend(platform)])
 
 
 def linear_kernel_chunk(num_tokens: int, num_columns: int) -> int:

@@ -15,3 +15,15 @@ import jax  # noqa: E402
 jax.config.update("jax_enable_x64", True)
 # Tests check the maths, not TF32 rounding: on GPUs, float32 matmuls default to TF32.
 jax.config.update("jax_default_matmul_precision", "highest")
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _float64_stays_on():
+  """A test that turns JAX's x64 mode off (directly or through code it calls) would make
+  every later test in its worker compare float32 results at float64 tolerances: fail it
+  where it happens."""
+  yield
+  assert jax.config.read("jax_enable_x64"), "this test left jax_enable_x64 off"

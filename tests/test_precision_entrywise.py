@@ -22,7 +22,8 @@ accumulation in bf16: every entry is checked instead.
   (1.6%) wherever the entry is not tiny (``|entry| >= R``).
 
 Both loop orders of the per-token backward are covered (vocab blocks outer when
-T <= V, token chunks outer when T > V).
+T <= V, token chunks outer when T > V). The logits path's ``d logits`` (no sums across
+tokens) is checked entry by entry against float64 too: half a bf16 ulp.
 """
 
 import jax
@@ -163,7 +164,53 @@ def test_objective_gradients_entrywise():
 
   d_hidden, d_weight = grads(16)
   one_hidden, one_weight = grads(tokens)
-  _check_orders_agree(d_weight, one_weight, weight_stats, tokens, "d W, chunks of 16 vs one chunk")
-  _check_orders_agree(d_hidden, one_hidden, hidden_stats, columns, "d hidden, chunks of 16 vs one")
+  _check_orders_agree(d_weight, one_weight, weight_stats, tokens,
+                      "d W, chunks of 16 vs one chunk")
+  _check_orders_agree(d_hidden, one_hidden, hidden_stats, columns,
+                      "d hidden, chunks of 16 vs one")
   _check_against_float64(d_weight, d_weight_ref, weight_stats, tokens, "d W vs float64")
   _check_against_float64(d_hidden, d_hidden_ref, hidden_stats, columns, "d hidden vs float64")
+
+
+@pytest.mark.parametrize("path", ["per-token", "objective"])
+def test_logits_gradient_entrywise(path):
+  """The logits path (``logprobs_and_entropy``, ``token_loss``), bf16 logits of the same
+  spread and a per-token temperature: each entry of ``d logits`` is formed in f32 and
+  rounded to bf16 once, so it lies within half a bf16 ulp of the float64 reference, plus
+  2^-16 of the magnitudes it is made of (``|a| p``, ``|b| p (|log p| + H)``, ``|a|`` at
+  the label: f32 rounding of the softmax, 2^-8 of a bf16 ulp). Softmax statistics in
+  bf16, or a second rounding (say before the temperature's factor), are far outside."""
+  tokens, columns = SHAPES["vocab order"]
+  hidden, weight, labels, a, b = _problem(tokens, columns, seed=tokens)
+  logits = jnp.asarray(jnp.dot(hidden, weight, preferred_element_type=jnp.float32),
+                       jnp.bfloat16)
+  temperature = np.random.default_rng(1).uniform(0.6, 1.4, tokens)
+  exact = jnp.asarray(logits, jnp.float64)
+
+  def ref_loss(x):
+    logp, entropy = reference.logprobs_and_entropy(x, labels, temperature=temperature)
+    return jnp.sum(a * logp + b * entropy)
+
+  if path == "per-token":
+    def loss(x):
+      logp, entropy = jaxce.logprobs_and_entropy(x, labels, temperature=temperature,
+                                                 chunk_size=16)
+      return jnp.sum(a * logp + b * entropy)
+  else:
+    loss = lambda x: jaxce.token_loss(lambda lp, h, a, b: a * lp + b * h, x, labels, a, b,
+                                      temperature=temperature, chunk_size=16)[0]
+  got = jax.jit(jax.grad(loss))(logits)
+  assert got.dtype == jnp.bfloat16
+  got = np.asarray(got, np.float64)
+  expected = np.asarray(jax.jit(jax.grad(ref_loss))(exact))
+  log_p = np.asarray(jax.nn.log_softmax(exact / temperature[:, None]))
+  p, entropy = np.exp(log_p), -np.sum(np.exp(log_p) * log_p, axis=-1, keepdims=True)
+  onehot = np.arange(columns) == labels[:, None]
+  magnitude = (np.abs(a)[:, None] * (p + onehot)
+               + np.abs(b)[:, None] * p * (np.abs(log_p) + entropy)) / temperature[:, None]
+  limit = 0.5 * _bf16_ulp(np.maximum(np.abs(got), np.abs(expected))) + 2.0**-16 * magnitude
+  excess = np.abs(got - expected) / limit
+  worst = np.unravel_index(np.argmax(excess), excess.shape)
+  assert np.all(excess <= 1), (
+      f"d logits: {np.sum(excess > 1)} entries beyond half an ulp (+ f32 slack); at "
+      f"{worst}: {got[worst]!r} vs {expected[worst]!r}")

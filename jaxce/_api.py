@@ -28,7 +28,8 @@ def _keywords_of(function, kw):
 
 def logprobs_and_entropy(logits, labels, *, temperature=1.0, where=None, vocab_size=None,
                          chunk_size=None, vocab_axis=None, return_entropy=True,
-                         implementation=None, backward_in_place=False, keep=None):
+                         implementation=None, backward_in_place=False, keep=None,
+                         batch_invariant=False):
   """Per-token log-probability of the label and entropy of softmax(logits / temperature).
 
   Args:
@@ -74,6 +75,12 @@ def logprobs_and_entropy(logits, labels, *, temperature=1.0, where=None, vocab_s
       output and gradient stays finite. ``None``: the full vocabulary. Runs on XLA (the
       Pallas kernels take no kept set yet; ``jaxce.plan.of`` says so). Memory: the mask,
       read tile by tile, never expanded beyond a tile.
+    batch_invariant: ``True``: each token's ``logp`` and ``entropy`` are the same bits
+      whatever the call around it: the other tokens and their number, ``chunk_size``,
+      the number of vocab shards, with or without a gradient (README, "Reproducible
+      log-probs"). The sums over the vocabulary are exact integer sums of fixed-point
+      terms, so their order cannot change them. Runs on XLA (the Pallas kernels sum in
+      floating point; ``jaxce.plan.of`` says so). ``False`` (default): the fastest plan.
 
   Returns:
     ``(logp, entropy)``, float32 arrays of ``labels.shape`` (entropy ``None`` when
@@ -139,7 +146,8 @@ def linear_logprobs_and_entropy(hidden, weight, labels, *, bias=None, logit_soft
                                 temperature=1.0, where=None, vocab_size=None, chunk_size=None,
                                 vocab_axis=None, return_entropy=True, vocab_block_size=None,
                                 weight_layout="dv", implementation=None,
-                                hidden_grad_accumulation="float32", keep=None):
+                                hidden_grad_accumulation="float32", keep=None,
+                                batch_invariant=False):
   """Per-token log-prob and entropy of ``softmax(softcap(hidden @ weight + bias) / T)``.
 
   Args:
@@ -152,6 +160,11 @@ def linear_logprobs_and_entropy(hidden, weight, labels, *, bias=None, logit_soft
       temperature (Gemma 2 style).
     temperature, where, vocab_size, vocab_axis, return_entropy, keep: as in
       :func:`jaxce.logprobs_and_entropy`.
+    batch_invariant: as in :func:`jaxce.logprobs_and_entropy`; the forward's matmuls
+      then have one shape whatever the call (``jaxce.plan.INVARIANT_MATMUL_TILE``: fewer
+      tokens are padded to its rows) and each chunk of its rows holds its f32
+      ``[rows, V_local]`` logits; ``chunk_size`` and ``vocab_block_size`` steer the
+      backward only.
     chunk_size: tokens per tile; ``None`` plans it (``jaxce.plan.linear_tiles``: an f32
       tile budget per platform; with the Mosaic kernels rounded down to a multiple of
       256).
@@ -250,7 +263,7 @@ def sharded_linear_logprobs_and_entropy(hidden, weight, labels, *, mesh, vocab_a
 
 def token_loss(objective, logits, labels, *token_args, temperature=1.0, where=None,
                vocab_size=None, chunk_size=None, vocab_axis=None, return_entropy=None,
-               implementation=None, keep=None):
+               implementation=None, keep=None, batch_invariant=False):
   """``sum`` over kept tokens of ``objective(logp, entropy, *token_args)``, with its
   gradient formed in the forward pass.
 
@@ -260,7 +273,8 @@ def token_loss(objective, logits, labels, *token_args, temperature=1.0, where=No
       over tokens; a ``ValueError`` says so). Normalizations are per-token weights among
       ``token_args`` (``jaxce.objectives.token_weights``). Built-ins: ``jaxce.objectives``.
     logits, labels, temperature, where, vocab_size, chunk_size, vocab_axis,
-      implementation, keep: as in :func:`jaxce.logprobs_and_entropy`.
+      implementation, keep, batch_invariant: as in :func:`jaxce.logprobs_and_entropy`
+      (batch-invariant ``logp`` and ``entropy`` are the same bits as its own).
     *token_args: arrays broadcastable to ``labels.shape`` (advantages, old and reference
       log-probs, weights...); no gradient flows to them.
     return_entropy: ``None``: the entropy is computed (and returned) when the objective
@@ -302,14 +316,17 @@ def token_loss(objective, logits, labels, *token_args, temperature=1.0, where=No
 def linear_token_loss(objective, hidden, weight, labels, *token_args, bias=None,
                       logit_softcap=None, temperature=1.0, where=None, vocab_size=None,
                       chunk_size=None, vocab_axis=None, return_entropy=None,
-                      weight_layout="dv", implementation=None, keep=None):
+                      weight_layout="dv", implementation=None, keep=None,
+                      batch_invariant=False):
   """:func:`jaxce.token_loss` of ``softcap(hidden @ weight + bias)``, three matmuls for
   the loss and all its gradients.
 
   Args:
     objective, token_args, return_entropy: as in :func:`jaxce.token_loss`.
     hidden, weight, labels, bias, logit_softcap, temperature, where, vocab_size,
-      vocab_axis, weight_layout, keep: as in :func:`jaxce.linear_logprobs_and_entropy`.
+      vocab_axis, weight_layout, keep, batch_invariant: as in
+      :func:`jaxce.linear_logprobs_and_entropy` (batch-invariant: ``chunk_size`` is the
+      matmul's rows, and ``logp``, ``entropy`` the same bits as its own).
     chunk_size: tokens per step, whose full ``[chunk, V]`` f32 rows are held at once;
       ``None`` plans it (``jaxce.plan.linear_objective_chunk``).
     implementation: the statistics of each chunk's rows by ``"xla"`` or ``"triton"``, as

@@ -62,6 +62,12 @@ def check_columns(name, num_columns):
     raise ValueError(f"{name} has no vocabulary columns (V = 0); expected V >= 1")
 
 
+def check_flag(name, value):
+  """A Python bool (or NumPy bool): ``name`` is a static option, not an array."""
+  if not isinstance(value, (bool, np.bool_)):
+    raise TypeError(f"{name} must be True or False, got {value!r}")
+
+
 def check_choice(name, value, choices):
   if value not in choices:
     expected = " or ".join(repr(c) for c in choices)
@@ -282,8 +288,11 @@ def broadcast_token_array(value, shape, dtype):
 
 
 def inverse_temperature(temperature, shape, dtype=jnp.float32):
-  """``[*shape]`` 1/T in ``dtype`` (the compute dtype) with no gradient."""
-  return lax.stop_gradient(1.0 / broadcast_token_array(temperature, shape, dtype))
+  """``[*shape]`` 1/T in ``dtype`` (the compute dtype) with no gradient, rounded once
+  here: the barrier keeps XLA from folding ``x * (1 / T)`` into ``x / T`` inside a caller's
+  jit (other bits than the same call run eagerly)."""
+  inv = 1.0 / broadcast_token_array(temperature, shape, dtype)
+  return lax.stop_gradient(lax.optimization_barrier(inv))
 
 
 def valid_mask(labels, where):

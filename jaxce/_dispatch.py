@@ -163,7 +163,8 @@ def _shard(op, options, objective, operands, labels, temperature, where, keep, t
       chunk_size=options.chunk_size,
       vocab_block_size=options.vocab_block_size,
       hidden_grad_accumulation=options.hidden_grad_accumulation,
-      backward_in_place=options.backward_in_place)
+      backward_in_place=options.backward_in_place,
+      batch_invariant=bool(options.batch_invariant))
   mask_vocab = (options.vocab_size if options.vocab_size < num_columns * options.vocab_shards
                 else None)
   config = Config(

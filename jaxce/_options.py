@@ -36,6 +36,7 @@ class Options:
     vocab_dim: the fused weight's vocabulary dim (1: ``[D, V]``, 0: ``[V, D]``).
     hidden_grad_accumulation: the fused per-token backward's ``d hidden`` sum.
     has_keep: the call has kept sets (``keep=``).
+    batch_invariant: each token's outputs depend on its own inputs only (``True``).
   """
   vocab_size: int
   vocab_shards: int
@@ -49,6 +50,7 @@ class Options:
   vocab_dim: int = 1
   hidden_grad_accumulation: str = "float32"
   has_keep: bool = False
+  batch_invariant: bool = False
 
 
 def check(operation, operands, labels, kw, *, vocab_axis, mesh=None, batch_axis=None):
@@ -114,13 +116,17 @@ def check(operation, operands, labels, kw, *, vocab_axis, mesh=None, batch_axis=
   _checks.check_where(kw["where"], labels.shape)
   vocab_size = _checks.check_vocab_size(kw["vocab_size"], total_columns, columns_name)
   _checks.check_labels_in_range(labels, kw["where"], vocab_size)
+  _checks.check_flag("batch_invariant", kw["batch_invariant"])
+  if kw["batch_invariant"] and total_columns > softmax.MAX_EXACT_COLUMNS:
+    raise ValueError(f"batch_invariant=True sums at most {softmax.MAX_EXACT_COLUMNS} "
+                     f"columns exactly; {columns_name} has {total_columns}")
   if kw["keep"] is not None:
     _checks.check_keep(kw["keep"], labels.shape, num_columns, shards,
                        local=mesh is None and shards > 1)
     extra.update(has_keep=True)
   options = Options(vocab_size=vocab_size, vocab_shards=shards,
                     return_entropy=kw["return_entropy"], chunk_size=kw["chunk_size"],
-                    implementation=implementation,
+                    implementation=implementation, batch_invariant=kw["batch_invariant"],
                     target=plan.target(*operands[:2], mesh=mesh), **extra)
   return options, operands
 

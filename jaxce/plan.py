@@ -56,6 +56,12 @@ LINEAR_OBJECTIVE_ROWS_BYTES = {"gpu": 2**30, "cpu": 16 * 2**20}
 # statistics (1/32 of its f32 [chunk, V_local] logits).
 LINEAR_KERNEL_STATS_BYTES = 256 * 2**20
 
+# Batch-invariant fused paths: (rows, columns) of every forward hidden @ weight matmul,
+# one shape per platform whatever the call (a matmul's rows and columns depend on its
+# shape, not on their neighbours or their position in it: tests/test_batch_invariant.py).
+# The forward holds one f32 [rows, V_local] chunk of logits.
+INVARIANT_MATMUL_TILE = {"gpu": (512, 8192), "cpu": (32, 128)}
+
 # The backends: "triton" is Pallas on Triton (JAX deprecates that backend), "mosaic" Pallas
 # on Mosaic GPU (Hopper). "pallas" is the old name of "triton".
 IMPLEMENTATIONS = ("xla", "triton", "mosaic")
@@ -98,6 +104,10 @@ def target(*arrays, mesh=None) -> Target:
 def backend(platform: str | None = None) -> str:
   """The budgets' key for ``platform`` (JAX's default backend when ``None``): ``"cpu"``,
   or ``"gpu"`` for every other platform."""
+  return _budget_key(platform)
+
+
+def _budget_key(platform):
   if platform is None:
     platform = jax.default_backend()
   return "cpu" if platform == "cpu" else "gpu"
@@ -184,9 +194,12 @@ def _multiple(size: int, multiple: int, total: int) -> int:
 
 
 def _unsupported(backend, *, target, dtypes, has_bias, has_keep, depth, num_tokens,
-                 num_columns):
+                 num_columns, batch_invariant):
   """Why ``backend``'s kernel cannot run a call (a sentence), or None: each backend's
   module says for itself."""
+  if backend != "xla" and batch_invariant:
+    return ("batch_invariant=True: the Pallas kernels sum in floating point, so a row's "
+            "bits depend on its chunk and shard; XLA takes the exact sums")
   if backend == "triton":
     return triton_rows.unsupported(dtypes=dtypes, has_keep=has_keep)
   if backend == "mosaic":
@@ -231,7 +244,7 @@ def make(operation: str, *, target: Target, implementation: str | None, num_toke
          num_columns: int, dtypes: tuple, depth: int | None = None, has_bias: bool = False,
          has_keep: bool = False, chunk_size: int | None = None,
          vocab_block_size: int | None = None, hidden_grad_accumulation: str = "float32",
-         backward_in_place: bool = False) -> Plan:
+         backward_in_place: bool = False, batch_invariant: bool = False) -> Plan:
   """The :class:`Plan` of one shard's call.
 
   Args:
@@ -243,8 +256,8 @@ def make(operation: str, *, target: Target, implementation: str | None, num_toke
     dtypes: the dtypes of the logits, or of hidden and the weight.
     depth, has_bias: the fused paths' ``D`` and whether a bias is added.
     has_keep: whether the call has kept sets (``keep=``).
-    chunk_size, vocab_block_size, hidden_grad_accumulation, backward_in_place: the
-      public options of the same names.
+    chunk_size, vocab_block_size, hidden_grad_accumulation, backward_in_place,
+      batch_invariant: the public options of the same names.
 
   Raises:
     ValueError: the requested implementation cannot run the call (the message says why).
@@ -253,10 +266,13 @@ def make(operation: str, *, target: Target, implementation: str | None, num_toke
     implementation = ALIASES.get(implementation, implementation)
   backend, reason = _backend(operation, implementation, target=target, dtypes=dtypes,
                              has_bias=has_bias, has_keep=has_keep, depth=depth,
-                             num_tokens=num_tokens, num_columns=num_columns)
-  common = dict(backend=backend, reason=reason, interpret=target.platform != "gpu",
-                num_cores=target.num_cores)
+                             num_tokens=num_tokens, num_columns=num_columns,
+                             batch_invariant=batch_invariant)
   platform = target.platform
+  common = dict(backend=backend, reason=reason, interpret=platform != "gpu",
+                num_cores=target.num_cores, batch_invariant=batch_invariant)
+  if batch_invariant and operation.startswith("linear"):
+    common.update(matmul_tile=INVARIANT_MATMUL_TILE[_budget_key(platform)])
   if operation == "logprobs_and_entropy":
     uses_chunks = backend == "xla" or backward_in_place
     chunk = logits_chunk(num_tokens, num_columns, chunk_size, platform) if uses_chunks else None
@@ -265,9 +281,10 @@ def make(operation: str, *, target: Target, implementation: str | None, num_toke
     chunk = None if backend == "triton" else logits_chunk(num_tokens, num_columns, chunk_size,
                                                           platform)
     plan = Plan(chunk=chunk, **common)
-  elif operation == "linear_token_loss":
-    plan = Plan(chunk=linear_objective_chunk(num_tokens, num_columns, chunk_size, platform),
-                **common)
+  elif operation == "linear_token_loss":  # (batch-invariant: the matmul's rows a chunk)
+    chunk = (common["matmul_tile"][0] if batch_invariant else
+             linear_objective_chunk(num_tokens, num_columns, chunk_size, platform))
+    plan = Plan(chunk=chunk, **common)
   else:
     tiles = linear_kernel_tiles if backend == "mosaic" else linear_tiles
     chunk, block = tiles(num_tokens, num_columns, chunk_size, vocab_block_size, platform)

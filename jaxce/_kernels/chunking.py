@@ -40,6 +40,15 @@ def write_fresh(buffer, rows, start, fresh, old=None):
   return lax.dynamic_update_slice_in_dim(buffer, jnp.where(fresh, rows, old), start, 0)
 
 
+def pad_rows(a, total: int, value=0):
+  """``a`` (``[T, ...]``, or None) with rows of ``value`` appended up to ``total`` rows: a
+  batch-invariant plan's matmul keeps its shape when a call has fewer tokens than its rows
+  (the padded tokens are ignored, ``valid`` padded with False)."""
+  if a is None or a.shape[0] >= total:
+    return a
+  return jnp.pad(a, [(0, total - a.shape[0])] + [(0, 0)] * (a.ndim - 1), constant_values=value)
+
+
 def unchunk(stacked, total: int):
   """``[n, C, ...]`` per-chunk results -> ``[total, ...]``, dropping the overlap.
 

@@ -30,6 +30,11 @@ class Plan(NamedTuple):
     interpret: run the Pallas kernels in JAX's interpreter (the call runs off GPUs).
     num_cores: streaming multiprocessors of the device (the Mosaic kernels' persistent
       grid).
+    batch_invariant: the forward statistics take exact sums (``softmax.exact_statistics``):
+      each token's bits depend on its own inputs only.
+    matmul_tile: with ``batch_invariant`` on the fused paths, ``(rows, columns)`` of every
+      forward ``hidden @ weight`` matmul, the same for every call on the platform (a
+      matmul's rows depend on its shape); else ``None``.
   """
   backend: str
   reason: str
@@ -39,6 +44,8 @@ class Plan(NamedTuple):
   backward_order: str | None = None
   interpret: bool = True
   num_cores: int = 4
+  batch_invariant: bool = False
+  matmul_tile: tuple[int, int] | None = None
 
 
 class Config(NamedTuple):

@@ -32,9 +32,41 @@ def tile_logits(hidden_rows, weight_cols, bias_cols, softcap, vocab_dim):
   x = contract(hidden_rows, weight_cols, 1, 1 - vocab_dim)
   if bias_cols is not None:
     x = x + bias_cols.astype(dtype)
-  if softcap is not None:
-    x = softcap * jnp.tanh(x / softcap)
-  return x
+  return cap(x, softcap)
+
+
+def cap(x, softcap):
+  """``softcap * tanh(x / softcap)``, or ``x`` when ``softcap`` is None."""
+  return x if softcap is None else softcap * jnp.tanh(x / softcap)
+
+
+def invariant_logits(hidden_rows, weight, bias, vocab_dim, block):
+  """``[C, V_local]`` f32 logits (before any softcap) of all of this shard's columns, by ``[C, D] @ [D, block]``
+  matmuls of one shape whatever ``V_local`` (a scan over the blocks; a ragged last block
+  clamped back, a weight narrower than ``block`` padded with zero columns): each logit's
+  bits then depend on its own row and column only (batch-invariant plans; ``C`` is the
+  plan's ``matmul_tile[0]``). Memory: the f32 ``[C, V_local]`` result."""
+  num_columns = weight.shape[vocab_dim]
+  width = max(num_columns, block)
+  if width > num_columns:
+    pad = [(0, 0), (0, 0)]
+    pad[vocab_dim] = (0, width - num_columns)
+    weight = jnp.pad(weight, pad)
+    bias = None if bias is None else jnp.pad(bias, (0, width - num_columns))
+
+  def write(out, j):
+    col = jnp.minimum(j * block, width - block)
+    cols = lambda a, dim: None if a is None else lax.dynamic_slice_in_dim(a, col, block, dim)
+    tile = tile_logits(hidden_rows, cols(weight, vocab_dim), cols(bias, 0), None, vocab_dim)
+    return lax.dynamic_update_slice_in_dim(out, tile, col, 1)
+
+  # The first block is written outside the loop: the carry then has the operands' type
+  # (varying over the mesh axes they vary over, inside shard_map).
+  dtype = dtypes(hidden_rows, weight)[1]
+  out = write(jnp.zeros((hidden_rows.shape[0], width), dtype), 0)
+  out, _ = lax.scan(lambda out, j: (write(out, j), None), out,
+                    jnp.arange(1, -(-width // block)))
+  return out[:, :num_columns]
 
 
 def logits_input_grad(dz, inv_temp, x, softcap, keep):

@@ -20,6 +20,12 @@ inputs' common dtype, as ``hidden @ weight`` would promote them; f32 accumulatio
   written once, and ``d W`` sums over the chunks in an f32 array like the weight, so
   nothing grows with T.
 
+A batch-invariant plan (``plan.batch_invariant``) runs the forward differently: chunks of
+``matmul_tile[0]`` tokens, each chunk's ``[C, V_local]`` logits by ``matmul_tile``-shaped
+matmuls (``head.invariant_logits``) and their exact statistics
+(``softmax.exact_statistics``), so
+each token's outputs are the same bits whatever the call around it.
+
 No ``[T, V]`` (or ``[T, V_local]``) buffer exists at any time. A ragged last chunk or
 block is clamped back inside the array; its overlap is masked so nothing counts twice.
 """
@@ -63,6 +69,8 @@ def _linear_logprobs_entropy(hidden, weight, bias, labels, inv_temp, valid, kept
 
 
 def _forward(hidden, weight, bias, labels, inv_temp, valid, kept, config):
+  if config.plan.batch_invariant:
+    return _invariant_forward(hidden, weight, bias, labels, inv_temp, valid, kept, config)
   num_tokens, num_columns = hidden.shape[0], weight.shape[config.vocab_dim]
   chunk, block = config.plan.chunk, config.plan.block
   n_blocks, n_chunks = _grid(num_tokens, num_columns, chunk, block)
@@ -113,6 +121,33 @@ def _forward(hidden, weight, bias, labels, inv_temp, valid, kept, config):
 
   (m, s, q, picked), _ = lax.scan(block_step, (m, s, q, picked), jnp.arange(n_blocks))
   return _finish_forward(m, s, q, picked, outer_labels, outer_valid, config)
+
+
+def _invariant_forward(hidden, weight, bias, labels, inv_temp, valid, kept, config):
+  """The batch-invariant forward: ``(outputs, (m, log s, entropy))`` as ``_forward``'s.
+  Chunks of ``matmul_tile[0]`` tokens (fewer tokens are padded with ignored zero rows, so
+  the matmul keeps its shape); each holds its f32 ``[C, V_local]`` logits."""
+  chunk, block = config.plan.matmul_tile
+  num_tokens, num_columns = hidden.shape[0], weight.shape[config.vocab_dim]
+  padded = max(num_tokens, chunk)
+  pad = lambda a, value=0: chunking.pad_rows(a, padded, value)
+  hidden, labels, inv_temp, valid, kept = (
+      pad(hidden), pad(labels), pad(inv_temp, 1), pad(valid, False), pad(kept))
+  shard_start = softmax.shard_column_start(num_columns, config.vocab_axis)
+
+  def step(_, i):
+    start = chunking.chunk_start(i, padded, chunk)
+    rows = lambda a: None if a is None else lax.dynamic_slice_in_dim(a, start, chunk, 0)
+    x = head.invariant_logits(rows(hidden), weight, bias, config.vocab_dim, block)
+    return None, softmax.exact_statistics(
+        x, rows(labels), rows(inv_temp), rows(valid), shard_start, config.vocab_size,
+        config.mask_vocab, config.vocab_axis, config.with_entropy, rows(kept), config.softcap)
+
+  _, stacked = lax.scan(step, None, jnp.arange(chunking.num_chunks(padded, chunk)))
+  logp, m, log_s, entropy = (None if s is None else chunking.unchunk(s, padded)[:num_tokens]
+                             for s in stacked)
+  out = (logp,) + ((entropy,) if config.with_entropy else ())
+  return out, (m, log_s, entropy)
 
 
 def _mosaic_statistics(hidden, weight, labels, inv_temp, carry, shard_start, config):

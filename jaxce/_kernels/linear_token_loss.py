@@ -51,14 +51,27 @@ def _run(objective, hidden, weight, bias, labels, inv_temp, valid, kept, token_a
   operand_dtype, dtype = head.dtypes(hidden, weight)
   column_start = softmax.shard_column_start(num_columns, config.vocab_axis)
   primals = (hidden, weight, bias)
+  if num_tokens < chunk:  # (batch-invariant plans only: the matmul keeps its rows)
+    pad = lambda a, value=0: chunking.pad_rows(a, chunk, value)
+    hidden, labels, inv_temp, valid, kept = (
+        pad(hidden), pad(labels), pad(inv_temp, 1), pad(valid, False), pad(kept))
+    token_args = tuple(pad(a) for a in token_args)
+  padded = hidden.shape[0]
 
   def step(carry, i):
-    start = chunking.chunk_start(i, num_tokens, chunk)
+    start = chunking.chunk_start(i, padded, chunk)
     take = lambda a: None if a is None else lax.dynamic_slice_in_dim(a, start, chunk, 0)
     h = take(hidden)
-    x = head.tile_logits(h, weight, bias, config.softcap, vocab_dim)
-    logp, shift, log_sum, entropy = rows.statistics(
-        x, take(labels), take(inv_temp), take(valid), column_start, config, take(kept))
+    if config.plan.matmul_tile is None:
+      x = head.tile_logits(h, weight, bias, config.softcap, vocab_dim)
+      logp, shift, log_sum, entropy = rows.statistics(
+          x, take(labels), take(inv_temp), take(valid), column_start, config, take(kept))
+    else:  # batch-invariant: matmuls of one shape (chunk = the tile's rows), exact sums
+      x = head.invariant_logits(h, weight, bias, vocab_dim, config.plan.matmul_tile[1])
+      logp, shift, log_sum, entropy = softmax.exact_statistics(
+          x, take(labels), take(inv_temp), take(valid), column_start, config.vocab_size,
+          config.mask_vocab, config.vocab_axis, config.with_entropy, take(kept), config.softcap)
+      x = head.cap(x, config.softcap)
     keep = take(valid) & chunking.fresh_rows(i, start, chunk)  # the overlap counts once
     loss, g_logp, g_entropy = objectives.terms_and_cotangents(
         objective, logp, entropy, [take(a) for a in token_args], keep, with_grads)
@@ -91,15 +104,15 @@ def _run(objective, hidden, weight, bias, labels, inv_temp, valid, kept, token_a
         (jnp.zeros(weight.shape, dtype), None if bias is None else jnp.zeros(bias.shape, dtype),
          hidden, weight, labels, inv_temp, valid), config.vocab_axis)[:2]
     carry = (jnp.zeros_like(hidden), d_weight, d_bias)
-  n_chunks = chunking.num_chunks(num_tokens, chunk)
+  n_chunks = chunking.num_chunks(padded, chunk)
   carry, (loss, logp, *entropy) = lax.scan(step, carry, jnp.arange(n_chunks))
-  logp = chunking.unchunk(logp, num_tokens)
-  entropy = chunking.unchunk(entropy[0], num_tokens) if entropy else None
+  logp = chunking.unchunk(logp, padded)[:num_tokens]
+  entropy = chunking.unchunk(entropy[0], padded)[:num_tokens] if entropy else None
   out = (jnp.sum(loss), (logp, entropy))
   if not with_grads:
     return out, None
   d_hidden, d_weight, d_bias = carry
-  grads = (d_hidden, d_weight.astype(primals[1].dtype),
+  grads = (d_hidden[:num_tokens], d_weight.astype(primals[1].dtype),
            None if d_bias is None else d_bias.astype(primals[2].dtype))
   # Zero-size slices carry each primal's type over shard_map axes to the backward, which
   # sums the scaled gradients over the axes the primal does not vary over.

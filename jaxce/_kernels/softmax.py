@@ -12,6 +12,14 @@ one pass over the tile; nothing here allocates more than the tile.
     logp  = psum(z[label]) - m - log s    z is near m, so log p is as accurate as the
     H     = log s - psum(sum_v exp(z - m) * (z - m)) / s        plain log_softmax
     dz    = g_logp * (onehot(label) - p) - g_H * p * (log p + H)
+
+Batch-invariant statistics (``exact_statistics``) take the same maths with sums that no
+order can change: m is a max (exact in any order); each term exp(z - m) in [0, 1] and
+-exp(z - m) (z - m) in [0, 1/e] is cut into ``LIMB_BITS``-bit integer limbs (exactly,
+down to 2^-(mantissa + 24)), and the limbs are summed in int32 (exact in any order, on
+any number of shards: ``psum``); only then are they turned back into one float. So a
+row's ``m``, ``s``, ``q`` depend on its own logits alone: not on the other rows, the
+chunk, the tile or the number of vocab shards.
 """
 
 from __future__ import annotations
@@ -102,6 +110,91 @@ def tile_sums(z, m, with_entropy):
     # exp(-inf) * -inf is NaN; such columns contribute exactly 0.
     sums += (jnp.sum(jnp.where(e > 0, e * shifted, 0), axis=-1),)
   return sums
+
+
+# Bits per int32 limb of the exact sums: every limb of a term is < 2^(LIMB_BITS + 1), so
+# 2^(30 - LIMB_BITS) = 2^20 columns (the whole vocabulary, all shards) sum without overflow.
+LIMB_BITS = 10
+MAX_EXACT_COLUMNS = 2 ** (30 - LIMB_BITS)
+
+
+def _fraction_bits(dtype) -> int:
+  """Bits kept below the binary point of each exact term: the dtype's mantissa and 24
+  more, so the sum of up to 2^20 truncated terms is off by < 2^-(mantissa + 4) of
+  ``s >= 1``."""
+  return jnp.finfo(dtype).nmant + 1 + 24
+
+
+def _limb_sums(t, dtype):
+  """``[C, L]`` int32: row sums of the limbs of ``t [C, V]`` in ``[0, 1]`` (most significant
+  first): ``t`` cut at ``_fraction_bits`` bits below the point, ``LIMB_BITS`` bits a limb
+  (the first holds the integer part too). Each step is exact in floating point; each
+  limb is its own row sum (one fused pass over ``t``, nothing ``[C, V, L]`` in memory)."""
+  sums = []
+  rest = t
+  for _ in range(-(-_fraction_bits(dtype) // LIMB_BITS)):
+    rest = rest * (2.0 ** LIMB_BITS)
+    part = jnp.floor(rest)
+    rest = rest - part
+    sums.append(jnp.sum(part.astype(jnp.int32), axis=1, dtype=jnp.int32))
+  return jnp.stack(sums, axis=-1)
+
+
+def _from_limbs(limbs, dtype):
+  """``[C]`` float from ``[C, L]`` summed limbs: least significant first, one fixed order."""
+  value = jnp.zeros(limbs.shape[:-1], dtype)
+  for k in range(limbs.shape[-1] - 1, -1, -1):
+    value = (value + limbs[:, k].astype(dtype)) * (2.0 ** -LIMB_BITS)
+  return value
+
+
+def exact_statistics(x, labels, inv_temp, valid, column_start, vocab_size, mask_vocab,
+                     vocab_axis, with_entropy, kept=None, softcap=None):
+  """:func:`chunk_statistics` with batch-invariant sums (the module doc): each row's
+  outputs depend on its own logits alone, whatever the chunk, tile or shard count.
+
+  ``x`` is ``[C, V_local]``; with ``softcap`` (the fused paths) the logits before it, and
+  the statistics are of ``softcap * tanh(x / softcap) * inv_temp``. Every product that
+  feeds a sum is exact or reaches it through a function (exp), so no compiler's choice to
+  fuse a multiply and an add (FMA) into one rounding can change a bit:
+
+      u = x, or tanh(x / c);  scale = inv_temp, or c * inv_temp
+      d = (u - max u) * scale     (<= 0)     the label's d is a one-hot sum, not a gather
+      s = sum exp(d),  -q = sum -exp(d) d    exact sums (int32 limbs), then one float each
+
+  Returns ``(logp, m, log s, entropy or None)`` as :func:`chunk_statistics`, with
+  ``m = max u * scale`` (the backward's shift). One pmax, one psum over ``vocab_axis``.
+  """
+  dtype = compute_dtype(x.dtype)
+  u, scale = x.astype(dtype), inv_temp.astype(dtype)
+  if softcap is not None:
+    u, scale = jnp.tanh(u / softcap), scale * softcap
+  if kept is not None:
+    kept = kept_columns(kept, 0, x.shape[1], labels - column_start)
+  u = scaled_logits(u, jnp.ones_like(scale), column_start, mask_vocab, kept=kept)  # (masks)
+  u_max = row_max(u, vocab_axis)
+  d = (u - u_max[:, None]) * scale[:, None]
+  e = jnp.exp(d)
+  hit = column_start + lax.broadcasted_iota(jnp.int32, d.shape, 1) == labels[:, None]
+  label_d = jnp.sum(jnp.where(hit, d, 0), axis=1)  # one term or none: exact
+  sums = (_exact_sum(e), _exact_sum(jnp.where(e > 0, -(e * d), 0)) if with_entropy else None)
+  if vocab_axis is not None:
+    sums, label_d = lax.psum((sums, label_d), vocab_axis)
+  total = lambda sums: _from_limbs(sums[0], dtype) + sums[1]
+  s = total(sums[0])
+  log_s, entropy = finish_statistics(s, None if sums[1] is None else -total(sums[1]))
+  logp, entropy_out = finish_outputs(label_d - log_s, entropy, labels, valid, vocab_size)
+  return logp, u_max * scale, log_s, entropy_out
+
+
+def _exact_sum(terms):
+  """``([C, L] int32 limb sums of the finite terms of each row, [C] float sum of the
+  others)``: the finite terms lie in ``[0, 1]``; the others (a row with +inf or NaN logits)
+  are only infinities and NaN, so their float sum is exact in any order too and the row
+  stays inf / NaN as with float sums."""
+  finite = jnp.isfinite(terms)
+  limbs = _limb_sums(jnp.where(finite, terms, 0), terms.dtype)
+  return limbs, jnp.sum(jnp.where(finite, 0, terms), axis=1)
 
 
 def finish_statistics(sum_exp, sum_exp_shifted):
@@ -199,8 +292,7 @@ def chunk_statistics(x, labels, inv_temp, valid, column_start, vocab_size, mask_
   z = scaled_logits(x, inv_temp, column_start, mask_vocab, kept=kept)
   picked = label_logit(x, labels, inv_temp, column_start)
   m = row_max(z, vocab_axis)
-  sums = tile_sums(z, m, with_entropy)
-  reduced = jnp.stack(sums + (picked,))
+  reduced = jnp.stack(tile_sums(z, m, with_entropy) + (picked,))
   if vocab_axis is not None:
     reduced = lax.psum(reduced, vocab_axis)
   log_s, entropy = finish_statistics(reduced[0], reduced[1] if with_entropy else None)

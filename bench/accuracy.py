@@ -33,8 +33,8 @@ from bench.configs import Config
 
 PREFIX = "ACCURACY "
 T, V, D = 512, 151936, 4096
-IMPLS = ("jaxce", "jaxce:objective", "jax_plain", "jax_scan_remat", "tokamax:xla",
-         "tokamax:chunked_xla", "torch_eager", "liger_flsce", "liger", "cce")
+IMPLS = ("jaxce", "jaxce:batch_invariant", "jaxce:objective", "jax_plain", "jax_scan_remat",
+         "tokamax:xla", "tokamax:chunked_xla", "torch_eager", "liger_flsce", "liger", "cce")
 DEFINITION = (
     "logp, entropy: max over tokens of |value - float64 value| (nats); d hidden, d W: max "
     "|gradient - float64 gradient| / max |float64 gradient|, of sum(adv * logp) + c * sum(H) "

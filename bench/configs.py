@@ -105,8 +105,8 @@ IMPLEMENTATION_VARIANTS = ("xla", "pallas")
 # tokamax rows name the implementation they ask for (tokamax 0.0.17 has both on GPU).
 TOKAMAX_VARIANTS = ("xla", "chunked_xla")
 OBJECTIVE_VARIANTS = ("objective", "grpo", "objective_grpo")
-VARIANTS = ("default", "logp_only", "hidden_grad_output") + IN_PLACE_VARIANTS + \
-    TRAIN_STEP_VARIANTS + IMPLEMENTATION_VARIANTS + ("chunked_xla",) + OBJECTIVE_VARIANTS
+VARIANTS = ("default", "logp_only", "hidden_grad_output", "batch_invariant") + \
+    IN_PLACE_VARIANTS + TRAIN_STEP_VARIANTS + IMPLEMENTATION_VARIANTS + ("chunked_xla",) + OBJECTIVE_VARIANTS
 GRPO_NOTE = ("GRPO: clip 0.2 / 0.28, k3 KL to a reference with beta 0.04, entropy bonus 0.01, "
              "sequence-mean-token-mean over sequences of 1024 tokens")
 MODES = ("fwd", "fwd_bwd")
@@ -187,6 +187,8 @@ class Config:
         self.mode != "fwd_bwd" or self.n_devices != 1 or self.impl not in (
             ("jaxce", "jax_plain") if self.variant == "grpo" else ("jaxce",))):
       return f"{self.variant} is a one-device fwd_bwd variant of jaxce (grpo: or jax_plain)"
+    if self.variant == "batch_invariant" and self.impl != "jaxce":
+      return "batch_invariant is a jaxce variant"
     if self.variant == "logp_only" and self.impl in LOGP_ONLY_IMPLS:
       return "already log-prob only"
     if self.input == "linear" and not self.D:
@@ -265,11 +267,11 @@ def _gpu_variant_groups(Ts):
   """jaxce's own variants and backends on one GPU (the levers), and the secondary
   baselines (scan + remat, optax, the train step with the logits as an intermediate)."""
   return [
-      Group("logits", ("jaxce:xla",), Ts, _GPU_V),
+      Group("logits", ("jaxce:xla", "jaxce:batch_invariant"), Ts, _GPU_V),
       Group("logits", ("jaxce:inplace_grad", "jaxce:inplace_loop", "jax_scan_remat",
                        "optax"), Ts, _GPU_V, **_BWD),
       # The fused forward before its Mosaic GPU kernel (Triton statistics of XLA tiles).
-      Group("linear", ("jaxce:pallas",), Ts, _GPU_V, _GPU_D),
+      Group("linear", ("jaxce:pallas", "jaxce:batch_invariant"), Ts, _GPU_V, _GPU_D),
       Group("linear", ("jaxce:logp_only", "jaxce:xla", "jax_scan_remat", "jaxce:train_step",
                        "jaxce:train_step_loop", "jax_plain:train_step"), Ts, _GPU_V, _GPU_D,
             **_BWD),
@@ -297,8 +299,10 @@ SUITES = {
                          "jaxce:xla", "jax_scan_remat", "optax"), (200,), 1000, **_BWD),
         Group("linear", ("jaxce", "jax_plain", "jaxce:train_step", "jaxce:train_step_loop",
                          "jax_plain:train_step"), (200,), 1000, 32),
-        Group("logits", ("jaxce", "jax_plain"), (200,), 1000, n_devices=2, **_BWD),
-        Group("linear", ("jaxce",), (200,), 1000, 32, n_devices=2, **_BWD),
+        Group("logits", ("jaxce", "jax_plain", "jaxce:batch_invariant"), (200,), 1000,
+              n_devices=2, **_BWD),
+        Group("linear", ("jaxce", "jaxce:batch_invariant"), (200,), 1000, 32, n_devices=2,
+              **_BWD),
         Group("linear", ("jaxce:objective_grpo", "jaxce:grpo", "jax_plain:grpo"), (200,), 1000,
               32, **_BWD),
         Group("logits", ("jaxce:objective",), (200,), 1000, **_BWD),

@@ -139,7 +139,8 @@ def _planned_chunk(config, num_columns, kw, linear=False):
 def _options_note(kw) -> str:
   """The non-default jaxce options of a variant, for the row's ``note``."""
   return ", ".join(f"{k}={v!r}" for k, v in kw.items()
-                   if k in ("backward_in_place", "implementation", "hidden_grad_accumulation"))
+                   if k in ("backward_in_place", "implementation", "hidden_grad_accumulation",
+                            "batch_invariant"))
 
 
 def _per_token_fn(config: Config, mesh: Mesh, n_devices: int):
@@ -158,6 +159,8 @@ def _per_token_fn(config: Config, mesh: Mesh, n_devices: int):
     kw["implementation"] = config.variant
   if config.variant == "hidden_grad_output":
     kw["hidden_grad_accumulation"] = "output"
+  if config.variant == "batch_invariant":
+    kw["batch_invariant"] = True
   if config.variant in TRAIN_STEP_VARIANTS:
     if impl == "jaxce":
       fn = jaxce.sharded_logprobs_and_entropy if sharded else jaxce.logprobs_and_entropy

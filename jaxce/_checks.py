@@ -288,11 +288,8 @@ def broadcast_token_array(value, shape, dtype):
 
 
 def inverse_temperature(temperature, shape, dtype=jnp.float32):
-  """``[*shape]`` 1/T in ``dtype`` (the compute dtype) with no gradient, rounded once
-  here: the barrier keeps XLA from folding ``x * (1 / T)`` into ``x / T`` inside a caller's
-  jit (other bits than the same call run eagerly)."""
-  inv = 1.0 / broadcast_token_array(temperature, shape, dtype)
-  return lax.stop_gradient(lax.optimization_barrier(inv))
+  """``[*shape]`` 1/T in ``dtype`` (the compute dtype) with no gradient."""
+  return lax.stop_gradient(1.0 / broadcast_token_array(temperature, shape, dtype))
 
 
 def valid_mask(labels, where):

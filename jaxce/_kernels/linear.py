@@ -23,8 +23,8 @@ inputs' common dtype, as ``hidden @ weight`` would promote them; f32 accumulatio
 A batch-invariant plan (``plan.batch_invariant``) runs the forward differently: chunks of
 ``matmul_tile[0]`` tokens, each chunk's ``[C, V_local]`` logits by ``matmul_tile``-shaped
 matmuls (``head.invariant_logits``) and their exact statistics
-(``softmax.exact_statistics``), so
-each token's outputs are the same bits whatever the call around it.
+(``softmax.exact_statistics``), so each token's outputs are the same bits whatever the
+call around it.
 
 No ``[T, V]`` (or ``[T, V_local]``) buffer exists at any time. A ragged last chunk or
 block is clamped back inside the array; its overlap is masked so nothing counts twice.

@@ -292,7 +292,8 @@ def chunk_statistics(x, labels, inv_temp, valid, column_start, vocab_size, mask_
   z = scaled_logits(x, inv_temp, column_start, mask_vocab, kept=kept)
   picked = label_logit(x, labels, inv_temp, column_start)
   m = row_max(z, vocab_axis)
-  reduced = jnp.stack(tile_sums(z, m, with_entropy) + (picked,))
+  sums = tile_sums(z, m, with_entropy)
+  reduced = jnp.stack(sums + (picked,))
   if vocab_axis is not None:
     reduced = lax.psum(reduced, vocab_axis)
   log_s, entropy = finish_statistics(reduced[0], reduced[1] if with_entropy else None)

@@ -1,6 +1,7 @@
 """``batch_invariant=True`` on a GPU: the bitwise checks (a token's ``logp`` and
 ``entropy`` alone, among T = 8192 and among T = 32768 tokens, forward only and inside
-``value_and_grad``) and the bench rows (fwd+bwd time and the plan's temporary memory
+``value_and_grad``, and in a second process: XLA autotunes each matmul shape per
+process) and the bench rows (fwd+bwd time and the plan's temporary memory
 against the default and XLA in the same process), fused and logits paths.
 
     python -m scripts.gpu_batch_invariant              # JSON lines, and $OUT/batch_invariant.json
@@ -12,6 +13,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
+import sys
+import tempfile
 
 import jax
 import jax.numpy as jnp
@@ -30,6 +34,7 @@ def main():
   parser.add_argument("--vocab", type=int, default=151936)
   parser.add_argument("--logits-tokens", type=int, default=8192)
   parser.add_argument("--repeats", type=int, default=5)
+  parser.add_argument("--probe-only", help="write the probes' bits (.npz) here and stop")
   args = parser.parse_args()
   k1, k2, k3, k4 = jax.random.split(jax.random.key(0), 4)
   t, d, v = args.tokens, args.dim, args.vocab
@@ -48,9 +53,23 @@ def main():
                                   for x in a), labels[:count], **kw))(*arrays)
     return [np.asarray(o)[:PROBES].view(np.uint32) for o in out]
 
+  if args.probe_only:
+    np.savez(args.probe_only, **{
+        f"{path}_{k}": bits for path, (fn, arrays, tokens) in paths.items()
+        for k, bits in enumerate(rows_of(fn, arrays, tokens, batch_invariant=True))})
+    return
+  with tempfile.TemporaryDirectory() as tmp:  # the same call in a fresh process
+    other = os.path.join(tmp, "probes.npz")
+    subprocess.run([sys.executable, "-m", "scripts.gpu_batch_invariant", *sys.argv[1:],
+                    "--probe-only", other], check=True)
+    other = dict(np.load(other))
   checks = []
   for path, (fn, arrays, tokens) in paths.items():
     want = rows_of(fn, arrays, PROBES, batch_invariant=True)
+    same = all(np.array_equal(other[f"{path}_{k}"], w) for k, w in enumerate(want))
+    checks.append(dict(path=path, tokens=tokens, other_process=True,
+                       same_bits_as_alone=bool(same)))
+    print(json.dumps(checks[-1]), flush=True)
     for count in sorted({1, min(8192, tokens), tokens}):
       got = rows_of(fn, arrays, count, batch_invariant=True)
       same = all(np.array_equal(g[:min(count, PROBES)], w[:min(count, PROBES)])

@@ -106,7 +106,8 @@ IMPLEMENTATION_VARIANTS = ("xla", "pallas")
 TOKAMAX_VARIANTS = ("xla", "chunked_xla")
 OBJECTIVE_VARIANTS = ("objective", "grpo", "objective_grpo")
 VARIANTS = ("default", "logp_only", "hidden_grad_output", "batch_invariant") + \
-    IN_PLACE_VARIANTS + TRAIN_STEP_VARIANTS + IMPLEMENTATION_VARIANTS + ("chunked_xla",) + OBJECTIVE_VARIANTS
+    IN_PLACE_VARIANTS + TRAIN_STEP_VARIANTS + IMPLEMENTATION_VARIANTS + ("chunked_xla",) + \
+    OBJECTIVE_VARIANTS
 GRPO_NOTE = ("GRPO: clip 0.2 / 0.28, k3 KL to a reference with beta 0.04, entropy bonus 0.01, "
              "sequence-mean-token-mean over sequences of 1024 tokens")
 MODES = ("fwd", "fwd_bwd")

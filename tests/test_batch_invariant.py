@@ -280,7 +280,8 @@ def test_too_many_columns_is_an_error():
 
 def test_the_planner_says_why_xla():
   h = jax.ShapeDtypeStruct((512, 64), jnp.bfloat16)
-  w, labels = jax.ShapeDtypeStruct((64, 1024), jnp.bfloat16), jax.ShapeDtypeStruct((512,), jnp.int32)
+  w = jax.ShapeDtypeStruct((64, 1024), jnp.bfloat16)
+  labels = jax.ShapeDtypeStruct((512,), jnp.int32)
   got = jaxce.plan.of(jaxce.linear_logprobs_and_entropy, h, w, labels, batch_invariant=True)
   assert got.backend == "xla" and got.batch_invariant
   assert got.matmul_tile == jaxce.plan.INVARIANT_MATMUL_TILE["cpu"]

@@ -289,3 +289,25 @@ def test_the_planner_says_why_xla():
     with pytest.raises(ValueError, match="batch_invariant=True"):
       jaxce.plan.of(jaxce.linear_logprobs_and_entropy, h, w, labels, batch_invariant=True,
                     implementation=implementation)
+
+
+@pytest.mark.parametrize("path", ["token_loss", "linear_token_loss"])
+def test_objective_paths_on_8_vocab_shards(path):
+  """``sharded_token_loss`` / ``sharded_linear_token_loss`` over 8 devices give the
+  per-token path's bits on one device."""
+  positions = [6, 0, 3, 1, 5]
+  rows = _batch(7, positions)
+  mesh = Mesh(np.array(devices(8)), ("v",))
+  kw = dict(temperature=rows["temperature"], where=rows["where"], vocab_size=VOCAB,
+            batch_invariant=True, mesh=mesh, vocab_axis="v")
+  objective = lambda logp, entropy, adv: -adv * logp - 0.01 * entropy
+  if path == "token_loss":
+    _, out = jaxce.sharded_token_loss(objective, jnp.asarray(rows["logits"], jnp.bfloat16),
+                                      rows["labels"], rows["adv"], **kw)
+    want = _call("logits", PROBE)
+  else:
+    _, out = jaxce.sharded_linear_token_loss(
+        objective, jnp.asarray(rows["hidden"], jnp.bfloat16), WEIGHT, rows["labels"],
+        rows["adv"], logit_softcap=SOFTCAP, **kw)
+    want = _call("fused", PROBE)
+  _same(_bits(out, positions), _bits(want, slice(None)), f"{path} on 8 shards")

@@ -104,10 +104,6 @@ def target(*arrays, mesh=None) -> Target:
 def backend(platform: str | None = None) -> str:
   """The budgets' key for ``platform`` (JAX's default backend when ``None``): ``"cpu"``,
   or ``"gpu"`` for every other platform."""
-  return _budget_key(platform)
-
-
-def _budget_key(platform):
   if platform is None:
     platform = jax.default_backend()
   return "cpu" if platform == "cpu" else "gpu"
@@ -264,33 +260,35 @@ def make(operation: str, *, target: Target, implementation: str | None, num_toke
   """
   if implementation is not None:
     implementation = ALIASES.get(implementation, implementation)
-  backend, reason = _backend(operation, implementation, target=target, dtypes=dtypes,
+  matmul_tile = None
+  if batch_invariant and operation.startswith("linear"):
+    matmul_tile = INVARIANT_MATMUL_TILE[backend(target.platform)]
+  chosen, reason = _backend(operation, implementation, target=target, dtypes=dtypes,
                              has_bias=has_bias, has_keep=has_keep, depth=depth,
                              num_tokens=num_tokens, num_columns=num_columns,
                              batch_invariant=batch_invariant)
   platform = target.platform
-  common = dict(backend=backend, reason=reason, interpret=platform != "gpu",
-                num_cores=target.num_cores, batch_invariant=batch_invariant)
-  if batch_invariant and operation.startswith("linear"):
-    common.update(matmul_tile=INVARIANT_MATMUL_TILE[_budget_key(platform)])
+  common = dict(backend=chosen, reason=reason, interpret=platform != "gpu",
+                num_cores=target.num_cores, batch_invariant=batch_invariant,
+                matmul_tile=matmul_tile)
   if operation == "logprobs_and_entropy":
-    uses_chunks = backend == "xla" or backward_in_place
+    uses_chunks = chosen == "xla" or backward_in_place
     chunk = logits_chunk(num_tokens, num_columns, chunk_size, platform) if uses_chunks else None
     plan = Plan(chunk=chunk, **common)
   elif operation == "token_loss":
-    chunk = None if backend == "triton" else logits_chunk(num_tokens, num_columns, chunk_size,
+    chunk = None if chosen == "triton" else logits_chunk(num_tokens, num_columns, chunk_size,
                                                           platform)
     plan = Plan(chunk=chunk, **common)
   elif operation == "linear_token_loss":  # (batch-invariant: the matmul's rows a chunk)
-    chunk = (common["matmul_tile"][0] if batch_invariant else
+    chunk = (matmul_tile[0] if batch_invariant else
              linear_objective_chunk(num_tokens, num_columns, chunk_size, platform))
     plan = Plan(chunk=chunk, **common)
   else:
-    tiles = linear_kernel_tiles if backend == "mosaic" else linear_tiles
+    tiles = linear_kernel_tiles if chosen == "mosaic" else linear_tiles
     chunk, block = tiles(num_tokens, num_columns, chunk_size, vocab_block_size, platform)
     plan = Plan(chunk=chunk, block=block,
                 kernel_chunk=(linear_kernel_chunk(num_tokens, num_columns)
-                              if backend == "mosaic" else None),
+                              if chosen == "mosaic" else None),
                 backward_order=linear_backward_order(num_tokens, num_columns,
                                                      hidden_grad_accumulation), **common)
   if _recorded is not None:

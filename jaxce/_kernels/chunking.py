@@ -40,13 +40,18 @@ def write_fresh(buffer, rows, start, fresh, old=None):
   return lax.dynamic_update_slice_in_dim(buffer, jnp.where(fresh, rows, old), start, 0)
 
 
-def pad_rows(a, total: int, value=0):
-  """``a`` (``[T, ...]``, or None) with rows of ``value`` appended up to ``total`` rows: a
-  batch-invariant plan's matmul keeps its shape when a call has fewer tokens than its rows
-  (the padded tokens are ignored, ``valid`` padded with False)."""
-  if a is None or a.shape[0] >= total:
-    return a
-  return jnp.pad(a, [(0, total - a.shape[0])] + [(0, 0)] * (a.ndim - 1), constant_values=value)
+def pad_tokens(total: int, hidden, labels, inv_temp, valid, kept, token_args=()):
+  """The per-token arrays (``[T, ...]``; ``kept`` may be None) with rows appended up to
+  ``total``: zeros, temperature 1 and ``valid`` False, so the padded tokens are ignored. A
+  batch-invariant plan's matmul keeps its shape when a call has fewer tokens than its
+  rows. Returns ``(hidden, labels, inv_temp, valid, kept, token_args)``."""
+  def pad(a, value=0):
+    if a is None or a.shape[0] >= total:
+      return a
+    return jnp.pad(a, [(0, total - a.shape[0])] + [(0, 0)] * (a.ndim - 1),
+                   constant_values=value)
+  return (pad(hidden), pad(labels), pad(inv_temp, 1), pad(valid, False), pad(kept),
+          tuple(pad(a) for a in token_args))
 
 
 def unchunk(stacked, total: int):

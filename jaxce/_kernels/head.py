@@ -43,8 +43,8 @@ def cap(x, softcap):
 def invariant_logits(hidden_rows, weight, bias, vocab_dim, block):
   """``[C, V_local]`` f32 logits (before any softcap) of all of this shard's columns, by
   ``[C, D] @ [D, block]`` matmuls of one shape whatever ``V_local`` (a scan over the
-  blocks; a ragged last block
-  clamped back, a weight narrower than ``block`` padded with zero columns): each logit's
+  blocks; a ragged last block clamped back, a weight narrower than ``block`` padded with
+  zero columns): each logit's
   bits then depend on its own row and column only (batch-invariant plans; ``C`` is the
   plan's ``matmul_tile[0]``). Memory: the f32 ``[C, V_local]`` result."""
   num_columns = weight.shape[vocab_dim]

@@ -23,7 +23,7 @@ inputs' common dtype, as ``hidden @ weight`` would promote them; f32 accumulatio
 A batch-invariant plan (``plan.batch_invariant``) runs the forward differently: chunks of
 ``matmul_tile[0]`` tokens, each chunk's ``[C, V_local]`` logits by ``matmul_tile``-shaped
 matmuls (``head.invariant_logits``) and their exact statistics
-(``softmax.exact_statistics``), so each token's outputs are the same bits whatever the
+(``rows.statistics``), so each token's outputs are the same bits whatever the
 call around it.
 
 No ``[T, V]`` (or ``[T, V_local]``) buffer exists at any time. A ragged last chunk or
@@ -38,6 +38,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxce._kernels import chunking, head, mosaic_head, plumbing, softmax, triton_rows
+from jaxce._kernels import rows as logits_rows
 from jaxce._kernels.config import Config
 
 
@@ -130,18 +131,16 @@ def _invariant_forward(hidden, weight, bias, labels, inv_temp, valid, kept, conf
   chunk, block = config.plan.matmul_tile
   num_tokens, num_columns = hidden.shape[0], weight.shape[config.vocab_dim]
   padded = max(num_tokens, chunk)
-  pad = lambda a, value=0: chunking.pad_rows(a, padded, value)
-  hidden, labels, inv_temp, valid, kept = (
-      pad(hidden), pad(labels), pad(inv_temp, 1), pad(valid, False), pad(kept))
+  hidden, labels, inv_temp, valid, kept, _ = chunking.pad_tokens(
+      padded, hidden, labels, inv_temp, valid, kept)
   shard_start = softmax.shard_column_start(num_columns, config.vocab_axis)
 
   def step(_, i):
     start = chunking.chunk_start(i, padded, chunk)
     rows = lambda a: None if a is None else lax.dynamic_slice_in_dim(a, start, chunk, 0)
     x = head.invariant_logits(rows(hidden), weight, bias, config.vocab_dim, block)
-    return None, softmax.exact_statistics(
-        x, rows(labels), rows(inv_temp), rows(valid), shard_start, config.vocab_size,
-        config.mask_vocab, config.vocab_axis, config.with_entropy, rows(kept), config.softcap)
+    return None, logits_rows.statistics(x, rows(labels), rows(inv_temp), rows(valid),
+                                        shard_start, config, rows(kept))
 
   _, stacked = lax.scan(step, None, jnp.arange(chunking.num_chunks(padded, chunk)))
   logp, m, log_s, entropy = (None if s is None else chunking.unchunk(s, padded)[:num_tokens]

@@ -51,11 +51,9 @@ def _run(objective, hidden, weight, bias, labels, inv_temp, valid, kept, token_a
   operand_dtype, dtype = head.dtypes(hidden, weight)
   column_start = softmax.shard_column_start(num_columns, config.vocab_axis)
   primals = (hidden, weight, bias)
-  if num_tokens < chunk:  # (batch-invariant plans only: the matmul keeps its rows)
-    pad = lambda a, value=0: chunking.pad_rows(a, chunk, value)
-    hidden, labels, inv_temp, valid, kept = (
-        pad(hidden), pad(labels), pad(inv_temp, 1), pad(valid, False), pad(kept))
-    token_args = tuple(pad(a) for a in token_args)
+  # (fewer tokens than a chunk: batch-invariant plans only, the matmul keeps its rows)
+  hidden, labels, inv_temp, valid, kept, token_args = chunking.pad_tokens(
+      chunk, hidden, labels, inv_temp, valid, kept, token_args)
   padded = hidden.shape[0]
 
   def step(carry, i):
@@ -64,13 +62,11 @@ def _run(objective, hidden, weight, bias, labels, inv_temp, valid, kept, token_a
     h = take(hidden)
     if config.plan.matmul_tile is None:
       x = head.tile_logits(h, weight, bias, config.softcap, vocab_dim)
-      logp, shift, log_sum, entropy = rows.statistics(
-          x, take(labels), take(inv_temp), take(valid), column_start, config, take(kept))
-    else:  # batch-invariant: matmuls of one shape (chunk = the tile's rows), exact sums
+    else:  # batch-invariant: matmuls of one shape (chunk = the tile's rows), no softcap yet
       x = head.invariant_logits(h, weight, bias, vocab_dim, config.plan.matmul_tile[1])
-      logp, shift, log_sum, entropy = softmax.exact_statistics(
-          x, take(labels), take(inv_temp), take(valid), column_start, config.vocab_size,
-          config.mask_vocab, config.vocab_axis, config.with_entropy, take(kept), config.softcap)
+    logp, shift, log_sum, entropy = rows.statistics(
+        x, take(labels), take(inv_temp), take(valid), column_start, config, take(kept))
+    if config.plan.matmul_tile is not None:  # (the exact statistics applied it themselves)
       x = head.cap(x, config.softcap)
     keep = take(valid) & chunking.fresh_rows(i, start, chunk)  # the overlap counts once
     loss, g_logp, g_entropy = objectives.terms_and_cotangents(

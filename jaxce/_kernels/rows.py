@@ -15,14 +15,18 @@ def statistics(x, labels, inv_temp, valid, column_start, config, kept=None):
   """``(logp, m, log s, entropy or None)``, ``[C]`` each, of the rows ``x [C, V_local]``
   (``labels`` int32, ``inv_temp``, ``valid`` bool ``[C]``; ``column_start`` the global id
   of ``x``'s first column; ``kept`` the rows' packed kept sets ``[C, V_local / 32]`` or
-  None): ``softmax.chunk_statistics`` (``exact_statistics`` when the plan is
-  batch-invariant), or with the ``"triton"`` backend (no kept sets)
-  the row statistics by the one-pass kernel. One pmax and one psum over the vocab axis."""
+  None): ``softmax.chunk_statistics``, or with the ``"triton"`` backend (no kept sets)
+  the row statistics by the one-pass kernel, or, when the plan is batch-invariant,
+  ``softmax.exact_statistics`` (then ``x`` is the logits before ``config.softcap``, which
+  it applies). One pmax and one psum over the vocab axis."""
+  if config.plan.batch_invariant:
+    return softmax.exact_statistics(x, labels, inv_temp, valid, column_start,
+                                    config.vocab_size, config.mask_vocab, config.vocab_axis,
+                                    config.with_entropy, kept, config.softcap)
   if config.plan.backend != "triton":
-    statistics = (softmax.exact_statistics if config.plan.batch_invariant
-                  else softmax.chunk_statistics)
-    return statistics(x, labels, inv_temp, valid, column_start, config.vocab_size,
-                      config.mask_vocab, config.vocab_axis, config.with_entropy, kept)
+    return softmax.chunk_statistics(x, labels, inv_temp, valid, column_start,
+                                    config.vocab_size, config.mask_vocab, config.vocab_axis,
+                                    config.with_entropy, kept)
   limit = softmax.column_limit(config.mask_vocab, column_start, x.shape[1])
   m, s, q = triton_rows.row_statistics(x, inv_temp, limit, config.with_entropy,
                                        interpret=config.plan.interpret)

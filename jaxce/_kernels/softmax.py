@@ -54,6 +54,12 @@ def scaled_logits(x, inv_temp, column_start, vocab_size, first_column=None, kept
     ``[C, V_tile]`` z in the compute dtype (fused; not materialized on its own).
   """
   z = x.astype(compute_dtype(x.dtype)) * inv_temp[:, None].astype(compute_dtype(x.dtype))
+  return masked(z, column_start, vocab_size, first_column, kept)
+
+
+def masked(z, column_start, vocab_size, first_column=None, kept=None):
+  """``z [C, V_tile]`` with the excluded columns set to -inf (the arguments as in
+  :func:`scaled_logits`)."""
   column_ids = column_start + lax.broadcasted_iota(jnp.int32, z.shape, 1)
   if vocab_size is not None:
     z = jnp.where(column_ids < vocab_size, z, -jnp.inf)
@@ -171,7 +177,7 @@ def exact_statistics(x, labels, inv_temp, valid, column_start, vocab_size, mask_
     u, scale = jnp.tanh(u / softcap), scale * softcap
   if kept is not None:
     kept = kept_columns(kept, 0, x.shape[1], labels - column_start)
-  u = scaled_logits(u, jnp.ones_like(scale), column_start, mask_vocab, kept=kept)  # (masks)
+  u = masked(u, column_start, mask_vocab, kept=kept)
   u_max = row_max(u, vocab_axis)
   d = (u - u_max[:, None]) * scale[:, None]
   e = jnp.exp(d)

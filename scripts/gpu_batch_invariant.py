@@ -10,7 +10,6 @@ against the default and XLA in the same process), fused and logits paths.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
@@ -22,28 +21,19 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxce
-from bench.timing import time_ms
+from scripts import _fused_rows
 
 PROBES = 8
 
 
 def main():
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--tokens", type=int, default=32768)
-  parser.add_argument("--dim", type=int, default=4096)
-  parser.add_argument("--vocab", type=int, default=151936)
-  parser.add_argument("--logits-tokens", type=int, default=8192)
-  parser.add_argument("--repeats", type=int, default=5)
+  parser = _fused_rows.parser(__doc__)
   parser.add_argument("--probe-only", help="write the probes' bits (.npz) here and stop")
   args = parser.parse_args()
-  k1, k2, k3, k4 = jax.random.split(jax.random.key(0), 4)
-  t, d, v = args.tokens, args.dim, args.vocab
-  hidden = jax.random.normal(k1, (t, d), jnp.bfloat16)
-  weight = (jax.random.normal(k2, (d, v), jnp.float32) / np.sqrt(d)).astype(jnp.bfloat16)
-  labels = jax.random.randint(k3, (t,), 0, v)
-  cot = jax.random.normal(k4, (2, t), jnp.float32)
-  n = args.logits_tokens
-  logits = (hidden[:n] @ weight).astype(jnp.bfloat16)
+  p = _fused_rows.problem(args)
+  hidden, weight, labels, cot, logits = (p[k] for k in ("hidden", "weight", "labels", "cot",
+                                                         "logits"))
+  t, n = args.tokens, args.logits_tokens
   fused, per_token = jaxce.linear_logprobs_and_entropy, jaxce.logprobs_and_entropy
   paths = {"fused": (fused, (hidden, weight), t), "logits": (per_token, (logits,), n)}
 
@@ -91,15 +81,8 @@ def main():
   for path, (fn, arrays, tokens) in paths.items():
     for variant, kw in (("default", {}), ("xla", dict(implementation="xla")),
                         ("batch_invariant", dict(batch_invariant=True))):
-      def loss(*a, kw=kw):
-        logp, ent = fn(*a, labels[:tokens], **kw)
-        return jnp.sum(cot[0, :tokens] * logp) + jnp.sum(cot[1, :tokens] * ent)
-      step = jax.jit(jax.value_and_grad(loss, argnums=tuple(range(len(arrays)))))
-      compiled = step.lower(*arrays).compile()
-      plan = jaxce.plan.of(fn, *arrays, labels[:tokens], **kw)
-      rows.append(dict(path=path, variant=variant, tokens=tokens, backend=plan.backend,
-                       fwd_bwd_ms=time_ms(step, arrays, args.repeats),
-                       temp_gib=compiled.memory_analysis().temp_size_in_bytes / 2**30))
+      rows.append(dict(path=path, variant=variant, **_fused_rows.fwd_bwd_row(
+          fn, arrays, labels[:tokens], cot[:, :tokens], args.repeats, **kw)))
       print(json.dumps(rows[-1]), flush=True)
   by = {(r["path"], r["variant"]): r for r in rows}
   summary = dict(device=jax.devices()[0].device_kind, jax=jax.__version__,

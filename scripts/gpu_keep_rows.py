@@ -11,56 +11,36 @@ the plan's temporary bytes (``memory_analysis``) beyond the inputs and outputs.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 import jaxce
-from bench.timing import time_ms
+from scripts import _fused_rows
 
 
 def main():
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--tokens", type=int, default=32768)
-  parser.add_argument("--dim", type=int, default=4096)
-  parser.add_argument("--vocab", type=int, default=151936)
-  parser.add_argument("--logits-tokens", type=int, default=8192)
+  parser = _fused_rows.parser(__doc__)
   parser.add_argument("--kept", type=float, default=0.05)
-  parser.add_argument("--repeats", type=int, default=5)
   args = parser.parse_args()
-  key = jax.random.key(0)
-  k1, k2, k3, k4, k5 = jax.random.split(key, 5)
-  t, d, v = args.tokens, args.dim, args.vocab
-  hidden = jax.random.normal(k1, (t, d), jnp.bfloat16)
-  weight = (jax.random.normal(k2, (d, v), jnp.float32) / np.sqrt(d)).astype(jnp.bfloat16)
-  labels = jax.random.randint(k3, (t,), 0, v)
-  cot = jax.random.normal(k4, (2, t), jnp.float32)
+  p = _fused_rows.problem(args)
+  hidden, weight, labels, cot, logits = (p[k] for k in ("hidden", "weight", "labels", "cot",
+                                                         "logits"))
+  v, n = args.vocab, args.logits_tokens
 
   @jax.jit
   def make_keep(key, labels):  # ~kept of the columns per token, and the label
     mask = jax.random.uniform(key, (labels.shape[0], v)) < args.kept
     return jaxce.keep.pack(mask | (jnp.arange(v) == labels[:, None]))
 
-  keep = make_keep(k5, labels)
-  n = args.logits_tokens
-  logits = (hidden[:n] @ weight).astype(jnp.bfloat16)
+  keep = make_keep(p["key"], labels)
   rows = []
 
   def row(path, variant, fn, arrays, labels, cot, **kw):
-    def loss(*a):
-      logp, ent = fn(*a, labels, **kw)
-      return jnp.sum(cot[0] * logp) + jnp.sum(cot[1] * ent)
-    step = jax.jit(jax.value_and_grad(loss, argnums=tuple(range(len(arrays)))))
-    compiled = step.lower(*arrays).compile()
-    plan = jaxce.plan.of(fn, *arrays, labels, **kw)
-    ms = time_ms(step, arrays, args.repeats)
-    r = dict(path=path, variant=variant, tokens=labels.shape[0], backend=plan.backend,
-             reason=plan.reason, fwd_bwd_ms=ms,
-             temp_gib=compiled.memory_analysis().temp_size_in_bytes / 2**30,
+    r = dict(path=path, variant=variant,
+             **_fused_rows.fwd_bwd_row(fn, arrays, labels, cot, args.repeats, **kw),
              keep_gib=(0 if "keep" not in kw else kw["keep"].nbytes / 2**30))
     rows.append(r)
     print(json.dumps(r), flush=True)

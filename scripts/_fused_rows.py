@@ -1,0 +1,54 @@
+"""What the GPU row scripts (``gpu_keep_rows``, ``gpu_batch_invariant``) share: their
+command line, the problem they time (bf16 ``hidden [T, D]``, ``weight [D, V] / sqrt(D)``,
+labels, per-token cotangents ``[2, T]``, and bf16 logits of the first ``--logits-tokens``
+rows) and one fwd+bwd row (the planner's backend, the median time, the plan's temporary
+memory)."""
+
+from __future__ import annotations
+
+import argparse
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jaxce
+from bench.timing import time_ms
+
+
+def parser(doc: str) -> argparse.ArgumentParser:
+  """The shared options; a script adds its own."""
+  p = argparse.ArgumentParser(description=doc.splitlines()[0])
+  p.add_argument("--tokens", type=int, default=32768)
+  p.add_argument("--dim", type=int, default=4096)
+  p.add_argument("--vocab", type=int, default=151936)
+  p.add_argument("--logits-tokens", type=int, default=8192)
+  p.add_argument("--repeats", type=int, default=5)
+  return p
+
+
+def problem(args) -> dict:
+  """``hidden``, ``weight``, ``labels``, ``cot``, ``logits`` and ``key`` (one key left for
+  the script), the same for every script and run."""
+  k1, k2, k3, k4, key = jax.random.split(jax.random.key(0), 5)
+  t, d, v = args.tokens, args.dim, args.vocab
+  hidden = jax.random.normal(k1, (t, d), jnp.bfloat16)
+  weight = (jax.random.normal(k2, (d, v), jnp.float32) / np.sqrt(d)).astype(jnp.bfloat16)
+  return dict(hidden=hidden, weight=weight, labels=jax.random.randint(k3, (t,), 0, v),
+              cot=jax.random.normal(k4, (2, t), jnp.float32),
+              logits=(hidden[:args.logits_tokens] @ weight).astype(jnp.bfloat16), key=key)
+
+
+def fwd_bwd_row(fn, arrays, labels, cot, repeats, **kw) -> dict:
+  """``fn(*arrays, labels, **kw)``'s ``sum(cot[0] logp) + sum(cot[1] entropy)`` and its
+  gradient in one jit: ``tokens``, ``backend`` and ``reason`` (``jaxce.plan.of``),
+  ``fwd_bwd_ms`` (median) and ``temp_gib`` (``memory_analysis``)."""
+  def loss(*a):
+    logp, ent = fn(*a, labels, **kw)
+    return jnp.sum(cot[0] * logp) + jnp.sum(cot[1] * ent)
+  step = jax.jit(jax.value_and_grad(loss, argnums=tuple(range(len(arrays)))))
+  compiled = step.lower(*arrays).compile()
+  plan = jaxce.plan.of(fn, *arrays, labels, **kw)
+  return dict(tokens=labels.shape[0], backend=plan.backend, reason=plan.reason,
+              fwd_bwd_ms=time_ms(step, arrays, repeats),
+              temp_gib=compiled.memory_analysis().temp_size_in_bytes / 2**30)

@@ -11,6 +11,7 @@ Per shard: flatten the tokens, normalize the temperature and the mask, ask the p
 
 from __future__ import annotations
 
+import math
 from typing import Callable, NamedTuple
 
 import jax.numpy as jnp
@@ -19,6 +20,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxce import _checks, _options, _sharded, plan
 from jaxce._kernels import linear, linear_token_loss, logits, softmax, token_loss
+from jaxce._kernels import triton_reciprocal
 from jaxce._kernels.config import Config
 
 
@@ -140,7 +142,7 @@ def _shard(op, options, objective, operands, labels, temperature, where, keep, t
   """Flatten, normalize, plan and run ``op``'s kernel on this device's (shard's) arrays."""
   primary = operands[0]
   dtype = softmax.compute_dtype(*(a.dtype for a in operands[:2]))
-  inv_temp = _checks.inverse_temperature(temperature, labels.shape, dtype)
+  inv_temp = _inverse_temperature(temperature, labels.shape, dtype, options.target)
   valid = _checks.valid_mask(labels, where)
   with_entropy = options.return_entropy
   if labels.size == 0:
@@ -183,3 +185,16 @@ def _shard(op, options, objective, operands, labels, temperature, where, keep, t
   loss, (logp, entropy) = op.kernel(objective, *flat, *flat_rows, flat_args, config)
   logp = lax.stop_gradient(logp.reshape(labels.shape))
   return loss, (logp, None if entropy is None else lax.stop_gradient(entropy.reshape(labels.shape)))
+
+
+def _inverse_temperature(temperature, shape, dtype, target):
+  """``[*shape]`` ``1 / temperature`` in ``dtype``, no gradient. On GPUs an array's
+  reciprocal comes from a kernel (``triton_reciprocal``), so that its bits are the same
+  whether the caller's ``jit`` passes the array or closes over it (XLA folds a constant's
+  reciprocal on the host, which need not round as the device does). A Python number is a
+  constant in every program: XLA's division serves."""
+  if (target.platform != "gpu" or jnp.dtype(dtype) != jnp.float32
+      or isinstance(temperature, (int, float)) or not math.prod(shape)):
+    return _checks.inverse_temperature(temperature, shape, dtype)
+  t = _checks.broadcast_token_array(temperature, shape, dtype).reshape(-1)
+  return lax.stop_gradient(triton_reciprocal.reciprocal(t, interpret=False).reshape(shape))

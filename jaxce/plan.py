@@ -34,7 +34,8 @@ from jaxce._kernels import mosaic_head, triton_rows
 from jaxce._kernels.config import Plan
 
 __all__ = [
-    "IMPLEMENTATIONS", "Plan", "Target", "backend", "chunk_size", "linear_backward_order",
+    "IMPLEMENTATIONS", "INVARIANCES", "Plan", "Target", "backend", "chunk_size",
+    "invariances", "linear_backward_order",
     "linear_kernel_chunk", "linear_kernel_tiles", "linear_objective_chunk", "linear_tiles",
     "logits_chunk", "make", "of", "target",
 ]
@@ -189,20 +190,47 @@ def _multiple(size: int, multiple: int, total: int) -> int:
   return min(max(size - size % multiple, multiple), total)
 
 
-def _unsupported(backend, *, target, dtypes, has_bias, has_keep, depth, num_tokens,
+# The kernels whose outputs are batch-invariant by construction: each token's statistics
+# come from the same instructions whatever the call (fixed tiles, no split-K, one
+# program), its tiles are merged in the columns' order by ``triton_merge`` (vocab shards
+# gathered in rank order) and ``1 / temperature`` is computed on the device
+# (``triton_reciprocal``). What each plan's bits do not depend on (``Plan.invariant_to``):
+INVARIANCES = ("tokens", "chunking", "differentiation", "constants", "shards")
+KERNEL_INVARIANCES = {
+    ("logprobs_and_entropy", "triton"): INVARIANCES[:4],
+    ("token_loss", "triton"): INVARIANCES[:4],
+    ("linear_logprobs_and_entropy", "mosaic"): INVARIANCES[:4],
+}
+
+
+def invariances(operation: str, backend: str, batch_invariant: bool) -> tuple[str, ...]:
+  """What a call's per-token bits do not depend on, on ``backend`` (a subset of
+  ``INVARIANCES``): ``"tokens"`` (the number of tokens, a token's position and its
+  neighbours), ``"chunking"`` (``chunk_size``, ``vocab_block_size``, the planner's
+  chunks), ``"differentiation"`` (forward only or under ``jax.grad``), ``"constants"``
+  (whether the caller's ``jit`` passes an array or closes over it), ``"shards"`` (the
+  number of vocab shards). The kernels of ``KERNEL_INVARIANCES`` hold theirs in either
+  mode; XLA's exact sums (``batch_invariant=True``) hold all five; XLA's default sums
+  promise none."""
+  if (operation, backend) in KERNEL_INVARIANCES:
+    return KERNEL_INVARIANCES[operation, backend]
+  return INVARIANCES if backend == "xla" and batch_invariant else ()
+
+
+def _unsupported(backend, *, operation, target, dtypes, has_bias, has_keep, depth,
                  num_columns, batch_invariant):
   """Why ``backend``'s kernel cannot run a call (a sentence), or None: each backend's
   module says for itself."""
-  if backend != "xla" and batch_invariant:
-    return ("batch_invariant=True: the Pallas kernels sum in floating point, so a row's "
-            "bits depend on its chunk and shard; XLA takes the exact sums")
+  if backend != "xla" and batch_invariant and (operation, backend) not in KERNEL_INVARIANCES:
+    return ("batch_invariant=True: this kernel's statistics are merged by XLA, whose "
+            "rounding depends on the program; XLA's exact sums hold the option")
   if backend == "triton":
     return triton_rows.unsupported(dtypes=dtypes, has_keep=has_keep)
   if backend == "mosaic":
     return mosaic_head.unsupported(
         platform=target.platform, capability=target.capability, hidden_dtype=dtypes[0],
-        weight_dtype=dtypes[1], has_bias=has_bias, depth=depth, num_tokens=num_tokens,
-        num_columns=num_columns, has_keep=has_keep)
+        weight_dtype=dtypes[1], has_bias=has_bias, depth=depth, num_columns=num_columns,
+        has_keep=has_keep)
   return None
 
 
@@ -215,7 +243,7 @@ def _backend(operation, requested, **call):
     if requested not in backends:
       return _refuse(requested, f"{operation} has no {requested} kernel (it has "
                                 f"{', '.join(backends)})")
-    reason = _unsupported(requested, **call)
+    reason = _unsupported(requested, operation=operation, **call)
     if reason:
       return _refuse(requested, reason)
     return requested, "asked for"
@@ -224,7 +252,7 @@ def _backend(operation, requested, **call):
                    "there only interpreted (tests)")
   skipped = []
   for backend in backends:
-    reason = _unsupported(backend, **call)
+    reason = _unsupported(backend, operation=operation, **call)
     if reason is None:
       because = "; ".join(skipped)
       return backend, f"the fastest that runs this call on GPUs{': ' if because else ''}{because}"
@@ -260,17 +288,17 @@ def make(operation: str, *, target: Target, implementation: str | None, num_toke
   """
   if implementation is not None:
     implementation = ALIASES.get(implementation, implementation)
-  matmul_tile = None
-  if batch_invariant and operation.startswith("linear"):
-    matmul_tile = INVARIANT_MATMUL_TILE[backend(target.platform)]
   chosen, reason = _backend(operation, implementation, target=target, dtypes=dtypes,
                              has_bias=has_bias, has_keep=has_keep, depth=depth,
-                             num_tokens=num_tokens, num_columns=num_columns,
-                             batch_invariant=batch_invariant)
+                             num_columns=num_columns, batch_invariant=batch_invariant)
   platform = target.platform
+  exact = batch_invariant and chosen == "xla"  # XLA's exact sums
+  matmul_tile = None
+  if exact and operation.startswith("linear"):
+    matmul_tile = INVARIANT_MATMUL_TILE[backend(platform)]
   common = dict(backend=chosen, reason=reason, interpret=platform != "gpu",
-                num_cores=target.num_cores, batch_invariant=batch_invariant,
-                matmul_tile=matmul_tile)
+                num_cores=target.num_cores, exact_sums=exact, matmul_tile=matmul_tile,
+                invariant_to=invariances(operation, chosen, batch_invariant))
   if operation == "logprobs_and_entropy":
     uses_chunks = chosen == "xla" or backward_in_place
     chunk = logits_chunk(num_tokens, num_columns, chunk_size, platform) if uses_chunks else None
@@ -279,11 +307,13 @@ def make(operation: str, *, target: Target, implementation: str | None, num_toke
     chunk = None if chosen == "triton" else logits_chunk(num_tokens, num_columns, chunk_size,
                                                           platform)
     plan = Plan(chunk=chunk, **common)
-  elif operation == "linear_token_loss":  # (batch-invariant: the matmul's rows a chunk)
-    chunk = (matmul_tile[0] if batch_invariant else
+  elif operation == "linear_token_loss":  # (exact sums: the matmul's rows a chunk)
+    chunk = (matmul_tile[0] if exact else
              linear_objective_chunk(num_tokens, num_columns, chunk_size, platform))
     plan = Plan(chunk=chunk, **common)
   else:
+    if chosen == "mosaic":  # (fewer tokens than a CTA's rows are padded to them)
+      num_tokens = max(num_tokens, mosaic_head.MIN_ROWS)
     tiles = linear_kernel_tiles if chosen == "mosaic" else linear_tiles
     chunk, block = tiles(num_tokens, num_columns, chunk_size, vocab_block_size, platform)
     plan = Plan(chunk=chunk, block=block,

@@ -278,17 +278,30 @@ def test_too_many_columns_is_an_error():
     jaxce.logprobs_and_entropy(jnp.zeros((2, 4)), jnp.zeros(2, jnp.int32), batch_invariant=1)
 
 
-def test_the_planner_says_why_xla():
+def test_the_planner_says_which_path_holds_it():
+  """On a Hopper GPU the Mosaic kernels hold the option (batch-invariant by construction);
+  elsewhere XLA's exact sums, with the platform's matmul tile. Either way the plan says
+  what the bits do not depend on, and a kernel that cannot hold it is refused."""
   h = jax.ShapeDtypeStruct((512, 64), jnp.bfloat16)
   w = jax.ShapeDtypeStruct((64, 1024), jnp.bfloat16)
   labels = jax.ShapeDtypeStruct((512,), jnp.int32)
+  target = jaxce.plan.target()
   got = jaxce.plan.of(jaxce.linear_logprobs_and_entropy, h, w, labels, batch_invariant=True)
-  assert got.backend == "xla" and got.batch_invariant
-  assert got.matmul_tile == jaxce.plan.INVARIANT_MATMUL_TILE["cpu"]
-  for implementation in ("triton", "mosaic"):
-    with pytest.raises(ValueError, match="batch_invariant=True"):
-      jaxce.plan.of(jaxce.linear_logprobs_and_entropy, h, w, labels, batch_invariant=True,
-                    implementation=implementation)
+  if target.platform == "gpu" and target.capability == "9.0":
+    assert got.backend == "mosaic" and not got.exact_sums and got.matmul_tile is None
+    assert got.invariant_to == jaxce.plan.INVARIANCES[:4]
+  else:
+    assert got.backend == "xla" and got.exact_sums
+    assert got.matmul_tile == jaxce.plan.INVARIANT_MATMUL_TILE[jaxce.plan.backend()]
+    assert got.invariant_to == jaxce.plan.INVARIANCES
+  with pytest.raises(ValueError, match="batch_invariant=True"):
+    jaxce.plan.of(jaxce.linear_logprobs_and_entropy, h, w, labels, batch_invariant=True,
+                  implementation="triton")
+  exact = jaxce.plan.of(jaxce.linear_logprobs_and_entropy, h, w, labels, batch_invariant=True,
+                        implementation="xla")
+  assert exact.exact_sums and exact.invariant_to == jaxce.plan.INVARIANCES
+  default = jaxce.plan.of(jaxce.linear_logprobs_and_entropy, h, w, labels, implementation="xla")
+  assert not default.exact_sums and default.invariant_to == ()
 
 
 @pytest.mark.parametrize("path", ["token_loss", "linear_token_loss"])

@@ -45,6 +45,15 @@ def _statistics_f64(hidden, weight, labels, inv_temp, limit, column_start, vocab
   return m, e.sum(axis=1), (e * shifted).sum(axis=1), picked
 
 
+def _merged(tiles):
+  """A row's ``(m, s, q, picked)`` over all its tiles (``[G, 4, C]``), by ``softmax``."""
+  from jaxce._kernels import softmax
+  m_tiles, s_tiles, q_tiles, picked = (tiles[:, i] for i in range(4))
+  m = jnp.max(m_tiles, axis=0)
+  s, q = softmax.merge_running(m_tiles, s_tiles, q_tiles, m[None])
+  return m, jnp.sum(s, axis=0), jnp.sum(q, axis=0), jnp.sum(picked, axis=0)
+
+
 @pytest.mark.parametrize("tokens,dim,num_columns,vocab_dim,softcap", [
     (256, 64, 128, 1, None),    # one tile
     (512, 128, 384, 1, None),   # two row blocks, three vocab tiles
@@ -57,9 +66,11 @@ def test_tile_statistics_match_float64(tokens, dim, num_columns, vocab_dim, soft
   labels = jnp.asarray(rng.integers(0, num_columns + 30, tokens), jnp.int32)
   inv_temp = jnp.asarray(rng.uniform(0.5, 2.0, tokens), jnp.float32)
   limit = num_columns - 9  # padded columns at the end
-  got = mosaic_head.statistics(hidden, weight, labels, inv_temp, limit,
-                               column_start=column_start, vocab_dim=vocab_dim,
-                               softcap=softcap, with_entropy=True, **kernel_device())
+  tiles = mosaic_head.statistics(hidden, weight, labels, inv_temp, limit,
+                                 column_start=column_start, vocab_dim=vocab_dim,
+                                 softcap=softcap, with_entropy=True, **kernel_device())
+  assert tiles.shape == (num_columns // 128, 4, tokens)
+  got = _merged(tiles)
   want = _statistics_f64(hidden, weight, labels, inv_temp, limit, column_start, vocab_dim,
                          softcap)
   # m and picked: f32 rounding of the logits, relative to their size. s: each exp(z - m)
@@ -151,7 +162,6 @@ def test_matches_xla_path_and_reference(weight_layout):
     (dict(dtype=jnp.float32), "16-bit float dtype"),
     (dict(bias=True), "bias"),
     (dict(dim=96), "multiple of 64"),
-    (dict(tokens=100), "at least 256 tokens"),
     (dict(columns=200), "multiple of 128"),
 ])
 def test_unsupported_calls_say_why(change, message):
@@ -163,6 +173,54 @@ def test_unsupported_calls_say_why(change, message):
   with pytest.raises(ValueError, match=f'implementation="mosaic".*{message}'):
     jaxce.linear_logprobs_and_entropy(hidden, weight, jnp.zeros(tokens, jnp.int32), bias=bias,
                                       implementation="mosaic")
+
+
+def test_each_tokens_bits_do_not_depend_on_the_call():
+  """Batch invariance by construction: a token's logp and entropy are the same bits alone
+  (T = 1, padded to the kernel's 256 rows), among 7, 300 and 600 tokens at random
+  positions (one the last row; 300 and 600 run clamped chunks), with another chunk_size,
+  inside ``jit(value_and_grad)`` with the temperature closed over (a constant) or passed
+  as an argument, and forward only; per-token temperature, softcap, a padded vocabulary,
+  ignored neighbours. The planner says so (``invariant_to``)."""
+  rng, hidden, weight = _inputs(5, 600, 64, 384, 1)
+  labels = rng.integers(0, 380, 600)
+  temperature = rng.uniform(0.6, 1.4, 600)
+  where = rng.random(600) < 0.8
+  probes = np.arange(5)
+  where[probes] = True
+  kw = dict(logit_softcap=30.0, vocab_size=380, implementation="mosaic",
+            batch_invariant=True)
+
+  def call(rows, differentiate=False, constant=False, **extra):
+    h, t = hidden[rows], jnp.asarray(temperature[rows], jnp.float32)
+    f = lambda h, w, t: jaxce.linear_logprobs_and_entropy(
+        h, w, labels[rows], temperature=t, where=where[rows], **kw, **extra)
+    if not differentiate:
+      return f(h, weight, t)
+    loss = lambda h, w, t: (lambda o: (jnp.sum(o[0]) + jnp.sum(o[1]), o))(f(h, w, t))
+    if constant:
+      step = jax.jit(jax.value_and_grad(lambda h, w: loss(h, w, t), (0, 1), has_aux=True))
+      return step(h, weight)[0][1]
+    return jax.jit(jax.value_and_grad(loss, (0, 1), has_aux=True))(h, weight, t)[0][1]
+
+  bits = lambda out, at: tuple(np.asarray(o)[at].view(np.uint32) for o in out)
+  want = [bits(call(np.array([p])), 0) for p in probes]
+  want = tuple(np.stack(w) for w in zip(*want))
+  for tokens, extra in ((7, {}), (300, {}), (600, {}), (600, dict(chunk_size=256)),
+                        (600, dict(differentiate=True, constant=True)),
+                        (600, dict(differentiate=True))):
+    others = rng.permutation(np.arange(5, 600))[:tokens - len(probes)]
+    at = rng.permutation(tokens)[:len(probes)]
+    at[0] = tokens - 1
+    rows = np.empty(tokens, np.int64)
+    rows[at] = probes
+    rows[np.setdiff1d(np.arange(tokens), at)] = others
+    got = bits(call(rows, **extra), at)
+    for name, g, w in zip(("logp", "entropy"), got, want):
+      assert np.array_equal(g, w), f"T = {tokens} {extra}: {name} {g.view(np.float32)} vs " \
+                                   f"{w.view(np.float32)}"
+  plan = jaxce.plan.of(jaxce.linear_logprobs_and_entropy, hidden, weight, labels, **kw)
+  assert plan.invariant_to == ("tokens", "chunking", "differentiation", "constants")
 
 
 def test_other_paths_refuse_mosaic():

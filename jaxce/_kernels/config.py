@@ -30,11 +30,15 @@ class Plan(NamedTuple):
     interpret: run the Pallas kernels in JAX's interpreter (the call runs off GPUs).
     num_cores: streaming multiprocessors of the device (the Mosaic kernels' persistent
       grid).
-    batch_invariant: the forward statistics take exact sums (``softmax.exact_statistics``):
-      each token's bits depend on its own inputs only.
-    matmul_tile: with ``batch_invariant`` on the fused paths, ``(rows, columns)`` of every
+    exact_sums: XLA's forward statistics take exact sums (``softmax.exact_statistics``):
+      each token's bits depend on its own inputs only (``batch_invariant=True`` where no
+      batch-invariant kernel runs the call).
+    matmul_tile: with ``exact_sums`` on the fused paths, ``(rows, columns)`` of every
       forward ``hidden @ weight`` matmul, the same for every call on the platform (a
       matmul's rows depend on its shape); else ``None``.
+    invariant_to: what the call's per-token bits do not depend on (``jaxce.plan.
+      invariances``): some of ``"tokens"``, ``"chunking"``, ``"differentiation"``,
+      ``"constants"``, ``"shards"``; empty where nothing is promised.
   """
   backend: str
   reason: str
@@ -44,8 +48,9 @@ class Plan(NamedTuple):
   backward_order: str | None = None
   interpret: bool = True
   num_cores: int = 4
-  batch_invariant: bool = False
+  exact_sums: bool = False
   matmul_tile: tuple[int, int] | None = None
+  invariant_to: tuple[str, ...] = ()
 
 
 class Config(NamedTuple):

@@ -20,7 +20,9 @@ inputs' common dtype, as ``hidden @ weight`` would promote them; f32 accumulatio
   written once, and ``d W`` sums over the chunks in an f32 array like the weight, so
   nothing grows with T.
 
-A batch-invariant plan (``plan.batch_invariant``) runs the forward differently: chunks of
+With the ``"mosaic"`` backend each token's outputs are batch-invariant by construction
+(``mosaic_head``'s tiles merged in the columns' order by ``triton_merge``). A plan with
+XLA's exact sums (``plan.exact_sums``) runs the forward differently: chunks of
 ``matmul_tile[0]`` tokens, each chunk's ``[C, V_local]`` logits by ``matmul_tile``-shaped
 matmuls (``head.invariant_logits``) and their exact statistics
 (``rows.statistics``), so each token's outputs are the same bits whatever the
@@ -37,7 +39,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxce._kernels import chunking, head, mosaic_head, plumbing, softmax, triton_rows
+from jaxce._kernels import chunking, head, mosaic_head, plumbing, softmax, triton_merge
+from jaxce._kernels import triton_rows
 from jaxce._kernels import rows as logits_rows
 from jaxce._kernels.config import Config
 
@@ -54,6 +57,13 @@ def logprobs_entropy(hidden, weight, bias, labels, inv_temp, valid, kept, config
   with ``hidden_grad_in_output``) and an f32 ``[D, block]`` one for the weight block, or
   (``token_outer``) an f32 accumulator like the weight and an f32 ``[chunk, D]`` one.
   """
+  num_tokens = hidden.shape[0]
+  if config.plan.backend == "mosaic" and num_tokens < mosaic_head.MIN_ROWS:
+    hidden, labels, inv_temp, valid, kept, _ = chunking.pad_tokens(
+        mosaic_head.MIN_ROWS, hidden, labels, inv_temp, valid, kept)  # ignored rows
+    out = _jitted_linear_logprobs_entropy(hidden, weight, bias, labels, inv_temp, valid, kept,
+                                          config)
+    return tuple(o[:num_tokens] for o in out)
   return _jitted_linear_logprobs_entropy(hidden, weight, bias, labels, inv_temp, valid, kept,
                                          config)
 
@@ -70,7 +80,7 @@ def _linear_logprobs_entropy(hidden, weight, bias, labels, inv_temp, valid, kept
 
 
 def _forward(hidden, weight, bias, labels, inv_temp, valid, kept, config):
-  if config.plan.batch_invariant:
+  if config.plan.exact_sums:
     return _invariant_forward(hidden, weight, bias, labels, inv_temp, valid, kept, config)
   num_tokens, num_columns = hidden.shape[0], weight.shape[config.vocab_dim]
   chunk, block = config.plan.chunk, config.plan.block
@@ -80,12 +90,15 @@ def _forward(hidden, weight, bias, labels, inv_temp, valid, kept, config):
   outer_labels, outer_valid = labels, valid  # the outputs vary like these, not per shard
   hidden, weight, bias, labels, inv_temp, valid, kept = plumbing.unify_varying(
       (hidden, weight, bias, labels, inv_temp, valid, kept), config.vocab_axis)
+  if config.plan.backend == "mosaic":
+    logp, m, log_s, entropy = _mosaic_statistics(hidden, weight, labels, inv_temp,
+                                                 shard_start, config)
+    logp, entropy_out = softmax.finish_outputs(logp, entropy, outer_labels, outer_valid,
+                                               config.vocab_size)
+    out = (logp,) + ((entropy_out,) if config.with_entropy else ())
+    return out, (m, log_s, entropy)
   m, s, q = softmax.running_start(num_tokens, dtype, config.with_entropy, inv_temp)
   picked = jnp.zeros_like(s)
-  if config.plan.backend == "mosaic":
-    m, s, q, picked = _mosaic_statistics(hidden, weight, labels, inv_temp, (m, s, q, picked),
-                                         shard_start, config)
-    return _finish_forward(m, s, q, picked, outer_labels, outer_valid, config)
 
   def block_step(carry, j):
     col = chunking.chunk_start(j, num_columns, block)
@@ -149,26 +162,29 @@ def _invariant_forward(hidden, weight, bias, labels, inv_temp, valid, kept, conf
   return out, (m, log_s, entropy)
 
 
-def _mosaic_statistics(hidden, weight, labels, inv_temp, carry, shard_start, config):
-  """``(m, s, q, picked)`` ``[T]`` over this device's columns by the Mosaic GPU kernel,
-  one call per chunk of the plan's ``kernel_chunk`` tokens."""
+def _mosaic_statistics(hidden, weight, labels, inv_temp, shard_start, config):
+  """``(logp, m, log s, entropy or None)`` ``[T]`` (before masking) by the Mosaic GPU
+  kernel, one call per chunk of the plan's ``kernel_chunk`` tokens, and ``triton_merge``:
+  each token's tiles merged in the columns' order, every shard's tiles gathered in rank
+  order first. Each token's bits depend on its own inputs alone."""
   num_tokens, num_columns = hidden.shape[0], weight.shape[config.vocab_dim]
   chunk = config.plan.kernel_chunk
   limit = softmax.column_limit(config.mask_vocab, shard_start, num_columns)
 
-  def chunk_step(carry, i):
+  def chunk_step(_, i):
     start = chunking.chunk_start(i, num_tokens, chunk)
     rows = lambda a: lax.dynamic_slice_in_dim(a, start, chunk, 0)
-    new = mosaic_head.statistics(
+    tiles = mosaic_head.statistics(
         rows(hidden), weight, rows(labels), rows(inv_temp), limit, column_start=shard_start,
         vocab_dim=config.vocab_dim, softcap=config.softcap, with_entropy=config.with_entropy,
         interpret=config.plan.interpret, num_cores=config.plan.num_cores)
-    fresh = chunking.fresh_rows(i, start, chunk)
-    return tuple(None if c is None else chunking.write_fresh(c, n, start, fresh)
-                 for c, n in zip(carry, new)), None
+    if config.vocab_axis is not None:
+      tiles = lax.all_gather(tiles, config.vocab_axis, axis=0, tiled=True)
+    return None, triton_merge.merge(tiles, with_entropy=config.with_entropy,
+                                    interpret=config.plan.interpret)
 
-  carry, _ = lax.scan(chunk_step, carry, jnp.arange(chunking.num_chunks(num_tokens, chunk)))
-  return carry
+  _, stacked = lax.scan(chunk_step, None, jnp.arange(chunking.num_chunks(num_tokens, chunk)))
+  return tuple(None if s is None else chunking.unchunk(s, num_tokens) for s in stacked)
 
 
 def _tile_kept(kept, labels, rows, col, block, shard_start):

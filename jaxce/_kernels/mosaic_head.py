@@ -21,9 +21,9 @@ warpgroups):
 The grid is persistent (one CTA per SM) over (row blocks × vocab tiles), walked in
 ``planar_snake`` order 8 row blocks wide, so that the CTAs running together share 8
 hidden blocks and a few weight tiles through L2. Each tile writes its 4 statistics to
-an f32 ``[vocab tiles, 4, C]`` array, which ``statistics`` merges over the tiles with
-``softmax``'s functions: 16 bytes per row per 128 columns (about 0.5% of the logits'
-bytes in bf16, written and read once).
+an f32 ``[vocab tiles, 4, C]`` array, which ``triton_merge`` merges over the tiles in
+the columns' order: 16 bytes per row per 128 columns (about 0.5% of the logits' bytes in
+bf16, written and read once).
 
 Every copy starts at a multiple of its tile (TMA into swizzled shared memory needs it):
 ``C`` is a multiple of 256 (the caller clamps a ragged last chunk of tokens back inside
@@ -42,26 +42,26 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from jaxce._kernels import softmax
-
 TILE_M = 128  # rows per compute warpgroup; a CTA holds two
 TILE_N = 128  # vocabulary columns per tile
 TILE_K = 64  # hidden dims per pipeline step
 STAGES = 4  # pipeline depth: 4 x 48 KiB of shared memory
 GRAD_STAGES = 3  # 3 x 48 KiB, next to the two 32 KiB d logits tiles being stored
+MIN_ROWS = 2 * TILE_M  # rows per CTA: the least a call takes (fewer are padded)
 SNAKE_WIDTH = 8  # row blocks walked together (L2 reuse of the hidden blocks)
 _LOG2_E = 1.4426950408889634
 _ROW = plgpu.Layout.WGMMA.reduce(1)
 
 
 def unsupported(*, platform, capability, hidden_dtype, weight_dtype, has_bias, depth,
-                num_tokens, num_columns, has_keep=False) -> str | None:
+                num_columns, has_keep=False) -> str | None:
   """Why the kernels cannot run a fused call (a sentence), or None when they can.
 
   Args:
     platform, capability: the call's platform and its GPUs' compute capability.
     hidden_dtype, weight_dtype, has_bias, has_keep: the operands (and a kept set).
-    depth, num_tokens, num_columns: ``D``, ``T`` and this device's ``V_local``.
+    depth, num_columns: ``D`` and this device's ``V_local``. (Calls with fewer than
+      ``MIN_ROWS`` tokens are padded to it by the caller.)
   """
   if platform == "gpu":
     if capability != "9.0":
@@ -77,8 +77,6 @@ def unsupported(*, platform, capability, hidden_dtype, weight_dtype, has_bias, d
     return "a kept set (keep=) is not supported yet"
   if depth % TILE_K:
     return f"the hidden dim must be a multiple of {TILE_K}, got {depth}"
-  if num_tokens < 2 * TILE_M:
-    return f"at least {2 * TILE_M} tokens are needed, got {num_tokens}"
   if num_columns % TILE_N:
     return f"the vocabulary (per device) must be a multiple of {TILE_N}, got {num_columns}"
   return None
@@ -293,8 +291,9 @@ def _epilogue(x, inv_temp, label, limit, column, softcap, with_entropy):
 
 def statistics(hidden, weight, labels, inv_temp, limit, *, column_start, vocab_dim,
                softcap, with_entropy, interpret, num_cores):
-  """Per-row ``(m, s, q, picked)`` of ``z = softcap(hidden @ weight) * inv_temp`` over
-  this weight's columns below ``limit``, as ``softmax``'s running statistics.
+  """Per-tile ``(m, s, q, picked)`` of ``z = softcap(hidden @ weight) * inv_temp`` over
+  this weight's columns below ``limit``, for ``triton_merge.merge`` to merge in the
+  columns' order.
 
   Args:
     hidden: ``[C, D]`` bf16 or f16, ``C`` a multiple of 256, ``D`` of 64.
@@ -307,22 +306,19 @@ def statistics(hidden, weight, labels, inv_temp, limit, *, column_start, vocab_d
     interpret, num_cores: as the plan says (``_tiles``).
 
   Returns:
-    ``(m, s, q, picked)``, ``[C]`` float32 each. Memory: the ``[V_local / 128, 4, C]``
-    f32 tile statistics, merged once.
+    ``[V_local / 128, 4, C]`` float32: ``(m, s, q, picked)`` of each row over each tile of
+    128 columns, in the columns' order. A row's numbers depend on its own hidden state,
+    label, temperature and the tile's columns alone (one wgmma sequence over the whole
+    hidden dim, no split-K; the epilogue's instructions are the same for every row).
+    Memory: that array, 1/32 of the bytes of the chunk's f32 logits.
   """
   num_columns = weight.shape[vocab_dim]
   label_column = labels - column_start
   label_column = jnp.where((label_column >= 0) & (label_column < num_columns), label_column, -1)
   row_inputs = jnp.stack([inv_temp.astype(jnp.float32), label_column.astype(jnp.float32),
                           jnp.broadcast_to(jnp.asarray(limit, jnp.float32), inv_temp.shape)])
-  tiles = _tile_statistics(hidden, weight, row_inputs, vocab_dim=vocab_dim, softcap=softcap,
-                           with_entropy=with_entropy, interpret=interpret,
-                           num_cores=num_cores)
-  m_tiles, s_tiles, q_tiles, picked = (tiles[:, i] for i in range(4))
-  m = jnp.max(m_tiles, axis=0)
-  s, q = softmax.merge_running(m_tiles, s_tiles, q_tiles if with_entropy else None, m[None])
-  return m, jnp.sum(s, axis=0), (jnp.sum(q, axis=0) if with_entropy else None), jnp.sum(
-      picked, axis=0)
+  return _tile_statistics(hidden, weight, row_inputs, vocab_dim=vocab_dim, softcap=softcap,
+                          with_entropy=with_entropy, interpret=interpret, num_cores=num_cores)
 
 
 def logits_grad(hidden, weight, label_column, inv_temp, limit, first_kept, shift, log_sum,

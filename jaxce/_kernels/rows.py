@@ -1,6 +1,6 @@
 """Full logits rows ``[C, V_local]``: their forward statistics (XLA's two fused passes, or
-the one-pass Triton kernel of ``triton_rows``, as the plan says) combined over the vocab
-shards, and their gradient in one elementwise pass. Shared by the logits path's per-token
+the one-pass Triton kernel of ``triton_rows`` merged by ``triton_merge``, as the plan says)
+combined over the vocab shards, and their gradient in one elementwise pass. Shared by the logits path's per-token
 and objective kernels and by the fused objective kernel, which holds a chunk's full rows."""
 
 from __future__ import annotations
@@ -8,35 +8,38 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
-from jaxce._kernels import chunking, softmax, triton_rows
+from jaxce._kernels import chunking, softmax, triton_merge, triton_rows
 
 
 def statistics(x, labels, inv_temp, valid, column_start, config, kept=None):
   """``(logp, m, log s, entropy or None)``, ``[C]`` each, of the rows ``x [C, V_local]``
   (``labels`` int32, ``inv_temp``, ``valid`` bool ``[C]``; ``column_start`` the global id
   of ``x``'s first column; ``kept`` the rows' packed kept sets ``[C, V_local / 32]`` or
-  None): ``softmax.chunk_statistics``, or with the ``"triton"`` backend (no kept sets)
-  the row statistics by the one-pass kernel, or, when the plan is batch-invariant,
+  None): with the ``"triton"`` backend (no kept sets) the row statistics by the one-pass
+  kernel, every shard's gathered in rank order and merged by ``triton_merge`` (each row's
+  bits depend on its own inputs alone); with XLA's exact sums (``plan.exact_sums``)
   ``softmax.exact_statistics`` (then ``x`` is the logits before ``config.softcap``, which
-  it applies). One pmax and one psum over the vocab axis."""
-  if config.plan.batch_invariant:
+  it applies); else ``softmax.chunk_statistics`` (one pmax and one psum over the vocab
+  axis)."""
+  if config.plan.backend == "triton":
+    limit = softmax.column_limit(config.mask_vocab, column_start, x.shape[1])
+    m, s, q = triton_rows.row_statistics(x, inv_temp, limit, config.with_entropy,
+                                         interpret=config.plan.interpret)
+    picked = softmax.label_logit(x, labels, inv_temp, column_start)
+    tiles = jnp.stack([m, s, q, picked])[None]  # this shard's columns: one tile
+    if config.vocab_axis is not None:
+      tiles = lax.all_gather(tiles, config.vocab_axis, axis=0, tiled=True)
+    logp, m, log_s, entropy = triton_merge.merge(tiles, with_entropy=config.with_entropy,
+                                                 interpret=config.plan.interpret)
+    logp, entropy_out = softmax.finish_outputs(logp, entropy, labels, valid, config.vocab_size)
+    return logp, m, log_s, entropy_out
+  if config.plan.exact_sums:
     return softmax.exact_statistics(x, labels, inv_temp, valid, column_start,
                                     config.vocab_size, config.mask_vocab, config.vocab_axis,
                                     config.with_entropy, kept, config.softcap)
-  if config.plan.backend != "triton":
-    return softmax.chunk_statistics(x, labels, inv_temp, valid, column_start,
-                                    config.vocab_size, config.mask_vocab, config.vocab_axis,
-                                    config.with_entropy, kept)
-  limit = softmax.column_limit(config.mask_vocab, column_start, x.shape[1])
-  m, s, q = triton_rows.row_statistics(x, inv_temp, limit, config.with_entropy,
-                                       interpret=config.plan.interpret)
-  picked = softmax.label_logit(x, labels, inv_temp, column_start)
-  m, s, q, picked = softmax.combine_shards(m, s, q if config.with_entropy else None, picked,
-                                           config.vocab_axis)
-  log_s, entropy = softmax.finish_statistics(s, q)
-  logp, entropy = softmax.finish_outputs((picked - m) - log_s, entropy, labels, valid,
-                                         config.vocab_size)
-  return logp, m, log_s, entropy
+  return softmax.chunk_statistics(x, labels, inv_temp, valid, column_start, config.vocab_size,
+                                  config.mask_vocab, config.vocab_axis, config.with_entropy,
+                                  kept)
 
 
 def forward(x, labels, inv_temp, valid, config, kept=None):

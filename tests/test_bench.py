@@ -17,6 +17,7 @@ import jax
 import pytest
 
 from bench import configs, report
+import jaxce
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -433,15 +434,24 @@ def test_gpu_only_code_compiles_and_imports_on_cpu():
 
 
 def test_accuracy_rows_on_cpu():
+  """The accuracy rows where the tests run: jaxce's f32 statistics of bf16 operands within
+  1e-4 of float64; plain JAX as close on CPUs (XLA:CPU rounds its bf16 logits from f32
+  sums too), no closer than jaxce on GPUs (there its logits come out of the matmul in
+  bf16)."""
   from bench import accuracy
   result = accuracy.measure(("jaxce", "jaxce:objective", "jax_plain", "liger_flsce"), 16, 1000,
-                            32, platform="cpu")
+                            32, platform=jax.default_backend())
   rows = {report.name(r): r for r in result["rows"]}
   for name in ("jaxce", "jax_plain"):
     r = rows[name]
     assert r["status"] == "ok", r
-    assert r["logp"] < 1e-4 and r["entropy"] < 1e-4, r  # f32 statistics of bf16 operands
     assert 0 < r["d_hidden"] < 2**-6 and 0 < r["d_W"] < 2**-6, r  # bf16 gradients
+  assert rows["jaxce"]["logp"] < 1e-4 and rows["jaxce"]["entropy"] < 1e-4, rows["jaxce"]
+  plain = rows["jax_plain"]
+  if jax.default_backend() == "cpu":
+    assert plain["logp"] < 1e-4 and plain["entropy"] < 1e-4, plain
+  else:
+    assert plain["logp"] >= rows["jaxce"]["logp"], plain
   assert rows["jaxce:objective"]["logp"] is None and rows["jaxce:objective"]["d_W"] < 2**-6
   assert rows["liger_flsce"]["status"] == "skipped"
   assert "install.sh" in rows["liger_flsce"]["error"]
@@ -460,9 +470,14 @@ def test_machine_floors_on_cpu():
   from bench import __main__ as driver
   from bench import machine_floors as mf
   assert mf.time_gemm("xla", 64, 32, 128, 2) > 0 and mf.time_copy("xla", 64, 128, 2) > 0
+  target = jaxce.plan.target()
   for backend in ("cublas", "mosaic"):
     row = mf._attempt(mf.time_gemm, backend, 64, 32, 128, 2)
-    assert row["status"] == "skipped" and row["ms"] is None, row
+    runs_here = target.platform == "gpu" and (backend == "cublas" or target.capability == "9.0")
+    if runs_here:  # (on a GPU: cuBLAS through PyTorch, Mosaic on Hopper)
+      assert row["status"] == "ok" and row["ms"] > 0, row
+    else:
+      assert row["status"] == "skipped" and row["ms"] is None, row
   assert mf.datasheet_peak("NVIDIA H200") == mf.datasheet_peak("NVIDIA H100 80GB HBM3") == 989.4
   floors = [dict(T=1024, shape=s, backend="xla", ms=ms, tflops=1.0, x_peak=None)
             for s, ms in zip(mf.SHAPES, (1.0, 2.0, 3.0))]

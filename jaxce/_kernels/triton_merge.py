@@ -17,7 +17,9 @@ So a token's outputs depend on its own tiles alone: not on the number of tokens,
 chunking or the program around the call (XLA decides per program how it fuses and
 contracts the same maths; a Pallas kernel is one program wherever it is called).
 
-One program per ``ROWS`` tokens (one lane each); each step loads ``UNROLL`` tiles before
+One program per ``ROWS`` tokens (one lane each) and, with many tiles, per group of
+``GROUP`` consecutive tiles, whose partial sums a second call merges in the groups' order
+(still one order, fixed by the number of tiles); each step loads ``UNROLL`` tiles before
 folding them, so the loads overlap. Off GPUs it runs in Pallas' interpreter (tests).
 """
 
@@ -25,44 +27,56 @@ from __future__ import annotations
 
 from functools import partial
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from jaxce._kernels import plumbing
+
 ROWS = 128  # tokens per program
+GROUP = 64  # tiles per program of the first of two stages (more tiles than this)
 UNROLL = 8  # tiles loaded per loop step
 NUM_WARPS = 4
+_FLOOR = float(jnp.finfo(jnp.float32).min)
 
 
-def _merge_kernel(tiles_ref, logp_ref, m_ref, log_s_ref, entropy_ref, *, num_tiles,
-                  with_entropy):
-  """``tiles_ref [G, 4, ROWS]`` -> ``[ROWS]`` each of ``(logp before masking, m, log s,
-  entropy)`` (the entropy 0 without ``with_entropy``)."""
-  groups, rest = divmod(num_tiles, UNROLL)
-  tail = groups * UNROLL
-  load = lambda g, k: tiles_ref[g, k, :]
+def _merge_kernel(tiles_ref, *out_refs, num_tiles, group, with_entropy, finish):
+  """Program ``(i, j)``: tiles ``[j * group, (j + 1) * group)`` (those below ``num_tiles``)
+  of ``tiles_ref [num_tiles, 4, ROWS]`` merged in order, into ``(m, s, q, picked)``
+  ``[ROWS]`` each (relative to the group's max; ``q`` 0 without ``with_entropy``), or,
+  with ``finish``, into ``(logp before masking, m, log s, entropy)``."""
+  first = pl.program_id(1) * group
+  ragged = num_tiles % group != 0
 
-  def max_of(first, count, m):
-    for g in [load(first + k, 0) for k in range(count)]:
-      m = jnp.maximum(m, g)
+  def load(k, j):
+    """Statistic ``j`` of the group's tile ``k`` (a neutral tile past the last)."""
+    g = first + k
+    value = tiles_ref[jnp.minimum(g, num_tiles - 1) if ragged else g, j, :]
+    if not ragged:
+      return value
+    return jnp.where(g < num_tiles, value, _FLOOR if j == 0 else 0.0)
+
+  steps, rest = divmod(group, UNROLL)
+
+  def max_of(base, count, m):
+    for m_g in [load(base + k, 0) for k in range(count)]:
+      m = jnp.maximum(m, m_g)
     return m
 
-  m = jnp.full((ROWS,), jnp.finfo(jnp.float32).min, jnp.float32)
-  m = lax.fori_loop(0, groups, lambda i, m: max_of(i * UNROLL, UNROLL, m), m)
-  m = max_of(tail, rest, m)
+  m = jnp.full((ROWS,), _FLOOR, jnp.float32)
+  m = lax.fori_loop(0, steps, lambda i, m: max_of(i * UNROLL, UNROLL, m), m)
+  m = max_of(steps * UNROLL, rest, m)
 
-  stats = (0, 1, 2, 3) if with_entropy else (0, 1, 3)
+  stats = (1, 2, 3) if with_entropy else (1, 3)
 
-  def sums_of(first, count, carry):
-    loaded = [[load(first + k, j) for j in stats] for k in range(count)]
+  def sums_of(base, count, carry):
+    loaded = [(load(base + k, 0),) + tuple(load(base + k, j) for j in stats)
+              for k in range(count)]
     for tile in loaded:  # in the tiles' order
       s, q, picked = carry
-      if with_entropy:
-        m_g, s_g, q_g, picked_g = tile
-      else:
-        (m_g, s_g, picked_g), q_g = tile, None
+      m_g, s_g, *rest_g = tile
+      q_g, picked_g = rest_g if with_entropy else (None, rest_g[0])
       scale = jnp.exp(m_g - m)
       if with_entropy:
         q = q + scale * (q_g + (m_g - m) * s_g)
@@ -70,14 +84,43 @@ def _merge_kernel(tiles_ref, logp_ref, m_ref, log_s_ref, entropy_ref, *, num_til
     return carry
 
   zero = jnp.zeros((ROWS,), jnp.float32)
-  carry = lax.fori_loop(0, groups, lambda i, c: sums_of(i * UNROLL, UNROLL, c),
+  carry = lax.fori_loop(0, steps, lambda i, c: sums_of(i * UNROLL, UNROLL, c),
                         (zero, zero, zero))
-  s, q, picked = sums_of(tail, rest, carry)
+  s, q, picked = sums_of(steps * UNROLL, rest, carry)
+  if not finish:
+    for ref, value in zip(out_refs, (m, s, q, picked)):
+      ref[...] = value
+    return
+  logp_ref, m_ref, log_s_ref, entropy_ref = out_refs
   log_s = jnp.log(s)
   logp_ref[...] = (picked - m) - log_s
   m_ref[...] = m
   log_s_ref[...] = log_s
   entropy_ref[...] = log_s - q / s if with_entropy else zero
+
+
+def _stage(tiles, *, group, with_entropy, finish, interpret):
+  """One ``pallas_call`` over ``tiles [G, 4, C]`` (``C`` a multiple of ``ROWS``): four
+  ``[ceil(G / group), C]`` arrays (``finish``: ``group >= G``, four ``[C]`` arrays)."""
+  num_tiles, _, num_rows = tiles.shape
+  num_groups = -(-num_tiles // group)
+  if finish:
+    out = plumbing.shape_dtype_like(tiles, (num_rows,), jnp.float32)
+    out_spec = pl.BlockSpec((ROWS,), lambda i, j: (i,))
+  else:
+    out = plumbing.shape_dtype_like(tiles, (num_groups, num_rows), jnp.float32)
+    out_spec = pl.BlockSpec((None, ROWS), lambda i, j: (j, i))
+  return pl.pallas_call(
+      partial(_merge_kernel, num_tiles=num_tiles, group=group, with_entropy=with_entropy,
+              finish=finish),
+      out_shape=(out,) * 4,
+      grid=(num_rows // ROWS, num_groups),
+      in_specs=[pl.BlockSpec((num_tiles, 4, ROWS), lambda i, j: (0, 0, i))],
+      out_specs=(out_spec,) * 4,
+      compiler_params=plgpu.CompilerParams(num_warps=NUM_WARPS, num_stages=1),
+      interpret=interpret,
+      name="jaxce_merge_tiles",
+  )(tiles)
 
 
 def merge(tiles, *, with_entropy, interpret):
@@ -92,25 +135,20 @@ def merge(tiles, *, with_entropy, interpret):
   Returns:
     ``(logp, m, log s, entropy or None)``, ``[C]`` float32 each: the log-prob before
     ignored tokens and labels beyond the vocabulary are masked (``softmax.finish_outputs``),
-    and the backward's residuals. Memory: the outputs (and, when ``C`` is not a multiple
-    of ``ROWS``, one padded copy of ``tiles``).
+    and the backward's residuals. With more than ``GROUP`` tiles, two stages: groups of
+    ``GROUP`` consecutive tiles in parallel, then the groups in order (an order fixed by
+    ``G`` alone). Memory: the outputs, ``[G / GROUP, 4, C]`` partial sums (and, when ``C``
+    is not a multiple of ``ROWS``, one padded copy of ``tiles``).
   """
   num_tiles, _, num_rows = tiles.shape
   padded = -(-num_rows // ROWS) * ROWS
+  tiles = tiles.astype(jnp.float32)
   if padded != num_rows:
     tiles = jnp.pad(tiles, [(0, 0), (0, 0), (0, padded - num_rows)])
-  out = jax.ShapeDtypeStruct((padded,), jnp.float32)
-  row_block = pl.BlockSpec((ROWS,), lambda i: (i,))
-  call = pl.pallas_call(
-      partial(_merge_kernel, num_tiles=num_tiles, with_entropy=with_entropy),
-      out_shape=(out,) * 4,
-      grid=(padded // ROWS,),
-      in_specs=[pl.BlockSpec((num_tiles, 4, ROWS), lambda i: (0, 0, i))],
-      out_specs=(row_block,) * 4,
-      compiler_params=plgpu.CompilerParams(num_warps=NUM_WARPS, num_stages=1),
-      interpret=interpret,
-      name="jaxce_merge_tiles",
-  )
-  logp, m, log_s, entropy = (a[:num_rows] for a in call(tiles.astype(jnp.float32)))
+  if num_tiles > GROUP:
+    tiles = jnp.stack(_stage(tiles, group=GROUP, with_entropy=with_entropy, finish=False,
+                             interpret=interpret), axis=1)
+  logp, m, log_s, entropy = (a[:num_rows] for a in _stage(
+      tiles, group=tiles.shape[0], with_entropy=with_entropy, finish=True,
+      interpret=interpret))
   return logp, m, log_s, (entropy if with_entropy else None)
-

@@ -10,10 +10,11 @@ program wherever it is called; XLA never folds it.
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
+
+from jaxce._kernels import plumbing
 
 BLOCK = 1024  # tokens per program
 
@@ -40,7 +41,7 @@ def reciprocal(temperature, *, interpret):
   block = pl.BlockSpec((BLOCK,), lambda i: (i,))
   out = pl.pallas_call(
       _kernel,
-      out_shape=jax.ShapeDtypeStruct((padded,), jnp.float32),
+      out_shape=plumbing.shape_dtype_like(temperature, (padded,), jnp.float32),
       grid=(padded // BLOCK,),
       in_specs=[block],
       out_specs=block,

@@ -1,0 +1,67 @@
+"""``triton_merge``: per-tile statistics merged in the columns' order into each token's
+log-prob and entropy (interpreted off GPUs), against float64, one and two stages, ragged
+groups and rows, masked-out tiles, and without the entropy; a token's bits do not depend
+on the other tokens in the call."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from helpers import assert_close, kernel_device
+from jaxce._kernels import triton_merge
+
+
+def _tiles(rng, num_tiles, num_rows):
+  """``[G, 4, C]`` statistics as a kernel writes them: shifted maxima, sums of up to 128
+  terms relative to them, entropy sums <= 0, the label's logit in one tile per row, and a
+  few tiles wholly masked (max ``finfo.min``, sums 0)."""
+  m = rng.normal(size=(num_tiles, num_rows)) * 4 - 20
+  s = rng.uniform(1, 128, size=(num_tiles, num_rows))
+  q = -rng.uniform(0, 1, size=(num_tiles, num_rows)) * s * 3
+  picked = np.zeros((num_tiles, num_rows))
+  owner = rng.integers(0, num_tiles, num_rows)
+  picked[owner, np.arange(num_rows)] = m[owner, np.arange(num_rows)] - rng.uniform(
+      0, 5, num_rows)
+  masked = rng.random((num_tiles, num_rows)) < 0.05
+  masked[owner, np.arange(num_rows)] = False
+  m[masked], s[masked], q[masked] = np.finfo(np.float32).min, 0, 0
+  return np.stack([m, s, q, picked], axis=1).astype(np.float32)
+
+
+def _float64(tiles):
+  m_g, s_g, q_g, picked = (tiles[:, i].astype(np.float64) for i in range(4))
+  m = m_g.max(axis=0)
+  scale = np.exp(m_g - m)
+  s = (s_g * scale).sum(axis=0)
+  q = (scale * (q_g + (m_g - m) * s_g)).sum(axis=0)
+  log_s = np.log(s)
+  return (picked.sum(axis=0) - m) - log_s, m, log_s, log_s - q / s
+
+
+@pytest.mark.parametrize("num_tiles,num_rows", [
+    (1, 5),      # one tile (the logits path on one device), rows padded to a program's
+    (19, 300),   # one stage, ragged rows
+    (64, 128),   # exactly one group
+    (150, 256),  # two stages, a ragged last group
+    (1187, 128),  # V = 151936 in tiles of 128 columns
+])
+def test_merge_matches_float64(num_tiles, num_rows):
+  tiles = _tiles(np.random.default_rng(num_tiles), num_tiles, num_rows)
+  got = triton_merge.merge(jnp.asarray(tiles), with_entropy=True,
+                           interpret=kernel_device()["interpret"])
+  for name, g, w in zip(("logp", "m", "log s", "entropy"), got, _float64(tiles)):
+    assert_close(np.asarray(g), w, 2e-6 * max(1.0, float(np.max(np.abs(w)))), name)
+  logp, m, log_s, entropy = triton_merge.merge(jnp.asarray(tiles), with_entropy=False,
+                                               interpret=kernel_device()["interpret"])
+  assert entropy is None
+  np.testing.assert_array_equal(np.asarray(logp), np.asarray(got[0]))
+
+
+def test_a_rows_bits_do_not_depend_on_the_others():
+  rng = np.random.default_rng(0)
+  tiles = _tiles(rng, 150, 384)
+  merge = lambda t: np.asarray(triton_merge.merge(jnp.asarray(t), with_entropy=True,
+                                                  interpret=kernel_device()["interpret"])[0])
+  alone = np.concatenate([merge(tiles[:, :, i:i + 1]) for i in (0, 200, 383)])
+  among = merge(tiles)[[0, 200, 383]]
+  np.testing.assert_array_equal(alone.view(np.uint32), among.view(np.uint32))

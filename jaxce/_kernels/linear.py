@@ -39,8 +39,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxce._kernels import chunking, head, mosaic_head, plumbing, softmax, triton_merge
-from jaxce._kernels import triton_rows
+from jaxce._kernels import chunking, head, mosaic_head, plumbing, softmax, triton_rows
 from jaxce._kernels import rows as logits_rows
 from jaxce._kernels.config import Config
 
@@ -164,9 +163,9 @@ def _invariant_forward(hidden, weight, bias, labels, inv_temp, valid, kept, conf
 
 def _mosaic_statistics(hidden, weight, labels, inv_temp, shard_start, config):
   """``(logp, m, log s, entropy or None)`` ``[T]`` (before masking) by the Mosaic GPU
-  kernel, one call per chunk of the plan's ``kernel_chunk`` tokens, and ``triton_merge``:
-  each token's tiles merged in the columns' order, every shard's tiles gathered in rank
-  order first. Each token's bits depend on its own inputs alone."""
+  kernel, one call per chunk of the plan's ``kernel_chunk`` tokens, and ``triton_merge``
+  (``rows.merge_tiles``): each token's tiles merged in the columns' order, every shard's
+  tiles gathered in rank order first. Each token's bits depend on its own inputs alone."""
   num_tokens, num_columns = hidden.shape[0], weight.shape[config.vocab_dim]
   chunk = config.plan.kernel_chunk
   limit = softmax.column_limit(config.mask_vocab, shard_start, num_columns)
@@ -178,10 +177,7 @@ def _mosaic_statistics(hidden, weight, labels, inv_temp, shard_start, config):
         rows(hidden), weight, rows(labels), rows(inv_temp), limit, column_start=shard_start,
         vocab_dim=config.vocab_dim, softcap=config.softcap, with_entropy=config.with_entropy,
         interpret=config.plan.interpret, num_cores=config.plan.num_cores)
-    if config.vocab_axis is not None:
-      tiles = lax.all_gather(tiles, config.vocab_axis, axis=0, tiled=True)
-    return None, triton_merge.merge(tiles, with_entropy=config.with_entropy,
-                                    interpret=config.plan.interpret)
+    return None, logits_rows.merge_tiles(tiles, config)
 
   _, stacked = lax.scan(chunk_step, None, jnp.arange(chunking.num_chunks(num_tokens, chunk)))
   return tuple(None if s is None else chunking.unchunk(s, num_tokens) for s in stacked)

@@ -37,6 +37,9 @@ def varying_axes(x):
 def shape_dtype_like(x, shape, dtype):
   """A ``jax.ShapeDtypeStruct`` that varies over the same shard_map axes as ``x``
   (``check_vma`` needs it spelled out for a Pallas kernel's outputs)."""
+  mat = getattr(jax.typeof(x), "mat", None)
+  if mat is not None:  # (spelled out even when x varies over no axis: check_vma wants it)
+    return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=mat)
   manual = _manual_type(x)
   return jax.ShapeDtypeStruct(shape, dtype, **(dict([manual]) if manual else {}))
 

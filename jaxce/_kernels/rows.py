@@ -27,10 +27,7 @@ def statistics(x, labels, inv_temp, valid, column_start, config, kept=None):
                                          interpret=config.plan.interpret)
     picked = softmax.label_logit(x, labels, inv_temp, column_start)
     tiles = jnp.stack([m, s, q, picked])[None]  # this shard's columns: one tile
-    if config.vocab_axis is not None:
-      tiles = lax.all_gather(tiles, config.vocab_axis, axis=0, tiled=True)
-    logp, m, log_s, entropy = triton_merge.merge(tiles, with_entropy=config.with_entropy,
-                                                 interpret=config.plan.interpret)
+    logp, m, log_s, entropy = merge_tiles(tiles, config)
     logp, entropy_out = softmax.finish_outputs(logp, entropy, labels, valid, config.vocab_size)
     return logp, m, log_s, entropy_out
   if config.plan.exact_sums:
@@ -40,6 +37,19 @@ def statistics(x, labels, inv_temp, valid, column_start, config, kept=None):
   return softmax.chunk_statistics(x, labels, inv_temp, valid, column_start, config.vocab_size,
                                   config.mask_vocab, config.vocab_axis, config.with_entropy,
                                   kept)
+
+
+def merge_tiles(tiles, config):
+  """``(logp before masking, m, log s, entropy or None)`` ``[C]`` of this shard's tiles'
+  statistics ``[G, 4, C]`` (``triton_merge``), every shard's tiles gathered in rank order
+  first: the same bits on every shard, typed as such (a ``pmax`` of equal values, exact)."""
+  if config.vocab_axis is None:
+    return triton_merge.merge(tiles, with_entropy=config.with_entropy,
+                              interpret=config.plan.interpret)
+  tiles = lax.all_gather(tiles, config.vocab_axis, axis=0, tiled=True)
+  merged = triton_merge.merge(tiles, with_entropy=config.with_entropy,
+                              interpret=config.plan.interpret)
+  return tuple(None if a is None else lax.pmax(a, config.vocab_axis) for a in merged)
 
 
 def forward(x, labels, inv_temp, valid, config, kept=None):

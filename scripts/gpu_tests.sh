@@ -12,7 +12,7 @@ out="${OUT:-bench/out/gpu-tests}"
 mkdir -p "$out"
 export JAX_PLATFORMS=cuda XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
 targets=("${@:-tests}")
-python -m pytest -q -n "${WORKERS:-6}" -p no:cacheprovider -rfE "${targets[@]}" \
+python -m pytest -q -n "${WORKERS:-6}" -p no:cacheprovider -rfEs "${targets[@]}" \
   2>&1 | tee "$out/tests.log"
 tests_rc=${PIPESTATUS[0]}
 summary=$(grep -E '^(=+ )?[0-9]+ (passed|failed)|[0-9]+ (passed|failed).* in [0-9.]+s' \

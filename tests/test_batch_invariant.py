@@ -233,6 +233,52 @@ def test_as_exact_as_the_default(path):
     assert err <= err_default + ulp, f"{path} {name}: {err:.2e} vs the default's {err_default:.2e}"
 
 
+def test_exact_sums_are_exact_at_a_real_vocabulary():
+  """V = 151936 (151665 real ids): rows whose mass is spread over many small terms (each
+  exp(z - m) ~ 1e-3, where truncating the terms' limbs too coarsely biases the sum by
+  2^-bits / 1e-3 of itself) and peaked rows, per-token temperature: the exact sums' logp
+  and entropy within 4e-6 of float64 (the f32 rounding of log s ~ 12) and no further
+  than XLA's float sums plus that. At a few hundred columns truncation is invisible."""
+  rng = np.random.default_rng(11)
+  vocab, real = 151936, 151665
+  x = rng.normal(size=(6, vocab)) * 2.0
+  x[3:] = adversarial_logits(rng, (3, vocab), scale=3.0, offset=-12.0, peak=12.0)
+  x = np.asarray(jnp.asarray(x, jnp.bfloat16), np.float64)
+  labels = rng.integers(0, real, 6)
+  temperature = rng.uniform(0.7, 1.3, 6)
+  common = dict(temperature=temperature, vocab_size=real, implementation="xla")
+  want = reference.logprobs_and_entropy(jnp.asarray(x), labels, temperature=temperature,
+                                        vocab_size=real)
+  xb = jnp.asarray(x, jnp.bfloat16)
+  exact = jaxce.logprobs_and_entropy(xb, labels, batch_invariant=True, **common)
+  floats = jaxce.logprobs_and_entropy(xb, labels, **common)
+  for name, e, f, w in zip(("logp", "entropy"), exact, floats, want):
+    err = np.abs(np.asarray(e, np.float64) - np.asarray(w))
+    err_float = np.abs(np.asarray(f, np.float64) - np.asarray(w))
+    assert np.max(err) <= 4e-6, f"{name}: {err} from float64"
+    assert np.max(err) <= np.max(err_float) + 4e-6, f"{name}: {err} vs XLA's {err_float}"
+
+
+def test_the_exact_paths_matmuls_keep_their_shape():
+  """The exact fused path's forward matmuls have the platform's tile shape whatever the
+  number of tokens (7, 100, 1000): a matmul's row bits depend on its shape, which XLA:CPU
+  hides (it gives a row the same bits at any row count) and GPUs do not. Read from the
+  compiled program's dots."""
+  import re
+  tile = jaxce.plan.INVARIANT_MATMUL_TILE[jaxce.plan.backend()]
+  for tokens in (7, 100, 1000):
+    rows = _rows(12, tokens)
+    h = jnp.asarray(rows["hidden"], jnp.bfloat16)
+    f = jax.jit(lambda h, w: jaxce.linear_logprobs_and_entropy(
+        h, w, rows["labels"], batch_invariant=True, implementation="xla", vocab_size=VOCAB))
+    text = f.lower(h, WEIGHT).as_text()
+    dots = re.findall(r"stablehlo\.dot_general.*?\(tensor<(\d+)x(\d+)x\w+>, "
+                      r"tensor<(\d+)x(\d+)x\w+>\)", text)
+    assert dots, "no matmul found"
+    for lhs_rows, depth, _, columns in dots:
+      assert (int(lhs_rows), int(columns)) == tile, (tokens, lhs_rows, columns, tile)
+
+
 @pytest.mark.parametrize("path", ["logits", "fused", "token_loss", "linear_token_loss"])
 def test_gradients_match_float64(path):
   """float64 inputs (the exact sums then keep 77 bits): outputs and gradients with random

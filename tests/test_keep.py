@@ -162,7 +162,13 @@ def test_a_label_outside_its_kept_set_stays_finite_and_is_found():
   with pytest.raises(ValueError, match=r"labels\[\(2,\)\] = \d+ is not in its kept set "
                                        r"\(1 such position"):
     jaxce.keep.check(p["keep"], p["labels"])
-  jaxce.keep.check(p["keep"], np.where(np.arange(T) == 2, -100, p["labels"]))  # ignored: fine
+  # An ignored label (-100) is never outside its kept set, even where column 0 (where a
+  # careless check would look) is not kept; the same row with label 0 is.
+  keep = np.array(p["keep"])
+  keep[2, 0] &= ~np.uint32(1)
+  with pytest.raises(ValueError, match=r"labels\[\(2,\)\] = 0 is not in its kept set"):
+    jaxce.keep.check(keep, np.where(np.arange(T) == 2, 0, p["labels"]))
+  jaxce.keep.check(keep, np.where(np.arange(T) == 2, -100, p["labels"]))
 
 
 @pytest.mark.parametrize("path,shards", [("logits", 2), ("linear", 4), ("linear", 8)])

@@ -89,10 +89,11 @@ def _same(got, want, what):
         f"{g.view(np.float32)} vs {w.view(np.float32)}")
 
 
-def _contexts(path, invariant=True):
-  """``(what, positions, call)``: the probes inside calls of every kind."""
+def _contexts(path, invariant=True, **options):
+  """``(what, positions, call)``: the probes inside calls of every kind (``options``: more
+  keywords for every call)."""
   out = []
-  call_path = lambda rows, **kw: _call(path, rows, invariant=invariant, **kw)
+  call_path = lambda rows, **kw: _call(path, rows, invariant=invariant, **options, **kw)
   for p in range(PROBES):
     out.append((f"probe {p} alone (T = 1)", [0],
                 lambda p=p: call_path({k: v[p:p + 1] for k, v in PROBE.items()})))
@@ -124,6 +125,24 @@ def test_the_same_bits_in_every_call(path):
   for k, (what, positions, call) in enumerate(_contexts(path)):
     expected = tuple(a[k:k + 1] for a in want) if k < PROBES else want  # (one probe alone)
     _same(_bits(call(), positions), expected, f"{path}, {what}")
+
+
+@pytest.mark.parametrize("path", ["logits", "token_loss"])
+def test_the_triton_kernels_hold_it_in_either_mode(path):
+  """The logits paths' Triton kernels (interpreted off GPUs) are batch-invariant by
+  construction, with or without the option: the probes' bits alone are their bits in
+  every context, and the objective path's are the per-token path's."""
+  for invariant in (True, False):
+    want = _bits(_call("logits", PROBE, invariant, implementation="triton"), slice(None))
+    contexts = _contexts(path, invariant, implementation="triton")
+    contexts = [c for c in contexts if "chunk_size" not in c[0]]  # (no chunks: one pass)
+    for k, (what, positions, call) in enumerate(contexts):
+      expected = tuple(a[k:k + 1] for a in want) if k < PROBES else want
+      _same(_bits(call(), positions), expected, f"{path}, {what}, option {invariant}")
+    plan = jaxce.plan.of(lambda x: jaxce.logprobs_and_entropy(
+        x, PROBE["labels"], batch_invariant=invariant, implementation="triton"),
+        jnp.asarray(PROBE["logits"], jnp.bfloat16))
+    assert plan.invariant_to == jaxce.plan.INVARIANCES[:4]
 
 
 def _sharded_forms(path, shards, rows):

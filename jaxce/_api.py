@@ -77,10 +77,12 @@ def logprobs_and_entropy(logits, labels, *, temperature=1.0, where=None, vocab_s
       read tile by tile, never expanded beyond a tile.
     batch_invariant: ``True``: each token's ``logp`` and ``entropy`` are the same bits
       whatever the call around it: the other tokens and their number, ``chunk_size``,
-      the number of vocab shards, with or without a gradient (README, "Reproducible
-      log-probs"). The sums over the vocabulary are exact integer sums of fixed-point
-      terms, so their order cannot change them. Runs on XLA (the Pallas kernels sum in
-      floating point; ``jaxce.plan.of`` says so). ``False`` (default): the fastest plan.
+      with or without a gradient, whether your ``jit`` passes an array or closes over it
+      (README, "Reproducible log-probs"). The GPU kernels hold it by construction (in
+      either mode, at no cost); where none runs the call, XLA's exact sums (integer sums
+      of fixed-point terms, which also hold across the number of vocab shards; pass
+      ``implementation="xla"`` for that everywhere). ``jaxce.plan.of(...).invariant_to``
+      says what a call holds. ``False`` (default): the fastest plan.
 
   Returns:
     ``(logp, entropy)``, float32 arrays of ``labels.shape`` (entropy ``None`` when
@@ -160,11 +162,11 @@ def linear_logprobs_and_entropy(hidden, weight, labels, *, bias=None, logit_soft
       temperature (Gemma 2 style).
     temperature, where, vocab_size, vocab_axis, return_entropy, keep: as in
       :func:`jaxce.logprobs_and_entropy`.
-    batch_invariant: as in :func:`jaxce.logprobs_and_entropy`; the forward's matmuls
-      then have one shape whatever the call (``jaxce.plan.INVARIANT_MATMUL_TILE``: fewer
-      tokens are padded to its rows) and each chunk of its rows holds its f32
-      ``[rows, V_local]`` logits; ``chunk_size`` and ``vocab_block_size`` steer the
-      backward only.
+    batch_invariant: as in :func:`jaxce.logprobs_and_entropy`. On Hopper the Mosaic
+      kernels hold it; on XLA's exact sums the forward's matmuls have one shape whatever
+      the call (``jaxce.plan.INVARIANT_MATMUL_TILE``: fewer tokens are padded to its rows),
+      each chunk of its rows holds its f32 ``[rows, V_local]`` logits, and ``chunk_size``
+      and ``vocab_block_size`` steer the backward only.
     chunk_size: tokens per tile; ``None`` plans it (``jaxce.plan.linear_tiles``: an f32
       tile budget per platform; with the Mosaic kernels rounded down to a multiple of
       256).

@@ -21,10 +21,8 @@ LOGP_ONLY_IMPLS = ("optax", "tokamax", "liger", "liger_grpo", "cce")
 # Peers that run only on a CUDA GPU: elsewhere their rows are "skipped" (no process).
 GPU_ONLY_IMPLS = ("liger", "liger_flsce", "liger_grpo", "cce")
 _WHEELS = "bash bench/get_peers.sh (PyPI access), then pip install --no-deps bench/.wheels/*.whl"
-_LIGER = ("Liger-Kernel 0.8.5 and the CUTLASS DSL 4.8.1 (FLSCE's sm90 kernel): "
-          "bash ../shared/peers/prepare.sh here, then on the GPU machine park .peers/a "
-          "(install.sh a) and, within 30 s, bash .peers/b/install.sh b .peers "
-          "(../shared/peers/README.md; bench/README.md, 'GPU runs')")
+_LIGER = ("Liger-Kernel 0.8.5 and the CUTLASS DSL 4.8.1 (FLSCE's sm90 kernel) on a CUDA "
+          "machine: pip install liger-kernel==0.8.5 nvidia-cutlass-dsl==4.8.1")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -2,8 +2,8 @@
 # Download the optional JAX peers' wheels (tokamax 0.0.17 and the pure-Python packages it
 # needs beyond JAX, flax and PyTorch; Cut Cross-Entropy) into bench/.wheels, for a GPU machine
 # with no network (Python 3.12). There: pip install --no-index --no-deps bench/.wheels/*.whl
-# (bench/gpu_session.sh does it). Liger-Kernel and the CUTLASS DSL come another way:
-# ../shared/peers/README.md. xprof, which only tokamax's own benchmarking imports, is left out
+# (bench/gpu_session.sh does it). Liger-Kernel and the CUTLASS DSL install with pip on a
+# CUDA machine: pip install liger-kernel==0.8.5 nvidia-cutlass-dsl==4.8.1. xprof, which only tokamax's own benchmarking imports, is left out
 # (bench/impls.py stands a stub in for it). None of these is a jaxce dependency.
 set -euo pipefail
 cd "$(dirname "$0")"

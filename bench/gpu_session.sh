@@ -1,19 +1,20 @@
 #!/usr/bin/env bash
 # One GPU session of the bench, from the repository root, on a one-GPU H200 (or H100) with
-# JAX 0.11.2 and PyTorch, Liger-Kernel installed beforehand (../shared/peers/README.md:
-# install.sh a, then b) and tokamax 0.0.17 from bench/.wheels when carried (bench/get_peers.sh).
+# JAX 0.11.2 and PyTorch, Liger-Kernel installed beforehand (pip install liger-kernel==0.8.5
+# nvidia-cutlass-dsl==4.8.1) and tokamax 0.0.17 from bench/.wheels when present
+# (bench/get_peers.sh).
 #
 #   bash bench/gpu_session.sh              # main: the gpu and objective suites at T = 8192 and
 #                                          # 32768 with every peer (fused and logits), the floors
 #                                          # at the machine's best, the accuracy rows
 #   bash bench/gpu_session.sh resume       # what main had no time for (same files, merged)
 #   bash bench/gpu_session.sh large        # T = 262144, then 1,048,576: one fresh process per row
-#   bash bench/gpu_session.sh large 262144 # one T only (each T fits one 10-minute device call)
+#   bash bench/gpu_session.sh large 262144 # one T only (each T ends within 10 minutes)
 #
 # Writes bench/out/gpu-session/<main|large>/<device>.json (rows, device, versions, git commit,
 # floors, accuracy), .md, _memory.png, and session-<mode>.log (kept on a warm machine, so
-# `resume` finds them; carry bench/out/gpu-session to resume on a fresh one), then copies them
-# under $OUT (the device tool's returned folder) when it is set; prints a summary. JAXCE_COMMIT names the commit the tree was sent from (default: git rev-parse HEAD).
+# `resume` finds them; copy bench/out/gpu-session along to resume on another), then copies
+# them under $OUT when it is set; prints a summary. JAXCE_COMMIT names the commit the tree was sent from (default: git rev-parse HEAD).
 # Time guard: nothing starts after DEADLINE_S seconds from the script's start (default 500,
 # large 380: the command ends within 9 minutes); rows not started are "skipped: time budget", and
 # `resume` runs them (on an H200, 2026-11-25: floors ~1 min, accuracy ~3 min, rows ~6.5 min).

@@ -21,7 +21,7 @@ from jax.sharding import PartitionSpec as P
 from jaxce import _checks, _options, _sharded, plan
 from jaxce._kernels import linear, linear_token_loss, logits, softmax, token_loss
 from jaxce._kernels import triton_reciprocal
-from jaxce._kernels.config import Config
+from jaxce._kernels.config import Config, Tokens
 
 
 class Operation(NamedTuple):
@@ -174,15 +174,15 @@ def _shard(op, options, objective, operands, labels, temperature, where, keep, t
       vocab_axis=vocab_axis, with_entropy=with_entropy, softcap=options.logit_softcap,
       vocab_dim=options.vocab_dim, in_place=options.backward_in_place,
       hidden_grad_in_output=options.hidden_grad_accumulation == "output")
-  flat_rows = (labels.reshape(-1).astype(jnp.int32), inv_temp.reshape(-1), valid.reshape(-1),
-               None if keep is None else keep.reshape(num_tokens, keep.shape[-1]))
+  tokens = Tokens(labels.reshape(-1).astype(jnp.int32), inv_temp.reshape(-1), valid.reshape(-1),
+                  None if keep is None else keep.reshape(num_tokens, keep.shape[-1]))
   if not op.objective:
-    out = op.kernel(*flat, *flat_rows, config)
+    out = op.kernel(*flat, tokens, config)
     return out[0].reshape(labels.shape), (out[1].reshape(labels.shape) if with_entropy
                                           else None)
   flat_args = tuple(lax.stop_gradient(jnp.broadcast_to(a, labels.shape).reshape(-1))
                     for a in token_args)
-  loss, (logp, entropy) = op.kernel(objective, *flat, *flat_rows, flat_args, config)
+  loss, (logp, entropy) = op.kernel(objective, *flat, tokens, flat_args, config)
   logp = lax.stop_gradient(logp.reshape(labels.shape))
   return loss, (logp, None if entropy is None else lax.stop_gradient(entropy.reshape(labels.shape)))
 

@@ -113,8 +113,9 @@ def test_logits_grad_tile_matches_float64(vocab_dim, softcap, first_kept, limit)
   with np.errstate(invalid="ignore"):  # 0 * -inf at excluded columns, dropped by the where
     entropy = log_sum - np.where(e > 0, e * (z - shift[:, None]), 0).sum(axis=1) / e.sum(axis=1)
   got = mosaic_head.logits_grad(
-      hidden, weight, label_column, inv_temp, limit, first_kept, *(jnp.asarray(a, jnp.float32)
-      for a in (shift, log_sum, entropy)), g_logp, g_entropy, jnp.asarray(keep),
+      hidden, weight, label_column, inv_temp,
+      tuple(jnp.asarray(a, jnp.float32) for a in (shift, log_sum, entropy)),
+      (g_logp, g_entropy), jnp.asarray(keep), limit=limit, first_kept=first_kept,
       vocab_dim=vocab_dim, softcap=softcap, **kernel_device())
   dz = softmax.logit_grad(jnp.asarray(z), jnp.asarray(label_column), *(jnp.asarray(a) for a in (
       shift, log_sum, entropy)), jnp.asarray(g_logp, jnp.float64),

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 
@@ -40,18 +41,19 @@ def write_fresh(buffer, rows, start, fresh, old=None):
   return lax.dynamic_update_slice_in_dim(buffer, jnp.where(fresh, rows, old), start, 0)
 
 
-def pad_tokens(total: int, hidden, labels, inv_temp, valid, kept, token_args=()):
-  """The per-token arrays (``[T, ...]``; ``kept`` may be None) with rows appended up to
-  ``total``: zeros, temperature 1 and ``valid`` False, so the padded tokens are ignored. A
-  batch-invariant plan's matmul keeps its shape when a call has fewer tokens than its
-  rows. Returns ``(hidden, labels, inv_temp, valid, kept, token_args)``."""
-  def pad(a, value=0):
-    if a is None or a.shape[0] >= total:
-      return a
-    return jnp.pad(a, [(0, total - a.shape[0])] + [(0, 0)] * (a.ndim - 1),
-                   constant_values=value)
-  return (pad(hidden), pad(labels), pad(inv_temp, 1), pad(valid, False), pad(kept),
-          tuple(pad(a) for a in token_args))
+def take_rows(arrays, start, size: int):
+  """Rows ``[start, start + size)`` of every ``[T, ...]`` array of a pytree (``start`` may
+  be traced; ``None`` leaves stay None): the one slicer of per-token arrays."""
+  return jax.tree.map(lambda a: lax.dynamic_slice_in_dim(a, start, size, 0), arrays)
+
+
+def pad_rows(a, total: int, value=0):
+  """``[T, ...]`` ``a`` with rows of ``value`` appended up to ``total`` (None stays None;
+  no copy when ``T >= total``)."""
+  if a is None or a.shape[0] >= total:
+    return a
+  return jnp.pad(a, [(0, total - a.shape[0])] + [(0, 0)] * (a.ndim - 1),
+                 constant_values=value)
 
 
 def unchunk(stacked, total: int):

@@ -1,13 +1,43 @@
-"""The static records a kernel takes: the ``Plan`` the planner (``jaxce.plan``) made for one
-shard's shapes, and the ``Config`` of one call (the checked options and that plan).
+"""The records a kernel takes, ``(operands, tokens, config)``: the per-token arrays
+(``Tokens``, a pytree), the ``Plan`` the planner (``jaxce.plan``) made for one shard's
+shapes, and the ``Config`` of one call (the checked options and that plan).
 
-Both are hashable NamedTuples: the kernels are jitted with them as static arguments, so a
-new value compiles a new program and an equal one reuses it.
+``Plan`` and ``Config`` are hashable NamedTuples: the kernels are jitted with them as
+static arguments, so a new value compiles a new program and an equal one reuses it.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
+
+from jaxce._kernels import chunking
+
+
+class Tokens(NamedTuple):
+  """The per-token arrays of a call (or of one chunk of it), flattened: one pytree through
+  ``jit``, ``scan`` and ``custom_vjp``, sliced by :meth:`rows`.
+
+  Attributes:
+    labels: int32 ``[T]`` global label ids (negative: ignored).
+    inv_temp: ``[T]`` ``1 / temperature`` in the compute dtype.
+    valid: bool ``[T]``: the tokens not ignored (``where`` and labels ``>= 0``).
+    kept: uint32 ``[T, V_local / 32]``, the tokens' kept sets (``keep=``), or None.
+  """
+  labels: Any
+  inv_temp: Any
+  valid: Any
+  kept: Any = None
+
+  def rows(self, start, size: int) -> "Tokens":
+    """Tokens ``[start, start + size)`` (``start`` may be traced)."""
+    return chunking.take_rows(self, start, size)
+
+  def padded(self, total: int) -> "Tokens":
+    """With tokens appended up to ``total``: label 0, temperature 1, ``valid`` False (so
+    they are ignored), nothing kept. A matmul of a fixed shape keeps it when a call has
+    fewer tokens than its rows."""
+    return Tokens(chunking.pad_rows(self.labels, total), chunking.pad_rows(self.inv_temp, total, 1),
+                  chunking.pad_rows(self.valid, total, False), chunking.pad_rows(self.kept, total))
 
 
 class Plan(NamedTuple):

@@ -41,14 +41,14 @@ from jax import lax
 
 from jaxce._kernels import chunking, head, mosaic_head, plumbing, softmax, triton_rows
 from jaxce._kernels import rows as logits_rows
-from jaxce._kernels.config import Config
+from jaxce._kernels.config import Config, Tokens
 
 
-def logprobs_entropy(hidden, weight, bias, labels, inv_temp, valid, kept, config: Config):
+def logprobs_entropy(hidden, weight, bias, tokens: Tokens, config: Config):
   """``hidden [T, D]``, ``weight`` (``[D, V_local]``, or ``[V_local, D]``), ``bias``
-  ``[V_local]`` or None, ``labels`` int32 ``[T]``, ``inv_temp [T]``, ``valid`` bool ``[T]``
-  -> ``(logp [T],)`` or ``(logp, entropy)`` in the compute dtype; differentiable in
-  ``hidden``, ``weight`` and ``bias`` (jitted once per configuration).
+  ``[V_local]`` or None, and the ``tokens`` -> ``(logp [T],)`` or ``(logp, entropy)`` in
+  the compute dtype; differentiable in ``hidden``, ``weight`` and ``bias`` (jitted once per
+  configuration).
 
   Memory: no ``[T, V]`` array. Forward: two f32 ``[chunk, block]`` tiles, the weight
   block being read and O(T). Backward: ``d hidden`` and ``d weight`` (the outputs), two
@@ -58,13 +58,11 @@ def logprobs_entropy(hidden, weight, bias, labels, inv_temp, valid, kept, config
   """
   num_tokens = hidden.shape[0]
   if config.plan.backend == "mosaic" and num_tokens < mosaic_head.MIN_ROWS:
-    hidden, labels, inv_temp, valid, kept, _ = chunking.pad_tokens(
-        mosaic_head.MIN_ROWS, hidden, labels, inv_temp, valid, kept)  # ignored rows
-    out = _jitted_linear_logprobs_entropy(hidden, weight, bias, labels, inv_temp, valid, kept,
-                                          config)
+    hidden = chunking.pad_rows(hidden, mosaic_head.MIN_ROWS)  # ignored rows
+    out = _jitted_linear_logprobs_entropy(hidden, weight, bias,
+                                          tokens.padded(mosaic_head.MIN_ROWS), config=config)
     return tuple(o[:num_tokens] for o in out)
-  return _jitted_linear_logprobs_entropy(hidden, weight, bias, labels, inv_temp, valid, kept,
-                                         config)
+  return _jitted_linear_logprobs_entropy(hidden, weight, bias, tokens, config=config)
 
 
 def _grid(num_tokens, num_columns, chunk, block):
@@ -72,31 +70,31 @@ def _grid(num_tokens, num_columns, chunk, block):
   return chunking.num_chunks(num_columns, block), chunking.num_chunks(num_tokens, chunk)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(7,))
-def _linear_logprobs_entropy(hidden, weight, bias, labels, inv_temp, valid, kept, config):
+@partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _linear_logprobs_entropy(hidden, weight, bias, tokens, config):
   """``hidden [T, D]``, ``weight [D, V_local]`` -> ``(logp [T],)`` or ``(logp, entropy)``."""
-  return _forward(hidden, weight, bias, labels, inv_temp, valid, kept, config)[0]
+  return _forward(hidden, weight, bias, tokens, config)[0]
 
 
-def _forward(hidden, weight, bias, labels, inv_temp, valid, kept, config):
+def _forward(hidden, weight, bias, tokens, config):
   if config.plan.exact_sums:
-    return _invariant_forward(hidden, weight, bias, labels, inv_temp, valid, kept, config)
+    return _invariant_forward(hidden, weight, bias, tokens, config)
   num_tokens, num_columns = hidden.shape[0], weight.shape[config.vocab_dim]
   chunk, block = config.plan.chunk, config.plan.block
   n_blocks, n_chunks = _grid(num_tokens, num_columns, chunk, block)
   shard_start = softmax.shard_column_start(num_columns, config.vocab_axis)
   dtype = head.dtypes(hidden, weight)[1]
-  outer_labels, outer_valid = labels, valid  # the outputs vary like these, not per shard
-  hidden, weight, bias, labels, inv_temp, valid, kept = plumbing.unify_varying(
-      (hidden, weight, bias, labels, inv_temp, valid, kept), config.vocab_axis)
+  outer = tokens  # the outputs vary like the tokens, not per shard
+  hidden, weight, bias, *arrays = plumbing.unify_varying((hidden, weight, bias, *tokens),
+                                                         config.vocab_axis)
+  tokens = Tokens(*arrays)
   if config.plan.backend == "mosaic":
-    logp, m, log_s, entropy = _mosaic_statistics(hidden, weight, labels, inv_temp,
-                                                 shard_start, config)
-    logp, entropy_out = softmax.finish_outputs(logp, entropy, outer_labels, outer_valid,
+    logp, m, log_s, entropy = _mosaic_statistics(hidden, weight, tokens, shard_start, config)
+    logp, entropy_out = softmax.finish_outputs(logp, entropy, outer.labels, outer.valid,
                                                config.vocab_size)
     out = (logp,) + ((entropy_out,) if config.with_entropy else ())
     return out, (m, log_s, entropy)
-  m, s, q = softmax.running_start(num_tokens, dtype, config.with_entropy, inv_temp)
+  m, s, q = softmax.running_start(num_tokens, dtype, config.with_entropy, tokens.inv_temp)
   picked = jnp.zeros_like(s)
 
   def block_step(carry, j):
@@ -107,24 +105,24 @@ def _forward(hidden, weight, bias, labels, inv_temp, valid, kept, config):
 
     def chunk_step(carry, i):
       start = chunking.chunk_start(i, num_tokens, chunk)
-      rows = lambda a: lax.dynamic_slice_in_dim(a, start, chunk, 0)
-      x = head.tile_logits(rows(hidden), w_cols, b_cols, config.softcap, config.vocab_dim)
-      m, s, q, picked = (None if c is None else rows(c) for c in carry)
+      h, chunk_tokens, (m, s, q, picked) = chunking.take_rows(
+          (hidden, tokens, carry), start, chunk)
+      x = head.tile_logits(h, w_cols, b_cols, config.softcap, config.vocab_dim)
       if config.plan.backend == "triton":  # the tile's columns: ids in [first_column, mask_vocab)
         tile_start = shard_start + col
         limit = softmax.column_limit(config.mask_vocab, tile_start, block)
         tile_m, tile_s, tile_q = triton_rows.row_statistics(
-            x, rows(inv_temp), limit, config.with_entropy, start=first_column - tile_start,
-            interpret=config.plan.interpret)
+            x, chunk_tokens.inv_temp, limit, config.with_entropy,
+            start=first_column - tile_start, interpret=config.plan.interpret)
         new = softmax.merge_statistics(m, s, q, tile_m, tile_s,
                                        tile_q if config.with_entropy else None)
       else:
-        kept_tile = _tile_kept(kept, labels, rows, col, block, shard_start)
-        z = softmax.scaled_logits(x, rows(inv_temp), shard_start + col, config.mask_vocab,
-                                  first_column, kept_tile)
+        kept_tile = _tile_kept(chunk_tokens, col, block, shard_start)
+        z = softmax.scaled_logits(x, chunk_tokens.inv_temp, shard_start + col,
+                                  config.mask_vocab, first_column, kept_tile)
         new = softmax.accumulate_tile(m, s, q, z)
-      new += (picked + softmax.label_logit(x, rows(labels), rows(inv_temp), shard_start + col,
-                                           first_column),)
+      new += (picked + softmax.label_logit(x, chunk_tokens.labels, chunk_tokens.inv_temp,
+                                           shard_start + col, first_column),)
       fresh = chunking.fresh_rows(i, start, chunk)  # the clamped chunk's overlap is done
       return tuple(None if c is None else chunking.write_fresh(c, n, start, fresh, old=o)
                    for c, n, o in zip(carry, new, (m, s, q, picked))), None
@@ -133,26 +131,24 @@ def _forward(hidden, weight, bias, labels, inv_temp, valid, kept, config):
     return carry, None
 
   (m, s, q, picked), _ = lax.scan(block_step, (m, s, q, picked), jnp.arange(n_blocks))
-  return _finish_forward(m, s, q, picked, outer_labels, outer_valid, config)
+  return _finish_forward(m, s, q, picked, outer, config)
 
 
-def _invariant_forward(hidden, weight, bias, labels, inv_temp, valid, kept, config):
+def _invariant_forward(hidden, weight, bias, tokens, config):
   """The batch-invariant forward: ``(outputs, (m, log s, entropy))`` as ``_forward``'s.
   Chunks of ``matmul_tile[0]`` tokens (fewer tokens are padded with ignored zero rows, so
   the matmul keeps its shape); each holds its f32 ``[C, V_local]`` logits."""
   chunk, block = config.plan.matmul_tile
   num_tokens, num_columns = hidden.shape[0], weight.shape[config.vocab_dim]
   padded = max(num_tokens, chunk)
-  hidden, labels, inv_temp, valid, kept, _ = chunking.pad_tokens(
-      padded, hidden, labels, inv_temp, valid, kept)
+  hidden, tokens = chunking.pad_rows(hidden, padded), tokens.padded(padded)
   shard_start = softmax.shard_column_start(num_columns, config.vocab_axis)
 
   def step(_, i):
     start = chunking.chunk_start(i, padded, chunk)
-    rows = lambda a: None if a is None else lax.dynamic_slice_in_dim(a, start, chunk, 0)
-    x = head.invariant_logits(rows(hidden), weight, bias, config.vocab_dim, block)
-    return None, logits_rows.statistics(x, rows(labels), rows(inv_temp), rows(valid),
-                                        shard_start, config, rows(kept))
+    x = head.invariant_logits(chunking.take_rows(hidden, start, chunk), weight, bias,
+                              config.vocab_dim, block)
+    return None, logits_rows.statistics(x, tokens.rows(start, chunk), shard_start, config)
 
   _, stacked = lax.scan(step, None, jnp.arange(chunking.num_chunks(padded, chunk)))
   logp, m, log_s, entropy = (None if s is None else chunking.unchunk(s, padded)[:num_tokens]
@@ -161,7 +157,7 @@ def _invariant_forward(hidden, weight, bias, labels, inv_temp, valid, kept, conf
   return out, (m, log_s, entropy)
 
 
-def _mosaic_statistics(hidden, weight, labels, inv_temp, shard_start, config):
+def _mosaic_statistics(hidden, weight, tokens, shard_start, config):
   """``(logp, m, log s, entropy or None)`` ``[T]`` (before masking) by the Mosaic GPU
   kernel, one call per chunk of the plan's ``kernel_chunk`` tokens, and ``triton_merge``
   (``rows.merge_tiles``): each token's tiles merged in the columns' order, every shard's
@@ -172,9 +168,9 @@ def _mosaic_statistics(hidden, weight, labels, inv_temp, shard_start, config):
 
   def chunk_step(_, i):
     start = chunking.chunk_start(i, num_tokens, chunk)
-    rows = lambda a: lax.dynamic_slice_in_dim(a, start, chunk, 0)
+    h, chunk_tokens = chunking.take_rows((hidden, tokens), start, chunk)
     tiles = mosaic_head.statistics(
-        rows(hidden), weight, rows(labels), rows(inv_temp), limit, column_start=shard_start,
+        h, weight, chunk_tokens.labels, chunk_tokens.inv_temp, limit, column_start=shard_start,
         vocab_dim=config.vocab_dim, softcap=config.softcap, with_entropy=config.with_entropy,
         interpret=config.plan.interpret, num_cores=config.plan.num_cores)
     return None, logits_rows.merge_tiles(tiles, config)
@@ -183,42 +179,43 @@ def _mosaic_statistics(hidden, weight, labels, inv_temp, shard_start, config):
   return tuple(None if s is None else chunking.unchunk(s, num_tokens) for s in stacked)
 
 
-def _tile_kept(kept, labels, rows, col, block, shard_start):
-  """The ``[chunk, block]`` kept set of the tile at local column ``col`` (``rows`` slices
-  the chunk's rows), or None without kept sets."""
-  if kept is None:
+def _tile_kept(tokens, col, block, shard_start):
+  """The ``[chunk, block]`` kept set of a chunk's ``tokens`` in the tile at local column
+  ``col``, or None without kept sets."""
+  if tokens.kept is None:
     return None
-  return softmax.kept_columns(rows(kept), col, block, rows(labels) - (shard_start + col))
+  return softmax.kept_columns(tokens.kept, col, block, tokens.labels - (shard_start + col))
 
 
-def _finish_forward(m, s, q, picked, labels, valid, config):
+def _finish_forward(m, s, q, picked, tokens, config):
   """Outputs and residuals from this device's running statistics."""
   m, s, q, picked = softmax.combine_shards(m, s, q, picked, config.vocab_axis)
   log_s, entropy = softmax.finish_statistics(s, q)
-  logp, entropy_out = softmax.finish_outputs((picked - m) - log_s, entropy, labels, valid,
-                                           config.vocab_size)
+  logp, entropy_out = softmax.finish_outputs((picked - m) - log_s, entropy, tokens.labels,
+                                           tokens.valid, config.vocab_size)
   out = (logp,) + ((entropy_out,) if config.with_entropy else ())
   return out, (m, log_s, entropy)
 
 
-def _linear_logprobs_entropy_fwd(hidden, weight, bias, labels, inv_temp, valid, kept, config):
-  hidden, weight, bias, labels, inv_temp, valid, kept = (
-      None if p is None else p.value
-      for p in (hidden, weight, bias, labels, inv_temp, valid, kept))
-  out, stats = _forward(hidden, weight, bias, labels, inv_temp, valid, kept, config)
-  return out, (hidden, weight, bias, labels, inv_temp, valid, kept) + stats
+def _linear_logprobs_entropy_fwd(hidden, weight, bias, tokens, config):
+  hidden, weight, bias, tokens = plumbing.primal_values((hidden, weight, bias, tokens))
+  out, saved = _forward(hidden, weight, bias, tokens, config)
+  return out, (hidden, weight, bias, tokens, saved)
 
 
 def _linear_logprobs_entropy_bwd(config, residuals, cotangents):
   primals = residuals[:3]
-  (hidden, weight, bias, labels, inv_temp, valid, kept, shift, log_sum,
-   entropy) = plumbing.unify_varying(residuals, config.vocab_axis)
+  hidden, weight, bias, tokens, saved = residuals
+  hidden, weight, bias, *arrays = plumbing.unify_varying(
+      (hidden, weight, bias, *tokens, *saved), config.vocab_axis)
+  tokens, saved = Tokens(*arrays[:4]), tuple(arrays[4:])
   g_logp = plumbing.symbolic_zero_to_none(cotangents[0])
   g_entropy = plumbing.symbolic_zero_to_none(cotangents[1]) if config.with_entropy else None
+  cotangents = (g_logp, g_entropy)
   no_bias_grad = None if bias is None else jnp.zeros_like(bias)
   if g_logp is None and g_entropy is None:
     return (jnp.zeros_like(primals[0]), jnp.zeros_like(primals[1]),
-            None if bias is None else jnp.zeros_like(primals[2]), None, None, None, None)
+            None if bias is None else jnp.zeros_like(primals[2]), None)
 
   num_tokens, num_columns = hidden.shape[0], weight.shape[config.vocab_dim]
   chunk, block = config.plan.chunk, config.plan.block
@@ -231,28 +228,28 @@ def _linear_logprobs_entropy_bwd(config, residuals, cotangents):
     """Tile ``(j, i)``: its f32 ``d hidden`` rows ``[chunk, D]`` and ``d W`` and ``d bias``
     columns (exactly 0 in a clamped block's overlap and at ignored rows)."""
     start = chunking.chunk_start(i, num_tokens, chunk)
-    rows = lambda a: None if a is None else lax.dynamic_slice_in_dim(a, start, chunk, 0)
-    h = rows(hidden)
-    keep = rows(valid) & chunking.fresh_rows(i, start, chunk)
-    label_column = rows(labels) - (shard_start + col)
-    label_column = jnp.where(rows(labels) >= first_column, label_column, -1)
+    h, chunk_tokens, chunk_saved, chunk_cotangents = chunking.take_rows(
+        (hidden, tokens, saved, cotangents), start, chunk)
+    labels, inv_temp, valid, _ = chunk_tokens
+    row_mask = valid & chunking.fresh_rows(i, start, chunk)
+    label_column = labels - (shard_start + col)
+    label_column = jnp.where(labels >= first_column, label_column, -1)
     if config.plan.backend == "mosaic":  # d formed in the matmul's epilogue (no bias here)
-      h = jnp.where(keep[:, None], h, 0)
-      limit = softmax.column_limit(config.mask_vocab, shard_start + col, block)
+      h = jnp.where(row_mask[:, None], h, 0)
       d = mosaic_head.logits_grad(
-          h, w_cols, label_column, rows(inv_temp), limit, first_column - (shard_start + col),
-          rows(shift), rows(log_sum), rows(entropy), rows(g_logp), rows(g_entropy), keep,
-          vocab_dim=vocab_dim, softcap=config.softcap, interpret=config.plan.interpret,
+          h, w_cols, label_column, inv_temp, chunk_saved, chunk_cotangents, row_mask,
+          limit=softmax.column_limit(config.mask_vocab, shard_start + col, block),
+          first_kept=first_column - (shard_start + col), vocab_dim=vocab_dim,
+          softcap=config.softcap, interpret=config.plan.interpret,
           num_cores=config.plan.num_cores)
     else:
       x = head.tile_logits(h, w_cols, b_cols, config.softcap, vocab_dim)
-      h = jnp.where(keep[:, None], h, 0)  # an ignored row's NaN must not reach d W as 0 * NaN
-      kept_tile = _tile_kept(kept, labels, rows, col, block, shard_start)
-      z = softmax.scaled_logits(x, rows(inv_temp), shard_start + col, config.mask_vocab,
+      h = jnp.where(row_mask[:, None], h, 0)  # an ignored row's NaN must not reach d W
+      kept_tile = _tile_kept(chunk_tokens, col, block, shard_start)
+      z = softmax.scaled_logits(x, inv_temp, shard_start + col, config.mask_vocab,
                                 first_column, kept_tile)
-      dz = softmax.logit_grad(z, label_column, rows(shift), rows(log_sum), rows(entropy),
-                              rows(g_logp), rows(g_entropy), keep)
-      dx = head.logits_input_grad(dz, rows(inv_temp), x, config.softcap, keep)
+      dz = softmax.logit_grad(z, label_column, *chunk_saved, *chunk_cotangents, row_mask)
+      dx = head.logits_input_grad(dz, inv_temp, x, config.softcap, row_mask)
       d = dx.astype(operand_dtype)
     dw_tile = head.weight_grad(h, d, vocab_dim)
     dh_rows = head.contract(d, w_cols, 1, vocab_dim)
@@ -310,7 +307,7 @@ def _linear_logprobs_entropy_bwd(config, residuals, cotangents):
   grads = (d_hidden.astype(hidden.dtype), d_weight, d_bias)
   grads = tuple(None if g is None else plumbing.reduce_to_varying(g, p)
                 for g, p in zip(grads, primals))
-  return grads + (None, None, None, None)
+  return grads + (None,)
 
 
 def _token_outer_grads(tile_grads, block_slices, hidden, weight, bias, primals, config,
@@ -353,10 +350,11 @@ def _token_outer_grads(tile_grads, block_slices, hidden, weight, bias, primals, 
            None if bias is None else d_bias.astype(bias.dtype))
   grads = tuple(None if g is None else plumbing.reduce_to_varying(g, p)
                 for g, p in zip(grads, primals))
-  return grads + (None, None, None, None)
+  return grads + (None,)
 
 
 _linear_logprobs_entropy.defvjp(_linear_logprobs_entropy_fwd, _linear_logprobs_entropy_bwd,
                                 symbolic_zeros=True)
 # Jitted once per configuration, so repeated eager calls do not recompile.
-_jitted_linear_logprobs_entropy = jax.jit(_linear_logprobs_entropy, static_argnums=(7,))
+_jitted_linear_logprobs_entropy = jax.jit(_linear_logprobs_entropy,
+                                          static_argnames=("config",))

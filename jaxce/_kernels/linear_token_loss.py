@@ -21,29 +21,25 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxce._kernels import chunking, head, objective as objectives, plumbing, rows, softmax
-from jaxce._kernels.config import Config
+from jaxce._kernels.config import Config, Tokens
 
 
-def linear_token_loss(objective, hidden, weight, bias, labels, inv_temp, valid, kept,
-                      token_args, config: Config):
+def linear_token_loss(objective, hidden, weight, bias, tokens: Tokens, token_args,
+                      config: Config):
   """``hidden [T, D]``, ``weight`` (``[D, V_local]`` or ``[V_local, D]``), ``bias``
-  ``[V_local]`` or None, ``labels`` int32 / ``inv_temp`` / ``valid`` bool / each of
-  ``token_args`` ``[T]``, ``kept`` uint32 ``[T, V_local / 32]`` or None -> ``(loss,
-  (logp [T], entropy [T] or None))``; the loss (this device's tokens) is differentiable
-  in ``hidden``, ``weight`` and ``bias``."""
-  return _jitted(objective, hidden, weight, bias, labels, inv_temp, valid, kept,
-                 tuple(token_args), config)
+  ``[V_local]`` or None, the ``tokens`` and ``token_args`` (each ``[T]``) -> ``(loss,
+  (logp [T], entropy [T] or None))``; the loss (this device's tokens) is differentiable in
+  ``hidden``, ``weight`` and ``bias``."""
+  return _jitted(objective, hidden, weight, bias, tokens, tuple(token_args), config=config)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(0, 9))
-def _linear_token_loss(objective, hidden, weight, bias, labels, inv_temp, valid, kept,
-                       token_args, config):
-  return _run(objective, hidden, weight, bias, labels, inv_temp, valid, kept, token_args,
-              config, with_grads=False)[0]
+@partial(jax.custom_vjp, nondiff_argnums=(0, 6))
+def _linear_token_loss(objective, hidden, weight, bias, tokens, token_args, config):
+  return _run(objective, hidden, weight, bias, tokens, token_args, config,
+              with_grads=False)[0]
 
 
-def _run(objective, hidden, weight, bias, labels, inv_temp, valid, kept, token_args, config,
-         with_grads):
+def _run(objective, hidden, weight, bias, tokens, token_args, config, with_grads):
   """``((loss, (logp, entropy)), ((d hidden, d weight, d bias), type witnesses) or
   None)``: the gradients of this device's loss, not yet summed over shard_map axes."""
   num_tokens, num_columns = hidden.shape[0], weight.shape[config.vocab_dim]
@@ -52,37 +48,37 @@ def _run(objective, hidden, weight, bias, labels, inv_temp, valid, kept, token_a
   column_start = softmax.shard_column_start(num_columns, config.vocab_axis)
   primals = (hidden, weight, bias)
   # (fewer tokens than a chunk: batch-invariant plans only, the matmul keeps its rows)
-  hidden, labels, inv_temp, valid, kept, token_args = chunking.pad_tokens(
-      chunk, hidden, labels, inv_temp, valid, kept, token_args)
+  hidden, tokens = chunking.pad_rows(hidden, chunk), tokens.padded(chunk)
+  token_args = tuple(chunking.pad_rows(a, chunk) for a in token_args)
   padded = hidden.shape[0]
 
   def step(carry, i):
     start = chunking.chunk_start(i, padded, chunk)
-    take = lambda a: None if a is None else lax.dynamic_slice_in_dim(a, start, chunk, 0)
-    h = take(hidden)
+    h, chunk_tokens, chunk_args = chunking.take_rows((hidden, tokens, token_args), start,
+                                                     chunk)
+    labels, inv_temp, valid, kept = chunk_tokens
     if config.plan.matmul_tile is None:
       x = head.tile_logits(h, weight, bias, config.softcap, vocab_dim)
     else:  # batch-invariant: matmuls of one shape (chunk = the tile's rows), no softcap yet
       x = head.invariant_logits(h, weight, bias, vocab_dim, config.plan.matmul_tile[1])
-    logp, shift, log_sum, entropy = rows.statistics(
-        x, take(labels), take(inv_temp), take(valid), column_start, config, take(kept))
+    logp, shift, log_sum, entropy = rows.statistics(x, chunk_tokens, column_start, config)
     if config.plan.matmul_tile is not None:  # (the exact statistics applied it themselves)
       x = head.cap(x, config.softcap)
-    keep = take(valid) & chunking.fresh_rows(i, start, chunk)  # the overlap counts once
+    row_mask = valid & chunking.fresh_rows(i, start, chunk)  # the overlap counts once
     loss, g_logp, g_entropy = objectives.terms_and_cotangents(
-        objective, logp, entropy, [take(a) for a in token_args], keep, with_grads)
+        objective, logp, entropy, list(chunk_args), row_mask, with_grads)
     outputs = (loss, logp) + ((entropy,) if config.with_entropy else ())
     if not with_grads:
       return carry, outputs
     d_hidden, d_weight, d_bias = carry
     kept_tile = None if kept is None else softmax.kept_columns(
-        take(kept), 0, num_columns, take(labels) - column_start)
-    z = softmax.scaled_logits(x, take(inv_temp), column_start, config.mask_vocab, kept=kept_tile)
-    dz = softmax.logit_grad(z, take(labels) - column_start, shift, log_sum, entropy, g_logp,
-                            g_entropy, keep)
-    dx = head.logits_input_grad(dz, take(inv_temp), x, config.softcap, keep)
+        kept, 0, num_columns, labels - column_start)
+    z = softmax.scaled_logits(x, inv_temp, column_start, config.mask_vocab, kept=kept_tile)
+    dz = softmax.logit_grad(z, labels - column_start, shift, log_sum, entropy, g_logp,
+                            g_entropy, row_mask)
+    dx = head.logits_input_grad(dz, inv_temp, x, config.softcap, row_mask)
     d = dx.astype(operand_dtype)
-    h = jnp.where(keep[:, None], h, 0)  # an ignored row's NaN must not reach d W as 0 * NaN
+    h = jnp.where(row_mask[:, None], h, 0)  # an ignored row's NaN must not reach d W as 0 * NaN
     dh_rows = head.contract(d, weight, 1, vocab_dim)
     if config.vocab_axis is not None:
       dh_rows = lax.psum(dh_rows, config.vocab_axis)  # partial sums over vocab shards
@@ -98,7 +94,7 @@ def _run(objective, hidden, weight, bias, labels, inv_temp, valid, kept, token_a
     # d weight and d bias sums vary like every input together (reduced at the end).
     d_weight, d_bias = plumbing.unify_varying(
         (jnp.zeros(weight.shape, dtype), None if bias is None else jnp.zeros(bias.shape, dtype),
-         hidden, weight, labels, inv_temp, valid), config.vocab_axis)[:2]
+         hidden, weight, *tokens[:3]), config.vocab_axis)[:2]
     carry = (jnp.zeros_like(hidden), d_weight, d_bias)
   n_chunks = chunking.num_chunks(padded, chunk)
   carry, (loss, logp, *entropy) = lax.scan(step, carry, jnp.arange(n_chunks))
@@ -116,10 +112,8 @@ def _run(objective, hidden, weight, bias, labels, inv_temp, valid, kept, token_a
   return out, (grads, witnesses)
 
 
-def _fwd(objective, hidden, weight, bias, labels, inv_temp, valid, kept, token_args, config):
-  out, grads = _run(objective, hidden, weight, bias, labels, inv_temp, valid, kept, token_args,
-                    config, with_grads=True)
-  return out, grads
+def _fwd(objective, hidden, weight, bias, tokens, token_args, config):
+  return _run(objective, hidden, weight, bias, tokens, token_args, config, with_grads=True)
 
 
 def _bwd(objective, config, residuals, cotangents):
@@ -128,8 +122,8 @@ def _bwd(objective, config, residuals, cotangents):
   scale = cotangents[0]  # the outputs (logp, entropy) are for metrics: no gradient
   scaled = tuple(None if g is None else plumbing.reduce_to_varying(g * scale.astype(g.dtype), w)
                  for g, w in zip(grads, witnesses))
-  return scaled + (None, None, None, None, None)
+  return scaled + (None, None)
 
 
 _linear_token_loss.defvjp(_fwd, _bwd)
-_jitted = jax.jit(_linear_token_loss, static_argnums=(0, 9))
+_jitted = jax.jit(_linear_token_loss, static_argnames=("objective", "config"))

@@ -15,51 +15,47 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxce._kernels import plumbing, rows, softmax
-from jaxce._kernels.config import Config
+from jaxce._kernels import chunking, plumbing, rows, softmax
+from jaxce._kernels.config import Config, Tokens
 
 
-def logprobs_entropy(x, labels, inv_temp, valid, kept, config: Config):
-  """``x [T, V_local]``, ``labels`` int32 ``[T]``, ``inv_temp [T]``, ``valid`` bool
-  ``[T]``, ``kept`` uint32 ``[T, V_local / 32]`` (the kept sets) or None -> ``(logp [T],)``
-  or ``(logp, entropy)`` in the compute dtype; differentiable in ``x`` (jitted once per
-  configuration, inlined inside an outer jit or shard_map).
+def logprobs_entropy(x, tokens: Tokens, config: Config):
+  """``x [T, V_local]`` and its ``tokens`` -> ``(logp [T],)`` or ``(logp, entropy)`` in the
+  compute dtype; differentiable in ``x`` (jitted once per configuration, inlined inside an
+  outer jit or shard_map).
 
   Memory: the forward keeps ``x`` and three ``[T]`` vectors as residuals; its working set
   is O(T) with the Triton kernel and the reductions' partial sums of one ``[chunk,
   V_local]`` tile with XLA. The backward reads ``x`` once and writes the gradient (an
   array like ``x``); with ``in_place`` it overwrites ``x``'s buffer when ``x`` is dead.
   """
-  return _jitted_logprobs_entropy(x, labels, inv_temp, valid, kept, config)
+  return _jitted_logprobs_entropy(x, tokens, config=config)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _logprobs_entropy(x, labels, inv_temp, valid, kept, config):
-  return rows.forward(x, labels, inv_temp, valid, config, kept)[0]
+@partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _logprobs_entropy(x, tokens, config):
+  return rows.forward(x, tokens, config)[0]
 
 
-def _logprobs_entropy_fwd(x, labels, inv_temp, valid, kept, config):
-  x, labels, inv_temp, valid, kept = (
-      None if p is None else p.value for p in (x, labels, inv_temp, valid, kept))
-  out, stats = rows.forward(x, labels, inv_temp, valid, config, kept)
-  return out, (x, labels, inv_temp, valid, kept) + stats
+def _logprobs_entropy_fwd(x, tokens, config):
+  x, tokens = plumbing.primal_values((x, tokens))
+  out, saved = rows.forward(x, tokens, config)
+  return out, (x, tokens, saved)
 
 
 def _logprobs_entropy_bwd(config, residuals, cotangents):
-  x, labels, inv_temp, valid, kept, shift, log_sum, entropy = residuals
+  x, tokens, saved = residuals
   mask_vocab, chunk, vocab_axis = config.mask_vocab, config.plan.chunk, config.vocab_axis
   g_logp = plumbing.symbolic_zero_to_none(cotangents[0])
   g_entropy = plumbing.symbolic_zero_to_none(cotangents[1]) if config.with_entropy else None
   if g_logp is None and g_entropy is None:
-    return (jnp.zeros_like(x), None, None, None, None)
+    return (jnp.zeros_like(x), None)
   column_start = softmax.shard_column_start(x.shape[1], vocab_axis)
-  gradient = lambda x, take: rows.gradient(
-      x, take(labels), take(inv_temp), take(valid), take(shift), take(log_sum),
-      take(entropy), take(g_logp), take(g_entropy), mask_vocab, column_start, take(kept))
+  per_token = (tokens, saved, (g_logp, g_entropy))
 
   if not config.in_place:
     # One elementwise pass over [T, V_local] into a new array.
-    return (gradient(x, lambda a: a), None, None, None, None)
+    return (rows.gradient(x, *per_token, mask_vocab, column_start), None)
 
   # The logits buffer is the loop carry; each step overwrites one chunk of rows with
   # its gradient (XLA updates a loop carry in place, copying it first only when the
@@ -68,16 +64,17 @@ def _logprobs_entropy_bwd(config, residuals, cotangents):
   full, tail = divmod(num_tokens, chunk)
 
   def overwrite(x, start, size):
-    take = lambda a: None if a is None else lax.dynamic_slice_in_dim(a, start, size, 0)
-    return lax.dynamic_update_slice_in_dim(x, gradient(take(x), take), start, 0)
+    chunk_rows = chunking.take_rows((x,) + per_token, start, size)
+    return lax.dynamic_update_slice_in_dim(
+        x, rows.gradient(*chunk_rows, mask_vocab, column_start), start, 0)
 
   x = lax.fori_loop(0, full, lambda i, x: overwrite(x, i * chunk, chunk), x)
   if tail:
     x = overwrite(x, full * chunk, tail)
-  return (x, None, None, None, None)
+  return (x, None)
 
 
 _logprobs_entropy.defvjp(_logprobs_entropy_fwd, _logprobs_entropy_bwd, symbolic_zeros=True)
 # Jitted once per static configuration, so repeated eager calls do not recompile; inside
 # an outer jit (or shard_map) it is inlined.
-_jitted_logprobs_entropy = jax.jit(_logprobs_entropy, static_argnums=(5,))
+_jitted_logprobs_entropy = jax.jit(_logprobs_entropy, static_argnames=("config",))

@@ -247,10 +247,10 @@ def _tile_logits_grad(hidden, weight, row_inputs, *, vocab_dim, softcap, interpr
 
 
 def _grad_epilogue(x, inv_temp, label, limit, first_kept, shift, log_sum, entropy, g_logp,
-                   g_entropy, keep, column, softcap):
+                   g_entropy, row_mask, column, softcap):
   """``softmax.logit_grad`` then ``head.logits_input_grad`` of one accumulator tile
   ``x [TILE_M, TILE_N]`` (WGMMA layout) whose first column is ``column``; every other
-  argument is a ``[TILE_M]`` f32 vector (``keep``: 1 or 0)."""
+  argument is a ``[TILE_M]`` f32 vector (``row_mask``: 1 or 0)."""
   shape = x.shape
   per_row = lambda v: lax.broadcast_in_dim(v, shape, [0])
   capped = softcap * jnp.tanh(x / softcap) if softcap is not None else x
@@ -266,7 +266,7 @@ def _grad_epilogue(x, inv_temp, label, limit, first_kept, shift, log_sum, entrop
   dx = dz * per_row(inv_temp)
   if softcap is not None:
     dx = dx * (1 - jnp.square(capped / softcap))
-  return jnp.where(per_row(keep) > 0, dx, 0.0)  # after every factor: a dropped row's NaN
+  return jnp.where(per_row(row_mask) > 0, dx, 0.0)  # after every factor: a dropped row's NaN
 
 
 def _epilogue(x, inv_temp, label, limit, column, softcap, with_entropy):
@@ -321,8 +321,8 @@ def statistics(hidden, weight, labels, inv_temp, limit, *, column_start, vocab_d
                           with_entropy=with_entropy, interpret=interpret, num_cores=num_cores)
 
 
-def logits_grad(hidden, weight, label_column, inv_temp, limit, first_kept, shift, log_sum,
-                entropy, g_logp, g_entropy, keep, *, vocab_dim, softcap, interpret, num_cores):
+def logits_grad(hidden, weight, label_column, inv_temp, saved, cotangents, row_mask, *, limit,
+                first_kept, vocab_dim, softcap, interpret, num_cores):
   """``d loss / d (hidden @ weight)`` of one ``[C, Vb]`` tile of the fused backward, formed
   in the matmul's epilogue and written once, in hidden's dtype (the operand of the two
   gradient matmuls): no f32 tile reaches device memory.
@@ -333,11 +333,13 @@ def logits_grad(hidden, weight, label_column, inv_temp, limit, first_kept, shift
       multiple of 128.
     label_column: int32 ``[C]``: the label's column in this block, -1 when the label is
       not this block's (below ``first_kept`` too: an earlier block owns it).
-    inv_temp, shift, log_sum, entropy, g_logp, g_entropy: ``[C]`` f32 (``entropy``,
-      ``g_logp`` and ``g_entropy`` may be None: zeros).
+    inv_temp: ``[C]`` f32.
+    saved: ``(shift, log_sum, entropy)``, the forward's statistics, and ``cotangents``:
+      ``(g_logp, g_entropy)``, ``[C]`` f32 each (``entropy``, ``g_logp`` and
+      ``g_entropy`` may be None: zeros).
+    row_mask: bool ``[C]``: rows that are False get exactly 0.
     limit, first_kept: int32 scalars: the block's columns outside ``[first_kept, limit)``
       are excluded (padded vocabulary; a clamped last block's overlap).
-    keep: bool ``[C]``: rows that are False get exactly 0.
     interpret, num_cores: as the plan says (``_tiles``).
 
   Returns:
@@ -347,7 +349,7 @@ def logits_grad(hidden, weight, label_column, inv_temp, limit, first_kept, shift
       jnp.float32)
   scalar = lambda v: jnp.broadcast_to(jnp.asarray(v, jnp.float32), inv_temp.shape)
   row_inputs = jnp.stack([rows(inv_temp), label_column.astype(jnp.float32), scalar(limit),
-                          scalar(first_kept), rows(shift), rows(log_sum), rows(entropy),
-                          rows(g_logp), rows(g_entropy), keep.astype(jnp.float32)])
+                          scalar(first_kept), *map(rows, saved), *map(rows, cotangents),
+                          row_mask.astype(jnp.float32)])
   return _tile_logits_grad(hidden, weight, row_inputs, vocab_dim=vocab_dim, softcap=softcap,
                            interpret=interpret, num_cores=num_cores)

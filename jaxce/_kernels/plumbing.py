@@ -6,11 +6,17 @@ from __future__ import annotations
 
 import jax
 from jax import lax
-from jax.custom_derivatives import SymbolicZero
+from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
 
 
 def symbolic_zero_to_none(cotangent):
   return None if isinstance(cotangent, SymbolicZero) else cotangent
+
+
+def primal_values(tree):
+  """A ``custom_vjp`` forward rule's arguments (``symbolic_zeros=True`` wraps each array
+  as a ``CustomVJPPrimal``) as plain arrays, in the same pytree."""
+  return jax.tree.map(lambda p: p.value, tree, is_leaf=lambda p: isinstance(p, CustomVJPPrimal))
 
 
 def _manual_type(x):

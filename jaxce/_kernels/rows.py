@@ -9,18 +9,19 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxce._kernels import chunking, softmax, triton_merge, triton_rows
+from jaxce._kernels.config import Tokens
 
 
-def statistics(x, labels, inv_temp, valid, column_start, config, kept=None):
+def statistics(x, tokens: Tokens, column_start, config):
   """``(logp, m, log s, entropy or None)``, ``[C]`` each, of the rows ``x [C, V_local]``
-  (``labels`` int32, ``inv_temp``, ``valid`` bool ``[C]``; ``column_start`` the global id
-  of ``x``'s first column; ``kept`` the rows' packed kept sets ``[C, V_local / 32]`` or
-  None): with the ``"triton"`` backend (no kept sets) the row statistics by the one-pass
+  (``tokens``: theirs; ``column_start`` the global id of ``x``'s first column): with the
+  ``"triton"`` backend (no kept sets) the row statistics by the one-pass
   kernel, every shard's gathered in rank order and merged by ``triton_merge`` (each row's
   bits depend on its own inputs alone); with XLA's exact sums (``plan.exact_sums``)
   ``softmax.exact_statistics`` (then ``x`` is the logits before ``config.softcap``, which
   it applies); else ``softmax.chunk_statistics`` (one pmax and one psum over the vocab
   axis)."""
+  labels, inv_temp, valid, kept = tokens
   if config.plan.backend == "triton":
     limit = softmax.column_limit(config.mask_vocab, column_start, x.shape[1])
     m, s, q = triton_rows.row_statistics(x, inv_temp, limit, config.with_entropy,
@@ -52,25 +53,23 @@ def merge_tiles(tiles, config):
   return tuple(None if a is None else lax.pmax(a, config.vocab_axis) for a in merged)
 
 
-def forward(x, labels, inv_temp, valid, config, kept=None):
+def forward(x, tokens: Tokens, config):
   """``((logp,) or (logp, entropy), (m, log s, entropy or None))`` of every row of
-  ``x [T, V_local]`` (no gradient; ``kept`` the packed kept sets ``[T, V_local / 32]``
-  or None): the outputs and the statistics the gradient needs.
+  ``x [T, V_local]`` (no gradient): the outputs and the statistics the gradient needs.
   The Triton kernel reads all rows in one pass; XLA's statistics run in a scan over
   ``config.plan.chunk`` rows (a clamped last chunk, no copy)."""
   num_tokens, num_columns = x.shape
   with_entropy = config.with_entropy
   column_start = softmax.shard_column_start(num_columns, config.vocab_axis)
   if config.plan.backend == "triton":
-    logp, m, log_s, entropy_out = statistics(x, labels, inv_temp, valid, column_start, config)
+    logp, m, log_s, entropy_out = statistics(x, tokens, column_start, config)
     return (logp,) + ((entropy_out,) if with_entropy else ()), (m, log_s, entropy_out)
   chunk = config.plan.chunk
 
   def step(_, i):
     start = chunking.chunk_start(i, num_tokens, chunk)
-    rows = lambda a: None if a is None else lax.dynamic_slice_in_dim(a, start, chunk, 0)
-    logp, m, log_s, entropy = statistics(rows(x), rows(labels), rows(inv_temp), rows(valid),
-                                         column_start, config, rows(kept))
+    logp, m, log_s, entropy = statistics(chunking.take_rows(x, start, chunk),
+                                         tokens.rows(start, chunk), column_start, config)
     return None, (logp, m, log_s) + ((entropy,) if with_entropy else ())
 
   _, stacked = lax.scan(step, None, jnp.arange(chunking.num_chunks(num_tokens, chunk)))
@@ -79,12 +78,13 @@ def forward(x, labels, inv_temp, valid, config, kept=None):
   return (logp,) + tuple(entropy), (m, log_s, entropy[0] if with_entropy else None)
 
 
-def gradient(x, labels, inv_temp, valid, shift, log_sum, entropy, g_logp, g_entropy,
-             mask_vocab, column_start, kept=None):
+def gradient(x, tokens: Tokens, saved, cotangents, mask_vocab, column_start):
   """``d loss / d x`` of logits rows ``x [C, V_local]`` (in ``x``'s dtype) from their
-  statistics and the per-token cotangents (``[C]`` each; ``None`` for a symbolic zero):
-  one elementwise pass. ``column_start``: the global id of ``x``'s first column;
-  ``kept``: the rows' packed kept sets or None."""
+  tokens, the statistics the forward saved (``(m, log s, entropy or None)``) and the
+  per-token cotangents (``(g_logp, g_entropy)``, ``[C]`` each; ``None`` for a symbolic
+  zero): one elementwise pass. ``column_start``: the global id of ``x``'s first column."""
+  labels, inv_temp, valid, kept = tokens
+  (shift, log_sum, entropy), (g_logp, g_entropy) = saved, cotangents
   if kept is not None:
     kept = softmax.kept_columns(kept, 0, x.shape[1], labels - column_start)
   z = softmax.scaled_logits(x, inv_temp, column_start, mask_vocab, kept=kept)

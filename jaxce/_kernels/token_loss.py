@@ -14,53 +14,49 @@ from functools import partial
 import jax
 
 from jaxce._kernels import objective as objectives, plumbing, rows, softmax
-from jaxce._kernels.config import Config
+from jaxce._kernels.config import Config, Tokens
 
 
-def token_loss(objective, x, labels, inv_temp, valid, kept, token_args, config: Config):
-  """``x [T, V_local]``, ``labels`` int32 / ``inv_temp`` / ``valid`` bool / each of
-  ``token_args`` ``[T]``, ``kept`` uint32 ``[T, V_local / 32]`` or None -> ``(loss,
+def token_loss(objective, x, tokens: Tokens, token_args, config: Config):
+  """``x [T, V_local]``, its ``tokens`` and ``token_args`` (each ``[T]``) -> ``(loss,
   (logp [T], entropy [T] or None))``; the loss (this device's tokens) is differentiable
   in ``x``."""
-  return _jitted(objective, x, labels, inv_temp, valid, kept, tuple(token_args), config)
+  return _jitted(objective, x, tokens, tuple(token_args), config=config)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(0, 7))
-def _token_loss(objective, x, labels, inv_temp, valid, kept, token_args, config):
-  return _run(objective, x, labels, inv_temp, valid, kept, token_args, config,
-              with_grads=False)[0]
+@partial(jax.custom_vjp, nondiff_argnums=(0, 4))
+def _token_loss(objective, x, tokens, token_args, config):
+  return _run(objective, x, tokens, token_args, config, with_grads=False)[0]
 
 
-def _run(objective, x, labels, inv_temp, valid, kept, token_args, config, with_grads):
+def _run(objective, x, tokens, token_args, config, with_grads):
   """``((loss, (logp, entropy)), (d x, type witness) or None)``: the gradient of this
   device's loss, not yet summed over shard_map axes."""
-  outputs, (shift, log_sum, entropy) = rows.forward(x, labels, inv_temp, valid, config, kept)
+  outputs, saved = rows.forward(x, tokens, config)
   logp = outputs[0]
   entropy = outputs[1] if config.with_entropy else None
   loss, g_logp, g_entropy = objectives.terms_and_cotangents(objective, logp, entropy,
-                                                            token_args, valid, with_grads)
+                                                            token_args, tokens.valid, with_grads)
   out = (loss, (logp, entropy))
   if not with_grads:
     return out, None
-  grad = rows.gradient(
-      x, labels, inv_temp, valid, shift, log_sum, entropy, g_logp, g_entropy,
-      config.mask_vocab, softmax.shard_column_start(x.shape[1], config.vocab_axis), kept)
+  grad = rows.gradient(x, tokens, saved, (g_logp, g_entropy), config.mask_vocab,
+                       softmax.shard_column_start(x.shape[1], config.vocab_axis))
   # A zero-size slice carries x's type over shard_map axes to the backward, which sums
   # the scaled gradient over the axes x does not vary over.
   return out, (grad, x.reshape(-1)[:0])
 
 
-def _fwd(objective, x, labels, inv_temp, valid, kept, token_args, config):
-  return _run(objective, x, labels, inv_temp, valid, kept, token_args, config, with_grads=True)
+def _fwd(objective, x, tokens, token_args, config):
+  return _run(objective, x, tokens, token_args, config, with_grads=True)
 
 
 def _bwd(objective, config, residuals, cotangents):
   del objective, config
   grad, witness = residuals
   scale = cotangents[0]  # the outputs (logp, entropy) are for metrics: no gradient
-  return (plumbing.reduce_to_varying(grad * scale.astype(grad.dtype), witness), None, None, None,
-          None, None)
+  return (plumbing.reduce_to_varying(grad * scale.astype(grad.dtype), witness), None, None)
 
 
 _token_loss.defvjp(_fwd, _bwd)
-_jitted = jax.jit(_token_loss, static_argnums=(0, 7))
+_jitted = jax.jit(_token_loss, static_argnames=("objective", "config"))

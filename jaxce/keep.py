@@ -11,6 +11,21 @@ sampler's policy is.
 
 These helpers expand a ``[..., V]`` boolean mask: use them where the sampler's logits
 already exist (the sampler), not inside a memory-bound training step.
+
+Example:
+  >>> import jax.numpy as jnp
+  >>> import jaxce
+  >>> logits = jnp.array([[2.0, 1.0, 0.5, -3.0], [0.0, 0.0, 0.0, 0.0]])
+  >>> keep = jaxce.keep.from_logits(logits, top_k=2)
+  >>> keep.shape, keep.dtype
+  ((2, 1), dtype('uint32'))
+  >>> jaxce.keep.unpack(keep, 4)[0]
+  Array([ True,  True, False, False], dtype=bool)
+  >>> jaxce.keep.check(keep, jnp.array([1, -100]))  # an ignored label is never outside
+  >>> jaxce.keep.check(keep, jnp.array([3, -100]))
+  Traceback (most recent call last):
+  ...
+  ValueError: labels[(0,)] = 3 is not in its kept set (1 such position(s))
 """
 
 from __future__ import annotations

@@ -20,6 +20,21 @@ bench/NOTES.md has the measurements behind each number):
     jaxce.plan.linear_tiles(num_tokens, num_columns)           # fused path: (chunk, block)
     jaxce.plan.linear_backward_order(num_tokens, num_columns)  # "vocab" or "token"
     jaxce.plan.linear_objective_chunk(num_tokens, num_columns) # linear_token_loss
+
+Example (on a CPU, where XLA runs every call; on a Hopper GPU the same call plans the
+Mosaic kernels, batch-invariant by construction):
+
+  >>> import jax, jax.numpy as jnp
+  >>> import jaxce
+  >>> hidden = jax.ShapeDtypeStruct((4096, 1024), jnp.bfloat16)
+  >>> weight = jax.ShapeDtypeStruct((1024, 32768), jnp.bfloat16)
+  >>> labels = jax.ShapeDtypeStruct((4096,), jnp.int32)
+  >>> plan = jaxce.plan.of(jaxce.linear_logprobs_and_entropy, hidden, weight, labels)
+  >>> plan.backend, plan.invariant_to
+  ('xla', ())
+  >>> jaxce.plan.of(jaxce.linear_logprobs_and_entropy, hidden, weight, labels,
+  ...               batch_invariant=True).invariant_to
+  ('tokens', 'chunking', 'differentiation', 'constants', 'shards')
 """
 
 from __future__ import annotations
@@ -157,21 +172,23 @@ def linear_objective_chunk(num_tokens: int, num_columns: int, requested: int | N
 def linear_kernel_chunk(num_tokens: int, num_columns: int) -> int:
   """Tokens per call of the fused path's Mosaic GPU forward kernel: its tile statistics
   take 1/32 of the bytes of the chunk's f32 logits, planned to
-  ``LINEAR_KERNEL_STATS_BYTES`` and rounded down to a multiple of 256 (the kernel's row
-  block; at least 256, at most ``num_tokens``)."""
+  ``LINEAR_KERNEL_STATS_BYTES`` and rounded down to a multiple of the kernel's row block
+  (``mosaic_head.MIN_ROWS``, 256; at least that, at most ``num_tokens``)."""
   return _multiple(chunk_size(num_tokens, num_columns, None, 32 * LINEAR_KERNEL_STATS_BYTES),
-                   256, num_tokens)
+                   mosaic_head.MIN_ROWS, num_tokens)
 
 
 def linear_kernel_tiles(num_tokens: int, num_columns: int, requested_chunk: int | None = None,
                         requested_block: int | None = None,
                         platform: str | None = None) -> tuple[int, int]:
   """``(chunk, block)`` of the fused backward with the Mosaic GPU kernels:
-  :func:`linear_tiles`' plan, the chunk rounded down to a multiple of 256 and the block
-  to one of 128 (the kernel's tile; at least that, at most the array)."""
+  :func:`linear_tiles`' plan, the chunk rounded down to a multiple of the kernel's row
+  block (``mosaic_head.MIN_ROWS``, 256) and the block to one of its tile's columns
+  (``mosaic_head.TILE_N``, 128; at least that, at most the array)."""
   chunk, block = linear_tiles(num_tokens, num_columns, requested_chunk, requested_block,
                               platform)
-  return _multiple(chunk, 256, num_tokens), _multiple(block, 128, num_columns)
+  return (_multiple(chunk, mosaic_head.MIN_ROWS, num_tokens),
+          _multiple(block, mosaic_head.TILE_N, num_columns))
 
 
 def linear_backward_order(num_tokens: int, num_columns: int,

@@ -1,8 +1,9 @@
 """The package's structure: no import cycle (module-level and function-level imports
 alike); the kernels (every module of ``jaxce._kernels``, found from the package, not
-listed) import neither the front door, the planner nor the wiring, and use no other
-module's private names; the wiring imports no kernel; public modules say what they
-export."""
+listed) import nothing above ``_kernels`` (every other module of the package, found the
+same way) and use no other module's private names; no operation's kernel imports another
+operation's (the operations found from the dispatcher's records); the wiring imports no
+kernel; public modules say what they export."""
 
 import ast
 import pathlib
@@ -12,9 +13,6 @@ import pytest
 import jaxce
 
 PACKAGE = pathlib.Path(jaxce.__file__).parent
-# Above the kernels: the public names, the front door, the planner and the wiring.
-TOP = {"jaxce", "jaxce._api", "jaxce._dispatch", "jaxce._options", "jaxce._checks",
-       "jaxce.plan", "jaxce._sharded"}
 
 
 def _modules():
@@ -24,6 +22,11 @@ def _modules():
     parts = ("jaxce",) + path.relative_to(PACKAGE).with_suffix("").parts
     modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
   return modules
+
+
+# Above the kernels: every module outside jaxce._kernels (the public names, the front
+# door, the planner, the wiring, keep, objectives, reference, the integrations).
+TOP = {m for m in _modules() if not m.startswith("jaxce._kernels")}
 
 
 def kernels():
@@ -108,8 +111,21 @@ def test_the_kernels_are_found_from_the_package():
 
 @pytest.mark.parametrize("kernel", kernels())
 def test_kernels_import_nothing_above_them(kernel):
-  """No kernel imports the front door, the planner, the options or the wiring."""
+  """No kernel imports the front door, the planner, the options, the wiring, or the
+  public helpers (keep, objectives, reference)."""
+  assert {"jaxce.keep", "jaxce.objectives", "jaxce.reference", "jaxce.plan"} <= TOP
   assert not import_graph()[kernel] & TOP, import_graph()[kernel] & TOP
+
+
+def test_no_operation_imports_another():
+  """Each public operation's kernel module (from the dispatcher's records) imports no
+  other operation's: they share the floor modules (rows, head, softmax...) instead."""
+  from jaxce import _dispatch
+  operations = {op.kernel.__module__ for op in vars(_dispatch).values()
+                if isinstance(op, _dispatch.Operation)}
+  assert len(operations) == 4, operations
+  for module in operations:
+    assert not import_graph()[module] & (operations - {module}), module
 
 
 def _private_uses(path, modules):

@@ -57,12 +57,12 @@ def _run(objective, hidden, weight, bias, tokens, token_args, config, with_grads
     h, chunk_tokens, chunk_args = chunking.take_rows((hidden, tokens, token_args), start,
                                                      chunk)
     labels, inv_temp, valid, kept = chunk_tokens
-    if config.plan.matmul_tile is None:
+    if not config.plan.exact_sums:
       x = head.tile_logits(h, weight, bias, config.softcap, vocab_dim)
     else:  # batch-invariant: matmuls of one shape (chunk = the tile's rows), no softcap yet
       x = head.invariant_logits(h, weight, bias, vocab_dim, config.plan.matmul_tile[1])
     logp, shift, log_sum, entropy = rows.statistics(x, chunk_tokens, column_start, config)
-    if config.plan.matmul_tile is not None:  # (the exact statistics applied it themselves)
+    if config.plan.exact_sums:  # (the exact statistics applied it themselves)
       x = head.cap(x, config.softcap)
     row_mask = valid & chunking.fresh_rows(i, start, chunk)  # the overlap counts once
     loss, g_logp, g_entropy = objectives.terms_and_cotangents(

@@ -6,24 +6,25 @@ to the one dispatcher (``jaxce._dispatch``), which checks them once, plans each 
 from __future__ import annotations
 
 from jaxce import _dispatch
+from jaxce._options import Request
 
 # Arguments of the public functions that are not keyword options.
 _POSITIONAL = ("objective", "logits", "hidden", "weight", "labels", "token_args", "vocab_axis")
 
 
-def _keywords(arguments):
-  """A public function's keyword options from its ``locals()``."""
-  return {k: v for k, v in arguments.items() if k not in _POSITIONAL}
+def _keywords(arguments) -> Request:
+  """A public function's keyword options from its ``locals()``, as one record."""
+  return Request(**{k: v for k, v in arguments.items() if k not in _POSITIONAL})
 
 
-def _keywords_of(function, kw):
-  """The keyword options of ``function`` with ``kw`` applied: a TypeError names an unknown
-  one (the ``sharded_*`` functions take them as ``**kw``)."""
+def _keywords_of(function, kw) -> Request:
+  """The keyword options of ``function`` with ``kw`` applied, as one record: a TypeError
+  names an unknown one (the ``sharded_*`` functions take them as ``**kw``)."""
   defaults = {k: v for k, v in function.__kwdefaults__.items() if k != "vocab_axis"}
   unknown = sorted(set(kw) - set(defaults))
   if unknown:
     raise TypeError(f"{function.__name__} got unexpected keyword argument(s) {unknown}")
-  return {**defaults, **kw}
+  return Request(**{**defaults, **kw})
 
 
 def logprobs_and_entropy(logits, labels, *, temperature=1.0, where=None, vocab_size=None,

@@ -42,10 +42,12 @@ LINEAR_TOKEN_LOSS = Operation("linear_token_loss", True, True,
                               linear_token_loss.linear_token_loss)
 
 
-def run(op: Operation, operands, labels, kw, *, objective=None, token_args=(),
+def run(op: Operation, operands, labels, request: _options.Request, *, objective=None,
+        token_args=(),
         vocab_axis=None, mesh=None, batch_axis=None):
   """``op`` on ``operands`` (``(logits,)`` or ``(hidden, weight)``) and ``labels`` with
-  the keyword options ``kw`` (every keyword of the public function but ``vocab_axis``).
+  the keyword options ``request`` (every keyword of the public function but
+  ``vocab_axis``).
 
   ``mesh`` (with ``vocab_axis`` and ``batch_axis``): global arrays, run in ``shard_map``.
   Else ``vocab_axis``: this device's shard, inside the caller's ``shard_map``. Else, when
@@ -59,30 +61,31 @@ def run(op: Operation, operands, labels, kw, *, objective=None, token_args=(),
   if mesh is not None:
     token_entries = _sharded.token_spec(operands[0].ndim - 1, batch_axis)
   elif vocab_axis is None:
-    others = (kw.get("bias"), kw["where"], kw["temperature"], kw["keep"], *token_args)
+    others = (request.bias, request.where, request.temperature, request.keep, *token_args)
     if op.fused:
-      split = _sharded.linear_split(*operands, labels, _checks.vocab_dim(kw["weight_layout"]),
+      split = _sharded.linear_split(*operands, labels, _checks.vocab_dim(request.weight_layout),
                                     *others)
     else:
       split = _sharded.logits_split(*operands, labels, *others[1:])
     if split is not None:  # split over a mesh's explicit axes: as their types say
       mesh, vocab_axis, token_entries = split
-  options, operands = _options.check(op.name, operands, labels, kw, vocab_axis=vocab_axis,
+  options, operands = _options.check(op.name, operands, labels, request, vocab_axis=vocab_axis,
                                      mesh=mesh, batch_axis=batch_axis)
   if op.objective:
     token_args, options = _options.check_objective(objective, labels, token_args,
                                                    [a.dtype for a in operands[:2]], options)
-  keep = None if kw["keep"] is None else _checks.as_array("keep", kw["keep"])
+  keep = None if request.keep is None else _checks.as_array("keep", request.keep)
   if mesh is None:
-    return _shard(op, options, objective, operands, labels, kw["temperature"], kw["where"],
+    return _shard(op, options, objective, operands, labels, request.temperature, request.where,
                   keep, token_args, vocab_axis)
   if keep is not None:  # split like the tokens and, 32 columns a word, like the vocabulary
     operands += (keep,)
-  return _on_mesh(op, options, objective, operands, labels, kw, token_args, mesh, vocab_axis,
+  return _on_mesh(op, options, objective, operands, labels, request, token_args, mesh,
+                  vocab_axis,
                   token_entries)
 
 
-def _on_mesh(op, options, objective, operands, labels, kw, token_args, mesh, vocab_axis,
+def _on_mesh(op, options, objective, operands, labels, request, token_args, mesh, vocab_axis,
              token_entries):
   """``_shard`` in ``shard_map`` over ``mesh``: the operands split over the vocabulary
   (and the tokens), every per-token array (labels, array ``temperature`` / ``where``
@@ -91,7 +94,7 @@ def _on_mesh(op, options, objective, operands, labels, kw, token_args, mesh, voc
   token_arrays = {"labels": labels}
   scalars = {}
   for name in ("temperature", "where"):
-    value = kw[name]
+    value = getattr(request, name)
     if value is not None and jnp.ndim(value) > 0:
       value = _checks.as_array(name, value)
       token_arrays[name] = _checks.broadcast_token_array(value, labels.shape, value.dtype)

@@ -1,14 +1,16 @@
-"""The front door's checks, once per call, into one typed record of options.
+"""The front door's records: a call's keyword options as passed (:class:`Request`, built
+by the public function) and, after the checks, as the kernels read them (:class:`Options`).
 
-``check`` validates a call's arrays and keyword options (every error names the argument,
-its shape or value, and what was expected) and returns :class:`Options`; nothing
-downstream reads a keyword again. Where the call runs (``jaxce.plan.target``) is decided
+``check`` validates a call's arrays and its :class:`Request` (every error names the
+argument, its shape or value, and what was expected) and returns :class:`Options`; no
+keyword travels in a dict. Where the call runs (``jaxce.plan.target``) is decided
 here too, once, so every shard plans for the same platform.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import jax.numpy as jnp
 
@@ -16,6 +18,27 @@ from jaxce import _checks, plan
 from jaxce._kernels import softmax
 
 HIDDEN_GRAD_ACCUMULATIONS = ("float32", "output")
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Request:
+  """One call's keyword options as the caller passed them, unchecked (the public
+  functions' keywords, ``vocab_axis`` apart; an option a function does not take keeps its
+  default here). Their meanings: the public functions' docstrings."""
+  temperature: Any = 1.0
+  where: Any = None
+  vocab_size: int | None = None
+  chunk_size: int | None = None
+  return_entropy: bool | None = True
+  implementation: str | None = None
+  keep: Any = None
+  batch_invariant: bool = False
+  backward_in_place: bool = False
+  bias: Any = None
+  logit_softcap: float | None = None
+  vocab_block_size: int | None = None
+  weight_layout: str = "dv"
+  hidden_grad_accumulation: str = "float32"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,16 +76,16 @@ class Options:
   batch_invariant: bool = False
 
 
-def check(operation, operands, labels, kw, *, vocab_axis, mesh=None, batch_axis=None):
+def check(operation, operands, labels, request: Request, *, vocab_axis, mesh=None,
+          batch_axis=None):
   """``(Options, operands)`` of a call after its checks; the operands come back as arrays
-  (a fused call's ``(hidden, weight, bias or None)``: the bias from ``kw``).
+  (a fused call's ``(hidden, weight, bias or None)``: the bias from the request).
 
   Args:
     operation: the public operation's name (``jaxce.plan.BACKENDS``' keys).
     operands: ``(logits,)`` or ``(hidden, weight)``, as arrays.
     labels: int array.
-    kw: the call's keyword options (``temperature``, ``where``, ... ; ``bias`` and the
-      other fused options for the fused paths).
+    request: the call's keyword options.
     vocab_axis: the vocabulary's mesh axis, inside ``shard_map`` when ``mesh`` is None.
     mesh, batch_axis: the mesh of a call on global arrays.
   """
@@ -71,8 +94,8 @@ def check(operation, operands, labels, kw, *, vocab_axis, mesh=None, batch_axis=
     hidden, weight = operands
     _checks.check_float("hidden", hidden)
     _checks.check_float("weight", weight)
-    _checks.check_weight(hidden, weight, kw["weight_layout"])
-    vocab_dim = _checks.vocab_dim(kw["weight_layout"])
+    _checks.check_weight(hidden, weight, request.weight_layout)
+    vocab_dim = _checks.vocab_dim(request.weight_layout)
     num_columns, columns_name = weight.shape[vocab_dim], "weight"
     leading, leading_name = hidden.shape[:-1], "hidden.shape[:-1]"
   else:
@@ -92,41 +115,41 @@ def check(operation, operands, labels, kw, *, vocab_axis, mesh=None, batch_axis=
   _checks.check_columns("weight" if fused else "logits", num_columns)
   extra = {}
   if fused:
-    if "vocab_block_size" in kw:  # (the per-token path's options)
-      _checks.check_size(kw["vocab_block_size"], "vocab_block_size")
-      _checks.check_choice("hidden_grad_accumulation", kw["hidden_grad_accumulation"],
+    if operation == "linear_logprobs_and_entropy":  # (the per-token path's options)
+      _checks.check_size(request.vocab_block_size, "vocab_block_size")
+      _checks.check_choice("hidden_grad_accumulation", request.hidden_grad_accumulation,
                            HIDDEN_GRAD_ACCUMULATIONS)
-      extra.update(vocab_block_size=kw["vocab_block_size"],
-                   hidden_grad_accumulation=kw["hidden_grad_accumulation"])
-    _checks.check_softcap(kw["logit_softcap"])
-    bias = _checks.check_bias(kw["bias"], num_columns)
+      extra.update(vocab_block_size=request.vocab_block_size,
+                   hidden_grad_accumulation=request.hidden_grad_accumulation)
+    _checks.check_softcap(request.logit_softcap)
+    bias = _checks.check_bias(request.bias, num_columns)
     operands = (hidden, weight, bias)
-    extra.update(vocab_dim=vocab_dim, logit_softcap=(None if kw["logit_softcap"] is None
-                                                     else float(kw["logit_softcap"])))
+    extra.update(vocab_dim=vocab_dim, logit_softcap=(None if request.logit_softcap is None
+                                                     else float(request.logit_softcap)))
   else:
-    extra.update(backward_in_place=bool(kw.get("backward_in_place", False)))
+    extra.update(backward_in_place=bool(request.backward_in_place))
   _checks.check_labels(labels, leading, leading_name)
-  _checks.check_size(kw["chunk_size"], "chunk_size")
-  implementation = kw["implementation"]
+  _checks.check_size(request.chunk_size, "chunk_size")
+  implementation = request.implementation
   if implementation is not None:
     _checks.check_choice("implementation", implementation,
                          plan.IMPLEMENTATIONS + tuple(plan.ALIASES))
     implementation = plan.ALIASES.get(implementation, implementation)
-  _checks.check_temperature(kw["temperature"], labels.shape)
-  _checks.check_where(kw["where"], labels.shape)
-  vocab_size = _checks.check_vocab_size(kw["vocab_size"], total_columns, columns_name)
-  _checks.check_labels_in_range(labels, kw["where"], vocab_size)
-  _checks.check_flag("batch_invariant", kw["batch_invariant"])
-  if kw["batch_invariant"] and total_columns > softmax.MAX_EXACT_COLUMNS:
+  _checks.check_temperature(request.temperature, labels.shape)
+  _checks.check_where(request.where, labels.shape)
+  vocab_size = _checks.check_vocab_size(request.vocab_size, total_columns, columns_name)
+  _checks.check_labels_in_range(labels, request.where, vocab_size)
+  _checks.check_flag("batch_invariant", request.batch_invariant)
+  if request.batch_invariant and total_columns > softmax.MAX_EXACT_COLUMNS:
     raise ValueError(f"batch_invariant=True sums at most {softmax.MAX_EXACT_COLUMNS} "
                      f"columns exactly; {columns_name} has {total_columns}")
-  if kw["keep"] is not None:
-    _checks.check_keep(kw["keep"], labels.shape, num_columns, shards,
+  if request.keep is not None:
+    _checks.check_keep(request.keep, labels.shape, num_columns, shards,
                        local=mesh is None and shards > 1)
     extra.update(has_keep=True)
   options = Options(vocab_size=vocab_size, vocab_shards=shards,
-                    return_entropy=kw["return_entropy"], chunk_size=kw["chunk_size"],
-                    implementation=implementation, batch_invariant=kw["batch_invariant"],
+                    return_entropy=request.return_entropy, chunk_size=request.chunk_size,
+                    implementation=implementation, batch_invariant=request.batch_invariant,
                     target=plan.target(*operands[:2], mesh=mesh), **extra)
   return options, operands
 

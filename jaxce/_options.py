@@ -50,8 +50,8 @@ class Options:
     vocab_shards: how many shards the vocabulary is split over (1: not split).
     return_entropy: compute (and return) the entropy. Objective paths: the objective uses
       it or the caller asked for it.
-    chunk_size, implementation: as passed (``implementation`` with ``"pallas"`` read
-      as ``"triton"``); the planner turns them into a ``Plan``.
+    chunk_size, implementation: as passed (the planner reads ``"pallas"`` as
+      ``"triton"``); the planner turns them into a ``Plan``.
     target: where the call runs (``jaxce.plan.Target``).
     backward_in_place: the logits path's backward overwrites the logits.
     logit_softcap: the fused paths' softcap ``c`` (a float), or ``None``.
@@ -134,7 +134,6 @@ def check(operation, operands, labels, request: Request, *, vocab_axis, mesh=Non
   if implementation is not None:
     _checks.check_choice("implementation", implementation,
                          plan.IMPLEMENTATIONS + tuple(plan.ALIASES))
-    implementation = plan.ALIASES.get(implementation, implementation)
   _checks.check_temperature(request.temperature, labels.shape)
   _checks.check_where(request.where, labels.shape)
   vocab_size = _checks.check_vocab_size(request.vocab_size, total_columns, columns_name)

@@ -6,7 +6,7 @@
    vocab axis); values and both gradients, with random per-token cotangents.
 2. No DeprecationWarning from the Mosaic forward (the Triton one warns on JAX 0.11+).
 3. Time (median of ``--repeats`` synchronized runs after a warm-up) of the forward and of
-   forward + backward at V = 151936, D = 4096, bf16, for "mosaic", "pallas" and "xla", and
+   forward + backward at V = 151936, D = 4096, bf16, for "mosaic", "triton" and "xla", and
    the forward's matmul rate; peak memory of forward + backward, each in a fresh process.
 
     python -m scripts.gpu_check_mosaic_linear            # on a Hopper GPU: JSON to $OUT
@@ -210,9 +210,9 @@ def main():
     rows, failures = correctness(1000, 256, 5120)
     report.update(correctness=rows, deprecations=no_deprecation_warning(512, 256, 1024))
     report["timing"] = [r for t in (8192, 32768)
-                        for r in timing(t, D, V, args.repeats, ("mosaic", "pallas", "xla"))]
+                        for r in timing(t, D, V, args.repeats, ("mosaic", "triton", "xla"))]
     report["memory"] = []
-    for name in ("mosaic", "pallas"):
+    for name in ("mosaic", "triton"):
       out = subprocess.run([sys.executable, "-m", "scripts.gpu_check_mosaic_linear",
                             "--memory", name, "32768"], capture_output=True, text=True)
       report["memory"].append(json.loads(out.stdout.strip().splitlines()[-1]) if

@@ -21,7 +21,7 @@ checks_failed=0
 : > "$out/checks.log"
 if [ "$#" -eq 0 ]; then
   for check in "gpu_check_dispatch --tokens 2048 --repeats 2" "gpu_check_mosaic_linear --tiny" \
-               "gpu_check_sharded_pallas"; do
+               "gpu_check_sharded_triton"; do
     # shellcheck disable=SC2086  # (the check's name, then its arguments)
     if python -m scripts.$check >> "$out/checks.log" 2>&1; then
       echo "check $check: passed" | tee -a "$out/tally.txt.part"

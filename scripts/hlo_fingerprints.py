@@ -65,7 +65,7 @@ def programs():
       "default": {}, "no_entropy": dict(return_entropy=False),
       "where_temp_vocab": dict(where=where, temperature=temp, vocab_size=150),
       "chunk5": dict(chunk_size=5), "in_place": dict(backward_in_place=True, chunk_size=7),
-      "pallas": dict(implementation="pallas"),
+      "triton": dict(implementation="triton"),
   }
   for name, kw in logits_options.items():
     f = lambda x, kw=kw: jaxce.logprobs_and_entropy(x, labels, **kw)
@@ -79,7 +79,7 @@ def programs():
       "tiles": dict(chunk_size=7, vocab_block_size=48),
       "token_outer": dict(chunk_size=8, vocab_block_size=32),
       "output_accumulation": dict(hidden_grad_accumulation="output", vocab_block_size=64),
-      "pallas": dict(implementation="pallas", vocab_block_size=64),
+      "triton": dict(implementation="triton", vocab_block_size=64),
   }
   for name, kw in linear_options.items():
     f = lambda h, w, kw=kw: jaxce.linear_logprobs_and_entropy(h, w, labels, **kw)

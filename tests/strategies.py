@@ -63,7 +63,7 @@ class Case:
   use: str             # outputs in the loss: "both", "logp" or "entropy"
   return_entropy: bool
   bias: bool           # linear path: pass a bias (always, unless "flat" logits)
-  implementation: str | None  # None (default), "xla" or "pallas" (one device only)
+  implementation: str | None  # None (default), "xla" or "triton" (one device only)
   weight_layout: str   # linear path: "dv" (weight [D, V]) or "vd" (weight [V, D])
   softcap: float | None  # linear path: logit_softcap (never with -inf "banned" logits)
   seed: int
@@ -88,7 +88,7 @@ def cases(draw, path=None, shards=None):
   bias = linear and (kind != "flat" or draw(st.booleans()))
   # Pallas (interpreted off GPUs) is not supported inside shard_map.
   implementation = None if shards > 1 else draw(
-      st.sampled_from((None, None, "xla", "pallas")))
+      st.sampled_from((None, None, "xla", "triton")))
   return Case(
       path=path, tokens=draw(st.sampled_from(TOKENS)), columns=columns,
       hidden=draw(st.sampled_from(HIDDEN)) if linear else 0,

@@ -46,9 +46,9 @@ def _poison(path, inputs, row, value, column=3):
 
 
 @pytest.mark.parametrize("path,shards,options", [
-    ("logits", 1, {}), ("logits", 1, dict(implementation="pallas")), ("logits", 2, {}),
-    ("linear", 1, {}), ("linear", 1, dict(implementation="pallas")), ("linear", 2, {})],
-    ids=["logits", "pallas", "logits-2", "linear", "linear-pallas", "linear-2"])
+    ("logits", 1, {}), ("logits", 1, dict(implementation="triton")), ("logits", 2, {}),
+    ("linear", 1, {}), ("linear", 1, dict(implementation="triton")), ("linear", 2, {})],
+    ids=["logits", "triton", "logits-2", "linear", "linear-triton", "linear-2"])
 def test_bad_value_stays_in_its_token(path, shards, options):
   inputs = _inputs(path)
   clean = _run(path, inputs, shards=shards, chunk_size=CHUNK, **options)

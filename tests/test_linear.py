@@ -56,13 +56,13 @@ def test_float64_is_exact_with_softcap_temperature_mask_padding():
 
 @pytest.mark.parametrize("chunk_size,vocab_block_size,vocab_size", [
     (8, 96, 500), (None, None, None), (5, 1000, 1009)])
-def test_pallas_statistics_match_reference(chunk_size, vocab_block_size, vocab_size):
+def test_triton_statistics_match_reference(chunk_size, vocab_block_size, vocab_size):
   """The forward's one-pass kernel (Pallas interpret mode): a ragged last block whose
   overlap must not count twice, padded columns, softcap and per-token temperature."""
   rng, h, w, b, loss_kw = _case(5, (2, 11), 16, 1009, vocab_size=vocab_size)
   _check(h, w, b, jnp.float32, loss_kw, chunk_size=chunk_size,
          vocab_block_size=vocab_block_size, vocab_size=vocab_size, logit_softcap=8.0, temperature=rng.uniform(0.5, 1.5, (2, 1)),
-         implementation="pallas")
+         implementation="triton")
 
 
 def test_check_grads_float64():

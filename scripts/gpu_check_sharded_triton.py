@@ -2,12 +2,12 @@
 
 CI cannot run the kernel inside shard_map (JAX's Pallas interpreter fails the varying-type
 check there), so this compares, on every visible GPU as one vocab-split mesh, the sharded
-calls with ``implementation="pallas"`` against ``implementation="xla"`` and the float64
+calls with ``implementation="triton"`` against ``implementation="xla"`` and the float64
 reference: both paths, a padded vocabulary (the per-shard column limit), a ragged last
 vocab block, softcap, per-token temperature, masked rows, values and gradients. Run it on
 every GPU kind before a change to the kernels or their defaults lands.
 
-    python -m scripts.gpu_check_sharded_pallas      # from the repository root; one JSON line per case
+    python -m scripts.gpu_check_sharded_triton      # from the repository root; one JSON line per case
 
 Exits 1 when a case differs by more than its tolerance. (On a CPU it stops at once: there
 the kernel is interpreted and cannot run inside shard_map.)
@@ -81,10 +81,10 @@ def run_reference(path, arrays):
 failed = False
 logits = np.asarray(jnp.asarray(hidden) @ jnp.asarray(weight) + bias)
 for path, arrays in (("logits", (logits,)), ("linear", (hidden, weight, bias))):
-  pallas, xla, exact = run(path, "pallas", arrays), run(path, "xla", arrays), \
+  triton, xla, exact = run(path, "triton", arrays), run(path, "xla", arrays), \
       run_reference(path, arrays)
   names = ["logp", "entropy"] + [f"grad{i}" for i in range(len(arrays))]
-  for name, p, x, e in zip(names, pallas, xla, exact):
+  for name, p, x, e in zip(names, triton, xla, exact):
     scale = max(1.0, float(np.max(np.abs(e))))
     row = dict(path=path, output=name, shards=shards, pallas_vs_xla=float(np.max(np.abs(p - x))),
                pallas_vs_f64=float(np.max(np.abs(p - e))), xla_vs_f64=float(np.max(np.abs(x - e))),

@@ -30,7 +30,7 @@ class Operation(NamedTuple):
   per-token metrics, else per-token outputs), and its kernel."""
   name: str
   fused: bool
-  objective: bool
+  is_objective: bool
   kernel: Callable
 
 
@@ -71,7 +71,7 @@ def run(op: Operation, operands, labels, request: _options.Request, *, objective
       mesh, vocab_axis, token_entries = split
   options, operands = _options.check(op.name, operands, labels, request, vocab_axis=vocab_axis,
                                      mesh=mesh, batch_axis=batch_axis)
-  if op.objective:
+  if op.is_objective:
     token_args, options = _options.check_objective(objective, labels, token_args,
                                                    [a.dtype for a in operands[:2]], options)
   keep = None if request.keep is None else _checks.as_array("keep", request.keep)
@@ -121,16 +121,16 @@ def _on_mesh(op, options, objective, operands, labels, request, token_args, mesh
     out = _shard(op, options, objective, shard_operands, labels,
                  token.get("temperature", scalars.get("temperature")),
                  token.get("where", scalars.get("where")), keep, args, vocab_axis)
-    if not op.objective:
+    if not op.is_objective:
       return out
     loss, (logp, entropy) = out
     return (lax.psum(loss, axes) if axes else loss), logp, entropy
 
   kinds = ("token", "token") if options.return_entropy else ("token",)
-  if op.objective:
+  if op.is_objective:
     kinds = ("scalar",) + kinds
   out = _sharded.run(shard_fn, arrays, specs, token_arrays, mesh, token_entries, kinds)
-  if op.objective:
+  if op.is_objective:
     return out[0], _per_token_outputs(out[1:])
   return _per_token_outputs(out)
 
@@ -151,7 +151,7 @@ def _shard(op, options, objective, operands, labels, temperature, where, keep, t
   if labels.size == 0:
     zeros = jnp.zeros(labels.shape, dtype)
     outputs = zeros, (zeros if with_entropy else None)
-    return (jnp.zeros((), dtype), outputs) if op.objective else outputs
+    return (jnp.zeros((), dtype), outputs) if op.is_objective else outputs
   num_tokens = labels.size
   if op.fused:
     hidden, weight, bias = operands
@@ -179,7 +179,7 @@ def _shard(op, options, objective, operands, labels, temperature, where, keep, t
       hidden_grad_in_output=options.hidden_grad_accumulation == "output")
   tokens = Tokens(labels.reshape(-1).astype(jnp.int32), inv_temp.reshape(-1), valid.reshape(-1),
                   None if keep is None else keep.reshape(num_tokens, keep.shape[-1]))
-  if not op.objective:
+  if not op.is_objective:
     out = op.kernel(*flat, tokens, config)
     return out[0].reshape(labels.shape), (out[1].reshape(labels.shape) if with_entropy
                                           else None)

@@ -218,10 +218,10 @@ def test_per_token_outputs_are_zero_at_ignored_tokens(path, mapping):
 def test_objective_cotangents_are_exactly_zero_at_dropped_tokens():
   """The objective's cotangents are zeroed at dropped tokens where they are formed (a NaN
   token argument there stays out), not only by ``logit_grad``'s mask downstream."""
-  from jaxce._kernels import objective  # pylint: disable=import-outside-toplevel
+  from jaxce._kernels import loss_terms  # pylint: disable=import-outside-toplevel
   keep = jnp.array([True, False, True])
   terms = lambda logp, entropy, a: a * (logp - 0.3 * entropy)
-  _, g_logp, g_entropy = objective.terms_and_cotangents(
+  _, g_logp, g_entropy = loss_terms.terms_and_cotangents(
       terms, jnp.ones(3), jnp.ones(3), [jnp.array([1.0, jnp.nan, 2.0])], keep, True)
   np.testing.assert_array_equal(g_logp, [1.0, 0.0, 2.0])
   np.testing.assert_array_equal(g_entropy, [-0.3, 0.0, -0.6])

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxce._kernels import chunking, head, objective as objectives, plumbing, rows, softmax
+from jaxce._kernels import chunking, head, loss_terms, plumbing, rows, softmax
 from jaxce._kernels.config import Config, Tokens
 
 
@@ -65,7 +65,7 @@ def _run(objective, hidden, weight, bias, tokens, token_args, config, with_grads
     if config.plan.exact_sums:  # (the exact statistics applied it themselves)
       x = head.cap(x, config.softcap)
     row_mask = valid & chunking.fresh_rows(i, start, chunk)  # the overlap counts once
-    loss, g_logp, g_entropy = objectives.terms_and_cotangents(
+    loss, g_logp, g_entropy = loss_terms.terms_and_cotangents(
         objective, logp, entropy, list(chunk_args), row_mask, with_grads)
     outputs = (loss, logp) + ((entropy,) if config.with_entropy else ())
     if not with_grads:

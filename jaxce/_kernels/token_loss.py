@@ -13,7 +13,7 @@ from __future__ import annotations
 from functools import partial
 import jax
 
-from jaxce._kernels import objective as objectives, plumbing, rows, softmax
+from jaxce._kernels import loss_terms, plumbing, rows, softmax
 from jaxce._kernels.config import Config, Tokens
 
 
@@ -35,7 +35,7 @@ def _run(objective, x, tokens, token_args, config, with_grads):
   outputs, saved = rows.forward(x, tokens, config)
   logp = outputs[0]
   entropy = outputs[1] if config.with_entropy else None
-  loss, g_logp, g_entropy = objectives.terms_and_cotangents(objective, logp, entropy,
+  loss, g_logp, g_entropy = loss_terms.terms_and_cotangents(objective, logp, entropy,
                                                             token_args, tokens.valid, with_grads)
   out = (loss, (logp, entropy))
   if not with_grads:

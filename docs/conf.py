@@ -54,6 +54,8 @@ nb_merge_streams = True
 # -- autodoc / napoleon ---------------------------------------------------------------------
 autodoc_member_order = "bysource"
 autodoc_typehints = "signature"
+# The public functions take jax.typing.ArrayLike: show the name, not its expansion.
+autodoc_type_aliases = {"ArrayLike": "jax.typing.ArrayLike"}
 autodoc_default_options = {"members": True, "undoc-members": False}
 # Tunix (google-tunix, extra `jaxce[tunix]`) is heavy and not needed to read the
 # docstrings; flax only where the docs environment lacks it.
@@ -67,7 +69,7 @@ napoleon_use_ivar = True  # a NamedTuple's "Attributes:" as fields, not a second
 nitpicky = True
 nitpick_ignore_regex = [
     ("py:class", r"(int|float|str|bool|object|tuple|list|dict|None|NamedTuple)"),
-    ("py:class", r"jax\..*|Array|ArrayLike"),
+    ("py:class", r"jax\..*|Array|ArrayLike|numpy\..*|Callable"),
 ]
 
 # -- HTML -----------------------------------------------------------------------------------

@@ -5,6 +5,11 @@ to the one dispatcher (``jaxce._dispatch``), which checks them once, plans each 
 
 from __future__ import annotations
 
+from typing import Callable
+
+from jax import Array
+from jax.typing import ArrayLike
+
 from jaxce import _dispatch
 from jaxce._options import Request
 
@@ -27,11 +32,21 @@ def _keywords_of(function, kw) -> Request:
   return Request(**{**defaults, **kw})
 
 
-def logprobs_and_entropy(logits, labels, *, temperature=1.0, where=None, vocab_size=None,
-                         chunk_size=None, vocab_axis=None, return_entropy=True,
+def logprobs_and_entropy(logits: ArrayLike, labels: ArrayLike, *, temperature=1.0, where=None,
+                         vocab_size=None, chunk_size=None, vocab_axis=None, return_entropy=True,
                          implementation=None, backward_in_place=False, keep=None,
-                         batch_invariant=False):
+                         batch_invariant=False) -> tuple[Array, Array | None]:
   """Per-token log-probability of the label and entropy of softmax(logits / temperature).
+
+  For each token, with ``z = logits / T`` over its columns (those below ``vocab_size``
+  and, with ``keep``, in its kept set ``S``) and ``p = softmax(z)``::
+
+      logp    = z[label] - logsumexp(z)
+      entropy = -sum_v p_v log p_v = logsumexp(z) - sum_v p_v z_v
+
+  computed in float32 from ``m = max z`` and ``s = sum exp(z - m)``, never from the
+  softmax itself; the gradient is ``(onehot(label) - p) / T`` for ``logp`` and
+  ``-p (log p + entropy) / T`` for the entropy.
 
   Args:
     logits: ``[..., V]`` bf16, f16 or f32 (``V = V_local``, this shard's columns, when
@@ -112,7 +127,8 @@ def logprobs_and_entropy(logits, labels, *, temperature=1.0, where=None, vocab_s
                        vocab_axis=vocab_axis)
 
 
-def sharded_logprobs_and_entropy(logits, labels, *, mesh, vocab_axis, batch_axis=None, **kw):
+def sharded_logprobs_and_entropy(logits: ArrayLike, labels: ArrayLike, *, mesh, vocab_axis,
+                                 batch_axis=None, **kw) -> tuple[Array, Array | None]:
   """:func:`jaxce.logprobs_and_entropy` on global arrays over ``mesh``.
 
   Args:
@@ -145,13 +161,20 @@ def sharded_logprobs_and_entropy(logits, labels, *, mesh, vocab_axis, batch_axis
                        vocab_axis=vocab_axis, batch_axis=batch_axis)
 
 
-def linear_logprobs_and_entropy(hidden, weight, labels, *, bias=None, logit_softcap=None,
-                                temperature=1.0, where=None, vocab_size=None, chunk_size=None,
-                                vocab_axis=None, return_entropy=True, vocab_block_size=None,
+def linear_logprobs_and_entropy(hidden: ArrayLike, weight: ArrayLike, labels: ArrayLike, *,
+                                bias=None, logit_softcap=None, temperature=1.0, where=None,
+                                vocab_size=None, chunk_size=None, vocab_axis=None,
+                                return_entropy=True, vocab_block_size=None,
                                 weight_layout="dv", implementation=None,
                                 hidden_grad_accumulation="float32", keep=None,
-                                batch_invariant=False):
+                                batch_invariant=False) -> tuple[Array, Array | None]:
   """Per-token log-prob and entropy of ``softmax(softcap(hidden @ weight + bias) / T)``.
+
+  :func:`jaxce.logprobs_and_entropy`'s maths on ``logits = softcap(hidden @ weight +
+  bias)``, computed tile by tile (``[chunk, block]`` of ``hidden @ weight``, f32
+  accumulation) so that no ``[T, V]`` array exists, forward or backward; the backward
+  recomputes each tile and feeds its ``d logits`` to ``d hidden = d @ weightᵀ`` and
+  ``d weight = hiddenᵀ @ d``.
 
   Args:
     hidden: ``[..., D]`` bf16, f16 or f32.
@@ -232,8 +255,9 @@ def linear_logprobs_and_entropy(hidden, weight, labels, *, bias=None, logit_soft
                        _keywords(locals()), vocab_axis=vocab_axis)
 
 
-def sharded_linear_logprobs_and_entropy(hidden, weight, labels, *, mesh, vocab_axis,
-                                        batch_axis=None, **kw):
+def sharded_linear_logprobs_and_entropy(hidden: ArrayLike, weight: ArrayLike,
+                                        labels: ArrayLike, *, mesh, vocab_axis,
+                                        batch_axis=None, **kw) -> tuple[Array, Array | None]:
   """:func:`jaxce.linear_logprobs_and_entropy` on global arrays over ``mesh``.
 
   Args:
@@ -264,9 +288,10 @@ def sharded_linear_logprobs_and_entropy(hidden, weight, labels, *, mesh, vocab_a
                        vocab_axis=vocab_axis, batch_axis=batch_axis)
 
 
-def token_loss(objective, logits, labels, *token_args, temperature=1.0, where=None,
-               vocab_size=None, chunk_size=None, vocab_axis=None, return_entropy=None,
-               implementation=None, keep=None, batch_invariant=False):
+def token_loss(objective: Callable[..., Array], logits: ArrayLike, labels: ArrayLike,
+               *token_args: ArrayLike, temperature=1.0, where=None, vocab_size=None,
+               chunk_size=None, vocab_axis=None, return_entropy=None, implementation=None,
+               keep=None, batch_invariant=False) -> tuple[Array, tuple[Array, Array | None]]:
   """``sum`` over kept tokens of ``objective(logp, entropy, *token_args)``, with its
   gradient formed in the forward pass.
 
@@ -316,11 +341,12 @@ def token_loss(objective, logits, labels, *token_args, temperature=1.0, where=No
                        objective=objective, token_args=token_args, vocab_axis=vocab_axis)
 
 
-def linear_token_loss(objective, hidden, weight, labels, *token_args, bias=None,
+def linear_token_loss(objective: Callable[..., Array], hidden: ArrayLike, weight: ArrayLike,
+                      labels: ArrayLike, *token_args: ArrayLike, bias=None,
                       logit_softcap=None, temperature=1.0, where=None, vocab_size=None,
                       chunk_size=None, vocab_axis=None, return_entropy=None,
                       weight_layout="dv", implementation=None, keep=None,
-                      batch_invariant=False):
+                      batch_invariant=False) -> tuple[Array, tuple[Array, Array | None]]:
   """:func:`jaxce.token_loss` of ``softcap(hidden @ weight + bias)``, three matmuls for
   the loss and all its gradients.
 
@@ -368,8 +394,9 @@ def linear_token_loss(objective, hidden, weight, labels, *token_args, bias=None,
                        vocab_axis=vocab_axis)
 
 
-def sharded_token_loss(objective, logits, labels, *token_args, mesh, vocab_axis,
-                       batch_axis=None, **kw):
+def sharded_token_loss(objective: Callable[..., Array], logits: ArrayLike, labels: ArrayLike,
+                       *token_args: ArrayLike, mesh, vocab_axis, batch_axis=None,
+                       **kw) -> tuple[Array, tuple[Array, Array | None]]:
   """:func:`jaxce.token_loss` on global arrays over ``mesh`` (as
   :func:`jaxce.sharded_logprobs_and_entropy`; ``token_args`` are split like the labels).
   The loss sums over every shard's tokens.
@@ -392,8 +419,9 @@ def sharded_token_loss(objective, logits, labels, *token_args, mesh, vocab_axis,
                        vocab_axis=vocab_axis, batch_axis=batch_axis)
 
 
-def sharded_linear_token_loss(objective, hidden, weight, labels, *token_args, mesh,
-                              vocab_axis, batch_axis=None, **kw):
+def sharded_linear_token_loss(objective: Callable[..., Array], hidden: ArrayLike, weight: ArrayLike,
+                              labels: ArrayLike, *token_args: ArrayLike, mesh, vocab_axis,
+                              batch_axis=None, **kw) -> tuple[Array, tuple[Array, Array | None]]:
   """:func:`jaxce.linear_token_loss` on global arrays over ``mesh`` (as
   :func:`jaxce.sharded_linear_logprobs_and_entropy`; ``token_args`` are split like the
   labels). The loss sums over every shard's tokens.

@@ -1,7 +1,8 @@
 """Full logits rows ``[C, V_local]``: their forward statistics (XLA's two fused passes, or
 the one-pass Triton kernel of ``triton_rows`` merged by ``triton_merge``, as the plan says)
-combined over the vocab shards, and their gradient in one elementwise pass. Shared by the logits path's per-token
-and objective kernels and by the fused objective kernel, which holds a chunk's full rows."""
+combined over the vocab shards, and their gradient in one elementwise pass. Shared by the
+logits path's per-token and objective kernels and by the fused objective kernel, which
+holds a chunk's full rows."""
 
 from __future__ import annotations
 

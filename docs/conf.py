@@ -69,7 +69,7 @@ napoleon_use_ivar = True  # a NamedTuple's "Attributes:" as fields, not a second
 nitpicky = True
 nitpick_ignore_regex = [
     ("py:class", r"(int|float|str|bool|object|tuple|list|dict|None|NamedTuple)"),
-    ("py:class", r"jax\..*|Array|ArrayLike|numpy\..*|Callable"),
+    ("py:class", r"jax\..*|Array|ArrayLike|numpy\..*|Callable|Backend"),
 ]
 
 # -- HTML -----------------------------------------------------------------------------------

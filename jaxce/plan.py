@@ -46,7 +46,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxce._kernels import mosaic_head, triton_rows
-from jaxce._kernels.config import Plan
+from jaxce._kernels.config import BACKEND_NAMES, Backend, Plan
 
 __all__ = [
     "IMPLEMENTATIONS", "INVARIANCES", "Plan", "Target", "backend", "chunk_size",
@@ -80,7 +80,7 @@ INVARIANT_MATMUL_TILE = {"gpu": (512, 8192), "cpu": (32, 128)}
 
 # The backends: "triton" is Pallas on Triton (JAX deprecates that backend), "mosaic" Pallas
 # on Mosaic GPU (Hopper). "pallas" is the old name of "triton".
-IMPLEMENTATIONS = ("xla", "triton", "mosaic")
+IMPLEMENTATIONS = BACKEND_NAMES
 ALIASES = {"pallas": "triton"}
 # The backends each operation has, in the order the default tries them on GPUs.
 BACKENDS = {
@@ -220,7 +220,7 @@ KERNEL_INVARIANCES = {
 }
 
 
-def invariances(operation: str, backend: str, batch_invariant: bool) -> tuple[str, ...]:
+def invariances(operation: str, backend: Backend, batch_invariant: bool) -> tuple[str, ...]:
   """What a call's per-token bits do not depend on, on ``backend`` (a subset of
   ``INVARIANCES``): ``"tokens"`` (the number of tokens, a token's position and its
   neighbours), ``"chunking"`` (``chunk_size``, ``vocab_block_size``, the planner's

@@ -8,9 +8,15 @@ static arguments, so a new value compiles a new program and an equal one reuses 
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple, get_args
 
 from jaxce._kernels import chunking
+
+
+# The kernels' backends (``jaxce.plan.IMPLEMENTATIONS``): XLA, Pallas on Triton, Pallas on
+# Mosaic GPU.
+Backend = Literal["xla", "triton", "mosaic"]
+BACKEND_NAMES = get_args(Backend)
 
 
 class Tokens(NamedTuple):
@@ -70,7 +76,7 @@ class Plan(NamedTuple):
       invariances``): some of ``"tokens"``, ``"chunking"``, ``"differentiation"``,
       ``"constants"``, ``"shards"``; empty where nothing is promised.
   """
-  backend: str
+  backend: Backend
   reason: str
   chunk: int | None = None
   block: int | None = None

@@ -43,8 +43,7 @@ LINEAR_TOKEN_LOSS = Operation("linear_token_loss", True, True,
 
 
 def run(op: Operation, operands, labels, request: _options.Request, *, objective=None,
-        token_args=(),
-        vocab_axis=None, mesh=None, batch_axis=None):
+        token_args=(), vocab_axis=None, mesh=None, batch_axis=None):
   """``op`` on ``operands`` (``(logits,)`` or ``(hidden, weight)``) and ``labels`` with
   the keyword options ``request`` (every keyword of the public function but
   ``vocab_axis``).
@@ -81,8 +80,7 @@ def run(op: Operation, operands, labels, request: _options.Request, *, objective
   if keep is not None:  # split like the tokens and, 32 columns a word, like the vocabulary
     operands += (keep,)
   return _on_mesh(op, options, objective, operands, labels, request, token_args, mesh,
-                  vocab_axis,
-                  token_entries)
+                  vocab_axis, token_entries)
 
 
 def _on_mesh(op, options, objective, operands, labels, request, token_args, mesh, vocab_axis,

@@ -1,5 +1,5 @@
-"""What the GPU row scripts (``gpu_keep_rows``, ``gpu_batch_invariant``) share: their
-command line, the problem they time (bf16 ``hidden [T, D]``, ``weight [D, V] / sqrt(D)``,
+"""The fused-path rows of ``gpu_keep_rows`` (and any GPU row script that times the same
+problem): the command line, the problem they time (bf16 ``hidden [T, D]``, ``weight [D, V] / sqrt(D)``,
 labels, per-token cotangents ``[2, T]``, and bf16 logits of the first ``--logits-tokens``
 rows) and one fwd+bwd row (the planner's backend, the median time, the plan's temporary
 memory)."""

@@ -31,7 +31,7 @@ class Peer:
   module: str
   install: str
   version: Optional[str] = None  # the distribution and version the rows are for
-  needs: tuple = ()  # other modules it imports that a GPU image may lack
+  needs: tuple = ()  # other modules it imports, which an environment may lack
 
 
 # The package each optional peer needs; a missing one gives a "skipped" row, no process.
@@ -41,7 +41,7 @@ PEERS = {
                     + _WHEELS + " (and flax, which qwix imports)", version="tokamax==0.0.17",
                     needs=("qwix", "flax", "jaxtyping", "pydantic", "einshape")),
     "torch_eager": Peer("torch", "pip install torch (CPU: --index-url "
-                        "https://download.pytorch.org/whl/cpu); the GPU image has it"),
+                        "https://download.pytorch.org/whl/cpu)"),
     "liger": Peer("liger_kernel", _LIGER),
     "liger_flsce": Peer("liger_kernel", _LIGER),
     "liger_grpo": Peer("liger_kernel", _LIGER),

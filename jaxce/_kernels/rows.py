@@ -45,12 +45,12 @@ def merge_tiles(tiles, config):
   """``(logp before masking, m, log s, entropy or None)`` ``[C]`` of this shard's tiles'
   statistics ``[G, 4, C]`` (``triton_merge``), every shard's tiles gathered in rank order
   first: the same bits on every shard, typed as such (a ``pmax`` of equal values, exact)."""
-  if config.vocab_axis is None:
-    return triton_merge.merge(tiles, with_entropy=config.with_entropy,
-                              interpret=config.plan.interpret)
-  tiles = lax.all_gather(tiles, config.vocab_axis, axis=0, tiled=True)
+  if config.vocab_axis is not None:
+    tiles = lax.all_gather(tiles, config.vocab_axis, axis=0, tiled=True)
   merged = triton_merge.merge(tiles, with_entropy=config.with_entropy,
                               interpret=config.plan.interpret)
+  if config.vocab_axis is None:
+    return merged
   return tuple(None if a is None else lax.pmax(a, config.vocab_axis) for a in merged)
 
 

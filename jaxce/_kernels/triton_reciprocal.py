@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jaxce._kernels import plumbing
+from jaxce._kernels import chunking, plumbing
 
 BLOCK = 1024  # tokens per program
 
@@ -36,8 +36,7 @@ def reciprocal(temperature, *, interpret):
   """
   (num_tokens,) = temperature.shape
   padded = -(-num_tokens // BLOCK) * BLOCK
-  temperature = jnp.pad(temperature.astype(jnp.float32), (0, padded - num_tokens),
-                        constant_values=1.0)
+  temperature = chunking.pad_rows(temperature.astype(jnp.float32), padded, 1.0)
   block = pl.BlockSpec((BLOCK,), lambda i: (i,))
   out = pl.pallas_call(
       _kernel,

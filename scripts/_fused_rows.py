@@ -1,8 +1,7 @@
-"""The fused-path rows of ``gpu_keep_rows`` (and any GPU row script that times the same
-problem): the command line, the problem (bf16 ``hidden [T, D]``, ``weight [D, V] /
-sqrt(D)``, labels, per-token cotangents ``[2, T]``, and bf16 logits of the first
-``--logits-tokens`` rows) and one fwd+bwd row (the planner's backend, the median time, the
-plan's temporary memory)."""
+"""What the GPU row scripts ``gpu_keep_rows`` and ``gpu_invariant_cost`` share: the command
+line, the problem (bf16 ``hidden [T, D]``, ``weight [D, V] / sqrt(D)``, labels, per-token
+cotangents ``[2, T]``, and bf16 logits of the first ``--logits-tokens`` rows) and one
+fwd+bwd row (the planner's backend, the median time, the plan's temporary memory)."""
 
 from __future__ import annotations
 

@@ -96,17 +96,15 @@ class Runner:
       return jax.jit(lambda a, t: fn(a, labels, t, adv, **kw))(a, jnp.asarray(t))
     if how == "const":
       return jax.jit(lambda a: fn(a, labels, t, adv, **kw))(a)
-    diff = [k for k in a if k != "weight"] + (["weight"] if "weight" in a else [])
 
-    def loss(d, t):
-      logp, ent = fn(dict(a, **d), labels, t, adv, **kw)
+    def loss(a, t):
+      logp, ent = fn(a, labels, t, adv, **kw)
       return jnp.sum(adv * logp) + 0.01 * jnp.sum(ent), (logp, ent)
-    d = {k: a[k] for k in diff}
     if how == "grad_arg":
       step = jax.jit(jax.value_and_grad(loss, has_aux=True))
-      return step(d, jnp.asarray(t))[0][1]
-    step = jax.jit(jax.value_and_grad(lambda d: loss(d, t), has_aux=True))
-    return step(d)[0][1]
+      return step(a, jnp.asarray(t))[0][1]
+    step = jax.jit(jax.value_and_grad(lambda a: loss(a, t), has_aux=True))
+    return step(a)[0][1]
 
 
 def bits(out, positions):

@@ -5,68 +5,48 @@ backend, the median time and XLA's planned temporary memory, one row per variant
 the ratios. Also the exact-sum XLA path (``implementation="xla"``) for scale.
 
     python -m scripts.gpu_invariant_cost --label main          # $OUT/cost_main.json
-    PYTHONPATH=<an older checkout> python scripts/gpu_invariant_cost.py --label base
+    PYTHONPATH=<old checkout>:. python scripts/gpu_invariant_cost.py --label base
 
 (Run by path it takes jaxce and bench from ``PYTHONPATH``: an older checkout's rows in
-the same machine session.)
+the same machine session. The problem and the row are ``_fused_rows``', the temperature
+per token from its spare key.)
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 import jaxce
-from bench.timing import time_ms
+from scripts import _fused_rows
 
 
 def main():
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--tokens", type=int, default=32768)
-  parser.add_argument("--dim", type=int, default=4096)
-  parser.add_argument("--vocab", type=int, default=151936)
-  parser.add_argument("--repeats", type=int, default=5)
+  parser = _fused_rows.parser(__doc__)
+  parser.set_defaults(logits_tokens=32768)
   parser.add_argument("--label", default="main")
   parser.add_argument("--skip-exact", action="store_true")
   args = parser.parse_args()
-  t, d, v = args.tokens, args.dim, args.vocab
-  k1, k2, k3, k4, k5 = jax.random.split(jax.random.key(0), 5)
-  hidden = jax.random.normal(k1, (t, d), jnp.bfloat16)
-  weight = (jax.random.normal(k2, (d, v), jnp.float32) / np.sqrt(d)).astype(jnp.bfloat16)
-  labels = jax.random.randint(k3, (t,), 0, v)
-  cot = jax.random.normal(k4, (2, t), jnp.float32)
-  temperature = jax.random.uniform(k5, (t,), jnp.float32, 0.6, 1.4)
-  fused = lambda h, w, **kw: jaxce.linear_logprobs_and_entropy(h, w, labels,
-                                                               temperature=temperature, **kw)
-  per_token = lambda x, **kw: jaxce.logprobs_and_entropy(x, labels, temperature=temperature,
-                                                         **kw)
+  p = _fused_rows.problem(args)
+  t, n = args.tokens, min(args.logits_tokens, args.tokens)
+  temperature = jax.random.uniform(p["key"], (t,), jnp.float32, 0.6, 1.4)
+  fused = lambda h, w, labels, **kw: jaxce.linear_logprobs_and_entropy(
+      h, w, labels, temperature=temperature, **kw)
+  per_token = lambda x, labels, **kw: jaxce.logprobs_and_entropy(
+      x, labels, temperature=temperature[:n], **kw)
   variants = [("default", {}), ("batch_invariant", dict(batch_invariant=True))]
   if not args.skip_exact:
     variants.append(("exact_xla", dict(batch_invariant=True, implementation="xla")))
   rows = []
-  for path in ("fused", "logits"):
-    if path == "fused":
-      fn, arrays = fused, (hidden, weight)
-    else:
-      fn, arrays = per_token, ((hidden @ weight).astype(jnp.bfloat16),)
+  for path, fn, arrays, count in (("fused", fused, (p["hidden"], p["weight"]), t),
+                                  ("logits", per_token, (p["logits"],), n)):
     for variant, kw in variants:
-      def loss(*a, kw=kw):
-        logp, ent = fn(*a, **kw)
-        return jnp.sum(cot[0] * logp) + jnp.sum(cot[1] * ent)
-      step = jax.jit(jax.value_and_grad(loss, argnums=tuple(range(len(arrays)))))
-      compiled = step.lower(*arrays).compile()
-      plan = jaxce.plan.of(fn, *arrays, **kw)
-      row = dict(label=args.label, path=path, variant=variant, tokens=t, backend=plan.backend,
-                 fwd_bwd_ms=time_ms(compiled, arrays, args.repeats),
-                 temp_gib=compiled.memory_analysis().temp_size_in_bytes / 2**30)
-      rows.append(row)
-      print(json.dumps(row), flush=True)
-    del arrays
+      rows.append(dict(label=args.label, path=path, variant=variant, **_fused_rows.fwd_bwd_row(
+          fn, arrays, p["labels"][:count], p["cot"][:, :count], args.repeats, **kw)))
+      print(json.dumps(rows[-1]), flush=True)
   by = {(r["path"], r["variant"]): r for r in rows}
   summary = dict(label=args.label, device=jax.devices()[0].device_kind, jax=jax.__version__,
                  commit=os.environ.get("JAXCE_COMMIT", "unknown"))

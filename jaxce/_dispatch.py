@@ -20,7 +20,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxce import _checks, _options, _sharded, plan
 from jaxce._kernels import linear, linear_token_loss, logits, softmax, token_loss
-from jaxce._kernels import triton_reciprocal
+from jaxce._kernels import mosaic_reciprocal, triton_reciprocal
 from jaxce._kernels.config import Config, Tokens
 
 
@@ -190,12 +190,14 @@ def _shard(op, options, objective, operands, labels, temperature, where, keep, t
 
 def _inverse_temperature(temperature, shape, dtype, target):
   """``[*shape]`` ``1 / temperature`` in ``dtype``, no gradient. On GPUs an array's
-  reciprocal comes from a kernel (``triton_reciprocal``), so that its bits are the same
-  whether the caller's ``jit`` passes the array or closes over it (XLA folds a constant's
-  reciprocal on the host, which need not round as the device does). A Python number is a
-  constant in every program: XLA's division serves."""
+  reciprocal comes from a kernel (``mosaic_reciprocal`` on Hopper, else
+  ``triton_reciprocal``), so that its bits are the same whether the caller's ``jit``
+  passes the array or closes over it (XLA folds a constant's reciprocal on the host, which
+  need not round as the device does). A Python number is a constant in every program:
+  XLA's division serves."""
   if (target.platform != "gpu" or jnp.dtype(dtype) != jnp.float32
       or isinstance(temperature, (int, float)) or not math.prod(shape)):
     return _checks.inverse_temperature(temperature, shape, dtype)
   t = _checks.broadcast_token_array(temperature, shape, dtype).reshape(-1)
-  return lax.stop_gradient(triton_reciprocal.reciprocal(t, interpret=False).reshape(shape))
+  kernel = mosaic_reciprocal if target.capability == "9.0" else triton_reciprocal
+  return lax.stop_gradient(kernel.reciprocal(t, interpret=False).reshape(shape))

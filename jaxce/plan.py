@@ -209,9 +209,10 @@ def _multiple(size: int, multiple: int, total: int) -> int:
 
 # The kernels whose outputs are batch-invariant by construction: each token's statistics
 # come from the same instructions whatever the call (fixed tiles, no split-K, one
-# program), its tiles are merged in the columns' order by ``triton_merge`` (vocab shards
-# gathered in rank order) and ``1 / temperature`` is computed on the device
-# (``triton_reciprocal``). What each plan's bits do not depend on (``Plan.invariant_to``):
+# program), its tiles are merged in the columns' order by ``mosaic_merge`` or
+# ``triton_merge``, as the backend (vocab shards gathered in rank order) and
+# ``1 / temperature`` is computed on the device (``mosaic_reciprocal`` on Hopper, else
+# ``triton_reciprocal``). What each plan's bits do not depend on (``Plan.invariant_to``):
 INVARIANCES = ("tokens", "chunking", "differentiation", "constants", "shards")
 KERNEL_INVARIANCES = {
     ("logprobs_and_entropy", "triton"): INVARIANCES[:4],

@@ -1,14 +1,35 @@
-"""``triton_merge``: per-tile statistics merged in the columns' order into each token's
-log-prob and entropy (interpreted off GPUs), against float64, one and two stages, ragged
-groups and rows, masked-out tiles, and without the entropy; a token's bits do not depend
-on the other tokens in the call."""
+"""The small kernels around the head, each in its Triton and its Mosaic GPU form
+(interpreted off GPUs; the Mosaic ones in JAX's GPU interpreter, JAX >= 0.11):
+``*_merge``, per-tile statistics merged in the columns' order into each token's log-prob
+and entropy, against float64, one, two and three stages, ragged groups and rows,
+masked-out tiles, and without the entropy, a token's bits not depending on the other
+tokens in the call; ``*_reciprocal``, ``1 / temperature`` on the device."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from helpers import assert_close, kernel_device
-from jaxce._kernels import triton_merge
+from helpers import assert_close, jaxce, kernel_device
+from jaxce._kernels import mosaic_merge, mosaic_reciprocal, triton_merge, triton_reciprocal
+
+
+def _backends(triton_kernel, mosaic_kernel):
+  """``triton_kernel`` and ``mosaic_kernel`` as parameters; the Mosaic one skips where it
+  cannot run (a GPU other than Hopper; JAX 0.10 off GPUs: Python 3.12 runs it there)."""
+  target = jaxce.plan.target()
+  if target.platform == "gpu":
+    why = None if target.capability == "9.0" else f"a Hopper GPU, got {target.capability}"
+  else:
+    why = (None if hasattr(plgpu, "InterpretGPUParams")
+           else f"JAX's GPU interpreter (JAX >= 0.11), got {jax.__version__}")
+  return [pytest.param(triton_kernel, id="triton"),
+          pytest.param(mosaic_kernel, id="mosaic",
+                       marks=pytest.mark.skipif(why is not None, reason=f"needs {why}"))]
+
+
+MERGES = _backends(triton_merge, mosaic_merge)
 
 
 def _tiles(rng, num_tiles, num_rows):
@@ -45,23 +66,48 @@ def _float64(tiles):
     (150, 256),  # two stages, a ragged last group
     (1187, 128),  # V = 151936 in tiles of 128 columns
 ])
-def test_merge_matches_float64(num_tiles, num_rows):
+@pytest.mark.parametrize("kernel", MERGES)
+def test_merge_matches_float64(kernel, num_tiles, num_rows):
+  _check_merge(kernel, num_tiles, num_rows)
+
+
+@pytest.mark.parametrize("kernel", MERGES)
+def test_merge_in_groups_of_8(kernel, monkeypatch):
+  """150 tiles in groups of 8: the Mosaic merge in three stages (19 groups, then 3)."""
+  monkeypatch.setattr(kernel, "GROUP", 8)
+  _check_merge(kernel, 150, 256)
+
+
+def _check_merge(kernel, num_tiles, num_rows):
   tiles = _tiles(np.random.default_rng(num_tiles), num_tiles, num_rows)
-  got = triton_merge.merge(jnp.asarray(tiles), with_entropy=True,
-                           interpret=kernel_device()["interpret"])
+  got = kernel.merge(jnp.asarray(tiles), with_entropy=True,
+                     interpret=kernel_device()["interpret"])
   for name, g, w in zip(("logp", "m", "log s", "entropy"), got, _float64(tiles)):
     assert_close(np.asarray(g), w, 2e-6 * max(1.0, float(np.max(np.abs(w)))), name)
-  logp, m, log_s, entropy = triton_merge.merge(jnp.asarray(tiles), with_entropy=False,
-                                               interpret=kernel_device()["interpret"])
+  logp, m, log_s, entropy = kernel.merge(jnp.asarray(tiles), with_entropy=False,
+                                         interpret=kernel_device()["interpret"])
   assert entropy is None
   np.testing.assert_array_equal(np.asarray(logp), np.asarray(got[0]))
 
 
-def test_a_rows_bits_do_not_depend_on_the_others():
+@pytest.mark.parametrize("kernel", MERGES)
+def test_a_rows_bits_do_not_depend_on_the_others(kernel):
   rng = np.random.default_rng(0)
   tiles = _tiles(rng, 150, 384)
-  merge = lambda t: np.asarray(triton_merge.merge(jnp.asarray(t), with_entropy=True,
-                                                  interpret=kernel_device()["interpret"])[0])
+  merge = lambda t: np.asarray(kernel.merge(jnp.asarray(t), with_entropy=True,
+                                            interpret=kernel_device()["interpret"])[0])
   alone = np.concatenate([merge(tiles[:, :, i:i + 1]) for i in (0, 200, 383)])
   among = merge(tiles)[[0, 200, 383]]
   np.testing.assert_array_equal(alone.view(np.uint32), among.view(np.uint32))
+
+
+@pytest.mark.parametrize("kernel", _backends(triton_reciprocal, mosaic_reciprocal))
+@pytest.mark.parametrize("num_tokens", [1, 1024, 3000])
+def test_reciprocal(kernel, num_tokens):
+  temperature = np.random.default_rng(num_tokens).uniform(0.05, 3.0, num_tokens)
+  temperature = temperature.astype(np.float32)
+  got = np.asarray(kernel.reciprocal(jnp.asarray(temperature),
+                                     interpret=kernel_device()["interpret"]))
+  assert got.shape == (num_tokens,)
+  relative = np.abs(got / (1 / temperature.astype(np.float64)) - 1)
+  assert np.max(relative) <= 2.0**-22, f"1 / t: relative error {np.max(relative):.2e}"

@@ -21,7 +21,7 @@ inputs' common dtype, as ``hidden @ weight`` would promote them; f32 accumulatio
   nothing grows with T.
 
 With the ``"mosaic"`` backend each token's outputs are batch-invariant by construction
-(``mosaic_head``'s tiles merged in the columns' order by ``triton_merge``). A plan with
+(``mosaic_head``'s tiles merged in the columns' order by ``mosaic_merge``). A plan with
 XLA's exact sums (``plan.exact_sums``) runs the forward differently: chunks of
 ``matmul_tile[0]`` tokens, each chunk's ``[C, V_local]`` logits by ``matmul_tile``-shaped
 matmuls (``head.invariant_logits``) and their exact statistics
@@ -159,7 +159,7 @@ def _invariant_forward(hidden, weight, bias, tokens, config):
 
 def _mosaic_statistics(hidden, weight, tokens, shard_start, config):
   """``(logp, m, log s, entropy or None)`` ``[T]`` (before masking) by the Mosaic GPU
-  kernel, one call per chunk of the plan's ``kernel_chunk`` tokens, and ``triton_merge``
+  kernel, one call per chunk of the plan's ``kernel_chunk`` tokens, and ``mosaic_merge``
   (``rows.merge_tiles``): each token's tiles merged in the columns' order, every shard's
   tiles gathered in rank order first. Each token's bits depend on its own inputs alone."""
   num_tokens, num_columns = hidden.shape[0], weight.shape[config.vocab_dim]

@@ -21,7 +21,7 @@ warpgroups):
 The grid is persistent (one CTA per SM) over (row blocks × vocab tiles), walked in
 ``planar_snake`` order 8 row blocks wide, so that the CTAs running together share 8
 hidden blocks and a few weight tiles through L2. Each tile writes its 4 statistics to
-an f32 ``[vocab tiles, 4, C]`` array, which ``triton_merge`` merges over the tiles in
+an f32 ``[vocab tiles, 4, C]`` array, which ``mosaic_merge`` merges over the tiles in
 the columns' order: 16 bytes per row per 128 columns (about 0.5% of the logits' bytes in
 bf16, written and read once).
 
@@ -292,7 +292,7 @@ def _epilogue(x, inv_temp, label, limit, column, softcap, with_entropy):
 def statistics(hidden, weight, labels, inv_temp, limit, *, column_start, vocab_dim,
                softcap, with_entropy, interpret, num_cores):
   """Per-tile ``(m, s, q, picked)`` of ``z = softcap(hidden @ weight) * inv_temp`` over
-  this weight's columns below ``limit``, for ``triton_merge.merge`` to merge in the
+  this weight's columns below ``limit``, for ``mosaic_merge.merge`` to merge in the
   columns' order.
 
   Args:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
-from jaxce._kernels import chunking, softmax, triton_merge, triton_rows
+from jaxce._kernels import chunking, mosaic_merge, softmax, triton_merge, triton_rows
 from jaxce._kernels.config import Tokens
 
 
@@ -43,12 +43,14 @@ def statistics(x, tokens: Tokens, column_start, config):
 
 def merge_tiles(tiles, config):
   """``(logp before masking, m, log s, entropy or None)`` ``[C]`` of this shard's tiles'
-  statistics ``[G, 4, C]`` (``triton_merge``), every shard's tiles gathered in rank order
-  first: the same bits on every shard, typed as such (a ``pmax`` of equal values, exact)."""
+  statistics ``[G, 4, C]`` (by the plan's backend: ``mosaic_merge`` or ``triton_merge``),
+  every shard's tiles gathered in rank order first: the same bits on every shard, typed as
+  such (a ``pmax`` of equal values, exact)."""
   if config.vocab_axis is not None:
     tiles = lax.all_gather(tiles, config.vocab_axis, axis=0, tiled=True)
-  merged = triton_merge.merge(tiles, with_entropy=config.with_entropy,
-                              interpret=config.plan.interpret)
+  kernel = mosaic_merge if config.plan.backend == "mosaic" else triton_merge
+  merged = kernel.merge(tiles, with_entropy=config.with_entropy,
+                        interpret=config.plan.interpret)
   if config.vocab_axis is None:
     return merged
   return tuple(None if a is None else lax.pmax(a, config.vocab_axis) for a in merged)

@@ -1,0 +1,128 @@
+"""Per-token outputs from per-tile softmax statistics, merged in one fixed order, as a
+Pallas Mosaic GPU kernel (the fused path's ``mosaic_head`` forward hands it its tiles).
+
+The kernels that form logits reduce each tile of columns to per-token statistics
+``(m, s, q, picked)``: the tile's max ``m``, ``s = Σ exp(z - m)``, ``q = Σ exp(z - m)(z -
+m)`` and the label's ``z`` (0 when the label is not in the tile). This kernel merges a
+token's tiles in the order they are given (the columns' order: tile 0 first; over vocab
+shards, gathered in rank order) and finishes its log-prob and entropy, with the same
+instructions whatever the call around it:
+
+    m = max_g m_g                           (pass 1)
+    s = Σ_g s_g e_g,  e_g = exp(m_g - m)    (pass 2, g = 0, 1, ... in order)
+    q = Σ_g e_g (q_g + (m_g - m) s_g)
+    log s = log(s);  entropy = log s - q / s;  logp = (Σ_g picked_g - m) - log s
+
+So a token's outputs depend on its own tiles alone: not on the number of tokens, their
+chunking or the program around the call (XLA decides per program how it fuses and
+contracts the same maths; a Pallas kernel is one program wherever it is called).
+
+One CTA (one warpgroup, a token per thread) per ``ROWS`` tokens and group of up to
+``GROUP`` consecutive tiles, copied into shared memory with one TMA copy. With more tiles
+than ``GROUP``, a stage merges each group into its ``(m, s, q, picked)`` and the next
+stage merges the groups in their order (still one order, fixed by the number of tiles).
+The last group's copy is moved back to end at the last tile (no copy leaves the array);
+the tiles it shares with the group before are skipped. Off GPUs it runs in JAX's GPU
+interpreter (tests).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from jaxce._kernels import plumbing
+
+ROWS = 128  # tokens per CTA: one per thread of a warpgroup
+GROUP = 64  # tiles per CTA: 4 x 64 x 128 f32, 128 KiB of shared memory
+_FLOOR = float(jnp.finfo(jnp.float32).min)
+
+
+def _stage(tiles, *, group, with_entropy, finish, interpret):
+  """One kernel over ``tiles [G, 4, C]`` (``C`` a multiple of ``ROWS``, ``group <= G``):
+  each group's ``(m, s, q, picked)``, ``[ceil(G / group), 4, C]``, or with ``finish``
+  (``group == G``) ``(logp before masking, m, log s, entropy)``, ``[4, C]``."""
+  num_tiles, _, num_rows = tiles.shape
+  num_groups = -(-num_tiles // group)
+  out_shape = (4, num_rows) if finish else (num_groups, 4, num_rows)
+
+  def kernel(tiles_gmem, out_gmem):
+    group_index = lax.axis_index("groups")
+    rows = pl.ds(pl.multiple_of(lax.axis_index("rows") * ROWS, ROWS), ROWS)
+    first = group_index * group
+    start = jnp.minimum(first, num_tiles - group)  # the last group's copy, moved back
+
+    @partial(pl.run_scoped, tiles_smem=plgpu.SMEM((group, 4, ROWS), jnp.float32),
+             out_smem=plgpu.SMEM((4, ROWS), jnp.float32), barrier=plgpu.Barrier())
+    def _scope(tiles_smem, out_smem, barrier):
+      plgpu.copy_gmem_to_smem(tiles_gmem.at[pl.ds(start, group), :, rows], tiles_smem,
+                              barrier)
+      plgpu.barrier_wait(barrier)
+      skip = first - start  # tiles of the group before (the last group only)
+      m = lax.fori_loop(skip, group, lambda k, m: jnp.maximum(m, tiles_smem[k, 0]),
+                        jnp.full((ROWS,), _FLOOR, jnp.float32))
+
+      def fold(k, carry):  # tile k into the sums, in the tiles' order
+        s, q, picked = carry
+        m_k, s_k = tiles_smem[k, 0], tiles_smem[k, 1]
+        scale = jnp.exp(m_k - m)
+        if with_entropy:
+          q = q + scale * (tiles_smem[k, 2] + (m_k - m) * s_k)
+        return s + scale * s_k, q, picked + tiles_smem[k, 3]
+
+      zero = jnp.zeros((ROWS,), jnp.float32)
+      s, q, picked = lax.fori_loop(skip, group, fold, (zero, zero, zero))
+      if finish:
+        log_s = jnp.log(s)
+        values = ((picked - m) - log_s, m, log_s, log_s - q / s if with_entropy else zero)
+        out_rows = out_gmem.at[:, rows]
+      else:
+        values = (m, s, q, picked)
+        out_rows = out_gmem.at[group_index, :, rows]
+      for i, value in enumerate(values):
+        out_smem[i] = value
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(out_smem, out_rows)
+      plgpu.wait_smem_to_gmem(0)
+
+  return plgpu.kernel(
+      kernel,
+      out_type=plumbing.shape_dtype_like(tiles, out_shape, jnp.float32),
+      grid=(num_rows // ROWS, num_groups),
+      grid_names=("rows", "groups"),
+      interpret=plgpu.InterpretGPUParams() if interpret else None,
+  )(tiles)
+
+
+def merge(tiles, *, with_entropy, interpret):
+  """A token's log-prob and entropy from its tiles' statistics, in the tiles' order.
+
+  Args:
+    tiles: ``[G, 4, C]`` float32: ``(m, s, q, picked)`` of each token's ``G`` tiles of
+      columns, in the columns' order (``q`` unused without ``with_entropy``).
+    with_entropy: compute the entropy (else it is returned as None).
+    interpret: run in JAX's GPU interpreter (off GPUs: tests).
+
+  Returns:
+    ``(logp, m, log s, entropy or None)``, ``[C]`` float32 each: the log-prob before
+    ignored tokens and labels beyond the vocabulary are masked (``softmax.finish_outputs``),
+    and the backward's residuals. Memory: the outputs, ``[G / GROUP, 4, C]`` partial sums
+    per extra stage (and, when ``C`` is not a multiple of ``ROWS``, one padded copy of
+    ``tiles``).
+  """
+  num_rows = tiles.shape[2]
+  padded = -(-num_rows // ROWS) * ROWS
+  tiles = tiles.astype(jnp.float32)
+  if padded != num_rows:
+    tiles = jnp.pad(tiles, [(0, 0), (0, 0), (0, padded - num_rows)])
+  while tiles.shape[0] > GROUP:
+    tiles = _stage(tiles, group=GROUP, with_entropy=with_entropy, finish=False,
+                   interpret=interpret)
+  merged = _stage(tiles, group=tiles.shape[0], with_entropy=with_entropy, finish=True,
+                  interpret=interpret)
+  logp, m, log_s, entropy = (merged[i, :num_rows] for i in range(4))
+  return logp, m, log_s, (entropy if with_entropy else None)

@@ -20,7 +20,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxce._kernels import chunking, plumbing
 
-BLOCK = 1024  # tokens per CTA (one warpgroup)
+BLOCK = 256  # tokens per CTA (one warpgroup; a TMA copy takes at most 256 a dimension)
 
 
 def _kernel(t_gmem, out_gmem):

@@ -207,17 +207,18 @@ def _multiple(size: int, multiple: int, total: int) -> int:
   return min(max(size - size % multiple, multiple), total)
 
 
-# The kernels whose outputs are batch-invariant by construction: each token's statistics
-# come from the same instructions whatever the call (fixed tiles, no split-K, one
-# program), its tiles are merged in the columns' order by ``mosaic_merge`` or
-# ``triton_merge``, as the backend (vocab shards gathered in rank order) and
-# ``1 / temperature`` is computed on the device (``mosaic_reciprocal`` on Hopper, else
-# ``triton_reciprocal``). What each plan's bits do not depend on (``Plan.invariant_to``):
+# The kernels whose outputs are batch-invariant by construction (each backend names its
+# operations): each token's statistics come from the same instructions whatever the call
+# (fixed tiles, no split-K, one program), its tiles are merged in the columns' order by
+# ``mosaic_merge`` or ``triton_merge``, as the backend (vocab shards gathered in rank
+# order) and ``1 / temperature`` is computed on the device (``mosaic_reciprocal`` on
+# Hopper, else ``triton_reciprocal``). What each plan's bits do not depend on
+# (``Plan.invariant_to``):
 INVARIANCES = ("tokens", "chunking", "differentiation", "constants", "shards")
 KERNEL_INVARIANCES = {
-    ("logprobs_and_entropy", "triton"): INVARIANCES[:4],
-    ("token_loss", "triton"): INVARIANCES[:4],
-    ("linear_logprobs_and_entropy", "mosaic"): INVARIANCES[:4],
+    (operation, backend): INVARIANCES[:4]
+    for backend, module in (("triton", triton_rows), ("mosaic", mosaic_head))
+    for operation in module.INVARIANT_OPERATIONS
 }
 
 
@@ -238,13 +239,11 @@ def invariances(operation: str, backend: Backend, batch_invariant: bool) -> tupl
 def _unsupported(backend, *, operation, target, dtypes, has_bias, has_keep, depth,
                  num_columns, batch_invariant):
   """Why ``backend``'s kernel cannot run a call (a sentence), or None: each backend's
-  module says for itself."""
-  if backend != "xla" and batch_invariant and (operation, backend) not in KERNEL_INVARIANCES:
-    return ("batch_invariant=True: this kernel's statistics are merged by XLA, whose "
-            "rounding depends on the program; XLA's exact sums hold the option")
+  module says for itself (XLA runs every call: with ``batch_invariant``, by exact sums)."""
   if backend == "triton":
-    return triton_rows.unsupported(dtypes=dtypes, has_keep=has_keep)
-  if backend == "mosaic":
+    return triton_rows.unsupported(operation=operation, dtypes=dtypes, has_keep=has_keep,
+                                   batch_invariant=batch_invariant)
+  if backend == "mosaic":  # (it runs one operation, invariant by construction)
     return mosaic_head.unsupported(
         platform=target.platform, capability=target.capability, hidden_dtype=dtypes[0],
         weight_dtype=dtypes[1], has_bias=has_bias, depth=depth, num_columns=num_columns,

@@ -362,7 +362,7 @@ def test_impl_filter_selects_variants():
 
 
 def test_implementation_variants_pass_the_option():
-  """``jaxce:xla`` and ``jaxce:pallas`` rows run (and say) ``implementation=...``; other
+  """``jaxce:xla`` and ``jaxce:triton`` rows run (and say) ``implementation=...``; other
   impls have no such variant."""
   from bench import impls
   for variant in configs.IMPLEMENTATION_VARIANTS:
@@ -372,8 +372,8 @@ def test_implementation_variants_pass_the_option():
       assert c.invalid() is None
       built = impls.build(c, jax.devices()[:1])
       assert f"implementation={variant!r}" in built.note, built.note
-  assert "is a jaxce (xla, pallas) or tokamax" in configs.Config(
-      impl="jax_plain", input="logits", mode="fwd", T=8, V=64, variant="pallas").invalid()
+  assert "is a jaxce (xla, triton) or tokamax" in configs.Config(
+      impl="jax_plain", input="logits", mode="fwd", T=8, V=64, variant="triton").invalid()
   assert configs.Config(impl="jaxce", input="linear", mode="fwd", T=8, V=64, D=8,
                         variant="chunked_xla").invalid()
   for variant in configs.TOKAMAX_VARIANTS:

@@ -48,6 +48,9 @@ TILE_K = 64  # hidden dims per pipeline step
 STAGES = 4  # pipeline depth: 4 x 48 KiB of shared memory
 GRAD_STAGES = 3  # 3 x 48 KiB, next to the two 32 KiB d logits tiles being stored
 MIN_ROWS = 2 * TILE_M  # rows per CTA: the least a call takes (fewer are padded)
+# The operations whose outputs these kernels make batch-invariant (all they run: fixed
+# tiles, no split-K, tiles merged in the columns' order by ``mosaic_merge``).
+INVARIANT_OPERATIONS = ("linear_logprobs_and_entropy",)
 SNAKE_WIDTH = 8  # row blocks walked together (L2 reuse of the hidden blocks)
 _LOG2_E = 1.4426950408889634
 _ROW = plgpu.Layout.WGMMA.reduce(1)

@@ -24,6 +24,10 @@ from jaxce._kernels import plumbing
 
 # Columns loaded per step and warps per program (bench/NOTES.md, entries 3, 9 and 13).
 MAX_BLOCK = 2048
+# The operations whose outputs this kernel makes batch-invariant: those that read whole
+# rows (their statistics merged by ``triton_merge``). The fused path merges its vocab
+# blocks' statistics in XLA and its objective path's logits come from XLA's matmuls.
+INVARIANT_OPERATIONS = ("logprobs_and_entropy", "token_loss")
 NUM_WARPS = 4
 _LOG2_E = 1.4426950408889634
 
@@ -132,9 +136,14 @@ def row_statistics(x, inv_temp, limit, with_entropy, start=0, *, interpret):
       jnp.asarray(limit, jnp.int32))
 
 
-def unsupported(*, dtypes, has_keep=False) -> str | None:
-  """Why the kernel cannot run a call over arrays of ``dtypes`` (with a kept set when
-  ``has_keep``), a sentence, or None. It runs on GPUs and, interpreted, anywhere (tests)."""
+def unsupported(*, operation, dtypes, has_keep=False, batch_invariant=False) -> str | None:
+  """Why the kernel cannot run a call of ``operation`` (a public function's name) over
+  arrays of ``dtypes`` (with a kept set when ``has_keep``; batch-invariant when
+  ``batch_invariant``), a sentence, or None. It runs on GPUs and, interpreted, anywhere
+  (tests)."""
+  if batch_invariant and operation not in INVARIANT_OPERATIONS:
+    return ("batch_invariant=True: this path merges the kernel's statistics in XLA, whose "
+            "rounding depends on the program; XLA's exact sums hold the option")
   if any(jnp.dtype(d) == jnp.float64 for d in dtypes):
     return "it computes in float32 and the inputs are float64"
   if has_keep:

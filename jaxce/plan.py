@@ -49,7 +49,7 @@ from jaxce._kernels import mosaic_head, triton_rows
 from jaxce._kernels.config import BACKEND_NAMES, Backend, Plan
 
 __all__ = [
-    "IMPLEMENTATIONS", "INVARIANCES", "Plan", "Target", "backend", "chunk_size",
+    "IMPLEMENTATIONS", "INVARIANCES", "Plan", "Target", "budget_platform", "chunk_size",
     "invariances", "linear_backward_order",
     "linear_kernel_chunk", "linear_kernel_tiles", "linear_objective_chunk", "linear_tiles",
     "logits_chunk", "make", "of", "target",
@@ -117,9 +117,9 @@ def target(*arrays, mesh=None) -> Target:
                 getattr(device, "core_count", None) or 132)
 
 
-def backend(platform: str | None = None) -> str:
+def budget_platform(platform: str | None = None) -> str:
   """The budgets' key for ``platform`` (JAX's default backend when ``None``): ``"cpu"``,
-  or ``"gpu"`` for every other platform."""
+  or ``"gpu"`` for every other platform. (Not a kernel backend: that is ``Plan.backend``.)"""
   if platform is None:
     platform = jax.default_backend()
   return "cpu" if platform == "cpu" else "gpu"
@@ -147,7 +147,7 @@ def logits_chunk(num_tokens: int, num_columns: int, requested: int | None = None
                  platform: str | None = None) -> int:
   """Tokens per step of the logits path's XLA forward and in-place backward
   (``LOGITS_TILE_BYTES`` of ``platform``, JAX's default backend when ``None``)."""
-  return chunk_size(num_tokens, num_columns, requested, LOGITS_TILE_BYTES[backend(platform)])
+  return chunk_size(num_tokens, num_columns, requested, LOGITS_TILE_BYTES[budget_platform(platform)])
 
 
 def linear_tiles(num_tokens: int, num_columns: int, requested_chunk: int | None = None,
@@ -158,7 +158,7 @@ def linear_tiles(num_tokens: int, num_columns: int, requested_chunk: int | None 
   of ``LINEAR_TILE_BYTES`` of ``platform``."""
   block = min(requested_block or DEFAULT_VOCAB_BLOCK, num_columns)
   return chunk_size(num_tokens, block, requested_chunk,
-                    LINEAR_TILE_BYTES[backend(platform)]), block
+                    LINEAR_TILE_BYTES[budget_platform(platform)]), block
 
 
 def linear_objective_chunk(num_tokens: int, num_columns: int, requested: int | None = None,
@@ -166,7 +166,7 @@ def linear_objective_chunk(num_tokens: int, num_columns: int, requested: int | N
   """Tokens per step of the fused objective path, whose full ``[chunk, num_columns]``
   rows are held at once (``LINEAR_OBJECTIVE_ROWS_BYTES`` of ``platform``)."""
   return chunk_size(num_tokens, num_columns, requested,
-                    LINEAR_OBJECTIVE_ROWS_BYTES[backend(platform)])
+                    LINEAR_OBJECTIVE_ROWS_BYTES[budget_platform(platform)])
 
 
 def linear_kernel_chunk(num_tokens: int, num_columns: int) -> int:
@@ -312,7 +312,7 @@ def make(operation: str, *, target: Target, implementation: str | None, num_toke
   exact = batch_invariant and chosen == "xla"  # XLA's exact sums
   matmul_tile = None
   if exact and operation.startswith("linear"):
-    matmul_tile = INVARIANT_MATMUL_TILE[backend(platform)]
+    matmul_tile = INVARIANT_MATMUL_TILE[budget_platform(platform)]
   common = dict(backend=chosen, reason=reason, interpret=platform != "gpu",
                 num_cores=target.num_cores, exact_sums=exact, matmul_tile=matmul_tile,
                 invariant_to=invariances(operation, chosen, batch_invariant))

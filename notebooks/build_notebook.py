@@ -567,7 +567,7 @@ source = inspect.getsource(jaxce.plan).splitlines()
 at = next(i for i, line in enumerate(source) if line.startswith("IMPLEMENTATIONS ="))
 start = next(i for i, line in enumerate(source) if line.startswith("# Logits path"))
 print("\\n".join(source[start:at]))
-print(f"# this backend: {jaxce.plan.backend()!r}\\n")
+print(f"# this backend: {jaxce.plan.budget_platform()!r}\\n")
 print(f"{'T':>7} {'V':>7} | {'logits C':>8} {'chunks':>6} {'ragged':>6} {'tile MiB':>8} | "
       f"{'fused C':>7} {'chunks':>6} {'tile MiB':>8}")
 for tokens in (1, 1000, 4096, 12000, 32768, 131072):

@@ -284,7 +284,7 @@ def test_the_exact_paths_matmuls_keep_their_shape():
   hides (it gives a row the same bits at any row count) and GPUs do not. Read from the
   compiled program's dots."""
   import re
-  tile = jaxce.plan.INVARIANT_MATMUL_TILE[jaxce.plan.backend()]
+  tile = jaxce.plan.INVARIANT_MATMUL_TILE[jaxce.plan.budget_platform()]
   for tokens in (7, 100, 1000):
     rows = _rows(12, tokens)
     h = jnp.asarray(rows["hidden"], jnp.bfloat16)
@@ -374,7 +374,7 @@ def test_the_planner_says_which_path_holds_it():
     assert got.invariant_to == jaxce.plan.INVARIANCES[:4]
   else:
     assert got.backend == "xla" and got.exact_sums
-    assert got.matmul_tile == jaxce.plan.INVARIANT_MATMUL_TILE[jaxce.plan.backend()]
+    assert got.matmul_tile == jaxce.plan.INVARIANT_MATMUL_TILE[jaxce.plan.budget_platform()]
     assert got.invariant_to == jaxce.plan.INVARIANCES
   with pytest.raises(ValueError, match="batch_invariant=True"):
     jaxce.plan.of(jaxce.linear_logprobs_and_entropy, h, w, labels, batch_invariant=True,

@@ -200,4 +200,6 @@ def _inverse_temperature(temperature, shape, dtype, target):
     return _checks.inverse_temperature(temperature, shape, dtype)
   t = _checks.broadcast_token_array(temperature, shape, dtype).reshape(-1)
   kernel = mosaic_reciprocal if target.capability == "9.0" else triton_reciprocal
+  if kernel.plgpu is None:  # (this JAX lacks that Pallas backend)
+    return _checks.inverse_temperature(temperature, shape, dtype)
   return lax.stop_gradient(kernel.reciprocal(t, interpret=False).reshape(shape))

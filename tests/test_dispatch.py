@@ -4,6 +4,10 @@ through ``sharded_*`` or on arrays split over explicit mesh axes, for the same p
 shapes; the default follows the platform the call runs on; an implementation that cannot
 run a call is a ``ValueError`` that says why, and ``jaxce.plan.of`` tells which runs."""
 
+import os
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -154,3 +158,36 @@ def test_pallas_is_the_old_name_of_triton():
 def test_plan_of_needs_one_call():
   with pytest.raises(ValueError, match="planned 0"):
     plan.of(lambda x: x, jnp.zeros(3))
+
+
+def test_import_loads_no_pallas_backend():
+  """``import jaxce`` leaves JAX's Pallas backends unloaded (each is imported when a
+  kernel first needs it: a third of a second saved, and a JAX that lacks one still
+  imports jaxce)."""
+  code = ("import sys, jaxce; print(sorted(m for m in ('jax.experimental.mosaic.gpu', "
+          "'jax._src.pallas.mosaic_gpu.lowering', 'jax._src.pallas.triton.lowering') "
+          "if m in sys.modules))")
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       check=True, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+  assert out.stdout.strip() == "[]", out.stdout
+
+
+@pytest.mark.parametrize("operation", list(OPERATIONS))
+def test_a_jax_without_pallas_backends_runs_on_xla(operation, monkeypatch):
+  """The day JAX drops a Pallas backend, the default on a Hopper GPU falls back, saying
+  why, and asking for it names what is missing."""
+  from jaxce._kernels import mosaic_head, triton_rows  # pylint: disable=import-outside-toplevel
+  monkeypatch.setattr(plan, "target", lambda *arrays, mesh=None: HOPPER)
+  monkeypatch.setattr(mosaic_head, "plgpu", None)
+  monkeypatch.setattr(triton_rows, "plgpu", None)
+  local_fn, _, names = OPERATIONS[operation]
+  inputs = _inputs(V_LOCAL)
+  operands = [inputs[n] for n in names]
+  got = plan.of(_call, operation, local_fn, operands, inputs["labels"], inputs["adv"])
+  assert got.backend == "xla", got
+  assert "has no Pallas Triton backend" in got.reason, got.reason
+  if operation == "linear_logprobs_and_entropy":
+    assert "not mosaic: this JAX" in got.reason and "no Pallas Mosaic GPU" in got.reason
+  with pytest.raises(ValueError, match="has no Pallas Triton backend"):
+    plan.of(_call, operation, local_fn, operands, inputs["labels"], inputs["adv"],
+            implementation="triton")

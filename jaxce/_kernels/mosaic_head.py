@@ -40,7 +40,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from jaxce._kernels import plumbing
+
+plgpu = plumbing.lazy_module("jax.experimental.pallas.mosaic_gpu")
 
 TILE_M = 128  # rows per compute warpgroup; a CTA holds two
 TILE_N = 128  # vocabulary columns per tile
@@ -53,7 +56,6 @@ MIN_ROWS = 2 * TILE_M  # rows per CTA: the least a call takes (fewer are padded)
 INVARIANT_OPERATIONS = ("linear_logprobs_and_entropy",)
 SNAKE_WIDTH = 8  # row blocks walked together (L2 reuse of the hidden blocks)
 _LOG2_E = 1.4426950408889634
-_ROW = plgpu.Layout.WGMMA.reduce(1)
 
 
 def unsupported(*, platform, capability, hidden_dtype, weight_dtype, has_bias, depth,
@@ -66,6 +68,8 @@ def unsupported(*, platform, capability, hidden_dtype, weight_dtype, has_bias, d
     depth, num_columns: ``D`` and this device's ``V_local``. (Calls with fewer than
       ``MIN_ROWS`` tokens are padded to it by the caller.)
   """
+  if plgpu is None:
+    return f"this JAX ({jax.__version__}) has no Pallas Mosaic GPU backend"
   if platform == "gpu":
     if capability != "9.0":
       return f"it needs a Hopper GPU (compute capability 9.0), got {capability}"
@@ -161,7 +165,7 @@ def _tiles(hidden, weight, row_inputs, *, vocab_dim, stages, epilogue, out_type,
             eval_pipeline(acc_ref)
             x = acc_ref[...]
             plgpu.barrier_wait(rows_barrier.at[wg])
-            row_values = tuple(plgpu.load(rows_smem.at[wg, i], layout=_ROW)
+            row_values = tuple(plgpu.load(rows_smem.at[wg, i], layout=plgpu.Layout.WGMMA.reduce(1))
                                for i in range(num_row_inputs))
             result = epilogue(x, row_values, column)
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # out_smem is free again

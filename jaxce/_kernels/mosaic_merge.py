@@ -33,9 +33,10 @@ from functools import partial
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxce._kernels import plumbing
+
+plgpu = plumbing.lazy_module("jax.experimental.pallas.mosaic_gpu")
 
 ROWS = 128  # tokens per CTA: one per thread of a warpgroup
 GROUP = 64  # tiles per CTA: 4 x 64 x 128 f32, 128 KiB of shared memory

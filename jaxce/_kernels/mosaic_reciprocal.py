@@ -16,9 +16,10 @@ from functools import partial
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxce._kernels import chunking, plumbing
+
+plgpu = plumbing.lazy_module("jax.experimental.pallas.mosaic_gpu")
 
 BLOCK = 256  # tokens per CTA (one warpgroup; a TMA copy takes at most 256 a dimension)
 

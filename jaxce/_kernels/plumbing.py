@@ -1,12 +1,36 @@
 """JAX's type plumbing for the kernels, no maths: the varying types of values inside
 ``shard_map`` (what a scan carry or a Pallas output must vary over, and the sum that
-transposes an implicit broadcast) and ``custom_vjp``'s symbolic zeros."""
+transposes an implicit broadcast), ``custom_vjp``'s symbolic zeros, and the Pallas
+backends imported when first used."""
 
 from __future__ import annotations
+
+import importlib.util
+import sys
 
 import jax
 from jax import lax
 from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
+
+
+def lazy_module(name: str):
+  """The module ``name`` (a Pallas backend, ``jax.experimental.pallas.triton`` or
+  ``.mosaic_gpu``), imported when an attribute is first read, or None when this JAX has
+  no such module. So ``import jaxce`` loads neither backend (a third of a second), and a
+  JAX without one still runs every call that does not need it."""
+  if name in sys.modules:
+    return sys.modules[name]
+  try:
+    spec = importlib.util.find_spec(name)
+  except ImportError:
+    spec = None
+  if spec is None:
+    return None
+  spec.loader = importlib.util.LazyLoader(spec.loader)
+  module = importlib.util.module_from_spec(spec)
+  sys.modules[name] = module
+  spec.loader.exec_module(module)
+  return module
 
 
 def symbolic_zero_to_none(cotangent):

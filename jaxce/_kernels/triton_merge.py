@@ -30,9 +30,10 @@ from functools import partial
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
 
 from jaxce._kernels import plumbing
+
+plgpu = plumbing.lazy_module("jax.experimental.pallas.triton")
 
 ROWS = 128  # tokens per program
 GROUP = 64  # tiles per program of the first of two stages (more tiles than this)

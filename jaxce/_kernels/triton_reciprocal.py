@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
 
 from jaxce._kernels import chunking, plumbing
+
+plgpu = plumbing.lazy_module("jax.experimental.pallas.triton")
 
 BLOCK = 1024  # tokens per program
 

@@ -18,9 +18,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
 
 from jaxce._kernels import plumbing
+
+plgpu = plumbing.lazy_module("jax.experimental.pallas.triton")
 
 # Columns loaded per step and warps per program (bench/NOTES.md, entries 3, 9 and 13).
 MAX_BLOCK = 2048
@@ -141,6 +142,8 @@ def unsupported(*, operation, dtypes, has_keep=False, batch_invariant=False) -> 
   arrays of ``dtypes`` (with a kept set when ``has_keep``; batch-invariant when
   ``batch_invariant``), a sentence, or None. It runs on GPUs and, interpreted, anywhere
   (tests)."""
+  if plgpu is None:
+    return f"this JAX ({jax.__version__}) has no Pallas Triton backend"
   if batch_invariant and operation not in INVARIANT_OPERATIONS:
     return ("batch_invariant=True: this path merges the kernel's statistics in XLA, whose "
             "rounding depends on the program; XLA's exact sums hold the option")

@@ -70,7 +70,7 @@ def _grid(num_tokens, num_columns, chunk, block):
   return chunking.num_chunks(num_columns, block), chunking.num_chunks(num_tokens, chunk)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(4,))
+@plumbing.custom_vjp("config")
 def _linear_logprobs_entropy(hidden, weight, bias, tokens, config):
   """``hidden [T, D]``, ``weight [D, V_local]`` -> ``(logp [T],)`` or ``(logp, entropy)``."""
   return _forward(hidden, weight, bias, tokens, config)[0]

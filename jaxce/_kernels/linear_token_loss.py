@@ -15,7 +15,6 @@ one chunk's rows (f32 and the operand-dtype ``d``), flat in T beyond ``d hidden`
 
 from __future__ import annotations
 
-from functools import partial
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -33,7 +32,7 @@ def linear_token_loss(objective, hidden, weight, bias, tokens: Tokens, token_arg
   return _jitted(objective, hidden, weight, bias, tokens, tuple(token_args), config=config)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(0, 6))
+@plumbing.custom_vjp("objective", "config")
 def _linear_token_loss(objective, hidden, weight, bias, tokens, token_args, config):
   return _run(objective, hidden, weight, bias, tokens, token_args, config,
               with_grads=False)[0]

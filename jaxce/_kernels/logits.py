@@ -9,7 +9,6 @@ a loop overwrites the logits chunk by chunk.
 
 from __future__ import annotations
 
-from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -32,7 +31,7 @@ def logprobs_entropy(x, tokens: Tokens, config: Config):
   return _jitted_logprobs_entropy(x, tokens, config=config)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(2,))
+@plumbing.custom_vjp("config")
 def _logprobs_entropy(x, tokens, config):
   return rows.forward(x, tokens, config)[0]
 

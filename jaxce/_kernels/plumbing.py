@@ -6,6 +6,7 @@ backends imported when first used."""
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import sys
 
 import jax
@@ -31,6 +32,15 @@ def lazy_module(name: str):
   sys.modules[name] = module
   spec.loader.exec_module(module)
   return module
+
+
+def custom_vjp(*static: str):
+  """``jax.custom_vjp`` whose non-differentiable arguments are named (``static``), not
+  numbered: adding an argument to the function shifts nothing."""
+  def wrap(fn):
+    names = list(inspect.signature(fn).parameters)
+    return jax.custom_vjp(fn, nondiff_argnums=tuple(names.index(n) for n in static))
+  return wrap
 
 
 def symbolic_zero_to_none(cotangent):

@@ -10,7 +10,6 @@ custom_vjp's backward only scales the stored gradient by the loss's cotangent.
 
 from __future__ import annotations
 
-from functools import partial
 import jax
 
 from jaxce._kernels import loss_terms, plumbing, rows, softmax
@@ -24,7 +23,7 @@ def token_loss(objective, x, tokens: Tokens, token_args, config: Config):
   return _jitted(objective, x, tokens, tuple(token_args), config=config)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(0, 4))
+@plumbing.custom_vjp("objective", "config")
 def _token_loss(objective, x, tokens, token_args, config):
   return _run(objective, x, tokens, token_args, config, with_grads=False)[0]
 

@@ -25,7 +25,7 @@ With the ``"mosaic"`` backend each token's outputs are batch-invariant by constr
 XLA's exact sums (``plan.exact_sums``) runs the forward differently: chunks of
 ``matmul_tile[0]`` tokens, each chunk's ``[C, V_local]`` logits by ``matmul_tile``-shaped
 matmuls (``head.invariant_logits``) and their exact statistics
-(``rows.statistics``), so each token's outputs are the same bits whatever the
+(``logits_rows.statistics``), so each token's outputs are the same bits whatever the
 call around it.
 
 No ``[T, V]`` (or ``[T, V_local]``) buffer exists at any time. A ragged last chunk or
@@ -39,8 +39,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxce._kernels import chunking, head, mosaic_head, plumbing, softmax, triton_rows
-from jaxce._kernels import rows as logits_rows
+from jaxce._kernels import chunking, head, logits_rows, mosaic_head, plumbing, softmax
+from jaxce._kernels import triton_rows
 from jaxce._kernels.config import Config, Tokens
 
 
@@ -160,7 +160,7 @@ def _invariant_forward(hidden, weight, bias, tokens, config):
 def _mosaic_statistics(hidden, weight, tokens, shard_start, config):
   """``(logp, m, log s, entropy or None)`` ``[T]`` (before masking) by the Mosaic GPU
   kernel, one call per chunk of the plan's ``kernel_chunk`` tokens, and ``mosaic_merge``
-  (``rows.merge_tiles``): each token's tiles merged in the columns' order, every shard's
+  (``logits_rows.merge_tiles``): each token's tiles merged in the columns' order, every shard's
   tiles gathered in rank order first. Each token's bits depend on its own inputs alone."""
   num_tokens, num_columns = hidden.shape[0], weight.shape[config.vocab_dim]
   chunk = config.plan.kernel_chunk
@@ -268,8 +268,8 @@ def _linear_logprobs_entropy_bwd(config, residuals, cotangents):
 
   def add_rows(d_hidden, dh_rows, i):
     start = chunking.chunk_start(i, num_tokens, chunk)
-    rows = lax.dynamic_slice_in_dim(d_hidden, start, chunk, 0)
-    return lax.dynamic_update_slice_in_dim(d_hidden, (rows + dh_rows).astype(rows.dtype),
+    old_rows = lax.dynamic_slice_in_dim(d_hidden, start, chunk, 0)
+    return lax.dynamic_update_slice_in_dim(d_hidden, (old_rows + dh_rows).astype(old_rows.dtype),
                                            start, 0)
 
   # A ragged vocabulary's clamped last block runs first: its overlap with the block before

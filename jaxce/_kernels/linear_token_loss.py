@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxce._kernels import chunking, head, loss_terms, plumbing, rows, softmax
+from jaxce._kernels import chunking, head, logits_rows, loss_terms, plumbing, softmax
 from jaxce._kernels.config import Config, Tokens
 
 
@@ -60,7 +60,7 @@ def _run(objective, hidden, weight, bias, tokens, token_args, config, with_grads
       x = head.tile_logits(h, weight, bias, config.softcap, vocab_dim)
     else:  # batch-invariant: matmuls of one shape (chunk = the tile's rows), no softcap yet
       x = head.invariant_logits(h, weight, bias, vocab_dim, config.plan.matmul_tile[1])
-    logp, shift, log_sum, entropy = rows.statistics(x, chunk_tokens, column_start, config)
+    logp, shift, log_sum, entropy = logits_rows.statistics(x, chunk_tokens, column_start, config)
     if config.plan.exact_sums:  # (the exact statistics applied it themselves)
       x = head.cap(x, config.softcap)
     row_mask = valid & chunking.fresh_rows(i, start, chunk)  # the overlap counts once

@@ -1,7 +1,7 @@
 """The logits path's per-token kernel: log-prob and entropy of ``[T, V_local]`` logits rows
 with a hand-written backward, on arrays the front door has checked and flattened.
 
-Forward: ``rows.forward`` (the row statistics of every token by the Triton kernel in one
+Forward: ``logits_rows.forward`` (the row statistics of every token by the Triton kernel in one
 pass, or by XLA in a scan over chunks of tokens; shards combine them with one pmax and one
 psum). Backward: one fused elementwise pass writes the gradient, or (``config.in_place``)
 a loop overwrites the logits chunk by chunk.
@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxce._kernels import chunking, plumbing, rows, softmax
+from jaxce._kernels import chunking, logits_rows, plumbing, softmax
 from jaxce._kernels.config import Config, Tokens
 
 
@@ -33,12 +33,12 @@ def logprobs_entropy(x, tokens: Tokens, config: Config):
 
 @plumbing.custom_vjp("config")
 def _logprobs_entropy(x, tokens, config):
-  return rows.forward(x, tokens, config)[0]
+  return logits_rows.forward(x, tokens, config)[0]
 
 
 def _logprobs_entropy_fwd(x, tokens, config):
   x, tokens = plumbing.primal_values((x, tokens))
-  out, saved = rows.forward(x, tokens, config)
+  out, saved = logits_rows.forward(x, tokens, config)
   return out, (x, tokens, saved)
 
 
@@ -54,7 +54,7 @@ def _logprobs_entropy_bwd(config, residuals, cotangents):
 
   if not config.in_place:
     # One elementwise pass over [T, V_local] into a new array.
-    return (rows.gradient(x, *per_token, mask_vocab, column_start), None)
+    return (logits_rows.gradient(x, *per_token, mask_vocab, column_start), None)
 
   # The logits buffer is the loop carry; each step overwrites one chunk of rows with
   # its gradient (XLA updates a loop carry in place, copying it first only when the
@@ -65,7 +65,7 @@ def _logprobs_entropy_bwd(config, residuals, cotangents):
   def overwrite(x, start, size):
     chunk_rows = chunking.take_rows((x,) + per_token, start, size)
     return lax.dynamic_update_slice_in_dim(
-        x, rows.gradient(*chunk_rows, mask_vocab, column_start), start, 0)
+        x, logits_rows.gradient(*chunk_rows, mask_vocab, column_start), start, 0)
 
   x = lax.fori_loop(0, full, lambda i, x: overwrite(x, i * chunk, chunk), x)
   if tail:

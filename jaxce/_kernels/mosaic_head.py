@@ -154,10 +154,10 @@ def _tiles(hidden, weight, row_inputs, *, vocab_dim, stages, epilogue, out_type,
         cta_row = pl.multiple_of(m_idx * cta_rows, cta_rows)
         column = pl.multiple_of(n_idx * TILE_N, TILE_N)
         wg_row = pl.multiple_of(wg * TILE_M, TILE_M)
-        rows = pl.ds(pl.multiple_of(cta_row + wg_row, TILE_M), TILE_M)
+        row_slice = pl.ds(pl.multiple_of(cta_row + wg_row, TILE_M), TILE_M)
 
         def compute_context(eval_pipeline):
-          plgpu.copy_gmem_to_smem(rows_gmem.at[:, rows], rows_smem.at[wg],
+          plgpu.copy_gmem_to_smem(rows_gmem.at[:, row_slice], rows_smem.at[wg],
                                   rows_barrier.at[wg])
 
           @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((TILE_M, TILE_N), jnp.float32))
@@ -165,11 +165,12 @@ def _tiles(hidden, weight, row_inputs, *, vocab_dim, stages, epilogue, out_type,
             eval_pipeline(acc_ref)
             x = acc_ref[...]
             plgpu.barrier_wait(rows_barrier.at[wg])
-            row_values = tuple(plgpu.load(rows_smem.at[wg, i], layout=plgpu.Layout.WGMMA.reduce(1))
+            row_layout = plgpu.Layout.WGMMA.reduce(1)  # one number per row of the tile
+            row_values = tuple(plgpu.load(rows_smem.at[wg, i], layout=row_layout)
                                for i in range(num_row_inputs))
             result = epilogue(x, row_values, column)
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # out_smem is free again
-            store(out_smem.at[wg], out_gmem, result, n_idx, rows, column)
+            store(out_smem.at[wg], out_gmem, result, n_idx, row_slice, column)
 
         def mma_body(_, hidden_smem, weight_smem, acc_ref):
           rhs = weight_smem if vocab_dim else weight_smem.transpose((1, 0))
@@ -214,15 +215,15 @@ def _tile_statistics(hidden, weight, row_inputs, *, vocab_dim, softcap, with_ent
   num_rows = hidden.shape[0]
   n_iters = weight.shape[vocab_dim] // TILE_N
 
-  def epilogue(x, rows, column):
-    return _epilogue(x, *rows, column, softcap, with_entropy)
+  def epilogue(x, row_values, column):
+    return _epilogue(x, *row_values, column, softcap, with_entropy)
 
-  def store(scratch, out_gmem, stats, n_idx, rows, column):
+  def store(scratch, out_gmem, stats, n_idx, row_slice, column):
     del column
     for i, stat in enumerate(stats):
       scratch[i] = stat
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(scratch, out_gmem.at[n_idx, :, rows])
+    plgpu.copy_smem_to_gmem(scratch, out_gmem.at[n_idx, :, row_slice])
 
   return _tiles(hidden, weight, row_inputs, vocab_dim=vocab_dim, stages=STAGES,
                 epilogue=epilogue,
@@ -236,14 +237,14 @@ def _tile_logits_grad(hidden, weight, row_inputs, *, vocab_dim, softcap, interpr
   as ``_grad_epilogue`` takes them."""
   num_rows, dtype = hidden.shape[0], hidden.dtype
 
-  def epilogue(x, rows, column):
-    return _grad_epilogue(x, *rows, column, softcap).astype(dtype)
+  def epilogue(x, row_values, column):
+    return _grad_epilogue(x, *row_values, column, softcap).astype(dtype)
 
-  def store(scratch, out_gmem, d, n_idx, rows, column):
+  def store(scratch, out_gmem, d, n_idx, row_slice, column):
     del n_idx
     scratch[...] = d
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(scratch, out_gmem.at[rows, pl.ds(column, TILE_N)])
+    plgpu.copy_smem_to_gmem(scratch, out_gmem.at[row_slice, pl.ds(column, TILE_N)])
 
   return _tiles(hidden, weight, row_inputs, vocab_dim=vocab_dim, stages=GRAD_STAGES,
                 epilogue=epilogue,
@@ -352,11 +353,11 @@ def logits_grad(hidden, weight, label_column, inv_temp, saved, cotangents, row_m
   Returns:
     ``[C, Vb]`` in hidden's dtype. Memory: that array only.
   """
-  rows = lambda v: jnp.zeros_like(inv_temp, jnp.float32) if v is None else v.astype(
+  as_row = lambda v: jnp.zeros_like(inv_temp, jnp.float32) if v is None else v.astype(
       jnp.float32)
   scalar = lambda v: jnp.broadcast_to(jnp.asarray(v, jnp.float32), inv_temp.shape)
-  row_inputs = jnp.stack([rows(inv_temp), label_column.astype(jnp.float32), scalar(limit),
-                          scalar(first_kept), *map(rows, saved), *map(rows, cotangents),
+  row_inputs = jnp.stack([as_row(inv_temp), label_column.astype(jnp.float32), scalar(limit),
+                          scalar(first_kept), *map(as_row, saved), *map(as_row, cotangents),
                           row_mask.astype(jnp.float32)])
   return _tile_logits_grad(hidden, weight, row_inputs, vocab_dim=vocab_dim, softcap=softcap,
                            interpret=interpret, num_cores=num_cores)

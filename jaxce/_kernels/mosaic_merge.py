@@ -53,14 +53,14 @@ def _stage(tiles, *, group, with_entropy, finish, interpret):
 
   def kernel(tiles_gmem, out_gmem):
     group_index = lax.axis_index("groups")
-    rows = pl.ds(pl.multiple_of(lax.axis_index("rows") * ROWS, ROWS), ROWS)
+    row_slice = pl.ds(pl.multiple_of(lax.axis_index("rows") * ROWS, ROWS), ROWS)
     first = group_index * group
     start = jnp.minimum(first, num_tiles - group)  # the last group's copy, moved back
 
     @partial(pl.run_scoped, tiles_smem=plgpu.SMEM((group, 4, ROWS), jnp.float32),
              out_smem=plgpu.SMEM((4, ROWS), jnp.float32), barrier=plgpu.Barrier())
     def _scope(tiles_smem, out_smem, barrier):
-      plgpu.copy_gmem_to_smem(tiles_gmem.at[pl.ds(start, group), :, rows], tiles_smem,
+      plgpu.copy_gmem_to_smem(tiles_gmem.at[pl.ds(start, group), :, row_slice], tiles_smem,
                               barrier)
       plgpu.barrier_wait(barrier)
       skip = first - start  # tiles of the group before (the last group only)
@@ -80,10 +80,10 @@ def _stage(tiles, *, group, with_entropy, finish, interpret):
       if finish:
         log_s = jnp.log(s)
         values = ((picked - m) - log_s, m, log_s, log_s - q / s if with_entropy else zero)
-        out_rows = out_gmem.at[:, rows]
+        out_rows = out_gmem.at[:, row_slice]
       else:
         values = (m, s, q, picked)
-        out_rows = out_gmem.at[group_index, :, rows]
+        out_rows = out_gmem.at[group_index, :, row_slice]
       for i, value in enumerate(values):
         out_smem[i] = value
       plgpu.commit_smem()

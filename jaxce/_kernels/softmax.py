@@ -80,15 +80,15 @@ def kept_columns(words, start, width, label_column):
   ``start == 0`` (a Python int) reads the words in order (a reshape); a traced ``start``
   gathers each column's word. Memory: the tile's bits, fused into their consumer.
   """
-  rows = words.shape[0]
+  num_rows = words.shape[0]
   if isinstance(start, int) and start == 0:
     shifts = lax.broadcasted_iota(jnp.uint32, (1, 1, 32), 2)
-    bits = ((words[:, :, None] >> shifts) & 1).reshape(rows, words.shape[1] * 32)[:, :width]
+    bits = ((words[:, :, None] >> shifts) & 1).reshape(num_rows, words.shape[1] * 32)[:, :width]
   else:
-    local = start + lax.broadcasted_iota(jnp.int32, (rows, width), 1)
+    local = start + lax.broadcasted_iota(jnp.int32, (num_rows, width), 1)
     picked = jnp.take_along_axis(words, local // 32, axis=1, mode="clip")
     bits = (picked >> (local % 32).astype(jnp.uint32)) & 1
-  label = lax.broadcasted_iota(jnp.int32, (rows, width), 1) == label_column[:, None]
+  label = lax.broadcasted_iota(jnp.int32, (num_rows, width), 1) == label_column[:, None]
   return (bits == 1) | label
 
 

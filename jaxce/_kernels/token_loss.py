@@ -1,10 +1,10 @@
 """The logits path's objective kernel: ``sum objective(logp, entropy, *token_args)`` of
 ``softmax(logits)`` and, under differentiation, its gradient, formed in the forward pass.
 
-The logits rows' forward statistics (``rows.forward``: one Triton pass, or XLA's chunked
+The logits rows' forward statistics (``logits_rows.forward``: one Triton pass, or XLA's chunked
 scan; shards combine them with one pmax + one psum), the objective's per-token terms and
 cotangents (O(T)), then, when differentiating, ``d logits`` in one elementwise pass
-(``rows.gradient``): two passes over the logits (read; read + write). The
+(``logits_rows.gradient``): two passes over the logits (read; read + write). The
 custom_vjp's backward only scales the stored gradient by the loss's cotangent.
 """
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import jax
 
-from jaxce._kernels import loss_terms, plumbing, rows, softmax
+from jaxce._kernels import logits_rows, loss_terms, plumbing, softmax
 from jaxce._kernels.config import Config, Tokens
 
 
@@ -31,7 +31,7 @@ def _token_loss(objective, x, tokens, token_args, config):
 def _run(objective, x, tokens, token_args, config, with_grads):
   """``((loss, (logp, entropy)), (d x, type witness) or None)``: the gradient of this
   device's loss, not yet summed over shard_map axes."""
-  outputs, saved = rows.forward(x, tokens, config)
+  outputs, saved = logits_rows.forward(x, tokens, config)
   logp = outputs[0]
   entropy = outputs[1] if config.with_entropy else None
   loss, g_logp, g_entropy = loss_terms.terms_and_cotangents(objective, logp, entropy,
@@ -39,7 +39,7 @@ def _run(objective, x, tokens, token_args, config, with_grads):
   out = (loss, (logp, entropy))
   if not with_grads:
     return out, None
-  grad = rows.gradient(x, tokens, saved, (g_logp, g_entropy), config.mask_vocab,
+  grad = logits_rows.gradient(x, tokens, saved, (g_logp, g_entropy), config.mask_vocab,
                        softmax.shard_column_start(x.shape[1], config.vocab_axis))
   # A zero-size slice carries x's type over shard_map axes to the backward, which sums
   # the scaled gradient over the axes x does not vary over.

@@ -70,15 +70,15 @@ def invariant_logits(hidden_rows, weight, bias, vocab_dim, block):
   return out[:, :num_columns]
 
 
-def logits_input_grad(dz, inv_temp, x, softcap, keep):
+def logits_input_grad(dz, inv_temp, x, softcap, row_mask):
   """``d loss / d (hidden @ W + bias)`` of a ``[C, Vb]`` tile from ``dz = d loss / d z``:
   the temperature's factor (``inv_temp [C]``) and, with a softcap, its derivative (``x``
-  holds the capped logits); exactly 0 at rows where ``keep [C]`` is False, after every
+  holds the capped logits); exactly 0 at rows where ``row_mask [C]`` is False, after every
   factor (an ignored row's NaN logits would otherwise come back as ``0 * NaN``)."""
   dx = dz * inv_temp[:, None].astype(dz.dtype)
   if softcap is not None:
     dx = dx * (1 - jnp.square(x / softcap))
-  return jnp.where(keep[:, None], dx, 0)
+  return jnp.where(row_mask[:, None], dx, 0)
 
 
 def weight_grad(h, d, vocab_dim):

@@ -14,17 +14,17 @@ import jax
 import jax.numpy as jnp
 
 
-def terms_and_cotangents(objective, logp, entropy, token_args, keep, with_grads):
-  """The chunk's loss (sum of the kept tokens' terms) and, with ``with_grads``, the
-  per-token cotangents ``(g_logp, g_entropy)`` (``g_entropy`` None without entropy),
-  exactly 0 at tokens not kept."""
+def terms_and_cotangents(objective, logp, entropy, token_args, row_mask, with_grads):
+  """The chunk's loss (the sum of its terms where ``row_mask`` is True) and, with
+  ``with_grads``, the per-token cotangents ``(g_logp, g_entropy)`` (``g_entropy`` None
+  without entropy), exactly 0 where ``row_mask`` is False."""
   entropy_in = jnp.zeros_like(logp) if entropy is None else entropy
   terms, vjp = jax.vjp(lambda lp, h: objective(lp, h, *token_args), logp, entropy_in)
-  weight = keep.astype(terms.dtype)
-  loss = jnp.sum(jnp.where(keep, terms, 0))
+  weight = row_mask.astype(terms.dtype)
+  loss = jnp.sum(jnp.where(row_mask, terms, 0))
   if not with_grads:
     return loss, None, None
   g_logp, g_entropy = vjp(weight)
-  g_logp = jnp.where(keep, g_logp, 0).astype(logp.dtype)
-  g_entropy = None if entropy is None else jnp.where(keep, g_entropy, 0).astype(logp.dtype)
+  g_logp = jnp.where(row_mask, g_logp, 0).astype(logp.dtype)
+  g_entropy = None if entropy is None else jnp.where(row_mask, g_entropy, 0).astype(logp.dtype)
   return loss, g_logp, g_entropy

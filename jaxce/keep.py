@@ -9,8 +9,10 @@ sampler's policy is.
     keep = jaxce.keep.from_logits(sampler_logits, temperature=0.7, top_p=0.95)
     logp, ent = jaxce.linear_logprobs_and_entropy(hidden, kernel, tokens, keep=keep)
 
-These helpers expand a ``[..., V]`` boolean mask: use them where the sampler's logits
-already exist (the sampler), not inside a memory-bound training step.
+:func:`from_logits` expands a ``[..., V]`` boolean mask: use it where the sampler's logits
+already exist (the sampler), not inside a memory-bound training step. :func:`from_csr`
+(vLLM's sampling masks) and :func:`from_top_k` take kept ids and write the words directly
+(memory: the words and a few arrays like the ids).
 
 Example:
   >>> import jax.numpy as jnp
@@ -37,7 +39,7 @@ from jax import lax
 
 from jaxce import _checks
 
-__all__ = ["check", "from_logits", "from_top_k", "pack", "unpack"]
+__all__ = ["check", "from_csr", "from_logits", "from_top_k", "pack", "unpack"]
 
 
 def pack(mask):
@@ -61,26 +63,102 @@ def unpack(keep, num_columns: int):
 
 def from_top_k(ids, num_columns: int):
   """The kept sets of ``ids`` (``int [..., k]``, the kept columns of each token) over
-  ``num_columns`` columns: ``uint32 [..., ceil(num_columns / 32)]``.
+  ``num_columns`` columns: ``uint32 [..., ceil(num_columns / 32)]``. A repeated id counts
+  once.
 
   Raises:
     ValueError: with concrete ids, an id outside ``[0, num_columns)`` (under ``jit`` such
       an id keeps nothing).
   """
-  ids = _checks.as_array("ids", ids)
-  if not jnp.issubdtype(ids.dtype, jnp.integer):
-    raise TypeError(f"ids must be an integer array of column ids, got {ids.dtype=}")
-  if _checks.is_concrete(ids):
-    host = np.asarray(ids)
-    bad = np.argwhere((host < 0) | (host >= num_columns))
-    if bad.size:
-      position = tuple(int(i) for i in bad[0])
-      raise ValueError(f"ids[{position}] = {int(host[position])} is out of range for "
-                       f"{num_columns} columns ({len(bad)} such id(s))")
-  columns = jnp.arange(num_columns)
-  mask = jnp.any(ids[..., :, None] == columns, axis=-2) if ids.shape[-1] else jnp.zeros(
-      ids.shape[:-1] + (num_columns,), jnp.bool_)
-  return pack(mask)
+  ids = _integer_array("ids", ids)
+  _check_ids("ids", ids, 0, num_columns)
+  tokens = ids.shape[:-1]
+  num_tokens = int(np.prod(tokens, dtype=np.int64))
+  token = jnp.repeat(jnp.arange(num_tokens, dtype=jnp.int32), ids.shape[-1])
+  return _pack_ids(token, ids.reshape(-1), num_tokens, num_columns).reshape(*tokens, -1)
+
+
+def from_csr(token_ids, offsets, num_columns: int, *, shape=None):
+  """The kept sets of a sampler's kept ids in CSR form, as vLLM's sampling masks
+  (``SamplingMask(token_ids, offsets)``) hand them over: the kept ids of token ``t`` are
+  ``token_ids[offsets[t]:offsets[t + 1]]``, tokens in the order of the flattened labels.
+
+  Args:
+    token_ids: ``int [N]``: every token's kept ids, one token after another (entries past
+      ``offsets[-1]`` are unused, so a padded buffer can be passed as it is). A repeated
+      id counts once; a negative id (padding) keeps nothing.
+    offsets: ``int [T + 1]``, nondecreasing from 0.
+    num_columns: ``V``, the columns the ids index.
+    shape: the labels' shape (``T`` tokens); default ``(T,)``.
+
+  Returns:
+    ``uint32 [*shape, ceil(V / 32)]``, for ``keep=``. Works under ``jit`` (``N`` and ``T``
+    come from the arrays' shapes). Memory: the words and a few ``[N]`` arrays; nothing
+    ``[T, V]``-sized.
+
+  Raises:
+    ValueError: with concrete arrays, offsets that do not start at 0, decrease or run past
+      ``token_ids``, an id at or beyond ``num_columns``, or a ``shape`` of other than
+      ``T`` tokens (under ``jit``, an id beyond ``V`` keeps nothing).
+  """
+  token_ids = _integer_array("token_ids", token_ids)
+  offsets = _integer_array("offsets", offsets)
+  if token_ids.ndim != 1 or offsets.ndim != 1 or offsets.shape[0] < 1:
+    raise ValueError(f"token_ids and offsets must be 1-D (offsets with T + 1 >= 1 entries), "
+                     f"got {token_ids.shape=} and {offsets.shape=}")
+  num_tokens = offsets.shape[0] - 1
+  shape = (num_tokens,) if shape is None else tuple(shape)
+  if int(np.prod(shape, dtype=np.int64)) != num_tokens:
+    raise ValueError(f"shape {shape} holds {int(np.prod(shape, dtype=np.int64))} tokens; "
+                     f"offsets describe {num_tokens}")
+  if _checks.is_concrete(offsets):
+    host = np.asarray(offsets)
+    if host[0] != 0 or np.any(np.diff(host) < 0) or host[-1] > token_ids.shape[0]:
+      raise ValueError(f"offsets must rise from 0 to at most len(token_ids) = "
+                       f"{token_ids.shape[0]}, got {host[:4]}...{host[-2:]}")
+  _check_ids("token_ids", token_ids, None, num_columns)
+  position = jnp.arange(token_ids.shape[0], dtype=offsets.dtype)
+  token = jnp.searchsorted(offsets, position, side="right") - 1  # = T past offsets[-1]
+  words = _pack_ids(token.astype(jnp.int32), token_ids, num_tokens, num_columns)
+  return words.reshape(*shape, -1)
+
+
+def _integer_array(name, a):
+  a = _checks.as_array(name, a)
+  if not jnp.issubdtype(a.dtype, jnp.integer):
+    raise TypeError(f"{name} must be an integer array, got {a.dtype=}")
+  return a
+
+
+def _check_ids(name, ids, low, num_columns):
+  """With concrete ``ids``: a ``ValueError`` for one at or beyond ``num_columns`` (or
+  below ``low``, when given), naming the first and how many."""
+  if not _checks.is_concrete(ids):
+    return
+  host = np.asarray(ids)
+  bad = np.argwhere((host >= num_columns) | ((host < low) if low is not None else False))
+  if bad.size:
+    position = tuple(int(i) for i in bad[0])
+    raise ValueError(f"{name}[{position}] = {int(host[position])} is out of range for "
+                     f"{num_columns} columns ({len(bad)} such id(s))")
+
+
+def _pack_ids(token, ids, num_tokens, num_columns):
+  """``uint32 [num_tokens, ceil(num_columns / 32)]``: bit ``v`` of row ``t`` set for each
+  pair ``(token[i], ids[i])`` (``[N]`` each) with ``0 <= token < num_tokens`` and ``0 <=
+  v < num_columns``. The pairs are sorted and repeats dropped, so the distinct bits of a
+  word add up to their OR; the others go to a row that is cut off."""
+  ids = ids.astype(jnp.int32)
+  keep = (token >= 0) & (token < num_tokens) & (ids >= 0) & (ids < num_columns)
+  token = jnp.where(keep, token, num_tokens)
+  ids = jnp.where(keep, ids, 0)
+  order = jnp.lexsort((ids, token))
+  token, ids = token[order], ids[order]
+  same = (token[1:] == token[:-1]) & (ids[1:] == ids[:-1])
+  repeat = jnp.concatenate([jnp.zeros(1, bool), same])
+  bits = jnp.where(repeat, 0, jnp.uint32(1) << (ids % 32).astype(jnp.uint32))
+  words = jnp.zeros((num_tokens + 1, -(-num_columns // 32)), jnp.uint32)
+  return words.at[token, ids // 32].add(bits)[:num_tokens]
 
 
 def from_logits(logits, *, temperature=1.0, top_k=None, top_p=None, min_p=None):

@@ -4,7 +4,8 @@ fused and objective paths, against a float64 reference that sets the dropped log
 the call without ``keep``), labels outside their kept set (finite everywhere), padded
 vocabulary, per-token temperature, softcap, ragged chunks and blocks; the vocabulary split
 over 2, 4 and 8 simulated devices; the helpers against NumPy; no ``[T, V]`` mask in the
-compiled plan; the planner falls back to XLA and says why."""
+compiled plan; the planner falls back to XLA and says why; vLLM's CSR kept ids
+(``from_csr``) against NumPy and through ``keep=``."""
 
 import re
 
@@ -283,6 +284,72 @@ def test_from_top_k():
   np.testing.assert_array_equal(got, want)
   with pytest.raises(ValueError, match=r"ids\[\(1, 1\)\] = 70 is out of range for 70"):
     jaxce.keep.from_top_k(np.array([[1, 2], [3, 70]]), 70)
+
+
+def _csr(rng, num_tokens, num_columns, spare=5):
+  """vLLM-style kept ids: set sizes from prime-rl's spread (many singletons, a long tail,
+  an empty set), a repeated id, a -1 pad and ids at word edges, then ``spare`` unused
+  entries past ``offsets[-1]``; and the NumPy mask they mean."""
+  sizes = rng.choice([0, 1, 1, 2, 3, 8, 40], size=num_tokens)
+  mask = np.zeros((num_tokens, num_columns), bool)
+  ids = []
+  for t, size in enumerate(sizes):
+    row = list(rng.integers(0, num_columns, size))
+    if t % 3 == 1 and row:
+      row += [row[0], -1, 31, 32, num_columns - 1]  # repeat, pad, word edges, last column
+    mask[t, [v for v in row if v >= 0]] = True
+    ids.append(row)
+  offsets = np.concatenate([[0], np.cumsum([len(r) for r in ids])])
+  flat = np.array(sum(ids, []) + list(rng.integers(0, num_columns, spare)), np.int32)
+  return flat, offsets.astype(np.int32), mask
+
+
+@pytest.mark.parametrize("num_tokens,num_columns", [(1, 33), (12, 70), (37, 1000)])
+def test_from_csr_matches_numpy(num_tokens, num_columns):
+  flat, offsets, mask = _csr(np.random.default_rng(num_tokens), num_tokens, num_columns)
+  got = jaxce.keep.from_csr(flat, offsets, num_columns)
+  np.testing.assert_array_equal(got, jaxce.keep.pack(mask))
+  jitted = jax.jit(jaxce.keep.from_csr, static_argnums=2)(flat, offsets, num_columns)
+  np.testing.assert_array_equal(jitted, got)
+
+
+def test_from_csr_goes_into_keep():
+  """vLLM's mask for a [2, 6] batch: the same log-probs as the boolean mask it means."""
+  rng = np.random.default_rng(3)
+  flat, offsets, mask = _csr(rng, 12, V)
+  logits = adversarial_logits(rng, (2, 6, V), offset=-30.0)
+  labels = np.where(mask.any(-1), mask.argmax(-1), 0).reshape(2, 6)
+  keep = jaxce.keep.from_csr(flat, offsets, V, shape=(2, 6))
+  assert keep.shape == (2, 6, -(-V // 32))
+  got = jaxce.logprobs_and_entropy(logits, labels, keep=keep)
+  want = jaxce.logprobs_and_entropy(logits, labels, keep=jaxce.keep.pack(mask.reshape(2, 6, V)))
+  for g, w in zip(got, want):
+    np.testing.assert_array_equal(g, w)
+
+
+@pytest.mark.parametrize("token_ids,offsets,shape,message", [
+    ([1, 2], [1, 2], None, "offsets must rise from 0"),
+    ([1, 2], [0, 2, 1], None, "offsets must rise from 0"),
+    ([1, 2], [0, 3], None, r"at most len\(token_ids\) = 2"),
+    ([1, 70], [0, 2], None, r"token_ids\[\(1,\)\] = 70 is out of range for 70 columns"),
+    ([1, 2], [0, 1, 2], (3,), "holds 3 tokens; offsets describe 2"),
+])
+def test_bad_csr_is_an_error(token_ids, offsets, shape, message):
+  with pytest.raises(ValueError, match=message):
+    jaxce.keep.from_csr(np.array(token_ids), np.array(offsets), 70, shape=shape)
+  with pytest.raises(TypeError, match="offsets must be an integer array"):
+    jaxce.keep.from_csr(np.array([1]), np.array([0.0, 1.0]), 70)
+
+
+def test_from_csr_holds_no_tokens_by_vocab_array():
+  """The compiled conversion holds the words and ``[N]`` arrays: nothing ``[T, V]``."""
+  tokens, columns, n = 2048, 8192, 16384
+  lowered = jax.jit(jaxce.keep.from_csr, static_argnums=2).lower(
+      jnp.zeros(n, jnp.int32), jnp.zeros(tokens + 1, jnp.int32), columns)
+  text = lowered.compile().as_text()
+  sizes = [np.prod([int(d) for d in dims.split(",")]) for dims in re.findall(r"\[([\d,]+)\]",
+                                                                               text)]
+  assert max(sizes) <= (tokens + 1) * columns // 32, max(sizes)
 
 
 def _numpy_sampler_set(z, top_k, top_p, min_p):

@@ -16,6 +16,7 @@ import numpy as np
 from jax import lax
 
 from jaxce._kernels import plumbing
+from jaxce._kernels.config import KeptIds
 
 
 def is_concrete(*values) -> bool:
@@ -150,10 +151,18 @@ def check_labels_in_range(labels, where, vocab_size: int):
 
 
 def check_keep(keep, shape, num_columns, shards, local):
-  """``keep``: uint32 ``[*labels.shape, W]``, the kept sets packed 32 columns a word.
-  ``num_columns``: the columns of the array passed (this shard's when ``local``, inside
-  ``shard_map``; else all of them, split over ``shards``). A split vocabulary splits the
-  words with it, so each shard's columns must be a multiple of 32."""
+  """``keep``: kept ids (``KeptIds``: int ``[N]`` ids and tokens), or uint32 ``[*labels.
+  shape, W]``, the kept sets packed 32 columns a word. ``num_columns``: the columns of
+  the array passed (this shard's when ``local``, inside ``shard_map``; else all of them,
+  split over ``shards``). A split vocabulary splits the words with it, so each shard's
+  columns must be a multiple of 32."""
+  if isinstance(keep, KeptIds):
+    ids, token = as_array("keep.ids", keep.ids), as_array("keep.token", keep.token)
+    if (ids.ndim != 1 or ids.shape != token.shape
+        or not all(jnp.issubdtype(a.dtype, jnp.integer) for a in (ids, token))):
+      raise ValueError(f"keep: kept ids must be two integer [N] arrays (jaxce.keep.from_csr), "
+                       f"got {ids.shape}, {token.shape}")
+    return
   keep = as_array("keep", keep)
   if keep.dtype != jnp.uint32:
     raise TypeError(f"keep must be a uint32 array of packed bits (jaxce.keep.pack), got "

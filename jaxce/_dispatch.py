@@ -18,10 +18,10 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from jaxce import _checks, _options, _sharded, plan
-from jaxce._kernels import linear, linear_token_loss, logits, softmax, token_loss
-from jaxce._kernels import mosaic_reciprocal, triton_reciprocal
-from jaxce._kernels.config import Config, Tokens
+from jaxce import _checks, _options, _sharded, keep as keep_mod, plan
+from jaxce._kernels import linear, linear_kept_ids, linear_token_loss, logits, softmax
+from jaxce._kernels import mosaic_reciprocal, token_loss, triton_reciprocal
+from jaxce._kernels.config import Config, KeptIds, Tokens
 
 
 class Operation(NamedTuple):
@@ -73,10 +73,15 @@ def run(op: Operation, operands, labels, request: _options.Request, *, objective
   if op.is_objective:
     token_args, options = _options.check_objective(objective, labels, token_args,
                                                    [a.dtype for a in operands[:2]], options)
-  keep = None if request.keep is None else _checks.as_array("keep", request.keep)
+  keep = request.keep
+  if keep is not None and not isinstance(keep, KeptIds):
+    keep = _checks.as_array("keep", keep)
   if mesh is None:
     return _shard(op, options, objective, operands, labels, request.temperature, request.where,
                   keep, token_args, vocab_axis)
+  if isinstance(keep, KeptIds):  # (packed over the global columns, then split)
+    num_columns = operands[1].shape[options.vocab_dim] if op.fused else operands[0].shape[-1]
+    keep = keep_mod.pack_ids(keep, num_columns, shape=labels.shape)
   if keep is not None:  # split like the tokens and, 32 columns a word, like the vocabulary
     operands += (keep,)
   return _on_mesh(op, options, objective, operands, labels, request, token_args, mesh,
@@ -167,7 +172,8 @@ def _shard(op, options, objective, operands, labels, temperature, where, keep, t
       vocab_block_size=options.vocab_block_size,
       hidden_grad_accumulation=options.hidden_grad_accumulation,
       backward_in_place=options.backward_in_place,
-      batch_invariant=bool(options.batch_invariant))
+      batch_invariant=bool(options.batch_invariant),
+      num_kept_ids=keep.ids.shape[0] if isinstance(keep, KeptIds) else None)
   mask_vocab = (options.vocab_size if options.vocab_size < num_columns * options.vocab_shards
                 else None)
   config = Config(
@@ -175,10 +181,18 @@ def _shard(op, options, objective, operands, labels, temperature, where, keep, t
       vocab_axis=vocab_axis, with_entropy=with_entropy, softcap=options.logit_softcap,
       vocab_dim=options.vocab_dim, in_place=options.backward_in_place,
       hidden_grad_in_output=options.hidden_grad_accumulation == "output")
+  if isinstance(keep, KeptIds) and not shard_plan.kept_ids:  # this shard's columns, packed
+    keep = keep_mod.pack_ids(keep, num_columns, shape=(num_tokens,),
+                             first_column=softmax.shard_column_start(num_columns, vocab_axis))
+  if isinstance(keep, KeptIds):
+    kept = KeptIds(keep.ids.astype(jnp.int32), keep.token.astype(jnp.int32))
+  else:
+    kept = None if keep is None else keep.reshape(num_tokens, keep.shape[-1])
   tokens = Tokens(labels.reshape(-1).astype(jnp.int32), inv_temp.reshape(-1), valid.reshape(-1),
-                  None if keep is None else keep.reshape(num_tokens, keep.shape[-1]))
+                  kept)
   if not op.is_objective:
-    out = op.kernel(*flat, tokens, config)
+    kernel = linear_kept_ids.logprobs_entropy if shard_plan.kept_ids else op.kernel
+    out = kernel(*flat, tokens, config)
     return out[0].reshape(labels.shape), (out[1].reshape(labels.shape) if with_entropy
                                           else None)
   flat_args = tuple(lax.stop_gradient(jnp.broadcast_to(a, labels.shape).reshape(-1))

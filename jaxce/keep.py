@@ -10,9 +10,15 @@ sampler's policy is.
     logp, ent = jaxce.linear_logprobs_and_entropy(hidden, kernel, tokens, keep=keep)
 
 :func:`from_logits` expands a ``[..., V]`` boolean mask: use it where the sampler's logits
-already exist (the sampler), not inside a memory-bound training step. :func:`from_csr`
-(vLLM's sampling masks) and :func:`from_top_k` take kept ids and write the words directly
-(memory: the words and a few arrays like the ids).
+already exist (the sampler), not inside a memory-bound training step. :func:`from_top_k`
+takes kept ids and writes the words directly (memory: the words and a few arrays like the
+ids).
+
+A sampler's kept sets are small (a few ids per token): :func:`from_csr` takes them as
+kept ids (vLLM's sampling masks) and ``keep=`` takes the :class:`KeptIds` it returns as
+they are. The fused per-token path (``linear_logprobs_and_entropy``) then computes only
+the kept columns' logits, a fraction of the head's cost; every other function packs them
+into words first (:func:`pack_ids`; ``jaxce.plan.of`` says which).
 
 Example:
   >>> import jax.numpy as jnp
@@ -38,8 +44,10 @@ import numpy as np
 from jax import lax
 
 from jaxce import _checks
+from jaxce._kernels.config import KeptIds
 
-__all__ = ["check", "from_csr", "from_logits", "from_top_k", "pack", "unpack"]
+__all__ = ["KeptIds", "check", "from_csr", "from_logits", "from_top_k", "pack", "pack_ids",
+           "unpack"]
 
 
 def pack(mask):
@@ -78,87 +86,64 @@ def from_top_k(ids, num_columns: int):
   return _pack_ids(token, ids.reshape(-1), num_tokens, num_columns).reshape(*tokens, -1)
 
 
-def from_csr(token_ids, offsets, num_columns: int, *, shape=None):
+def from_csr(token_ids, offsets) -> KeptIds:
   """The kept sets of a sampler's kept ids in CSR form, as vLLM's sampling masks
   (``SamplingMask(token_ids, offsets)``) hand them over: the kept ids of token ``t`` are
   ``token_ids[offsets[t]:offsets[t + 1]]``, tokens in the order of the flattened labels.
 
   Args:
-    token_ids: ``int [N]``: every token's kept ids, one token after another (entries past
-      ``offsets[-1]`` are unused, so a padded buffer can be passed as it is). A repeated
-      id counts once; a negative id (padding) keeps nothing.
+    token_ids: ``int [N]``: every token's kept ids, one token after another. Entries past
+      ``offsets[-1]`` are unused, so a buffer of a fixed capacity can be passed as it is
+      (under ``jit``, ``N`` is static: pad the ids to a fixed capacity so that calls do
+      not recompile). A repeated id counts once; a negative id keeps nothing.
     offsets: ``int [T + 1]``, nondecreasing from 0.
-    num_columns: ``V``, the columns the ids index.
-    shape: the labels' shape (``T`` tokens); default ``(T,)``.
 
   Returns:
-    ``uint32 [*shape, ceil(V / 32)]``, for ``keep=``. Works under ``jit`` (``N`` and ``T``
-    come from the arrays' shapes). Memory: the words and a few ``[N]`` arrays; nothing
-    ``[T, V]``-sized.
+    A :class:`KeptIds` for ``keep=`` (every function; the fused per-token path then
+    computes only the kept columns' logits) or for :func:`pack_ids`. Memory: ``[N]``
+    arrays.
 
   Raises:
     ValueError: with concrete arrays, offsets that do not start at 0, decrease or run past
-      ``token_ids``, an id at or beyond ``num_columns``, or a ``shape`` of other than
-      ``T`` tokens (under ``jit``, an id beyond ``V`` keeps nothing).
+      ``token_ids``.
   """
   token_ids = _integer_array("token_ids", token_ids)
   offsets = _integer_array("offsets", offsets)
   if token_ids.ndim != 1 or offsets.ndim != 1 or offsets.shape[0] < 1:
     raise ValueError(f"token_ids and offsets must be 1-D (offsets with T + 1 >= 1 entries), "
                      f"got {token_ids.shape=} and {offsets.shape=}")
-  num_tokens = offsets.shape[0] - 1
-  shape = (num_tokens,) if shape is None else tuple(shape)
-  if int(np.prod(shape, dtype=np.int64)) != num_tokens:
-    raise ValueError(f"shape {shape} holds {int(np.prod(shape, dtype=np.int64))} tokens; "
-                     f"offsets describe {num_tokens}")
   if _checks.is_concrete(offsets):
     host = np.asarray(offsets)
     if host[0] != 0 or np.any(np.diff(host) < 0) or host[-1] > token_ids.shape[0]:
       raise ValueError(f"offsets must rise from 0 to at most len(token_ids) = "
                        f"{token_ids.shape[0]}, got {host[:4]}...{host[-2:]}")
-  _check_ids("token_ids", token_ids, None, num_columns)
+  num_tokens = offsets.shape[0] - 1
   position = jnp.arange(token_ids.shape[0], dtype=offsets.dtype)
-  token = jnp.searchsorted(offsets, position, side="right") - 1  # = T past offsets[-1]
-  words = _pack_ids(token.astype(jnp.int32), token_ids, num_tokens, num_columns)
+  token = (jnp.searchsorted(offsets, position, side="right") - 1).astype(jnp.int32)
+  ids = jnp.where(token < num_tokens, token_ids.astype(jnp.int32), -1)
+  return _normalized(token, ids, num_tokens)
+
+
+def pack_ids(kept: KeptIds, num_columns: int, *, shape=None, first_column=0):
+  """The packed words of kept ids (the form :func:`pack` makes), over the columns
+  ``[first_column, first_column + num_columns)``.
+
+  Args:
+    kept: a :class:`KeptIds` (:func:`from_csr`).
+    num_columns: ``V`` (the columns the words cover).
+    shape: the labels' shape; default ``(T,)`` with ``T`` one past the largest token.
+      Under ``jit`` give it.
+    first_column: the id of the words' first column (a vocab shard's first).
+
+  Returns:
+    ``uint32 [*shape, ceil(num_columns / 32)]``; ids outside the columns keep nothing.
+    Memory: the words and a few ``[N]`` arrays.
+  """
+  if shape is None:
+    shape = (int(np.max(np.asarray(kept.token), initial=-1)) + 1,)
+  num_tokens = int(np.prod(shape, dtype=np.int64))
+  words = _pack_ids(kept.token, kept.ids - first_column, num_tokens, num_columns)
   return words.reshape(*shape, -1)
-
-
-def _integer_array(name, a):
-  a = _checks.as_array(name, a)
-  if not jnp.issubdtype(a.dtype, jnp.integer):
-    raise TypeError(f"{name} must be an integer array, got {a.dtype=}")
-  return a
-
-
-def _check_ids(name, ids, low, num_columns):
-  """With concrete ``ids``: a ``ValueError`` for one at or beyond ``num_columns`` (or
-  below ``low``, when given), naming the first and how many."""
-  if not _checks.is_concrete(ids):
-    return
-  host = np.asarray(ids)
-  bad = np.argwhere((host >= num_columns) | ((host < low) if low is not None else False))
-  if bad.size:
-    position = tuple(int(i) for i in bad[0])
-    raise ValueError(f"{name}[{position}] = {int(host[position])} is out of range for "
-                     f"{num_columns} columns ({len(bad)} such id(s))")
-
-
-def _pack_ids(token, ids, num_tokens, num_columns):
-  """``uint32 [num_tokens, ceil(num_columns / 32)]``: bit ``v`` of row ``t`` set for each
-  pair ``(token[i], ids[i])`` (``[N]`` each) with ``0 <= token < num_tokens`` and ``0 <=
-  v < num_columns``. The pairs are sorted and repeats dropped, so the distinct bits of a
-  word add up to their OR; the others go to a row that is cut off."""
-  ids = ids.astype(jnp.int32)
-  keep = (token >= 0) & (token < num_tokens) & (ids >= 0) & (ids < num_columns)
-  token = jnp.where(keep, token, num_tokens)
-  ids = jnp.where(keep, ids, 0)
-  order = jnp.lexsort((ids, token))
-  token, ids = token[order], ids[order]
-  same = (token[1:] == token[:-1]) & (ids[1:] == ids[:-1])
-  repeat = jnp.concatenate([jnp.zeros(1, bool), same])
-  bits = jnp.where(repeat, 0, jnp.uint32(1) << (ids % 32).astype(jnp.uint32))
-  words = jnp.zeros((num_tokens + 1, -(-num_columns // 32)), jnp.uint32)
-  return words.at[token, ids // 32].add(bits)[:num_tokens]
 
 
 def from_logits(logits, *, temperature=1.0, top_k=None, top_p=None, min_p=None):
@@ -198,11 +183,15 @@ def from_logits(logits, *, temperature=1.0, top_k=None, top_p=None, min_p=None):
 
 def check(keep, labels):
   """Raise when a kept (``label >= 0``) label lies outside its token's kept set (a data
-  error: jaxce then counts the label's column as kept). Reads both arrays on the host.
+  error: jaxce then counts the label's column as kept). ``keep``: packed words or a
+  :class:`KeptIds`. Reads both arrays on the host.
 
   Raises:
     ValueError: naming the first such position and how many there are.
   """
+  if isinstance(keep, KeptIds):
+    labels = np.asarray(labels)
+    keep = pack_ids(keep, max(int(labels.max(initial=0)) + 1, 1), shape=labels.shape)
   keep, labels = np.asarray(keep), np.asarray(labels)
   safe = np.clip(labels, 0, keep.shape[-1] * 32 - 1)
   word = np.take_along_axis(keep, (safe // 32)[..., None], axis=-1)[..., 0]
@@ -212,3 +201,49 @@ def check(keep, labels):
     position = tuple(int(i) for i in bad[0])
     raise ValueError(f"labels[{position}] = {int(labels[position])} is not in its kept set "
                      f"({len(bad)} such position(s))")
+
+
+def _integer_array(name, a):
+  a = _checks.as_array(name, a)
+  if not jnp.issubdtype(a.dtype, jnp.integer):
+    raise TypeError(f"{name} must be an integer array, got {a.dtype=}")
+  return a
+
+
+def _check_ids(name, ids, low, num_columns):
+  """With concrete ``ids``: a ``ValueError`` for one at or beyond ``num_columns`` (or
+  below ``low``, when given), naming the first and how many."""
+  if not _checks.is_concrete(ids):
+    return
+  host = np.asarray(ids)
+  bad = np.argwhere((host >= num_columns) | ((host < low) if low is not None else False))
+  if bad.size:
+    position = tuple(int(i) for i in bad[0])
+    raise ValueError(f"{name}[{position}] = {int(host[position])} is out of range for "
+                     f"{num_columns} columns ({len(bad)} such id(s))")
+
+
+def _normalized(token, ids, num_tokens):
+  """``KeptIds`` sorted by token, then id, with repeats and negative ids marked -1 (their
+  token kept, so the order stays sorted)."""
+  order = jnp.lexsort((ids, token))
+  token, ids = token[order], ids[order]
+  same = (token[1:] == token[:-1]) & (ids[1:] == ids[:-1])
+  unused = jnp.concatenate([jnp.zeros(1, bool), same]) | (ids < 0) | (token >= num_tokens)
+  return KeptIds(jnp.where(unused, -1, ids), token)
+
+
+def _pack_ids(token, ids, num_tokens, num_columns):
+  """``uint32 [num_tokens, ceil(num_columns / 32)]``: bit ``v`` of row ``t`` set for each
+  pair ``(token[i], ids[i])`` (``[N]`` each) with ``0 <= token < num_tokens`` and ``0 <=
+  v < num_columns``. The pairs are sorted and repeats dropped, so the distinct bits of a
+  word add up to their OR; the others go to a row that is cut off."""
+  ids = ids.astype(jnp.int32)
+  keep = (token >= 0) & (token < num_tokens) & (ids >= 0) & (ids < num_columns)
+  ids, token = _normalized(jnp.where(keep, token, num_tokens).astype(jnp.int32),
+                           jnp.where(keep, ids, -1), num_tokens)
+  used = ids >= 0
+  bits = jnp.where(used, jnp.uint32(1) << (jnp.maximum(ids, 0) % 32).astype(jnp.uint32), 0)
+  words = jnp.zeros((num_tokens + 1, -(-num_columns // 32)), jnp.uint32)
+  return words.at[jnp.where(used, token, num_tokens), jnp.maximum(ids, 0) // 32].add(
+      bits)[:num_tokens]

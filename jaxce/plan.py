@@ -72,6 +72,11 @@ LINEAR_OBJECTIVE_ROWS_BYTES = {"gpu": 2**30, "cpu": 16 * 2**20}
 # statistics (1/32 of its f32 [chunk, V_local] logits).
 LINEAR_KERNEL_STATS_BYTES = 256 * 2**20
 
+# Kept ids (jaxce.keep.from_csr) on the fused per-token path: only the kept columns'
+# logits when their entries (and the labels) are at most this fraction of the T x V_local
+# logits; above it, the whole head on packed words.
+KEPT_IDS_FRACTION = 1 / 8
+
 # Batch-invariant fused paths: (rows, columns) of every forward hidden @ weight matmul,
 # one shape per platform whatever the call (a matmul's rows and columns depend on its
 # shape, not on their neighbours or their position in it: tests/test_batch_invariant.py).
@@ -285,7 +290,8 @@ def make(operation: str, *, target: Target, implementation: str | None, num_toke
          num_columns: int, dtypes: tuple, depth: int | None = None, has_bias: bool = False,
          has_keep: bool = False, chunk_size: int | None = None,
          vocab_block_size: int | None = None, hidden_grad_accumulation: str = "float32",
-         backward_in_place: bool = False, batch_invariant: bool = False) -> Plan:
+         backward_in_place: bool = False, batch_invariant: bool = False,
+         num_kept_ids: int | None = None) -> Plan:
   """The :class:`Plan` of one shard's call.
 
   Args:
@@ -299,12 +305,21 @@ def make(operation: str, *, target: Target, implementation: str | None, num_toke
     has_keep: whether the call has kept sets (``keep=``).
     chunk_size, vocab_block_size, hidden_grad_accumulation, backward_in_place,
       batch_invariant: the public options of the same names.
+    num_kept_ids: with kept ids (``jaxce.keep.from_csr``), their number ``N``.
 
   Raises:
     ValueError: the requested implementation cannot run the call (the message says why).
   """
   if implementation is not None:
     implementation = ALIASES.get(implementation, implementation)
+  if num_kept_ids is not None and implementation in (None, "xla"):
+    why_not = kept_ids_unsupported(operation, num_tokens, num_columns, num_kept_ids,
+                                   batch_invariant)
+    if why_not is None:
+      return _recorded_plan(Plan(
+          backend="xla", reason=f"kept ids: {num_kept_ids} entries for {num_tokens} tokens, "
+          "only their columns' logits", interpret=target.platform != "gpu",
+          num_cores=target.num_cores, kept_ids=True))
   chosen, reason = _backend(operation, implementation, target=target, dtypes=dtypes,
                              has_bias=has_bias, has_keep=has_keep, depth=depth,
                              num_columns=num_columns, batch_invariant=batch_invariant)
@@ -338,6 +353,26 @@ def make(operation: str, *, target: Target, implementation: str | None, num_toke
                               if chosen == "mosaic" else None),
                 backward_order=linear_backward_order(num_tokens, num_columns,
                                                      hidden_grad_accumulation), **common)
+  return _recorded_plan(plan)
+
+
+def kept_ids_unsupported(operation: str, num_tokens: int, num_columns: int, num_kept_ids: int,
+                         batch_invariant: bool) -> str | None:
+  """Why a call with kept ids packs them into words (a sentence), or None when the fused
+  per-token path computes only their columns: ``N + T`` entries (the labels count) at
+  most ``KEPT_IDS_FRACTION`` of the ``T x V_local`` logits."""
+  if operation != "linear_logprobs_and_entropy":
+    return f"{operation} takes kept sets as packed words"
+  if batch_invariant:
+    return "batch_invariant=True takes kept sets as packed words (exact sums)"
+  if (num_kept_ids + num_tokens) > KEPT_IDS_FRACTION * num_tokens * num_columns:
+    return (f"{num_kept_ids} kept ids for {num_tokens} tokens over {num_columns} columns: "
+            "the whole head costs less")
+  return None
+
+
+def _recorded_plan(plan):
+  """``plan``, or (inside :func:`of`) recorded and the trace stopped."""
   if _recorded is not None:
     _recorded.append(plan)
     raise _Planned

@@ -1,6 +1,10 @@
 """Kept-set rows (``keep=``) on a GPU: the fused and logits paths' fwd+bwd with a
 top-p-like mask (about 5 % of the vocabulary kept per token, random per token) against the
-same call without ``keep`` in the same process, with XLA's compiled memory plan.
+same call without ``keep`` in the same process, with XLA's compiled memory plan; and the
+fused path with a sampler's kept ids (``jaxce.keep.from_csr``; set sizes as prime-rl
+measured them: ~46 % singletons, median 2, mean ~7, a tail to a few hundred), in both
+weight layouts, against the same sets as packed words (``kept_ids_*`` rows; the largest
+difference of their log-probs and entropies is in the summary).
 
     python -m scripts.gpu_keep_rows                      # JSON lines, and $OUT/keep_rows.json
     python -m scripts.gpu_keep_rows --tokens 1024 --vocab 4096 --dim 256   # small
@@ -41,7 +45,8 @@ def main():
   def row(path, variant, fn, arrays, labels, cot, **kw):
     r = dict(path=path, variant=variant,
              **_fused_rows.fwd_bwd_row(fn, arrays, labels, cot, args.repeats, **kw),
-             keep_gib=(0 if "keep" not in kw else kw["keep"].nbytes / 2**30))
+             keep_gib=(0 if "keep" not in kw else sum(
+                 a.nbytes for a in jax.tree.leaves(kw["keep"])) / 2**30))
     rows.append(r)
     print(json.dumps(r), flush=True)
 
@@ -49,13 +54,32 @@ def main():
   row("fused", "default", fused, (hidden, weight), labels, cot)
   row("fused", "xla", fused, (hidden, weight), labels, cot, implementation="xla")
   row("fused", "keep", fused, (hidden, weight), labels, cot, keep=keep)
+  sizes = _sampler_set_sizes(p["key"], labels.shape[0])
+  kept = _kept_ids(p["key"], sizes, labels, v)
+  words = jaxce.keep.pack_ids(kept, v, shape=labels.shape)
+  weight_vd = jnp.asarray(weight.T)  # (a transposed copy, made once, not timed)
+  vd = lambda h, w, labels, **kw: fused(h, w, labels, weight_layout="vd", **kw)
+  row("fused", "kept_ids", fused, (hidden, weight), labels, cot, keep=kept)
+  row("fused", "kept_ids_vd", vd, (hidden, weight_vd), labels, cot, keep=kept)
+  row("fused", "kept_ids_as_words", fused, (hidden, weight), labels, cot, keep=words)
+  sparse, dense = (jax.jit(lambda k: fused(hidden, weight, labels, keep=k))(k)
+                   for k in (kept, words))
+  kept_ids_difference = max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(sparse, dense))
   per_token = jaxce.logprobs_and_entropy
   row("logits", "default", per_token, (logits,), labels[:n], cot[:, :n])
   row("logits", "xla", per_token, (logits,), labels[:n], cot[:, :n], implementation="xla")
   row("logits", "keep", per_token, (logits,), labels[:n], cot[:, :n], keep=keep[:n])
   by = {(r["path"], r["variant"]): r for r in rows}
   summary = dict(device=jax.devices()[0].device_kind, jax=jax.__version__,
-                 commit=os.environ.get("JAXCE_COMMIT", "unknown"), kept_fraction=args.kept)
+                 commit=os.environ.get("JAXCE_COMMIT", "unknown"), kept_fraction=args.kept,
+                 kept_ids=int(sizes.sum()), kept_ids_mean=float(sizes.mean()),
+                 kept_ids_median=float(jnp.median(sizes)),
+                 kept_ids_p99=float(jnp.percentile(sizes, 99)),
+                 kept_ids_singletons=float(jnp.mean(sizes == 1)),
+                 kept_ids_vs_words_max_difference=kept_ids_difference)
+  for variant in ("kept_ids", "kept_ids_vd", "kept_ids_as_words"):
+    summary[f"fused_{variant}_over_default"] = by[("fused", variant)]["fwd_bwd_ms"] / by[
+        ("fused", "default")]["fwd_bwd_ms"]
   for path in ("fused", "logits"):
     keep_row = by[(path, "keep")]
     summary[f"{path}_keep_over_default"] = keep_row["fwd_bwd_ms"] / by[(path, "default")][
@@ -67,6 +91,26 @@ def main():
   if out:
     with open(os.path.join(out, "keep_rows.json"), "w") as f:
       json.dump(dict(summary=summary, rows=rows), f, indent=1)
+
+
+def _sampler_set_sizes(key, num_tokens):
+  """Kept-set sizes like a top-p 0.97 / top-k 512 sampler's (prime-rl's measurements):
+  ~46 % singletons, the rest log-normal from 2 up to 512."""
+  k1, k2 = jax.random.split(jax.random.fold_in(key, 1))
+  tail = jnp.ceil(jnp.exp(1.6 + 1.1 * jax.random.normal(k2, (num_tokens,))))
+  sizes = jnp.where(jax.random.uniform(k1, (num_tokens,)) < 0.46, 1, jnp.clip(tail, 2, 512))
+  return sizes.astype(jnp.int32)
+
+
+def _kept_ids(key, sizes, labels, num_columns):
+  """The CSR kept ids of sets of ``sizes``: the label and random other ids."""
+  offsets = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(sizes)])
+  total = int(offsets[-1])
+  position = jnp.arange(total)
+  token = jnp.searchsorted(offsets, position, side="right") - 1
+  ids = jax.random.randint(jax.random.fold_in(key, 2), (total,), 0, num_columns)
+  ids = jnp.where(position == offsets[token], labels[token], ids)  # the first: the label
+  return jaxce.keep.from_csr(ids, offsets)
 
 
 if __name__ == "__main__":

@@ -172,6 +172,89 @@ def test_a_label_outside_its_kept_set_stays_finite_and_is_found():
   jaxce.keep.check(keep, np.where(np.arange(T) == 2, -100, p["labels"]))
 
 
+def _kept_ids(mask, rng):
+  """``mask``'s kept sets as vLLM hands them over: CSR ids in a random order within each
+  token, one repeated id, a -1 pad and unused entries past the end; and the words."""
+  rows = [list(rng.permutation(np.flatnonzero(r))) for r in mask]
+  rows[0] += rows[0][:1] + [-1]
+  offsets = np.concatenate([[0], np.cumsum([len(r) for r in rows])]).astype(np.int32)
+  flat = np.array(sum(rows, []) + [0, 5, 7], np.int32)
+  return jaxce.keep.from_csr(flat, offsets)
+
+
+def _sparse_problem(seed, columns=V, tokens=T):
+  """``_problem`` with the sampler's small kept sets (~5 % of the columns) as kept ids."""
+  p = _problem(seed, columns, tokens)
+  rng = np.random.default_rng(seed + 100)
+  mask = rng.random((tokens, columns)) < 0.05
+  mask[np.arange(tokens), p["labels"]] = True
+  mask[1] = False
+  mask[1, p["labels"][1]] = True  # one kept token: the label
+  mask[2, p["labels"][2]] = False  # a label outside its kept set
+  return dict(p, mask=mask, keep=jaxce.keep.pack(mask), kept_ids=_kept_ids(mask, rng))
+
+
+@pytest.mark.parametrize("kw", [{}, dict(logit_softcap=20.0, weight_layout="vd", bias=True)])
+def test_kept_ids_on_the_fused_path(kw):
+  """Only the kept columns' logits: against the float64 reference (values and gradients,
+  the one-kept token's zeros, no gradient to a dropped column) and the plan says so."""
+  p = _sparse_problem(11)
+  layout = kw.get("weight_layout", "dv")
+  weight = p["weight"] if layout == "dv" else p["weight"].T
+  options = dict(labels=p["labels"], temperature=p["temperature"], where=p["where"],
+                 vocab_size=VOCAB, weight_layout=layout, logit_softcap=kw.get("logit_softcap"),
+                 bias=jnp.asarray(np.linspace(-3, 3, V)) if kw.get("bias") else None)
+  fn = lambda h, w: jaxce.linear_logprobs_and_entropy(h, w, keep=p["kept_ids"], **options)
+  ref = lambda h, w: reference.linear_logprobs_and_entropy(h, w, keep=p["keep"], **options)
+  arrays = (jnp.asarray(p["hidden"]), jnp.asarray(weight))
+  assert jaxce.plan.of(fn, *arrays).kept_ids
+  (logp, entropy), (_, d_weight) = _check(fn, ref, arrays, p["cot"], (0, 1))
+  assert abs(float(logp[1])) < 1e-12 and abs(float(entropy[1])) < 1e-12
+  touched = p["mask"] | (np.arange(V) == p["labels"][:, None])
+  touched = (touched & p["where"][:, None]).any(0)
+  d_weight = np.asarray(d_weight) if layout == "vd" else np.asarray(d_weight).T
+  assert np.all(d_weight[~touched] == 0)
+
+
+@pytest.mark.parametrize("path", ["logits", "token_loss", "linear_token_loss", "shard_map",
+                                  "sharded"])
+def test_kept_ids_everywhere_as_the_packed_words(path):
+  """Every other function (and the fused path over 4 vocab shards: inside shard_map only
+  its columns' ids; ``sharded_*`` on packed words) gives the packed words' numbers."""
+  p = _sparse_problem(12, columns=128, tokens=8)
+  x, h, w = (jnp.asarray(p[k]) for k in ("logits", "hidden", "weight"))
+  labels, objective = jnp.asarray(p["labels"]), lambda lp, ent, a: -a * lp - 0.01 * ent
+  adv = jnp.asarray(p["cot"][0])
+  mesh = Mesh(np.array(devices(4)), ("v",))
+  calls = {
+      "logits": lambda k: jaxce.logprobs_and_entropy(x, labels, keep=k),
+      "token_loss": lambda k: jaxce.token_loss(objective, x, labels, adv, keep=k)[1],
+      "linear_token_loss": lambda k: jaxce.linear_token_loss(objective, h, w, labels, adv,
+                                                             keep=k)[1],
+      "shard_map": lambda k: jax.shard_map(  # (kept ids: every shard gets all of them)
+          lambda w, k: jaxce.linear_logprobs_and_entropy(h, w, labels, keep=k, vocab_axis="v"),
+          mesh=mesh, out_specs=P(), in_specs=(
+              P(None, "v"), P() if isinstance(k, jaxce.keep.KeptIds) else P(None, "v")))(w, k),
+      "sharded": lambda k: jaxce.sharded_linear_logprobs_and_entropy(
+          h, w, labels, mesh=mesh, vocab_axis="v", keep=k),
+  }
+  for got, want in zip(calls[path](p["kept_ids"]), calls[path](p["keep"])):
+    assert_close(got, want, 1e-10, path)
+
+
+def test_the_planner_picks_kept_ids_by_their_number():
+  p = _sparse_problem(13)
+  arrays = (jnp.asarray(p["hidden"]), jnp.asarray(p["weight"]), p["labels"])
+  fused = jaxce.linear_logprobs_and_entropy
+  small = jaxce.plan.of(fused, *arrays, keep=p["kept_ids"])
+  assert small.kept_ids and "only their columns' logits" in small.reason
+  everything = _kept_ids(np.ones((T, V), bool), np.random.default_rng(0))
+  assert not jaxce.plan.of(fused, *arrays, keep=everything).kept_ids
+  assert not jaxce.plan.of(fused, *arrays, keep=p["kept_ids"], batch_invariant=True).kept_ids
+  assert not jaxce.plan.of(jaxce.logprobs_and_entropy, jnp.asarray(p["logits"]), p["labels"],
+                           keep=p["kept_ids"]).kept_ids
+
+
 @pytest.mark.parametrize("path,shards", [("logits", 2), ("linear", 4), ("linear", 8)])
 def test_sharded_equals_one_device(path, shards):
   """The words split with the vocabulary (256 columns: 32 per shard at 8 shards)."""
@@ -307,10 +390,19 @@ def _csr(rng, num_tokens, num_columns, spare=5):
 @pytest.mark.parametrize("num_tokens,num_columns", [(1, 33), (12, 70), (37, 1000)])
 def test_from_csr_matches_numpy(num_tokens, num_columns):
   flat, offsets, mask = _csr(np.random.default_rng(num_tokens), num_tokens, num_columns)
-  got = jaxce.keep.from_csr(flat, offsets, num_columns)
+  kept = jaxce.keep.from_csr(flat, offsets)
+  ids, token = np.asarray(kept.ids), np.asarray(kept.token)
+  assert np.all(np.diff(token) >= 0)  # sorted by token, then id, each kept id once
+  used = ids >= 0
+  pairs = list(zip(token[used], ids[used]))
+  assert pairs == sorted(set(pairs)) == sorted(zip(*np.nonzero(mask)))
+  got = jaxce.keep.pack_ids(kept, num_columns, shape=(num_tokens,))
   np.testing.assert_array_equal(got, jaxce.keep.pack(mask))
-  jitted = jax.jit(jaxce.keep.from_csr, static_argnums=2)(flat, offsets, num_columns)
+  jitted = jax.jit(lambda f, o: jaxce.keep.pack_ids(jaxce.keep.from_csr(f, o), num_columns,
+                                                    shape=(num_tokens,)))(flat, offsets)
   np.testing.assert_array_equal(jitted, got)
+  shard = jaxce.keep.pack_ids(kept, 32, shape=(num_tokens,), first_column=32)
+  np.testing.assert_array_equal(shard, jaxce.keep.pack(mask[:, 32:64]))
 
 
 def test_from_csr_goes_into_keep():
@@ -319,7 +411,7 @@ def test_from_csr_goes_into_keep():
   flat, offsets, mask = _csr(rng, 12, V)
   logits = adversarial_logits(rng, (2, 6, V), offset=-30.0)
   labels = np.where(mask.any(-1), mask.argmax(-1), 0).reshape(2, 6)
-  keep = jaxce.keep.from_csr(flat, offsets, V, shape=(2, 6))
+  keep = jaxce.keep.pack_ids(jaxce.keep.from_csr(flat, offsets), V, shape=(2, 6))
   assert keep.shape == (2, 6, -(-V // 32))
   got = jaxce.logprobs_and_entropy(logits, labels, keep=keep)
   want = jaxce.logprobs_and_entropy(logits, labels, keep=jaxce.keep.pack(mask.reshape(2, 6, V)))
@@ -327,25 +419,24 @@ def test_from_csr_goes_into_keep():
     np.testing.assert_array_equal(g, w)
 
 
-@pytest.mark.parametrize("token_ids,offsets,shape,message", [
-    ([1, 2], [1, 2], None, "offsets must rise from 0"),
-    ([1, 2], [0, 2, 1], None, "offsets must rise from 0"),
-    ([1, 2], [0, 3], None, r"at most len\(token_ids\) = 2"),
-    ([1, 70], [0, 2], None, r"token_ids\[\(1,\)\] = 70 is out of range for 70 columns"),
-    ([1, 2], [0, 1, 2], (3,), "holds 3 tokens; offsets describe 2"),
+@pytest.mark.parametrize("token_ids,offsets,message", [
+    ([1, 2], [1, 2], "offsets must rise from 0"),
+    ([1, 2], [0, 2, 1], "offsets must rise from 0"),
+    ([1, 2], [0, 3], r"at most len\(token_ids\) = 2"),
 ])
-def test_bad_csr_is_an_error(token_ids, offsets, shape, message):
+def test_bad_csr_is_an_error(token_ids, offsets, message):
   with pytest.raises(ValueError, match=message):
-    jaxce.keep.from_csr(np.array(token_ids), np.array(offsets), 70, shape=shape)
+    jaxce.keep.from_csr(np.array(token_ids), np.array(offsets))
   with pytest.raises(TypeError, match="offsets must be an integer array"):
-    jaxce.keep.from_csr(np.array([1]), np.array([0.0, 1.0]), 70)
+    jaxce.keep.from_csr(np.array([1]), np.array([0.0, 1.0]))
 
 
 def test_from_csr_holds_no_tokens_by_vocab_array():
   """The compiled conversion holds the words and ``[N]`` arrays: nothing ``[T, V]``."""
   tokens, columns, n = 2048, 8192, 16384
-  lowered = jax.jit(jaxce.keep.from_csr, static_argnums=2).lower(
-      jnp.zeros(n, jnp.int32), jnp.zeros(tokens + 1, jnp.int32), columns)
+  lowered = jax.jit(lambda f, o: jaxce.keep.pack_ids(jaxce.keep.from_csr(f, o), columns,
+                                                     shape=(tokens,))).lower(
+      jnp.zeros(n, jnp.int32), jnp.zeros(tokens + 1, jnp.int32))
   text = lowered.compile().as_text()
   sizes = [np.prod([int(d) for d in dims.split(",")]) for dims in re.findall(r"\[([\d,]+)\]",
                                                                                text)]

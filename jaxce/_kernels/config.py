@@ -46,6 +46,19 @@ class Tokens(NamedTuple):
                   chunking.pad_rows(self.valid, total, False), chunking.pad_rows(self.kept, total))
 
 
+class KeptIds(NamedTuple):
+  """Kept sets as kept column ids (``jaxce.keep.from_csr``): one entry per kept id,
+  sorted by token, then id; the same kept set as the packed words of ``jaxce.keep.pack``
+  that ``keep=`` also takes, at ``O(N)`` memory instead of ``O(T V / 32)``.
+
+  Attributes:
+    ids: int32 ``[N]`` global column ids; -1 marks an unused entry (padding, a repeat).
+    token: int32 ``[N]``: the flattened token (in the order of the labels) of each id.
+  """
+  ids: Any
+  token: Any
+
+
 class Plan(NamedTuple):
   """How one shard's call runs, decided once by ``jaxce.plan.make``; kernels never
   re-derive any of it.
@@ -75,6 +88,8 @@ class Plan(NamedTuple):
     invariant_to: what the call's per-token bits do not depend on (``jaxce.plan.
       invariances``): some of ``"tokens"``, ``"chunking"``, ``"differentiation"``,
       ``"constants"``, ``"shards"``; empty where nothing is promised.
+    kept_ids: the fused per-token path computes only the kept columns' logits
+      (``linear_kept_ids``); else kept ids, if any, are packed into words first.
   """
   backend: Backend
   reason: str
@@ -87,6 +102,7 @@ class Plan(NamedTuple):
   exact_sums: bool = False
   matmul_tile: tuple[int, int] | None = None
   invariant_to: tuple[str, ...] = ()
+  kept_ids: bool = False
 
 
 class Config(NamedTuple):

@@ -50,7 +50,7 @@ from jaxce._kernels.config import BACKEND_NAMES, Backend, Plan
 
 __all__ = [
     "IMPLEMENTATIONS", "INVARIANCES", "Plan", "Target", "budget_platform", "chunk_size",
-    "invariances", "linear_backward_order",
+    "invariances", "kept_ids_unsupported", "linear_backward_order",
     "linear_kernel_chunk", "linear_kernel_tiles", "linear_objective_chunk", "linear_tiles",
     "logits_chunk", "make", "of", "target",
 ]

@@ -16,7 +16,6 @@ import jax.numpy as jnp
 
 from jaxce import _checks, plan
 from jaxce._kernels import softmax
-from jaxce._kernels.config import KeptIds
 
 HIDDEN_GRAD_ACCUMULATIONS = ("float32", "output")
 
@@ -60,7 +59,6 @@ class Options:
     vocab_dim: the fused weight's vocabulary dim (1: ``[D, V]``, 0: ``[V, D]``).
     hidden_grad_accumulation: the fused per-token backward's ``d hidden`` sum.
     has_keep: the call has kept sets (``keep=``).
-    kept_ids: they come as kept ids (``jaxce.keep.from_csr``), not packed words.
     batch_invariant: each token's outputs depend on its own inputs only (``True``).
   """
   vocab_size: int
@@ -75,7 +73,6 @@ class Options:
   vocab_dim: int = 1
   hidden_grad_accumulation: str = "float32"
   has_keep: bool = False
-  kept_ids: bool = False
   batch_invariant: bool = False
 
 
@@ -148,7 +145,7 @@ def check(operation, operands, labels, request: Request, *, vocab_axis, mesh=Non
   if request.keep is not None:
     _checks.check_keep(request.keep, labels.shape, num_columns, shards,
                        local=mesh is None and shards > 1)
-    extra.update(has_keep=True, kept_ids=isinstance(request.keep, KeptIds))
+    extra.update(has_keep=True)
   options = Options(vocab_size=vocab_size, vocab_shards=shards,
                     return_entropy=request.return_entropy, chunk_size=request.chunk_size,
                     implementation=implementation, batch_invariant=request.batch_invariant,

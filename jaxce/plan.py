@@ -152,7 +152,8 @@ def logits_chunk(num_tokens: int, num_columns: int, requested: int | None = None
                  platform: str | None = None) -> int:
   """Tokens per step of the logits path's XLA forward and in-place backward
   (``LOGITS_TILE_BYTES`` of ``platform``, JAX's default backend when ``None``)."""
-  return chunk_size(num_tokens, num_columns, requested, LOGITS_TILE_BYTES[budget_platform(platform)])
+  return chunk_size(num_tokens, num_columns, requested,
+                    LOGITS_TILE_BYTES[budget_platform(platform)])
 
 
 def linear_tiles(num_tokens: int, num_columns: int, requested_chunk: int | None = None,
@@ -312,17 +313,22 @@ def make(operation: str, *, target: Target, implementation: str | None, num_toke
   """
   if implementation is not None:
     implementation = ALIASES.get(implementation, implementation)
-  if num_kept_ids is not None and implementation in (None, "xla"):
-    why_not = kept_ids_unsupported(operation, num_tokens, num_columns, num_kept_ids,
-                                   batch_invariant)
-    if why_not is None:
+  packed_ids = ""  # (kept ids packed into words: why)
+  if num_kept_ids is not None:
+    packed_ids = (kept_ids_unsupported(operation, num_tokens, num_columns, num_kept_ids,
+                                       batch_invariant)
+                  or (None if implementation in (None, "xla") else
+                      f'implementation="{implementation}" takes packed words'))
+    if packed_ids is None:
       return _recorded_plan(Plan(
           backend="xla", reason=f"kept ids: {num_kept_ids} entries for {num_tokens} tokens, "
           "only their columns' logits", interpret=target.platform != "gpu",
           num_cores=target.num_cores, kept_ids=True))
+    packed_ids = f"; kept ids packed into words: {packed_ids}"
   chosen, reason = _backend(operation, implementation, target=target, dtypes=dtypes,
                              has_bias=has_bias, has_keep=has_keep, depth=depth,
                              num_columns=num_columns, batch_invariant=batch_invariant)
+  reason += packed_ids
   platform = target.platform
   exact = batch_invariant and chosen == "xla"  # XLA's exact sums
   matmul_tile = None

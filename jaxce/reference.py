@@ -21,8 +21,8 @@ def logprobs_and_entropy(logits, labels, *, temperature=1.0, where=None, vocab_s
   """``(logp, entropy)`` of ``labels.shape`` in float32 (float64 for float64 logits).
 
   Takes the options that change the numbers, no others (no chunking, no sharding).
-  ``keep``: the packed kept sets (``jaxce.keep``); the dropped logits become ``-inf``,
-  except each token's label column.
+  ``keep``: the packed kept sets or kept ids (``jaxce.keep``); the dropped logits become
+  ``-inf``, except each token's label column.
 
   Example:
     >>> import jax.numpy as jnp
@@ -40,6 +40,8 @@ def logprobs_and_entropy(logits, labels, *, temperature=1.0, where=None, vocab_s
   num_columns = logits.shape[-1]
   vocab_size = num_columns if vocab_size is None else vocab_size
   z = jnp.where(jnp.arange(num_columns) < vocab_size, z, -jnp.inf)
+  if isinstance(keep, _keep.KeptIds):
+    keep = _keep.pack_ids(keep, num_columns, shape=labels.shape)
   if keep is not None:
     kept = _keep.unpack(keep, num_columns) | (jnp.arange(num_columns) == labels[..., None])
     z = jnp.where(kept, z, -jnp.inf)

@@ -417,6 +417,9 @@ def test_from_csr_goes_into_keep():
   want = jaxce.logprobs_and_entropy(logits, labels, keep=jaxce.keep.pack(mask.reshape(2, 6, V)))
   for g, w in zip(got, want):
     np.testing.assert_array_equal(g, w)
+  kept = jaxce.keep.from_csr(flat, offsets)
+  for g, w in zip(reference.logprobs_and_entropy(logits, labels, keep=kept), want):
+    assert_close(g, w, 1e-10, "the reference takes kept ids")
 
 
 @pytest.mark.parametrize("token_ids,offsets,message", [

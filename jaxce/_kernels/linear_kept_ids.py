@@ -105,14 +105,13 @@ def _statistics(z, entries, num_tokens, config):
   """``(m, log s, entropy or None, picked)`` ``[T]`` over every shard's entries."""
   _, token, is_label, active = entries
   floor = jnp.finfo(z.dtype).min
-  m = jax.ops.segment_max(jnp.where(active, z, floor), token, num_tokens,
-                          indices_are_sorted=False)
+  m = jax.ops.segment_max(jnp.where(active, z, floor), token, num_tokens)
   m = jnp.maximum(m, floor)  # (a token with no entry here: finfo.min, never -inf)
   shifted = z - m[token]
   e = jnp.where(active, jnp.exp(shifted), 0)
   s = jax.ops.segment_sum(e, token, num_tokens)
-  q = jax.ops.segment_sum(e * jnp.where(active, shifted, 0), token, num_tokens) \
-      if config.with_entropy else None
+  q = (jax.ops.segment_sum(e * jnp.where(active, shifted, 0), token, num_tokens)
+       if config.with_entropy else None)
   picked = jax.ops.segment_sum(jnp.where(is_label & active, z, 0), token, num_tokens)
   m, s, q, picked = softmax.combine_shards(m, s, q, picked, config.vocab_axis)
   log_s, entropy = softmax.finish_statistics(jnp.where(s > 0, s, 1), q)

@@ -124,23 +124,20 @@ def from_csr(token_ids, offsets) -> KeptIds:
   return _normalized(token, ids, num_tokens)
 
 
-def pack_ids(kept: KeptIds, num_columns: int, *, shape=None, first_column=0):
+def pack_ids(kept: KeptIds, num_columns: int, *, shape, first_column=0):
   """The packed words of kept ids (the form :func:`pack` makes), over the columns
   ``[first_column, first_column + num_columns)``.
 
   Args:
     kept: a :class:`KeptIds` (:func:`from_csr`).
     num_columns: ``V`` (the columns the words cover).
-    shape: the labels' shape; default ``(T,)`` with ``T`` one past the largest token.
-      Under ``jit`` give it.
+    shape: the labels' shape (``T`` tokens in all).
     first_column: the id of the words' first column (a vocab shard's first).
 
   Returns:
     ``uint32 [*shape, ceil(num_columns / 32)]``; ids outside the columns keep nothing.
     Memory: the words and a few ``[N]`` arrays.
   """
-  if shape is None:
-    shape = (int(np.max(np.asarray(kept.token), initial=-1)) + 1,)
   num_tokens = int(np.prod(shape, dtype=np.int64))
   words = _pack_ids(kept.token, kept.ids - first_column, num_tokens, num_columns)
   return words.reshape(*shape, -1)
@@ -226,6 +223,8 @@ def _check_ids(name, ids, low, num_columns):
 def _normalized(token, ids, num_tokens):
   """``KeptIds`` sorted by token, then id, with repeats and negative ids marked -1 (their
   token kept, so the order stays sorted)."""
+  if not ids.shape[0]:
+    return KeptIds(ids, token)
   order = jnp.lexsort((ids, token))
   token, ids = token[order], ids[order]
   same = (token[1:] == token[:-1]) & (ids[1:] == ids[:-1])

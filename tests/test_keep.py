@@ -405,6 +405,11 @@ def test_from_csr_matches_numpy(num_tokens, num_columns):
   np.testing.assert_array_equal(shard, jaxce.keep.pack(mask[:, 32:64]))
 
 
+def test_from_csr_without_ids():
+  kept = jaxce.keep.from_csr(np.zeros(0, np.int32), np.zeros(3, np.int32))
+  np.testing.assert_array_equal(jaxce.keep.pack_ids(kept, 40, shape=(2,)), np.zeros((2, 2)))
+
+
 def test_from_csr_goes_into_keep():
   """vLLM's mask for a [2, 6] batch: the same log-probs as the boolean mask it means."""
   rng = np.random.default_rng(3)

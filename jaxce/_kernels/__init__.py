@@ -6,7 +6,8 @@ Four layers, each importing only the ones below it:
 
 * operations, one module each, a ``jax.custom_vjp`` over chunks of tokens (and vocab
   blocks): ``logits`` (per-token, logits path), ``linear`` (per-token, fused LM head),
-  ``token_loss`` and ``linear_token_loss`` (objectives, gradient formed in the forward);
+  ``linear_kept_ids`` (the same over kept ids: only their columns), ``token_loss`` and
+  ``linear_token_loss`` (objectives, gradient formed in the forward);
 * shared by them: ``logits_rows`` (full logits rows: statistics by XLA or Triton, the
   merge of per-tile statistics by the plan's backend, the gradient), ``head`` (the LM
   head's tile matmuls), ``loss_terms`` (a chunk's loss terms and cotangents);

@@ -216,6 +216,32 @@ def test_kept_ids_on_the_fused_path(kw):
   assert np.all(d_weight[~touched] == 0)
 
 
+@pytest.mark.parametrize("return_entropy", [True, False])
+def test_kept_ids_bias_gradient_leading_dims_and_logp_only(return_entropy):
+  """The bias's gradient too, labels of shape [2, 6] (ids index the flattened tokens), and
+  the log-prob alone."""
+  p = _sparse_problem(14, tokens=12)
+  shape = (2, 6)
+  h = jnp.asarray(p["hidden"]).reshape(*shape, D)
+  arrays = (h, jnp.asarray(p["weight"]), jnp.asarray(np.linspace(-2, 2, V)))
+  options = dict(labels=p["labels"].reshape(shape), temperature=p["temperature"].reshape(shape),
+                 vocab_size=VOCAB, return_entropy=return_entropy)
+  cot = p["cot"].reshape(2, *shape)
+
+  def loss(fn, keep):
+    def value(h, w, b):
+      logp, entropy = fn(h, w, bias=b, keep=keep, **options)
+      return jnp.sum(cot[0] * logp) + (0 if entropy is None else jnp.sum(cot[1] * entropy))
+    return jax.value_and_grad(value, (0, 1, 2))(*arrays)
+
+  assert jaxce.plan.of(jaxce.linear_logprobs_and_entropy, *arrays[:2], keep=p["kept_ids"],
+                       **options).kept_ids
+  got = loss(jaxce.linear_logprobs_and_entropy, p["kept_ids"])
+  want = loss(reference.linear_logprobs_and_entropy, p["keep"].reshape(*shape, -1))
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    assert_close(g, w, 1e-10, "value and gradients")
+
+
 @pytest.mark.parametrize("path", ["logits", "token_loss", "linear_token_loss", "shard_map",
                                   "sharded"])
 def test_kept_ids_everywhere_as_the_packed_words(path):

@@ -2,7 +2,7 @@
 top-p-like mask (about 5 % of the vocabulary kept per token, random per token) against the
 same call without ``keep`` in the same process, with XLA's compiled memory plan; and the
 fused path with a sampler's kept ids (``jaxce.keep.from_csr``; set sizes as prime-rl
-measured them: ~46 % singletons, median 2, mean ~7, a tail to a few hundred), in both
+measured them: ~46 % singletons, median 2, mean ~6, a tail to a few hundred), in both
 weight layouts, against the same sets as packed words (``kept_ids_*`` rows; the largest
 difference of their log-probs and entropies is in the summary).
 

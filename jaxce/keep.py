@@ -79,7 +79,13 @@ def from_top_k(ids, num_columns: int):
       an id keeps nothing).
   """
   ids = _integer_array("ids", ids)
-  _check_ids("ids", ids, 0, num_columns)
+  if _checks.is_concrete(ids):
+    host = np.asarray(ids)
+    bad = np.argwhere((host < 0) | (host >= num_columns))
+    if bad.size:
+      position = tuple(int(i) for i in bad[0])
+      raise ValueError(f"ids[{position}] = {int(host[position])} is out of range for "
+                       f"{num_columns} columns ({len(bad)} such id(s))")
   tokens = ids.shape[:-1]
   num_tokens = int(np.prod(tokens, dtype=np.int64))
   token = jnp.repeat(jnp.arange(num_tokens, dtype=jnp.int32), ids.shape[-1])
@@ -205,19 +211,6 @@ def _integer_array(name, a):
   if not jnp.issubdtype(a.dtype, jnp.integer):
     raise TypeError(f"{name} must be an integer array, got {a.dtype=}")
   return a
-
-
-def _check_ids(name, ids, low, num_columns):
-  """With concrete ``ids``: a ``ValueError`` for one at or beyond ``num_columns`` (or
-  below ``low``, when given), naming the first and how many."""
-  if not _checks.is_concrete(ids):
-    return
-  host = np.asarray(ids)
-  bad = np.argwhere((host >= num_columns) | ((host < low) if low is not None else False))
-  if bad.size:
-    position = tuple(int(i) for i in bad[0])
-    raise ValueError(f"{name}[{position}] = {int(host[position])} is out of range for "
-                     f"{num_columns} columns ({len(bad)} such id(s))")
 
 
 def _normalized(token, ids, num_tokens):

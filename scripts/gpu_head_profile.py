@@ -1,0 +1,238 @@
+"""Where the fused path's time goes on a Hopper GPU, piece by piece, in one run.
+
+1. ``kernels``: at one kernel call's shape (``--chunk`` tokens, V = 151936, D = 4096, bf16,
+   ``weight [D, V]``), XLA's ``h @ W`` (cuBLAS), JAX's plain Mosaic GPU matmul at jaxce's
+   tiling (``bench.machine_floors.mosaic_config``), jaxce's kernel skeleton with a
+   one-operation epilogue (each row's max), and jaxce's forward-statistics and d-logits
+   kernels; TFLOP/s and the ratio to the plain Mosaic matmul on the same shape.
+2. ``gemms``: the backward's two XLA GEMMs on one ``[chunk, block]`` tile, alone and with
+   their f32 sums (does XLA fold the addend into the GEMM?).
+3. ``plans``: fwd+bwd of ``linear_logprobs_and_entropy`` at ``--tokens`` for the default plan
+   and the ``(chunk_size, vocab_block_size)`` given by ``--plans``.
+4. ``trace``: the default plan's fwd+bwd under JAX's profiler: GPU time by kernel name.
+
+    python -m scripts.gpu_head_profile                 # on a Hopper GPU: JSON to $OUT
+    python -m scripts.gpu_head_profile --tiny          # anywhere: small shapes, a smoke test
+
+Median ms of ``--repeats`` calls (bench.timing). Prints a table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import gzip
+import json
+import os
+import tempfile
+
+import jax
+import jax.numpy as jnp
+
+import jaxce
+from bench import machine_floors
+from bench.timing import time_ms
+from jaxce._kernels import mosaic_head as mh
+
+V, D = 151936, 4096
+
+
+def _operands(tokens, dim, columns, seed=0):
+  keys = jax.random.split(jax.random.key(seed), 4)
+  hidden = jax.random.normal(keys[0], (tokens, dim), jnp.bfloat16)
+  weight = (jax.random.normal(keys[1], (dim, columns), jnp.float32) * dim**-0.5).astype(
+      jnp.bfloat16)
+  labels = jax.random.randint(keys[2], (tokens,), 0, columns)
+  cot = jax.random.normal(keys[3], (2, tokens), jnp.float32)
+  return jax.block_until_ready((hidden, weight, labels, cot))
+
+
+def _device():
+  return dict(interpret=jax.default_backend() != "gpu", num_cores=jaxce.plan.target().num_cores)
+
+
+def _skeleton(hidden, weight, **device):
+  """jaxce's kernel skeleton (``mosaic_head._tiles``) with each row's max as the epilogue."""
+  rows = jnp.ones((3, hidden.shape[0]), jnp.float32)
+  n_tiles = weight.shape[1] // mh.TILE_N
+
+  def epilogue(x, row_values, column):
+    del row_values, column
+    m = jnp.max(x, axis=1)
+    return m, m, m, m
+
+  def store(scratch, out_gmem, stats, n_idx, row_slice, column):
+    del column
+    for i, stat in enumerate(stats):
+      scratch[i] = stat
+    mh.plgpu.commit_smem()
+    mh.plgpu.copy_smem_to_gmem(scratch, out_gmem.at[n_idx, :, row_slice])
+
+  return mh._tiles(  # pylint: disable=protected-access
+      hidden, weight, rows, vocab_dim=1, stages=mh.STAGES, epilogue=epilogue,
+      out_type=jax.ShapeDtypeStruct((n_tiles, 4, hidden.shape[0]), jnp.float32),
+      scratch=mh.plgpu.SMEM((2, 4, mh.TILE_M), jnp.float32), store=store, **device)
+
+
+def kernels(chunk, dim, columns, block, repeats):
+  """Rows of section 1."""
+  hidden, weight, labels, cot = _operands(chunk, dim, columns)
+  ones = jnp.ones((chunk,), jnp.float32)
+  device = _device()
+  on_gpu = jax.default_backend() == "gpu"
+  rows = []
+
+  def add(piece, fn, args, n):
+    flops = 2 * chunk * dim * n
+    try:
+      ms, best = time_ms(jax.jit(fn), args, repeats, with_min=True)
+      rows.append(dict(section="kernels", piece=piece, M=chunk, K=dim, N=n, ms=ms,
+                       tflops=flops / best / 1e9))
+    except Exception as e:  # pylint: disable=broad-except  # each failure is a row
+      rows.append(dict(section="kernels", piece=piece, M=chunk, K=dim, N=n, ms=None,
+                       error=f"{type(e).__name__}: {e}"[:400]))
+    print(json.dumps(rows[-1]), flush=True)
+
+  w_block = weight[:, :block]
+  for n, w in ((columns, weight), (block, w_block)):
+    add(f"XLA h @ W (bf16 out) N={n}", jnp.dot, (hidden, w), n)
+    if on_gpu:
+      from jax.experimental.pallas.ops.gpu import hopper_matmul_mgpu as hm  # pylint: disable=import-outside-toplevel
+      config = machine_floors.mosaic_config()
+      add(f"plain Mosaic matmul N={n}", lambda a, b: hm.matmul(a, b, None, config), (hidden, w), n)
+  add(f"skeleton, max-only epilogue N={columns}", lambda h, w: _skeleton(h, w, **device),
+      (hidden, weight), columns)
+  for softcap, entropy in ((None, True), (None, False), (30.0, True)):
+    add(f"forward statistics N={columns} softcap={softcap} entropy={entropy}",
+        lambda h, w, s=softcap, e=entropy: mh.statistics(
+            h, w, labels, ones, columns, column_start=0, vocab_dim=1, softcap=s,
+            with_entropy=e, **device), (hidden, weight), columns)
+  for n, w in ((block, w_block),):
+    add(f"d logits N={n}", lambda h, w: mh.logits_grad(
+        h, w, labels % n, ones, (ones, ones, ones), (cot[0], cot[1]), ones > 0, limit=n,
+        first_kept=0, vocab_dim=1, softcap=None, **device), (hidden, w), n)
+  return rows
+
+
+def gemms(chunk, dim, block, repeats):
+  """Rows of section 2: ``d W = hᵀ d`` and ``d h = d Wᵀ`` on one tile, f32 out."""
+  hidden, weight, _, _ = _operands(chunk, dim, block, seed=1)
+  d = (hidden[:, :1].astype(jnp.float32) * jnp.ones((1, block))).astype(jnp.bfloat16)
+  d = jax.block_until_ready(d * 0.01)
+  acc_h = jnp.ones((chunk, dim), jnp.float32)
+  acc_w = jnp.ones((dim, block), jnp.float32)
+  f32 = dict(preferred_element_type=jnp.float32)
+  pieces = {
+      "d W = h^T d": (lambda h, d: jnp.einsum("td,tv->dv", h, d, **f32), (hidden, d)),
+      "d W sum += h^T d": (lambda a, h, d: a + jnp.einsum("td,tv->dv", h, d, **f32),
+                           (acc_w, hidden, d)),
+      "d W = (h^T d) as bf16": (lambda h, d: jnp.einsum("td,tv->dv", h, d, **f32).astype(
+          jnp.bfloat16), (hidden, d)),
+      "d h = d W^T": (lambda d, w: jnp.einsum("tv,dv->td", d, w, **f32), (d, weight)),
+      "d h sum += d W^T": (lambda a, d, w: a + jnp.einsum("tv,dv->td", d, w, **f32),
+                           (acc_h, d, weight)),
+  }
+  rows = []
+  for name, (fn, args) in pieces.items():
+    ms, best = time_ms(jax.jit(fn), args, repeats, with_min=True)
+    rows.append(dict(section="gemms", piece=name, M=chunk, K=dim, N=block, ms=ms,
+                     tflops=2 * chunk * dim * block / best / 1e9))
+    print(json.dumps(rows[-1]), flush=True)
+  return rows
+
+
+def _loss(labels, cot, **kw):
+  def loss(h, w):
+    logp, entropy = jaxce.linear_logprobs_and_entropy(h, w, labels, **kw)
+    return jnp.sum(cot[0] * logp) + jnp.sum(cot[1] * entropy)
+  return jax.jit(jax.value_and_grad(loss, (0, 1)))
+
+
+def plans(tokens, dim, columns, settings, repeats):
+  """Rows of section 3."""
+  hidden, weight, labels, cot = _operands(tokens, dim, columns)
+  rows = []
+  for chunk, block in [(None, None)] + list(settings):
+    fn = _loss(labels, cot, chunk_size=chunk, vocab_block_size=block)
+    plan = jaxce.plan.of(jaxce.linear_logprobs_and_entropy, hidden, weight, labels,
+                         chunk_size=chunk, vocab_block_size=block)
+    ms = time_ms(fn, (hidden, weight), repeats)
+    rows.append(dict(section="plans", piece=f"fwd+bwd chunk={plan.chunk} block={plan.block}",
+                     tokens=tokens, ms=ms, tflops=4 * 2 * tokens * dim * columns / ms / 1e9,
+                     backend=plan.backend))
+    print(json.dumps(rows[-1]), flush=True)
+  return rows
+
+
+def trace(tokens, dim, columns, top):
+  """Rows of section 4: GPU time of one fwd+bwd call by kernel name (JAX's profiler)."""
+  hidden, weight, labels, cot = _operands(tokens, dim, columns)
+  fn = _loss(labels, cot)
+  jax.block_until_ready(fn(hidden, weight))
+  with tempfile.TemporaryDirectory() as where:
+    with jax.profiler.trace(where, create_perfetto_trace=True):
+      jax.block_until_ready(fn(hidden, weight))
+    paths = glob.glob(os.path.join(where, "**", "*.trace.json.gz"), recursive=True)
+    with gzip.open(paths[0]) as f:
+      events = json.load(f)["traceEvents"]
+  names = {e["pid"]: e["args"]["name"] for e in events
+           if e.get("ph") == "M" and e.get("name") == "process_name"}
+  gpu = {pid for pid, name in names.items() if "GPU" in name or "gpu" in name}
+  total, count = collections.Counter(), collections.Counter()
+  for e in events:
+    if e.get("ph") == "X" and e.get("pid") in gpu and "dur" in e:
+      total[e["name"]] += e["dur"] / 1e3
+      count[e["name"]] += 1
+  rows = [dict(section="trace", piece=name[:160], ms=ms, calls=count[name], tokens=tokens)
+          for name, ms in total.most_common(top)]
+  rows.append(dict(section="trace", piece="all GPU events", ms=sum(total.values()),
+                   calls=sum(count.values()), tokens=tokens))
+  for r in rows:
+    print(json.dumps(r), flush=True)
+  return rows
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--tiny", action="store_true", help="small shapes (any backend)")
+  parser.add_argument("--chunk", type=int, default=8192)
+  parser.add_argument("--block", type=int, default=8192)
+  parser.add_argument("--tokens", type=int, default=32768)
+  parser.add_argument("--plans", default="8192:8448,16384:8448,32768:8448,32768:4224",
+                      help="chunk:block pairs for section 3")
+  parser.add_argument("--sections", default="kernels,gemms,plans,trace")
+  parser.add_argument("--repeats", type=int, default=5)
+  args = parser.parse_args()
+  dim, columns = (128, 1024) if args.tiny else (D, V)
+  if args.tiny:
+    args.chunk, args.block, args.tokens, args.plans, args.repeats = 256, 512, 512, "256:256", 1
+  settings = [tuple(int(x) for x in p.split(":")) for p in args.plans.split(",") if p]
+  sections = args.sections.split(",")
+  rows = []
+  if "kernels" in sections:
+    rows += kernels(args.chunk, dim, columns, args.block, args.repeats)
+  if "gemms" in sections:
+    rows += gemms(args.chunk, dim, args.block, args.repeats)
+  if "plans" in sections:
+    rows += plans(args.tokens, dim, columns, settings, args.repeats)
+  if "trace" in sections:
+    rows += trace(args.tokens, dim, columns, 30)
+  report = dict(device=jax.devices()[0].device_kind, jax=jax.__version__,
+                commit=os.environ.get("JAXCE_COMMIT", "unknown"), V=columns, D=dim, rows=rows)
+  with open(os.path.join(os.environ.get("OUT", "."), "head_profile.json"), "w") as f:
+    json.dump(report, f, indent=1)
+  plain = {r["N"]: r["tflops"] for r in rows if r["piece"].startswith("plain Mosaic")
+           and r.get("ms")}
+  print(f"\n{report['device']}, JAX {report['jax']}, commit {report['commit']}")
+  for r in rows:
+    rate = f"{r['tflops']:7.1f} TFLOP/s" if r.get("tflops") and r["section"] != "trace" else ""
+    ratio = (f" x{r['tflops'] / plain[r['N']]:.3f} plain" if r["section"] == "kernels"
+             and r.get("tflops") and r.get("N") in plain else "")
+    ms = "  error " + r["error"][:100] if r.get("ms") is None else f"{r['ms']:9.2f} ms"
+    calls = f" ({r['calls']} calls)" if "calls" in r else ""
+    print(f"{r['section']:<8} {r['piece'][:70]:<70} {ms} {rate}{ratio}{calls}")
+
+
+if __name__ == "__main__":
+  main()

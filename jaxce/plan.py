@@ -71,6 +71,13 @@ LINEAR_OBJECTIVE_ROWS_BYTES = {"gpu": 2**30, "cpu": 16 * 2**20}
 # Fused path, Mosaic GPU forward: bytes of one chunk's f32 [V_local / 128, 4, chunk] tile
 # statistics (1/32 of its f32 [chunk, V_local] logits).
 LINEAR_KERNEL_STATS_BYTES = 256 * 2**20
+# Fused path, Mosaic GPU backward: bytes of one [T, block] tile of d logits in the operand
+# dtype (written by the d-logits kernel, read by the two gradient GEMMs), the block's
+# bounds in columns, and the cost of one more block in d-logits waves per 256 tokens
+# (linear_kernel_tiles; bench/NOTES.md, entry 31).
+LINEAR_KERNEL_GRAD_BYTES = 576 * 2**20
+LINEAR_KERNEL_MIN_BLOCK, LINEAR_KERNEL_MAX_BLOCK = 4096, 16896
+LINEAR_KERNEL_BLOCK_PASS = 0.05
 
 # Kept ids (jaxce.keep.from_csr) on the fused per-token path: only the kept columns'
 # logits when their entries (and the labels) are at most this fraction of the T x V_local
@@ -186,15 +193,44 @@ def linear_kernel_chunk(num_tokens: int, num_columns: int) -> int:
 
 def linear_kernel_tiles(num_tokens: int, num_columns: int, requested_chunk: int | None = None,
                         requested_block: int | None = None,
-                        platform: str | None = None) -> tuple[int, int]:
-  """``(chunk, block)`` of the fused backward with the Mosaic GPU kernels:
-  :func:`linear_tiles`' plan, the chunk rounded down to a multiple of the kernel's row
-  block (``mosaic_head.MIN_ROWS``, 256) and the block to one of its tile's columns
-  (``mosaic_head.TILE_N``, 128; at least that, at most the array)."""
+                        platform: str | None = None, num_cores: int = 1) -> tuple[int, int]:
+  """``(chunk, block)`` of the fused backward with the Mosaic GPU kernels.
+
+  With vocab blocks outer (``T <= V_local``) and neither size requested, the chunk is all
+  ``T`` tokens (rounded down to a multiple of 256) when a block of at least ``LINEAR_KERNEL_MIN_BLOCK`` columns fits the budget
+  (``LINEAR_KERNEL_GRAD_BYTES`` for the ``[T, block]`` d logits in the operand dtype): each
+  block's ``d hidden`` then adds into its f32 sum inside the GEMM, with no row slices and
+  no partial ``d W`` sums. The block is the multiple of 128 up to that budget (and
+  ``LINEAR_KERNEL_MAX_BLOCK``) with the least :func:`_kernel_block_cost`: the d-logits
+  kernel's waves of CTAs over the ``num_cores`` SMs, the last block's clamped overlap, and
+  the per-block passes. Otherwise :func:`linear_tiles`' plan, the chunk rounded down to a
+  multiple of the kernel's row block (``mosaic_head.MIN_ROWS``, 256) and the block to one of
+  its tile's columns (``mosaic_head.TILE_N``, 128; at least that, at most the array).
+  """
+  cap = min(LINEAR_KERNEL_GRAD_BYTES // (2 * num_tokens), LINEAR_KERNEL_MAX_BLOCK, num_columns)
+  if (requested_chunk is None and requested_block is None and num_tokens <= num_columns
+      and cap >= min(LINEAR_KERNEL_MIN_BLOCK, num_columns)):
+    step = mosaic_head.TILE_N
+    blocks = range(max(step, cap // 2 - cap // 2 % step), cap - cap % step + 1, step)
+    block = min(blocks, key=lambda b: (_kernel_block_cost(num_tokens, num_columns, b,
+                                                          num_cores), -b))
+    return (_multiple(num_tokens, mosaic_head.MIN_ROWS, num_tokens),
+            _multiple(block, step, num_columns))
   chunk, block = linear_tiles(num_tokens, num_columns, requested_chunk, requested_block,
                               platform)
   return (_multiple(chunk, mosaic_head.MIN_ROWS, num_tokens),
           _multiple(block, mosaic_head.TILE_N, num_columns))
+
+
+def _kernel_block_cost(num_tokens: int, num_columns: int, block: int, num_cores: int) -> float:
+  """The Mosaic backward's cost with ``[T, block]`` tiles, in waves of the d-logits kernel
+  (one wave: ``num_cores`` CTAs of ``[256, 128]``): each block's waves (the last block is
+  clamped back, a whole block), plus per block a pass over the f32 ``d hidden`` sum and two
+  GEMMs' set-up, about ``LINEAR_KERNEL_BLOCK_PASS`` waves per 256 tokens."""
+  row_blocks = -(-num_tokens // mosaic_head.MIN_ROWS)
+  n_blocks = -(-num_columns // block)
+  waves = -(-row_blocks * (block // mosaic_head.TILE_N) // max(num_cores, 1))
+  return n_blocks * (waves + LINEAR_KERNEL_BLOCK_PASS * row_blocks)
 
 
 def linear_backward_order(num_tokens: int, num_columns: int,
@@ -352,8 +388,12 @@ def make(operation: str, *, target: Target, implementation: str | None, num_toke
   else:
     if chosen == "mosaic":  # (fewer tokens than a CTA's rows are padded to them)
       num_tokens = max(num_tokens, mosaic_head.MIN_ROWS)
-    tiles = linear_kernel_tiles if chosen == "mosaic" else linear_tiles
-    chunk, block = tiles(num_tokens, num_columns, chunk_size, vocab_block_size, platform)
+    if chosen == "mosaic":
+      chunk, block = linear_kernel_tiles(num_tokens, num_columns, chunk_size, vocab_block_size,
+                                         platform, target.num_cores)
+    else:
+      chunk, block = linear_tiles(num_tokens, num_columns, chunk_size, vocab_block_size,
+                                  platform)
     plan = Plan(chunk=chunk, block=block,
                 kernel_chunk=(linear_kernel_chunk(num_tokens, num_columns)
                               if chosen == "mosaic" else None),

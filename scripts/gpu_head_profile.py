@@ -7,9 +7,9 @@
    kernels; TFLOP/s and the ratio to the plain Mosaic matmul on the same shape.
 2. ``gemms``: the backward's two XLA GEMMs on one ``[chunk, block]`` tile, alone and with
    their f32 sums (does XLA fold the addend into the GEMM?).
-3. ``plans``: fwd+bwd of ``linear_logprobs_and_entropy`` at ``--tokens`` for the default plan
-   and the ``(chunk_size, vocab_block_size)`` given by ``--plans``.
-4. ``trace``: the default plan's fwd+bwd under JAX's profiler: GPU time by kernel name.
+3. ``plans``: fwd+bwd of ``linear_logprobs_and_entropy`` for each ``T:chunk:block`` of
+   ``--plans`` (0: the planner's), and XLA's compiled memory plan (temporaries + outputs).
+4. ``trace``: the default plan's fwd+bwd at ``--tokens`` under JAX's profiler: GPU time by kernel name.
 
     python -m scripts.gpu_head_profile                 # on a Hopper GPU: JSON to $OUT
     python -m scripts.gpu_head_profile --tiny          # anywhere: small shapes, a smoke test
@@ -149,19 +149,26 @@ def _loss(labels, cot, **kw):
   return jax.jit(jax.value_and_grad(loss, (0, 1)))
 
 
-def plans(tokens, dim, columns, settings, repeats):
-  """Rows of section 3."""
-  hidden, weight, labels, cot = _operands(tokens, dim, columns)
+def plans(dim, columns, settings, repeats):
+  """Rows of section 3: each ``(T, chunk, block)`` (``None``: the planner's), its time and
+  XLA's compiled memory plan (temporaries + outputs, the gradients included)."""
   rows = []
-  for chunk, block in [(None, None)] + list(settings):
-    fn = _loss(labels, cot, chunk_size=chunk, vocab_block_size=block)
-    plan = jaxce.plan.of(jaxce.linear_logprobs_and_entropy, hidden, weight, labels,
-                         chunk_size=chunk, vocab_block_size=block)
-    ms = time_ms(fn, (hidden, weight), repeats)
-    rows.append(dict(section="plans", piece=f"fwd+bwd chunk={plan.chunk} block={plan.block}",
-                     tokens=tokens, ms=ms, tflops=4 * 2 * tokens * dim * columns / ms / 1e9,
-                     backend=plan.backend))
-    print(json.dumps(rows[-1]), flush=True)
+  for tokens in sorted({t for t, _, _ in settings}):
+    hidden, weight, labels, cot = _operands(tokens, dim, columns)
+    for t, chunk, block in settings:
+      if t != tokens:
+        continue
+      fn = _loss(labels, cot, chunk_size=chunk, vocab_block_size=block)
+      plan = jaxce.plan.of(jaxce.linear_logprobs_and_entropy, hidden, weight, labels,
+                           chunk_size=chunk, vocab_block_size=block)
+      memory = fn.lower(hidden, weight).compile().memory_analysis()
+      extra = (memory.temp_size_in_bytes + memory.output_size_in_bytes) / 2**30
+      ms = time_ms(fn, (hidden, weight), repeats)
+      rows.append(dict(section="plans", piece=f"T={tokens} chunk={plan.chunk} block={plan.block}"
+                       + (" (planned)" if chunk is None else ""), tokens=tokens, ms=ms,
+                       tflops=4 * 2 * tokens * dim * columns / ms / 1e9, backend=plan.backend,
+                       compiled_extra_gib=extra))
+      print(json.dumps(rows[-1]), flush=True)
   return rows
 
 
@@ -199,15 +206,17 @@ def main():
   parser.add_argument("--chunk", type=int, default=8192)
   parser.add_argument("--block", type=int, default=8192)
   parser.add_argument("--tokens", type=int, default=32768)
-  parser.add_argument("--plans", default="8192:8448,16384:8448,32768:8448,32768:4224",
-                      help="chunk:block pairs for section 3")
+  parser.add_argument("--plans", default="8192:0:0,8192:8192:8192,8192:8192:8448,"
+                      "8192:8192:25344,32768:0:0,32768:8192:8192,32768:32768:4224,"
+                      "32768:32768:8448", help="T:chunk:block for section 3 (0: planned)")
   parser.add_argument("--sections", default="kernels,gemms,plans,trace")
   parser.add_argument("--repeats", type=int, default=5)
   args = parser.parse_args()
   dim, columns = (128, 1024) if args.tiny else (D, V)
   if args.tiny:
-    args.chunk, args.block, args.tokens, args.plans, args.repeats = 256, 512, 512, "256:256", 1
-  settings = [tuple(int(x) for x in p.split(":")) for p in args.plans.split(",") if p]
+    args.chunk, args.block, args.tokens, args.plans, args.repeats = (256, 512, 512,
+                                                                     "512:0:0,512:256:256", 1)
+  settings = [tuple(int(x) or None for x in p.split(":")) for p in args.plans.split(",") if p]
   sections = args.sections.split(",")
   rows = []
   if "kernels" in sections:
@@ -215,7 +224,7 @@ def main():
   if "gemms" in sections:
     rows += gemms(args.chunk, dim, args.block, args.repeats)
   if "plans" in sections:
-    rows += plans(args.tokens, dim, columns, settings, args.repeats)
+    rows += plans(dim, columns, settings, args.repeats)
   if "trace" in sections:
     rows += trace(args.tokens, dim, columns, 30)
   report = dict(device=jax.devices()[0].device_kind, jax=jax.__version__,
@@ -231,6 +240,7 @@ def main():
              and r.get("tflops") and r.get("N") in plain else "")
     ms = "  error " + r["error"][:100] if r.get("ms") is None else f"{r['ms']:9.2f} ms"
     calls = f" ({r['calls']} calls)" if "calls" in r else ""
+    calls += f" {r['compiled_extra_gib']:.2f} GiB" if "compiled_extra_gib" in r else ""
     print(f"{r['section']:<8} {r['piece'][:70]:<70} {ms} {rate}{ratio}{calls}")
 
 

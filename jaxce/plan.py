@@ -71,13 +71,14 @@ LINEAR_OBJECTIVE_ROWS_BYTES = {"gpu": 2**30, "cpu": 16 * 2**20}
 # Fused path, Mosaic GPU forward: bytes of one chunk's f32 [V_local / 128, 4, chunk] tile
 # statistics (1/32 of its f32 [chunk, V_local] logits).
 LINEAR_KERNEL_STATS_BYTES = 256 * 2**20
-# Fused path, Mosaic GPU backward: bytes of one [T, block] tile of d logits in the operand
-# dtype (written by the d-logits kernel, read by the two gradient GEMMs), the block's
-# bounds in columns, and the cost of one more block in d-logits waves per 256 tokens
-# (linear_kernel_tiles; bench/NOTES.md, entry 31).
+# Fused path, Mosaic GPU backward (linear_kernel_tiles; bench/NOTES.md, entry 31): bytes
+# of one [T, block] tile of d logits in the operand dtype (written by the d-logits kernel,
+# read by the two gradient GEMMs), the block's bounds in columns (past the largest the
+# GEMMs gain little for the memory), and the time of one more block's passes per T x D, in
+# _kernel_block_cost's units (measured: 0.57 ms per block at T = 32768, D = 4096, H100).
 LINEAR_KERNEL_GRAD_BYTES = 576 * 2**20
-LINEAR_KERNEL_MIN_BLOCK, LINEAR_KERNEL_MAX_BLOCK = 4096, 16896
-LINEAR_KERNEL_BLOCK_PASS = 0.05
+LINEAR_KERNEL_MIN_BLOCK, LINEAR_KERNEL_MAX_BLOCK = 4096, 8448
+LINEAR_KERNEL_BLOCK_PASS = 2.7e-4
 
 # Kept ids (jaxce.keep.from_csr) on the fused per-token path: only the kept columns'
 # logits when their entries (and the labels) are at most this fraction of the T x V_local
@@ -192,45 +193,50 @@ def linear_kernel_chunk(num_tokens: int, num_columns: int) -> int:
 
 
 def linear_kernel_tiles(num_tokens: int, num_columns: int, requested_chunk: int | None = None,
-                        requested_block: int | None = None,
-                        platform: str | None = None, num_cores: int = 1) -> tuple[int, int]:
+                        requested_block: int | None = None, platform: str | None = None, *,
+                        depth: int = 4096, num_cores: int = 132) -> tuple[int, int]:
   """``(chunk, block)`` of the fused backward with the Mosaic GPU kernels.
 
   With vocab blocks outer (``T <= V_local``) and neither size requested, the chunk is all
-  ``T`` tokens (rounded down to a multiple of 256) when a block of at least ``LINEAR_KERNEL_MIN_BLOCK`` columns fits the budget
-  (``LINEAR_KERNEL_GRAD_BYTES`` for the ``[T, block]`` d logits in the operand dtype): each
-  block's ``d hidden`` then adds into its f32 sum inside the GEMM, with no row slices and
-  no partial ``d W`` sums. The block is the multiple of 128 up to that budget (and
-  ``LINEAR_KERNEL_MAX_BLOCK``) with the least :func:`_kernel_block_cost`: the d-logits
-  kernel's waves of CTAs over the ``num_cores`` SMs, the last block's clamped overlap, and
-  the per-block passes. Otherwise :func:`linear_tiles`' plan, the chunk rounded down to a
-  multiple of the kernel's row block (``mosaic_head.MIN_ROWS``, 256) and the block to one of
-  its tile's columns (``mosaic_head.TILE_N``, 128; at least that, at most the array).
+  ``T`` tokens (rounded down to a multiple of 256) when a block of at least
+  ``LINEAR_KERNEL_MIN_BLOCK`` columns fits the budget (``LINEAR_KERNEL_GRAD_BYTES`` for the
+  ``[T, block]`` d logits in the operand dtype): each block's ``d hidden`` then adds into
+  its f32 sum inside the GEMM, with no row slices and no partial ``d W`` sums. The block is
+  the multiple of 128 between half that budget and the budget (at most
+  ``LINEAR_KERNEL_MAX_BLOCK``) with the least :func:`_kernel_block_cost` on ``num_cores``
+  SMs for a hidden dim ``depth``. Otherwise :func:`linear_tiles`' plan, the chunk rounded
+  down to a multiple of the kernel's row block (``mosaic_head.MIN_ROWS``, 256) and the block
+  to one of its tile's columns (``mosaic_head.TILE_N``, 128; at least that, at most the
+  array).
   """
   cap = min(LINEAR_KERNEL_GRAD_BYTES // (2 * num_tokens), LINEAR_KERNEL_MAX_BLOCK, num_columns)
   if (requested_chunk is None and requested_block is None and num_tokens <= num_columns
       and cap >= min(LINEAR_KERNEL_MIN_BLOCK, num_columns)):
-    step = mosaic_head.TILE_N
+    chunk, step = _multiple(num_tokens, mosaic_head.MIN_ROWS, num_tokens), mosaic_head.TILE_N
     blocks = range(max(step, cap // 2 - cap // 2 % step), cap - cap % step + 1, step)
-    block = min(blocks, key=lambda b: (_kernel_block_cost(num_tokens, num_columns, b,
+    block = min(blocks, key=lambda b: (_kernel_block_cost(chunk, num_columns, depth, b,
                                                           num_cores), -b))
-    return (_multiple(num_tokens, mosaic_head.MIN_ROWS, num_tokens),
-            _multiple(block, step, num_columns))
+    return chunk, _multiple(block, step, num_columns)
   chunk, block = linear_tiles(num_tokens, num_columns, requested_chunk, requested_block,
                               platform)
   return (_multiple(chunk, mosaic_head.MIN_ROWS, num_tokens),
           _multiple(block, mosaic_head.TILE_N, num_columns))
 
 
-def _kernel_block_cost(num_tokens: int, num_columns: int, block: int, num_cores: int) -> float:
-  """The Mosaic backward's cost with ``[T, block]`` tiles, in waves of the d-logits kernel
-  (one wave: ``num_cores`` CTAs of ``[256, 128]``): each block's waves (the last block is
-  clamped back, a whole block), plus per block a pass over the f32 ``d hidden`` sum and two
-  GEMMs' set-up, about ``LINEAR_KERNEL_BLOCK_PASS`` waves per 256 tokens."""
-  row_blocks = -(-num_tokens // mosaic_head.MIN_ROWS)
-  n_blocks = -(-num_columns // block)
-  waves = -(-row_blocks * (block // mosaic_head.TILE_N) // max(num_cores, 1))
-  return n_blocks * (waves + LINEAR_KERNEL_BLOCK_PASS * row_blocks)
+def _kernel_block_cost(num_tokens: int, num_columns: int, depth: int, block: int,
+                       num_cores: int) -> float:
+  """The Mosaic backward's time with ``[T, block]`` tiles, in units of one SM's ``[256,
+  128]`` output tile per hidden dim. Per block (the last one is clamped back, a whole
+  block): the d-logits kernel's and the ``d W`` GEMM's waves of ``[256, 128]`` tiles over
+  ``num_cores`` SMs (``K = D`` and ``K = T``), the ``d hidden`` GEMM's (``K = block``), and
+  ``LINEAR_KERNEL_BLOCK_PASS`` per ``T x D`` (its pass over the f32 sum, set-up)."""
+  waves = lambda tiles: -(-tiles // max(num_cores, 1))
+  column_tiles = block // mosaic_head.TILE_N
+  per_block = (waves(-(-num_tokens // mosaic_head.MIN_ROWS) * column_tiles) * depth
+               + waves(-(-depth // 256) * column_tiles) * num_tokens
+               + waves(-(-num_tokens * depth // (256 * 128))) * block
+               + LINEAR_KERNEL_BLOCK_PASS * num_tokens * depth)
+  return -(-num_columns // block) * per_block
 
 
 def linear_backward_order(num_tokens: int, num_columns: int,
@@ -390,7 +396,7 @@ def make(operation: str, *, target: Target, implementation: str | None, num_toke
       num_tokens = max(num_tokens, mosaic_head.MIN_ROWS)
     if chosen == "mosaic":
       chunk, block = linear_kernel_tiles(num_tokens, num_columns, chunk_size, vocab_block_size,
-                                         platform, target.num_cores)
+                                         platform, depth=depth or 1, num_cores=target.num_cores)
     else:
       chunk, block = linear_tiles(num_tokens, num_columns, chunk_size, vocab_block_size,
                                   platform)

@@ -201,26 +201,29 @@ def linear_kernel_tiles(num_tokens: int, num_columns: int, requested_chunk: int 
   ``T`` tokens (rounded down to a multiple of 256) when a block of at least
   ``LINEAR_KERNEL_MIN_BLOCK`` columns fits the budget (``LINEAR_KERNEL_GRAD_BYTES`` for the
   ``[T, block]`` d logits in the operand dtype): each block's ``d hidden`` then adds into
-  its f32 sum inside the GEMM, with no row slices and no partial ``d W`` sums. The block is
-  the multiple of 128 between half that budget and the budget (at most
-  ``LINEAR_KERNEL_MAX_BLOCK``) with the least :func:`_kernel_block_cost` on ``num_cores``
-  SMs for a hidden dim ``depth``. Otherwise :func:`linear_tiles`' plan, the chunk rounded
-  down to a multiple of the kernel's row block (``mosaic_head.MIN_ROWS``, 256) and the block
-  to one of its tile's columns (``mosaic_head.TILE_N``, 128; at least that, at most the
-  array).
+  its f32 sum inside the GEMM, with no row slices and no partial ``d W`` sums. Otherwise the
+  chunk is :func:`linear_tiles`' (or the requested one), rounded down to a multiple of the
+  kernel's row block (``mosaic_head.MIN_ROWS``, 256). Unless a size is requested, the block
+  is the multiple of 128 between half the budget for ``[chunk, block]`` and the budget (at
+  most ``LINEAR_KERNEL_MAX_BLOCK``) with the least :func:`_kernel_block_cost` on
+  ``num_cores`` SMs for a hidden dim ``depth``; else :func:`linear_tiles`' block, rounded
+  down to a multiple of 128 (at least that, at most the array).
   """
+  step = mosaic_head.TILE_N
   cap = min(LINEAR_KERNEL_GRAD_BYTES // (2 * num_tokens), LINEAR_KERNEL_MAX_BLOCK, num_columns)
-  if (requested_chunk is None and requested_block is None and num_tokens <= num_columns
-      and cap >= min(LINEAR_KERNEL_MIN_BLOCK, num_columns)):
-    chunk, step = _multiple(num_tokens, mosaic_head.MIN_ROWS, num_tokens), mosaic_head.TILE_N
-    blocks = range(max(step, cap // 2 - cap // 2 % step), cap - cap % step + 1, step)
-    block = min(blocks, key=lambda b: (_kernel_block_cost(chunk, num_columns, depth, b,
-                                                          num_cores), -b))
-    return chunk, _multiple(block, step, num_columns)
+  planned = requested_chunk is None and requested_block is None
+  whole = (planned and num_tokens <= num_columns
+           and cap >= min(LINEAR_KERNEL_MIN_BLOCK, num_columns))
   chunk, block = linear_tiles(num_tokens, num_columns, requested_chunk, requested_block,
                               platform)
-  return (_multiple(chunk, mosaic_head.MIN_ROWS, num_tokens),
-          _multiple(block, mosaic_head.TILE_N, num_columns))
+  chunk = _multiple(num_tokens if whole else chunk, mosaic_head.MIN_ROWS, num_tokens)
+  if planned:
+    if not whole:  # (token chunks outer: the planned chunk's blocks)
+      cap = min(LINEAR_KERNEL_GRAD_BYTES // (2 * chunk), LINEAR_KERNEL_MAX_BLOCK, num_columns)
+    blocks = range(max(step, cap // 2 - cap // 2 % step), max(step, cap - cap % step) + 1, step)
+    block = min(blocks, key=lambda b: (_kernel_block_cost(chunk, num_columns, depth, b,
+                                                          num_cores), -b))
+  return chunk, _multiple(block, step, num_columns)
 
 
 def _kernel_block_cost(num_tokens: int, num_columns: int, depth: int, block: int,

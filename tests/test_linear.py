@@ -1,5 +1,6 @@
 """The fused LM-head path against the float64 reference: values and all three gradients."""
 
+import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -210,6 +211,28 @@ def test_default_tile_plan(monkeypatch):
   monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
   assert tiles(32768, 151936) == (8192, 8192)
   assert tiles(12000, 75968) == (6000, 8192)  # a divisor of T within 2x
+
+
+def test_mosaic_backward_tile_plan():
+  """The Mosaic backward: all T tokens in one chunk while their [T, block] d logits fit the
+  budget (vocab order), else the planned chunk (token order); the block of least modelled
+  time, which on an H100's 132 SMs at V = 151936, D = 4096 is the measured best, 8448
+  (bench/NOTES.md, entry 31); requested sizes as given, on the kernel's multiples."""
+  tiles = functools.partial(jaxce.plan.linear_kernel_tiles, platform="gpu", depth=4096,
+                            num_cores=132)
+  assert tiles(32768, 151936) == (32768, 8448)
+  assert tiles(8192, 151936) == (8192, 8448)
+  assert tiles(1000, 151936)[0] == 768  # the kernel's multiple of 256 rows
+  assert tiles(65536, 151936) == (65536, 4224)  # the budget halves the block
+  assert tiles(131072, 151936) == (8192, 8448)  # below LINEAR_KERNEL_MIN_BLOCK: chunks
+  assert tiles(1048576, 151936) == (8192, 8448)  # token order
+  assert tiles(32768, 151936, 8192) == (8192, 8192)  # requested: linear_tiles' plan
+  assert tiles(32768, 151936, None, 5000) == (8192, 4992)
+  assert tiles(300, 1024) == (256, 1024)  # a small vocabulary: one block
+  cost = functools.partial(jaxce.plan._kernel_block_cost, 32768, 151936, 4096, num_cores=132)
+  # The model's order of the blocks measured at T = 32768 (the fastest first).
+  assert cost(block=8448) < cost(block=8960) < cost(block=4224)
+  assert cost(block=8448) < cost(block=8192)
 
 
 def test_chunk_plan_keeps_one_chunk_when_everything_fits():

@@ -71,7 +71,7 @@ LINEAR_OBJECTIVE_ROWS_BYTES = {"gpu": 2**30, "cpu": 16 * 2**20}
 # Fused path, Mosaic GPU forward: bytes of one chunk's f32 [V_local / 128, 4, chunk] tile
 # statistics (1/32 of its f32 [chunk, V_local] logits).
 LINEAR_KERNEL_STATS_BYTES = 256 * 2**20
-# Fused path, Mosaic GPU backward (linear_kernel_tiles; bench/NOTES.md, entry 31): bytes
+# Fused path, Mosaic GPU backward (linear_kernel_tiles; bench/NOTES.md, entry 25): bytes
 # of one [T, block] tile of d logits in the operand dtype (written by the d-logits kernel,
 # read by the two gradient GEMMs), the block's bounds in columns (past the largest the
 # GEMMs gain little for the memory), and the time of one more block's passes per T x D, in

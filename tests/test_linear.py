@@ -217,7 +217,7 @@ def test_mosaic_backward_tile_plan():
   """The Mosaic backward: all T tokens in one chunk while their [T, block] d logits fit the
   budget (vocab order), else the planned chunk (token order); the block of least modelled
   time, which on an H100's 132 SMs at V = 151936, D = 4096 is the measured best, 8448
-  (bench/NOTES.md, entry 31); requested sizes as given, on the kernel's multiples."""
+  (bench/NOTES.md, entry 25); requested sizes as given, on the kernel's multiples."""
   tiles = functools.partial(jaxce.plan.linear_kernel_tiles, platform="gpu", depth=4096,
                             num_cores=132)
   assert tiles(32768, 151936) == (32768, 8448)

@@ -129,18 +129,24 @@ def test_logits_grad_tile_matches_float64(vocab_dim, softcap, first_kept, limit)
   assert_close(got, want, 2 ** -8 * float(np.max(np.abs(want))), "d logits")
 
 
-@pytest.mark.parametrize("weight_layout", ["dv", "vd"])
-def test_matches_xla_path_and_reference(weight_layout):
+@pytest.mark.parametrize("weight_layout,tokens", [("dv", 300), ("vd", 300), ("dv", 700)])
+def test_matches_xla_path_and_reference(weight_layout, tokens):
   """bf16 inputs, ragged tokens and vocabulary, padded vocabulary, per-token temperature,
   softcap, ignored and masked tokens; random cotangents for both outputs. The Mosaic
-  forward must be as exact as the XLA path's (both accumulate in f32)."""
+  forward must be as exact as the XLA path's (both accumulate in f32). 700 tokens over
+  384 columns: the backward walks token chunks outer, its blocks unrolled."""
   vocab_dim = 1 if weight_layout == "dv" else 0
-  rng, hidden, weight = _inputs(7, 300, 128, 384, vocab_dim)  # chunks of 256 overlap
-  labels = rng.integers(0, 250, 300)
-  labels[rng.random(300) < 0.1] = -100
-  loss_kw = dict(labels=labels, cot_logp=rng.normal(size=300), cot_entropy=rng.normal(size=300))
-  kw = dict(temperature=rng.uniform(0.6, 1.5, 300), logit_softcap=20.0, vocab_size=250,
-            where=rng.random(300) < 0.9, weight_layout=weight_layout)
+  rng, hidden, weight = _inputs(7, tokens, 128, 384, vocab_dim)  # chunks of 256 overlap
+  plan = jaxce.plan.of(jaxce.linear_logprobs_and_entropy, hidden, weight,
+                       np.zeros(tokens, np.int32), implementation="mosaic",
+                       weight_layout=weight_layout)
+  assert plan.backward_order == ("token" if tokens > 384 else "vocab"), plan
+  labels = rng.integers(0, 250, tokens)
+  labels[rng.random(tokens) < 0.1] = -100
+  loss_kw = dict(labels=labels, cot_logp=rng.normal(size=tokens),
+                 cot_entropy=rng.normal(size=tokens))
+  kw = dict(temperature=rng.uniform(0.6, 1.5, tokens), logit_softcap=20.0, vocab_size=250,
+            where=rng.random(tokens) < 0.9, weight_layout=weight_layout)
   f = lambda h, w, labels, **k: jaxce.linear_logprobs_and_entropy(h, w, labels, **k)
   fr = lambda h, w, labels, **k: reference.linear_logprobs_and_entropy(h, w, labels, **k)
   mosaic = value_and_grads(f, (hidden, weight), (0, 1), implementation="mosaic", **loss_kw, **kw)

@@ -224,9 +224,10 @@ def _linear_logprobs_entropy_bwd(config, residuals, cotangents):
   operand_dtype, dtype = head.dtypes(hidden, weight)
   vocab_dim = config.vocab_dim
 
-  def tile_grads(w_cols, b_cols, col, first_column, i):
-    """Tile ``(j, i)``: its f32 ``d hidden`` rows ``[chunk, D]`` and ``d W`` and ``d bias``
-    columns (exactly 0 in a clamped block's overlap and at ignored rows)."""
+  def tile_grads(w_cols, b_cols, col, first_column, i, width=block):
+    """Tile ``(j, i)`` of ``width`` columns from local column ``col``: its f32 ``d hidden``
+    rows ``[chunk, D]`` and ``d W`` and ``d bias`` columns (exactly 0 in a clamped block's
+    overlap and at ignored rows)."""
     start = chunking.chunk_start(i, num_tokens, chunk)
     h, chunk_tokens, chunk_saved, chunk_cotangents = chunking.take_rows(
         (hidden, tokens, saved, cotangents), start, chunk)
@@ -238,14 +239,14 @@ def _linear_logprobs_entropy_bwd(config, residuals, cotangents):
       h = jnp.where(row_mask[:, None], h, 0)
       d = mosaic_head.logits_grad(
           h, w_cols, label_column, inv_temp, chunk_saved, chunk_cotangents, row_mask,
-          limit=softmax.column_limit(config.mask_vocab, shard_start + col, block),
+          limit=softmax.column_limit(config.mask_vocab, shard_start + col, width),
           first_kept=first_column - (shard_start + col), vocab_dim=vocab_dim,
           softcap=config.softcap, interpret=config.plan.interpret,
           num_cores=config.plan.num_cores)
     else:
       x = head.tile_logits(h, w_cols, b_cols, config.softcap, vocab_dim)
       h = jnp.where(row_mask[:, None], h, 0)  # an ignored row's NaN must not reach d W
-      kept_tile = _tile_kept(chunk_tokens, col, block, shard_start)
+      kept_tile = _tile_kept(chunk_tokens, col, width, shard_start)
       z = softmax.scaled_logits(x, inv_temp, shard_start + col, config.mask_vocab,
                                 first_column, kept_tile)
       dz = softmax.logit_grad(z, label_column, *chunk_saved, *chunk_cotangents, row_mask)
@@ -264,7 +265,7 @@ def _linear_logprobs_entropy_bwd(config, residuals, cotangents):
 
   if config.plan.backward_order == "token":
     return _token_outer_grads(tile_grads, block_slices, hidden, weight, bias, primals,
-                              config, n_chunks, n_blocks, dtype)
+                              config, n_chunks, n_blocks, shard_start, dtype)
 
   def add_rows(d_hidden, dh_rows, i):
     start = chunking.chunk_start(i, num_tokens, chunk)
@@ -310,44 +311,77 @@ def _linear_logprobs_entropy_bwd(config, residuals, cotangents):
   return grads + (None,)
 
 
+# Token chunks outer: up to this many vocab blocks are unrolled, each with its own f32
+# d W sum (added inside its GEMM); more (a small requested vocab_block_size) are walked
+# by a scan, their tiles added into one weight-shaped sum.
+MAX_UNROLLED_BLOCKS = 64
+
+
 def _token_outer_grads(tile_grads, block_slices, hidden, weight, bias, primals, config,
-                       n_chunks, n_blocks, dtype):
+                       n_chunks, n_blocks, shard_start, dtype):
   """The backward with token chunks outer and vocab blocks inner: each chunk's ``d hidden``
   rows are summed over the blocks in an f32 ``[chunk, D]`` carry (all-reduced over the
-  vocab axis) and written once; ``d W`` (and ``d bias``) sum over the chunks in an f32
-  array like the weight. Its memory beyond the outputs is that sum and one chunk's tiles,
-  whatever T. A clamped block's overlap and a clamped chunk's repeated rows add exact
-  zeros; only the chunk's fresh rows are written."""
-  num_tokens, chunk = hidden.shape[0], config.plan.chunk
+  vocab axis) and written once; ``d W`` (and ``d bias``) sum over the chunks in f32. Up to
+  ``MAX_UNROLLED_BLOCKS`` blocks are unrolled, the last one as wide as the columns left
+  (no clamped overlap), each with its own sum, so the sum is added inside the block's
+  GEMM; more are scanned, each tile added into one sum like the weight (a clamped block's
+  overlap adds exact zeros). Memory beyond the outputs: the sums (like the weight) and one
+  chunk's tiles, whatever T. A clamped chunk's repeated rows add exact zeros; only the
+  chunk's fresh rows are written."""
+  num_tokens, chunk, block = hidden.shape[0], config.plan.chunk, config.plan.block
+  vocab_dim, num_columns = config.vocab_dim, weight.shape[config.vocab_dim]
+  unrolled = n_blocks <= MAX_UNROLLED_BLOCKS
+  starts = range(0, num_columns, block) if unrolled else (0,)
+  widths = [min(block, num_columns - col) for col in starts] if unrolled else (num_columns,)
+  columns = lambda a, col, width, dim: lax.slice_in_dim(a, col, col + width, axis=dim)
 
-  def chunk_step(carry, i):
-    d_hidden, d_weight, d_bias = carry
+  def unrolled_blocks(i, dw_sums, db_sums):
+    dh_rows, new_dw, new_db = None, [], []
+    for col, width, dw_sum, db_sum in zip(starts, widths, dw_sums, db_sums):
+      b_cols = None if bias is None else columns(bias, col, width, 0)
+      dh_tile, dw_tile, db_tile = tile_grads(columns(weight, col, width, vocab_dim), b_cols,
+                                             col, shard_start + col, i, width)
+      dh_rows = dh_tile if dh_rows is None else dh_rows + dh_tile
+      new_dw.append(dw_sum + dw_tile)
+      new_db.append(None if db_sum is None else db_sum + db_tile)
+    return dh_rows, tuple(new_dw), tuple(new_db)
 
+  def scanned_blocks(i, dw_sums, db_sums):
     def block_step(carry, j):
       dh_rows, d_weight, d_bias = carry
       col, w_cols, b_cols, first_column = block_slices(j)
       dh_tile, dw_tile, db_tile = tile_grads(w_cols, b_cols, col, first_column, i)
       add = lambda a, t, dim: lax.dynamic_update_slice_in_dim(
           a, lax.dynamic_slice_in_dim(a, col, t.shape[dim], dim) + t, col, dim)
-      return (dh_rows + dh_tile, add(d_weight, dw_tile, config.vocab_dim),
+      return (dh_rows + dh_tile, add(d_weight, dw_tile, vocab_dim),
               None if d_bias is None else add(d_bias, db_tile, 0)), None
 
     dh_rows = jnp.zeros_like(hidden[:chunk], dtype)  # (zeros_like: the varying type too)
-    (dh_rows, d_weight, d_bias), _ = lax.scan(block_step, (dh_rows, d_weight, d_bias),
+    (dh_rows, d_weight, d_bias), _ = lax.scan(block_step, (dh_rows, *dw_sums, *db_sums),
                                               jnp.arange(n_blocks))
+    return dh_rows, (d_weight,), (d_bias,)
+
+  def chunk_step(carry, i):
+    d_hidden, dw_sums, db_sums = carry
+    blocks = unrolled_blocks if unrolled else scanned_blocks
+    dh_rows, dw_sums, db_sums = blocks(i, dw_sums, db_sums)
     if config.vocab_axis is not None:
       dh_rows = lax.psum(dh_rows, config.vocab_axis)  # partial sums over vocab shards
     start = chunking.chunk_start(i, num_tokens, chunk)
     d_hidden = chunking.write_fresh(d_hidden, dh_rows, start,
                                     chunking.fresh_rows(i, start, chunk))
-    return (d_hidden, d_weight, d_bias), None
+    return (d_hidden, dw_sums, db_sums), None
 
   # d hidden's rows are all-reduced as they are written: the sum has hidden's own type.
-  carry = (jnp.zeros_like(primals[0]), jnp.zeros_like(weight, dtype),
-           None if bias is None else jnp.zeros_like(bias, dtype))
-  (d_hidden, d_weight, d_bias), _ = lax.scan(chunk_step, carry, jnp.arange(n_chunks))
-  grads = (d_hidden, d_weight.astype(weight.dtype),
-           None if bias is None else d_bias.astype(bias.dtype))
+  # (zeros_like: the sums take the weight's varying type too)
+  carry = (jnp.zeros_like(primals[0]),
+           tuple(jnp.zeros_like(columns(weight, col, width, vocab_dim), dtype)
+                 for col, width in zip(starts, widths)),
+           tuple(None if bias is None else jnp.zeros_like(columns(bias, col, width, 0), dtype)
+                 for col, width in zip(starts, widths)))
+  (d_hidden, dw_sums, db_sums), _ = lax.scan(chunk_step, carry, jnp.arange(n_chunks))
+  grads = (d_hidden, jnp.concatenate(dw_sums, axis=vocab_dim).astype(weight.dtype),
+           None if bias is None else jnp.concatenate(db_sums).astype(bias.dtype))
   grads = tuple(None if g is None else plumbing.reduce_to_varying(g, p)
                 for g, p in zip(grads, primals))
   return grads + (None,)

@@ -201,9 +201,11 @@ def linear_kernel_tiles(num_tokens: int, num_columns: int, requested_chunk: int 
   ``T`` tokens (rounded down to a multiple of 256) when a block of at least
   ``LINEAR_KERNEL_MIN_BLOCK`` columns fits the budget (``LINEAR_KERNEL_GRAD_BYTES`` for the
   ``[T, block]`` d logits in the operand dtype): each block's ``d hidden`` then adds into
-  its f32 sum inside the GEMM, with no row slices and no partial ``d W`` sums. Otherwise the
-  chunk is :func:`linear_tiles`' (or the requested one), rounded down to a multiple of the
-  kernel's row block (``mosaic_head.MIN_ROWS``, 256). Unless a size is requested, the block
+  its f32 sum inside the GEMM, with no row slices and no partial ``d W`` sums. With token
+  chunks outer, a chunk whose tile with the largest block fits that budget
+  (:func:`_kernel_chunk`): fewer, larger chunks add each block's ``d W`` sum fewer times.
+  A requested size gets :func:`linear_tiles`' chunk (or the requested one), rounded down
+  to a multiple of the kernel's row block (``mosaic_head.MIN_ROWS``, 256). Unless a size is requested, the block
   is the multiple of 128 between half the budget for ``[chunk, block]`` and the budget (at
   most ``LINEAR_KERNEL_MAX_BLOCK``) with the least :func:`_kernel_block_cost` on
   ``num_cores`` SMs for a hidden dim ``depth``; else :func:`linear_tiles`' block, rounded
@@ -216,14 +218,25 @@ def linear_kernel_tiles(num_tokens: int, num_columns: int, requested_chunk: int 
            and cap >= min(LINEAR_KERNEL_MIN_BLOCK, num_columns))
   chunk, block = linear_tiles(num_tokens, num_columns, requested_chunk, requested_block,
                               platform)
+  if planned and num_tokens > num_columns:  # (token chunks outer: the largest block's tile)
+    chunk = _kernel_chunk(num_tokens, LINEAR_KERNEL_GRAD_BYTES // (2 * min(
+        LINEAR_KERNEL_MAX_BLOCK, num_columns)))
   chunk = _multiple(num_tokens if whole else chunk, mosaic_head.MIN_ROWS, num_tokens)
   if planned:
-    if not whole:  # (token chunks outer: the planned chunk's blocks)
-      cap = min(LINEAR_KERNEL_GRAD_BYTES // (2 * chunk), LINEAR_KERNEL_MAX_BLOCK, num_columns)
+    cap = min(LINEAR_KERNEL_GRAD_BYTES // (2 * chunk), LINEAR_KERNEL_MAX_BLOCK, num_columns)
     blocks = range(max(step, cap // 2 - cap // 2 % step), max(step, cap - cap % step) + 1, step)
     block = min(blocks, key=lambda b: (_kernel_block_cost(chunk, num_columns, depth, b,
                                                           num_cores), -b))
   return chunk, _multiple(block, step, num_columns)
+
+
+def _kernel_chunk(num_tokens: int, cap: int) -> int:
+  """The multiple of 256 rows in ``[cap / 2, cap]`` (at most ``T``) whose chunks cover
+  ``T`` with the fewest rows (a clamped last chunk's overlap is work done twice)."""
+  step = mosaic_head.MIN_ROWS
+  cap = max(step, min(cap, num_tokens) - min(cap, num_tokens) % step)
+  sizes = range(max(step, cap // 2 - cap // 2 % step), cap + 1, step)
+  return min(sizes, key=lambda c: (-(-num_tokens // c) * c, -c))
 
 
 def _kernel_block_cost(num_tokens: int, num_columns: int, depth: int, block: int,

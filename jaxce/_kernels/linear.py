@@ -324,7 +324,8 @@ def _token_outer_grads(tile_grads, block_slices, hidden, weight, bias, primals, 
   vocab axis) and written once; ``d W`` (and ``d bias``) sum over the chunks in f32. Up to
   ``MAX_UNROLLED_BLOCKS`` blocks are unrolled, the last one as wide as the columns left
   (no clamped overlap), each with its own sum, so the sum is added inside the block's
-  GEMM; more are scanned, each tile added into one sum like the weight (a clamped block's
+  GEMM, and each block's tiles made after the block before it is done (one block's tiles
+  live at a time); more are scanned, each tile added into one sum like the weight (a clamped block's
   overlap adds exact zeros). Memory beyond the outputs: the sums (like the weight) and one
   chunk's tiles, whatever T. A clamped chunk's repeated rows add exact zeros; only the
   chunk's fresh rows are written."""
@@ -338,9 +339,11 @@ def _token_outer_grads(tile_grads, block_slices, hidden, weight, bias, primals, 
   def unrolled_blocks(i, dw_sums, db_sums):
     dh_rows, new_dw, new_db = None, [], []
     for col, width, dw_sum, db_sum in zip(starts, widths, dw_sums, db_sums):
+      w_cols = columns(weight, col, width, vocab_dim)
       b_cols = None if bias is None else columns(bias, col, width, 0)
-      dh_tile, dw_tile, db_tile = tile_grads(columns(weight, col, width, vocab_dim), b_cols,
-                                             col, shard_start + col, i, width)
+      if dh_rows is not None:  # this block's tiles after the last block's GEMMs: one live
+        w_cols, dh_rows, new_dw[-1] = lax.optimization_barrier((w_cols, dh_rows, new_dw[-1]))
+      dh_tile, dw_tile, db_tile = tile_grads(w_cols, b_cols, col, shard_start + col, i, width)
       dh_rows = dh_tile if dh_rows is None else dh_rows + dh_tile
       new_dw.append(dw_sum + dw_tile)
       new_db.append(None if db_sum is None else db_sum + db_tile)

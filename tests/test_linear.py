@@ -269,18 +269,12 @@ def test_mixed_dtypes_promote_like_a_matmul(hidden_dtype, weight_dtype):
     assert_close(g, gr, tol["grad"] * 10 + bf16, name)
 
 
-@pytest.mark.parametrize("dtype,chunk_size,vocab_block_size,layout,max_unrolled", [
-    (jnp.float64, 7, 24, "dv", 64), (jnp.float64, None, None, "vd", 64),
-    (jnp.float32, 16, 50, "dv", 64), (jnp.float64, 9, 20, "vd", 2)])
-def test_token_outer_backward_matches_reference(dtype, chunk_size, vocab_block_size, layout,
-                                                max_unrolled, monkeypatch):
+@pytest.mark.parametrize("dtype,chunk_size,vocab_block_size,layout", [
+    (jnp.float64, 7, 24, "dv"), (jnp.float64, None, None, "vd"), (jnp.float32, 16, 50, "dv")])
+def test_token_outer_backward_matches_reference(dtype, chunk_size, vocab_block_size, layout):
   """More tokens than columns: the backward walks token chunks outer (its f32 sum is
   like the weight, not like ``hidden``); ragged chunks and blocks, bias, softcap,
-  temperature, ignored and masked rows, a padded vocabulary, both weight layouts; the
-  blocks unrolled (the last one narrower) or, past ``MAX_UNROLLED_BLOCKS``, scanned (the
-  last one clamped back)."""
-  from jaxce._kernels import linear  # pylint: disable=import-outside-toplevel
-  monkeypatch.setattr(linear, "MAX_UNROLLED_BLOCKS", max_unrolled)
+  temperature, ignored and masked rows, a padded vocabulary, both weight layouts."""
   rng, h, w, b, loss_kw = _case(6, (3, 41), 12, 101, vocab_size=97)
   assert jaxce.plan.linear_backward_order(3 * 41, 101) == "token"
   if layout == "vd":

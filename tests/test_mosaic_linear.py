@@ -129,12 +129,16 @@ def test_logits_grad_tile_matches_float64(vocab_dim, softcap, first_kept, limit)
   assert_close(got, want, 2 ** -8 * float(np.max(np.abs(want))), "d logits")
 
 
-@pytest.mark.parametrize("weight_layout,tokens", [("dv", 300), ("vd", 300), ("dv", 700)])
-def test_matches_xla_path_and_reference(weight_layout, tokens):
+@pytest.mark.parametrize("weight_layout,tokens,max_unrolled", [
+    ("dv", 300, 64), ("vd", 300, 64), ("dv", 700, 64), ("vd", 700, 2)])
+def test_matches_xla_path_and_reference(weight_layout, tokens, max_unrolled, monkeypatch):
   """bf16 inputs, ragged tokens and vocabulary, padded vocabulary, per-token temperature,
   softcap, ignored and masked tokens; random cotangents for both outputs. The Mosaic
   forward must be as exact as the XLA path's (both accumulate in f32). 700 tokens over
-  384 columns: the backward walks token chunks outer, its blocks unrolled."""
+  384 columns: the backward walks token chunks outer, its three blocks of 128 unrolled,
+  or (past ``MAX_UNROLLED_BLOCKS``) scanned."""
+  from jaxce._kernels import linear  # pylint: disable=import-outside-toplevel
+  monkeypatch.setattr(linear, "MAX_UNROLLED_BLOCKS", max_unrolled)
   vocab_dim = 1 if weight_layout == "dv" else 0
   rng, hidden, weight = _inputs(7, tokens, 128, 384, vocab_dim)  # chunks of 256 overlap
   plan = jaxce.plan.of(jaxce.linear_logprobs_and_entropy, hidden, weight,
@@ -147,7 +151,9 @@ def test_matches_xla_path_and_reference(weight_layout, tokens):
                  cot_entropy=rng.normal(size=tokens))
   kw = dict(temperature=rng.uniform(0.6, 1.5, tokens), logit_softcap=20.0, vocab_size=250,
             where=rng.random(tokens) < 0.9, weight_layout=weight_layout)
-  f = lambda h, w, labels, **k: jaxce.linear_logprobs_and_entropy(h, w, labels, **k)
+  block = 128 if tokens > 384 else None
+  f = lambda h, w, labels, **k: jaxce.linear_logprobs_and_entropy(
+      h, w, labels, vocab_block_size=block, **k)
   fr = lambda h, w, labels, **k: reference.linear_logprobs_and_entropy(h, w, labels, **k)
   mosaic = value_and_grads(f, (hidden, weight), (0, 1), implementation="mosaic", **loss_kw, **kw)
   xla = value_and_grads(f, (hidden, weight), (0, 1), implementation="xla", **loss_kw, **kw)

@@ -34,7 +34,6 @@ block is clamped back inside the array; its overlap is masked so nothing counts 
 
 from __future__ import annotations
 
-from functools import partial
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -224,19 +223,26 @@ def _linear_logprobs_entropy_bwd(config, residuals, cotangents):
   operand_dtype, dtype = head.dtypes(hidden, weight)
   vocab_dim = config.vocab_dim
 
-  def tile_grads(w_cols, b_cols, col, first_column, i, width=block):
-    """Tile ``(j, i)`` of ``width`` columns from local column ``col``: its f32 ``d hidden``
-    rows ``[chunk, D]`` and ``d W`` and ``d bias`` columns (exactly 0 in a clamped block's
-    overlap and at ignored rows)."""
+  def chunk_rows(i):
+    """Chunk ``i``'s rows: ``hidden`` (ignored rows zeroed: their NaN must not reach
+    ``d W``), tokens, saved statistics, cotangents and the row mask (valid, not an
+    earlier chunk's), once per chunk for all its tiles."""
     start = chunking.chunk_start(i, num_tokens, chunk)
     h, chunk_tokens, chunk_saved, chunk_cotangents = chunking.take_rows(
         (hidden, tokens, saved, cotangents), start, chunk)
-    labels, inv_temp, valid, _ = chunk_tokens
-    row_mask = valid & chunking.fresh_rows(i, start, chunk)
+    row_mask = chunk_tokens.valid & chunking.fresh_rows(i, start, chunk)
+    return (jnp.where(row_mask[:, None], h, 0), chunk_tokens, chunk_saved, chunk_cotangents,
+            row_mask)
+
+  def tile_grads(rows, w_cols, b_cols, col, first_column, width=block):
+    """The tile of a chunk's ``rows`` (``chunk_rows``) and ``width`` columns from local
+    column ``col``: its f32 ``d hidden`` rows ``[chunk, D]`` and ``d W`` and ``d bias``
+    columns (exactly 0 in a clamped block's overlap and at ignored rows)."""
+    h, chunk_tokens, chunk_saved, chunk_cotangents, row_mask = rows
+    labels, inv_temp, _, _ = chunk_tokens
     label_column = labels - (shard_start + col)
     label_column = jnp.where(labels >= first_column, label_column, -1)
     if config.plan.backend == "mosaic":  # d formed in the matmul's epilogue (no bias here)
-      h = jnp.where(row_mask[:, None], h, 0)
       d = mosaic_head.logits_grad(
           h, w_cols, label_column, inv_temp, chunk_saved, chunk_cotangents, row_mask,
           limit=softmax.column_limit(config.mask_vocab, shard_start + col, width),
@@ -245,7 +251,6 @@ def _linear_logprobs_entropy_bwd(config, residuals, cotangents):
           num_cores=config.plan.num_cores)
     else:
       x = head.tile_logits(h, w_cols, b_cols, config.softcap, vocab_dim)
-      h = jnp.where(row_mask[:, None], h, 0)  # an ignored row's NaN must not reach d W
       kept_tile = _tile_kept(chunk_tokens, col, width, shard_start)
       z = softmax.scaled_logits(x, inv_temp, shard_start + col, config.mask_vocab,
                                 first_column, kept_tile)
@@ -264,8 +269,8 @@ def _linear_logprobs_entropy_bwd(config, residuals, cotangents):
     return col, w_cols, b_cols, shard_start + j * block
 
   if config.plan.backward_order == "token":
-    return _token_outer_grads(tile_grads, block_slices, hidden, weight, bias, primals,
-                              config, n_chunks, n_blocks, shard_start, dtype)
+    return _token_outer_grads(tile_grads, chunk_rows, block_slices, hidden, weight, bias,
+                              primals, config, n_chunks, n_blocks, shard_start, dtype)
 
   def add_rows(d_hidden, dh_rows, i):
     start = chunking.chunk_start(i, num_tokens, chunk)
@@ -281,7 +286,7 @@ def _linear_logprobs_entropy_bwd(config, residuals, cotangents):
     d_hidden, d_weight, d_bias = carry
     j = (k + n_blocks - 1) % n_blocks if ragged else k
     col, w_cols, b_cols, first_column = block_slices(j)
-    step = partial(tile_grads, w_cols, b_cols, col, first_column)
+    step = lambda i: tile_grads(chunk_rows(i), w_cols, b_cols, col, first_column)
 
     def chunk_step(carry, i):
       d_hidden, dw_block, db_block = carry
@@ -311,18 +316,20 @@ def _linear_logprobs_entropy_bwd(config, residuals, cotangents):
   return grads + (None,)
 
 
-# Token chunks outer: up to this many vocab blocks are unrolled, each with its own f32
-# d W sum (added inside its GEMM); more (a small requested vocab_block_size) are walked
-# by a scan, their tiles added into one weight-shaped sum.
+# Token chunks outer with the Mosaic kernels: up to this many vocab blocks are unrolled,
+# each with its own f32 d W sum (added inside its GEMM); more (a small requested
+# vocab_block_size), and the other backends' blocks, are walked by a scan, their tiles
+# added into one weight-shaped sum (XLA:CPU's schedule keeps unrolled blocks' tiles live
+# together).
 MAX_UNROLLED_BLOCKS = 64
 
 
-def _token_outer_grads(tile_grads, block_slices, hidden, weight, bias, primals, config,
-                       n_chunks, n_blocks, shard_start, dtype):
+def _token_outer_grads(tile_grads, chunk_rows, block_slices, hidden, weight, bias, primals,
+                       config, n_chunks, n_blocks, shard_start, dtype):
   """The backward with token chunks outer and vocab blocks inner: each chunk's ``d hidden``
   rows are summed over the blocks in an f32 ``[chunk, D]`` carry (all-reduced over the
-  vocab axis) and written once; ``d W`` (and ``d bias``) sum over the chunks in f32. Up to
-  ``MAX_UNROLLED_BLOCKS`` blocks are unrolled, the last one as wide as the columns left
+  vocab axis) and written once; ``d W`` (and ``d bias``) sum over the chunks in f32. With
+  the Mosaic kernels, up to ``MAX_UNROLLED_BLOCKS`` blocks are unrolled, the last one as wide as the columns left
   (no clamped overlap), each with its own sum, so the sum is added inside the block's
   GEMM, and each block's tiles made after the block before it is done (one block's tiles
   live at a time); more are scanned, each tile added into one sum like the weight (a clamped block's
@@ -331,29 +338,30 @@ def _token_outer_grads(tile_grads, block_slices, hidden, weight, bias, primals, 
   chunk's fresh rows are written."""
   num_tokens, chunk, block = hidden.shape[0], config.plan.chunk, config.plan.block
   vocab_dim, num_columns = config.vocab_dim, weight.shape[config.vocab_dim]
-  unrolled = n_blocks <= MAX_UNROLLED_BLOCKS
+  unrolled = config.plan.backend == "mosaic" and n_blocks <= MAX_UNROLLED_BLOCKS
   starts = range(0, num_columns, block) if unrolled else (0,)
   widths = [min(block, num_columns - col) for col in starts] if unrolled else (num_columns,)
   columns = lambda a, col, width, dim: lax.slice_in_dim(a, col, col + width, axis=dim)
 
-  def unrolled_blocks(i, dw_sums, db_sums):
+  def unrolled_blocks(rows, dw_sums, db_sums):
     dh_rows, new_dw, new_db = None, [], []
     for col, width, dw_sum, db_sum in zip(starts, widths, dw_sums, db_sums):
       w_cols = columns(weight, col, width, vocab_dim)
       b_cols = None if bias is None else columns(bias, col, width, 0)
       if dh_rows is not None:  # this block's tiles after the last block's GEMMs: one live
         w_cols, dh_rows, new_dw[-1] = lax.optimization_barrier((w_cols, dh_rows, new_dw[-1]))
-      dh_tile, dw_tile, db_tile = tile_grads(w_cols, b_cols, col, shard_start + col, i, width)
+      dh_tile, dw_tile, db_tile = tile_grads(rows, w_cols, b_cols, col, shard_start + col,
+                                             width)
       dh_rows = dh_tile if dh_rows is None else dh_rows + dh_tile
       new_dw.append(dw_sum + dw_tile)
       new_db.append(None if db_sum is None else db_sum + db_tile)
     return dh_rows, tuple(new_dw), tuple(new_db)
 
-  def scanned_blocks(i, dw_sums, db_sums):
+  def scanned_blocks(rows, dw_sums, db_sums):
     def block_step(carry, j):
       dh_rows, d_weight, d_bias = carry
       col, w_cols, b_cols, first_column = block_slices(j)
-      dh_tile, dw_tile, db_tile = tile_grads(w_cols, b_cols, col, first_column, i)
+      dh_tile, dw_tile, db_tile = tile_grads(rows, w_cols, b_cols, col, first_column)
       add = lambda a, t, dim: lax.dynamic_update_slice_in_dim(
           a, lax.dynamic_slice_in_dim(a, col, t.shape[dim], dim) + t, col, dim)
       return (dh_rows + dh_tile, add(d_weight, dw_tile, vocab_dim),
@@ -367,7 +375,7 @@ def _token_outer_grads(tile_grads, block_slices, hidden, weight, bias, primals, 
   def chunk_step(carry, i):
     d_hidden, dw_sums, db_sums = carry
     blocks = unrolled_blocks if unrolled else scanned_blocks
-    dh_rows, dw_sums, db_sums = blocks(i, dw_sums, db_sums)
+    dh_rows, dw_sums, db_sums = blocks(chunk_rows(i), dw_sums, db_sums)
     if config.vocab_axis is not None:
       dh_rows = lax.psum(dh_rows, config.vocab_axis)  # partial sums over vocab shards
     start = chunking.chunk_start(i, num_tokens, chunk)

@@ -391,8 +391,17 @@ def _token_outer_grads(tile_grads, chunk_rows, block_slices, hidden, weight, bia
            tuple(None if bias is None else jnp.zeros_like(columns(bias, col, width, 0), dtype)
                  for col, width in zip(starts, widths)))
   (d_hidden, dw_sums, db_sums), _ = lax.scan(chunk_step, carry, jnp.arange(n_chunks))
-  grads = (d_hidden, jnp.concatenate(dw_sums, axis=vocab_dim).astype(weight.dtype),
-           None if bias is None else jnp.concatenate(db_sums).astype(bias.dtype))
+
+  def assemble(sums, like, dim):
+    """The sums written into one array like ``like`` in its dtype, each cast as it is
+    written (no cast pieces beside the output)."""
+    out = jnp.zeros_like(like)
+    for col, piece in zip(starts, sums):
+      out = lax.dynamic_update_slice_in_dim(out, piece.astype(like.dtype), col, dim)
+    return out
+
+  grads = (d_hidden, assemble(dw_sums, weight, vocab_dim),
+           None if bias is None else assemble(db_sums, bias, 0))
   grads = tuple(None if g is None else plumbing.reduce_to_varying(g, p)
                 for g, p in zip(grads, primals))
   return grads + (None,)

@@ -192,9 +192,13 @@ def linear_logprobs_and_entropy(hidden: ArrayLike, weight: ArrayLike, labels: Ar
       each chunk of its rows holds its f32 ``[rows, V_local]`` logits, and ``chunk_size``
       and ``vocab_block_size`` steer the backward only.
     chunk_size: tokens per tile; ``None`` plans it (``jaxce.plan.linear_tiles``: an f32
-      tile budget per platform; with the Mosaic kernels rounded down to a multiple of
-      256).
-    vocab_block_size: vocab columns per tile; ``None``: ``min(V, 8192)``.
+      tile budget per platform). With the Mosaic kernels (``jaxce.plan.linear_kernel_tiles``)
+      the plan takes all T tokens as one chunk (up to the token count whose d logits fit
+      a budget, then chunks of that budget's size) and sizes the vocab block by a model
+      of the kernels' waves on the GPU's SMs, for time: a given ``chunk_size`` (rounded
+      down to a multiple of 256) holds less memory.
+    vocab_block_size: vocab columns per tile; ``None``: ``min(V, 8192)`` (with the Mosaic
+      kernels, as planned above).
     weight_layout: ``"dv"`` (``weight`` is ``[D, V]``) or ``"vd"`` (``[V, D]``: tied
       embeddings pass the embedding table itself). Either way the matmuls read the array
       as stored; passing ``embedding.T`` with ``"dv"`` also works but XLA may then copy

@@ -9,7 +9,8 @@
    their f32 sums (does XLA fold the addend into the GEMM?).
 3. ``plans``: fwd+bwd of ``linear_logprobs_and_entropy`` for each ``T:chunk:block`` of
    ``--plans`` (0: the planner's), and XLA's compiled memory plan (temporaries + outputs).
-4. ``trace``: the default plan's fwd+bwd at ``--tokens`` under JAX's profiler: GPU time by kernel name.
+4. ``trace``: the default plan's fwd+bwd at ``--tokens`` under JAX's profiler: GPU time by
+   kernel name.
 
     python -m scripts.gpu_head_profile                 # on a Hopper GPU: JSON to $OUT
     python -m scripts.gpu_head_profile --tiny          # anywhere: small shapes, a smoke test
@@ -98,9 +99,11 @@ def kernels(chunk, dim, columns, block, repeats):
   for n, w in ((columns, weight), (block, w_block)):
     add(f"XLA h @ W (bf16 out) N={n}", jnp.dot, (hidden, w), n)
     if on_gpu:
-      from jax.experimental.pallas.ops.gpu import hopper_matmul_mgpu as hm  # pylint: disable=import-outside-toplevel
+      from jax.experimental.pallas.ops.gpu import (  # pylint: disable=import-outside-toplevel
+          hopper_matmul_mgpu as hm)
       config = machine_floors.mosaic_config()
-      add(f"plain Mosaic matmul N={n}", lambda a, b: hm.matmul(a, b, None, config), (hidden, w), n)
+      add(f"plain Mosaic matmul N={n}", lambda a, b: hm.matmul(a, b, None, config),
+          (hidden, w), n)
   add(f"skeleton, max-only epilogue N={columns}", lambda h, w: _skeleton(h, w, **device),
       (hidden, weight), columns)
   for softcap, entropy in ((None, True), (None, False), (30.0, True)):

@@ -328,14 +328,18 @@ def _token_outer_grads(tile_grads, chunk_rows, block_slices, hidden, weight, bia
                        config, n_chunks, n_blocks, shard_start, dtype):
   """The backward with token chunks outer and vocab blocks inner: each chunk's ``d hidden``
   rows are summed over the blocks in an f32 ``[chunk, D]`` carry (all-reduced over the
-  vocab axis) and written once; ``d W`` (and ``d bias``) sum over the chunks in f32. With
-  the Mosaic kernels, up to ``MAX_UNROLLED_BLOCKS`` blocks are unrolled, the last one as wide as the columns left
-  (no clamped overlap), each with its own sum, so the sum is added inside the block's
-  GEMM, and each block's tiles made after the block before it is done (one block's tiles
-  live at a time); more are scanned, each tile added into one sum like the weight (a clamped block's
-  overlap adds exact zeros). Memory beyond the outputs: the sums (like the weight) and one
-  chunk's tiles, whatever T. A clamped chunk's repeated rows add exact zeros; only the
-  chunk's fresh rows are written."""
+  vocab axis) and written once; ``d W`` (and ``d bias``) sum over the chunks in f32.
+
+  With the Mosaic kernels, up to ``MAX_UNROLLED_BLOCKS`` blocks are unrolled, the last one
+  as wide as the columns left (no clamped overlap), each with its own sum, so the sum is
+  added inside the block's GEMM; each block's tiles are made after the block before it is
+  done (one block's tiles live at a time). Otherwise the blocks are scanned, each tile
+  added into one sum like the weight (a clamped block's overlap adds exact zeros).
+
+  Memory beyond the outputs: the sums (like the weight) and one chunk's tiles, whatever
+  T (unrolled, XLA also hoists the blocks' weight slices out of the chunk loop: a copy of
+  the weight). A clamped chunk's repeated rows add exact zeros; only the chunk's fresh
+  rows are written."""
   num_tokens, chunk, block = hidden.shape[0], config.plan.chunk, config.plan.block
   vocab_dim, num_columns = config.vocab_dim, weight.shape[config.vocab_dim]
   unrolled = config.plan.backend == "mosaic" and n_blocks <= MAX_UNROLLED_BLOCKS

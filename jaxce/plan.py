@@ -203,12 +203,12 @@ def linear_kernel_tiles(num_tokens: int, num_columns: int, requested_chunk: int 
   ``[T, block]`` d logits in the operand dtype): each block's ``d hidden`` then adds into
   its f32 sum inside the GEMM, with no row slices and no partial ``d W`` sums. With token
   chunks outer, a chunk whose tile with the largest block fits that budget
-  (:func:`_kernel_chunk`): fewer, larger chunks add each block's ``d W`` sum fewer times.
+  (``_kernel_chunk``): fewer, larger chunks add each block's ``d W`` sum fewer times.
   A requested size gets :func:`linear_tiles`' chunk (or the requested one), rounded down
   to a multiple of the kernel's row block (``mosaic_head.MIN_ROWS``, 256). Unless a size
   is requested, the block is the multiple of 128 between half the budget for ``[chunk,
   block]`` and the budget (at most ``LINEAR_KERNEL_MAX_BLOCK``) with the least
-  :func:`_kernel_block_cost` on ``num_cores`` SMs for a hidden dim ``depth``; else
+  ``_kernel_block_cost`` on ``num_cores`` SMs for a hidden dim ``depth``; else
   :func:`linear_tiles`' block, rounded down to a multiple of 128 (at least that, at most
   the array).
   """

@@ -111,10 +111,9 @@ def kernels(chunk, dim, columns, block, repeats):
         lambda h, w, s=softcap, e=entropy: mh.statistics(
             h, w, labels, ones, columns, column_start=0, vocab_dim=1, softcap=s,
             with_entropy=e, **device), (hidden, weight), columns)
-  for n, w in ((block, w_block),):
-    add(f"d logits N={n}", lambda h, w: mh.logits_grad(
-        h, w, labels % n, ones, (ones, ones, ones), (cot[0], cot[1]), ones > 0, limit=n,
-        first_kept=0, vocab_dim=1, softcap=None, **device), (hidden, w), n)
+  add(f"d logits N={block}", lambda h, w: mh.logits_grad(
+      h, w, labels % block, ones, (ones, ones, ones), (cot[0], cot[1]), ones > 0,
+      limit=block, first_kept=0, vocab_dim=1, softcap=None, **device), (hidden, w_block), block)
   return rows
 
 

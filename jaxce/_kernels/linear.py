@@ -337,8 +337,7 @@ def _token_outer_grads(tile_grads, chunk_rows, block_slices, hidden, weight, bia
   added into one sum like the weight (a clamped block's overlap adds exact zeros).
 
   Memory beyond the outputs: the sums (like the weight) and one chunk's tiles, whatever
-  T (unrolled, XLA also hoists the blocks' weight slices out of the chunk loop: a copy of
-  the weight). A clamped chunk's repeated rows add exact zeros; only the chunk's fresh
+  T. A clamped chunk's repeated rows add exact zeros; only the chunk's fresh
   rows are written."""
   num_tokens, chunk, block = hidden.shape[0], config.plan.chunk, config.plan.block
   vocab_dim, num_columns = config.vocab_dim, weight.shape[config.vocab_dim]
@@ -350,10 +349,16 @@ def _token_outer_grads(tile_grads, chunk_rows, block_slices, hidden, weight, bia
   def unrolled_blocks(rows, dw_sums, db_sums):
     dh_rows, new_dw, new_db = None, [], []
     for col, width, dw_sum, db_sum in zip(starts, widths, dw_sums, db_sums):
-      w_cols = columns(weight, col, width, vocab_dim)
+      # The block's weight columns are sliced from a barrier on this chunk's values, so
+      # XLA cannot hoist the slices out of the chunk loop (a copy of the weight held for
+      # the whole backward); each block's tiles wait for the last block's GEMMs (one live).
+      if dh_rows is None:
+        weight_here, _ = lax.optimization_barrier((weight, rows[0]))
+      else:
+        weight_here, dh_rows, new_dw[-1] = lax.optimization_barrier((weight, dh_rows,
+                                                                     new_dw[-1]))
+      w_cols = columns(weight_here, col, width, vocab_dim)
       b_cols = None if bias is None else columns(bias, col, width, 0)
-      if dh_rows is not None:  # this block's tiles after the last block's GEMMs: one live
-        w_cols, dh_rows, new_dw[-1] = lax.optimization_barrier((w_cols, dh_rows, new_dw[-1]))
       dh_tile, dw_tile, db_tile = tile_grads(rows, w_cols, b_cols, col, shard_start + col,
                                              width)
       dh_rows = dh_tile if dh_rows is None else dh_rows + dh_tile

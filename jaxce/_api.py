@@ -361,7 +361,9 @@ def linear_token_loss(objective: Callable[..., Array], hidden: ArrayLike, weight
       :func:`jaxce.linear_logprobs_and_entropy` (batch-invariant: ``chunk_size`` is the
       matmul's rows, and ``logp``, ``entropy`` the same bits as its own).
     chunk_size: tokens per step, whose full ``[chunk, V]`` f32 rows are held at once;
-      ``None`` plans it (``jaxce.plan.linear_objective_chunk``).
+      ``None`` plans it (``jaxce.plan.linear_objective_chunk``). The steps' ``d logits``
+      (in the operand dtype) gather into groups of whole steps for the two gradient
+      matmuls, planned by ``jaxce.plan.linear_objective_grad_chunk``.
     implementation: the statistics of each chunk's rows by ``"xla"`` or ``"triton"``, as
       in :func:`jaxce.logprobs_and_entropy` (this path has no Mosaic kernel yet).
 
@@ -369,10 +371,11 @@ def linear_token_loss(objective: Callable[..., Array], hidden: ArrayLike, weight
     ``(loss, (logp, entropy))`` as :func:`jaxce.token_loss`.
 
   Under ``jax.grad`` one pass over chunks of tokens computes, per chunk, ``hidden @ W``
-  (matmul 1), the loss terms and each token's cotangent, ``d hidden = d @ Wᵀ`` (2) and
-  ``d W += hiddenᵀ @ d`` (3); the backward only scales them. Memory: ``d hidden``,
-  ``d weight``, an f32 ``[D, V]`` accumulator for ``d weight`` and one chunk's rows; no
-  ``[T, V]`` array and nothing else that grows with T.
+  (matmul 1), the loss terms, each token's cotangent and ``d`` (the logits' gradient),
+  and per group of chunks ``d hidden = d @ Wᵀ`` (2) and ``d W += hiddenᵀ @ d`` (3); the
+  backward only scales them. Memory: ``d hidden``, ``d weight``, an f32 ``[D, V]``
+  accumulator for ``d weight``, one chunk's f32 rows and one group's ``d``; no ``[T, V]``
+  array and nothing else that grows with T.
 
   Example:
     >>> import jax

@@ -19,7 +19,8 @@ bench/NOTES.md has the measurements behind each number):
     jaxce.plan.logits_chunk(num_tokens, num_columns)           # logits path
     jaxce.plan.linear_tiles(num_tokens, num_columns)           # fused path: (chunk, block)
     jaxce.plan.linear_backward_order(num_tokens, num_columns)  # "vocab" or "token"
-    jaxce.plan.linear_objective_chunk(num_tokens, num_columns) # linear_token_loss
+    jaxce.plan.linear_objective_chunk(num_tokens, num_columns) # linear_token_loss: rows
+    jaxce.plan.linear_objective_grad_chunk(num_tokens, num_columns, chunk)  # and d's rows
 
 Example (on a CPU, where XLA runs every call; on a Hopper GPU the same call plans the
 Mosaic kernels, batch-invariant by construction):
@@ -51,7 +52,8 @@ from jaxce._kernels.config import BACKEND_NAMES, Backend, Plan
 __all__ = [
     "IMPLEMENTATIONS", "INVARIANCES", "Plan", "Target", "budget_platform", "chunk_size",
     "invariances", "kept_ids_unsupported", "linear_backward_order",
-    "linear_kernel_chunk", "linear_kernel_tiles", "linear_objective_chunk", "linear_tiles",
+    "linear_kernel_chunk", "linear_kernel_tiles", "linear_objective_chunk",
+    "linear_objective_grad_chunk", "linear_tiles",
     "logits_chunk", "make", "of", "target",
 ]
 
@@ -68,6 +70,9 @@ DEFAULT_VOCAB_BLOCK = 8192
 # chunk also reads and writes the f32 [D, V_local] d W sum, so larger chunks run faster
 # at more memory (bench/NOTES.md, entry 20).
 LINEAR_OBJECTIVE_ROWS_BYTES = {"gpu": 2**30, "cpu": 16 * 2**20}
+# ... and bytes of one group's d logits in the operand dtype: the chunks of a group feed
+# one pair of gradient matmuls, so the f32 d W sum is read and written once per group.
+LINEAR_OBJECTIVE_GRAD_BYTES = {"gpu": 2**30, "cpu": 4 * 2**20}
 # Fused path, Mosaic GPU forward: bytes of one chunk's f32 [V_local / 128, 4, chunk] tile
 # statistics (1/32 of its f32 [chunk, V_local] logits).
 LINEAR_KERNEL_STATS_BYTES = 256 * 2**20
@@ -181,6 +186,23 @@ def linear_objective_chunk(num_tokens: int, num_columns: int, requested: int | N
   rows are held at once (``LINEAR_OBJECTIVE_ROWS_BYTES`` of ``platform``)."""
   return chunk_size(num_tokens, num_columns, requested,
                     LINEAR_OBJECTIVE_ROWS_BYTES[budget_platform(platform)])
+
+
+def linear_objective_grad_chunk(num_tokens: int, num_columns: int, chunk: int,
+                                platform: str | None = None, itemsize: int = 2) -> int:
+  """Tokens per pair of gradient matmuls of the fused objective path: a multiple of its
+  ``chunk`` whose ``[grad_chunk, num_columns]`` d logits (``itemsize`` bytes each) fit
+  ``LINEAR_OBJECTIVE_GRAD_BYTES`` of ``platform``, at most the whole chunks in ``T``, moved
+  down to a count of chunks that divides ``T``'s when one lies within a factor 2 (so no
+  group is clamped back over the one before)."""
+  whole_chunks = max(1, num_tokens // chunk)
+  budget = LINEAR_OBJECTIVE_GRAD_BYTES[budget_platform(platform)]
+  cap = max(1, min(whole_chunks, budget // (itemsize * chunk * max(num_columns, 1))))
+  total = -(-num_tokens // chunk)
+  for count in range(cap, max(cap // 2, 1) - 1, -1):
+    if total % count == 0:
+      return count * chunk
+  return cap * chunk
 
 
 def linear_kernel_chunk(num_tokens: int, num_columns: int) -> int:
@@ -404,10 +426,12 @@ def make(operation: str, *, target: Target, implementation: str | None, num_toke
     chunk = None if chosen == "triton" else logits_chunk(num_tokens, num_columns, chunk_size,
                                                           platform)
     plan = Plan(chunk=chunk, **common)
-  elif operation == "linear_token_loss":  # (exact sums: the matmul's rows a chunk)
+  elif operation == "linear_token_loss":  # (exact sums: the matmul's rows a chunk, a group)
     chunk = (matmul_tile[0] if exact else
              linear_objective_chunk(num_tokens, num_columns, chunk_size, platform))
-    plan = Plan(chunk=chunk, **common)
+    grad_chunk = chunk if exact else linear_objective_grad_chunk(
+        num_tokens, num_columns, chunk, platform, jnp.dtype(jnp.result_type(*dtypes)).itemsize)
+    plan = Plan(chunk=chunk, grad_chunk=grad_chunk, **common)
   else:
     if chosen == "mosaic":  # (fewer tokens than a CTA's rows are padded to them)
       num_tokens = max(num_tokens, mosaic_head.MIN_ROWS)

@@ -11,6 +11,11 @@
    ``--plans`` (0: the planner's), and XLA's compiled memory plan (temporaries + outputs).
 4. ``trace``: the default plan's fwd+bwd at ``--tokens`` under JAX's profiler: GPU time by
    kernel name.
+5. ``objective``: value and gradients of the bench's GRPO objective on the objective path
+   (``linear_token_loss``) for each ``T:rows:grad`` of ``--objective`` (MiB of the plan's
+   two budgets, ``LINEAR_OBJECTIVE_ROWS_BYTES`` and ``LINEAR_OBJECTIVE_GRAD_BYTES``; 0:
+   the planner's), with XLA's compiled memory plan; ``objective-trace``: the planned one at
+   ``--tokens`` under the profiler.
 
     python -m scripts.gpu_head_profile                 # on a Hopper GPU: JSON to $OUT
     python -m scripts.gpu_head_profile --tiny          # anywhere: small shapes, a smoke test
@@ -32,7 +37,7 @@ import jax
 import jax.numpy as jnp
 
 import jaxce
-from bench import machine_floors
+from bench import impls, machine_floors
 from bench.timing import time_ms
 from jaxce._kernels import mosaic_head as mh
 
@@ -174,10 +179,50 @@ def plans(dim, columns, settings, repeats):
   return rows
 
 
-def trace(tokens, dim, columns, top):
-  """Rows of section 4: GPU time of one fwd+bwd call by kernel name (JAX's profiler)."""
+def _objective_loss(labels, cot):
+  objective, token_args = impls._grpo(cot[0])  # pylint: disable=protected-access
+  return jax.jit(jax.value_and_grad(
+      lambda h, w: jaxce.linear_token_loss(objective, h, w, labels, *token_args)[0], (0, 1)))
+
+
+def objective(dim, columns, settings, repeats):
+  """Rows of section 5: each ``(T, rows MiB, grad MiB)`` (``None``: the planner's budget),
+  its plan, time and XLA's compiled memory plan (temporaries + outputs)."""
+  rows, budgets = [], (jaxce.plan.LINEAR_OBJECTIVE_ROWS_BYTES, jaxce.plan.LINEAR_OBJECTIVE_GRAD_BYTES)
+  planned = tuple(b["gpu"] for b in budgets)
+  for tokens in sorted({t for t, _, _ in settings}):
+    hidden, weight, labels, cot = _operands(tokens, dim, columns)
+    for t, rows_mib, grad_mib in settings:
+      if t != tokens:
+        continue
+      for budget, mib, default in zip(budgets, (rows_mib, grad_mib), planned):
+        budget["gpu"] = default if mib is None else mib * 2**20
+      fn = _objective_loss(labels, cot)
+      plan = jaxce.plan.of(lambda h, w: fn(h, w), hidden, weight)  # pylint: disable=unnecessary-lambda
+      try:
+        memory = fn.lower(hidden, weight).compile().memory_analysis()
+        extra = (memory.temp_size_in_bytes + memory.output_size_in_bytes) / 2**30
+        ms = time_ms(fn, (hidden, weight), repeats)
+        error = None
+      except Exception as e:  # pylint: disable=broad-except  (out of memory: a row says so)
+        ms, extra, error = None, None, f"{type(e).__name__}: {e}"[:300]
+      rows.append(dict(section="objective", piece=f"T={tokens} chunk={plan.chunk} "
+                       f"grad_chunk={plan.grad_chunk}" + (" (planned)" if rows_mib is None
+                                                          and grad_mib is None else ""),
+                       tokens=tokens, ms=ms, backend=plan.backend, compiled_extra_gib=extra,
+                       tflops=None if ms is None else 3 * 2 * tokens * dim * columns / ms / 1e9,
+                       error=error))
+      print(json.dumps(rows[-1]), flush=True)
+  for budget, default in zip(budgets, planned):
+    budget["gpu"] = default
+  return rows
+
+
+def trace(tokens, dim, columns, top, path="per-token"):
+  """Rows of section 4: GPU time of one fwd+bwd call by kernel name (JAX's profiler), of
+  the per-token path or (``path="objective"``) the objective path."""
   hidden, weight, labels, cot = _operands(tokens, dim, columns)
-  fn = _loss(labels, cot)
+  fn = _objective_loss(labels, cot) if path == "objective" else _loss(labels, cot)
   jax.block_until_ready(fn(hidden, weight))
   with tempfile.TemporaryDirectory() as where:
     with jax.profiler.trace(where, create_perfetto_trace=True):
@@ -193,9 +238,10 @@ def trace(tokens, dim, columns, top):
     if e.get("ph") == "X" and e.get("pid") in gpu and "dur" in e:
       total[e["name"]] += e["dur"] / 1e3
       count[e["name"]] += 1
-  rows = [dict(section="trace", piece=name[:160], ms=ms, calls=count[name], tokens=tokens)
+  section = "objective-trace" if path == "objective" else "trace"
+  rows = [dict(section=section, piece=name[:160], ms=ms, calls=count[name], tokens=tokens)
           for name, ms in total.most_common(top)]
-  rows.append(dict(section="trace", piece="all GPU events", ms=sum(total.values()),
+  rows.append(dict(section=section, piece="all GPU events", ms=sum(total.values()),
                    calls=sum(count.values()), tokens=tokens))
   for r in rows:
     print(json.dumps(r), flush=True)
@@ -211,6 +257,9 @@ def main():
   parser.add_argument("--plans", default="8192:0:0,8192:8192:8192,8192:8192:8448,"
                       "8192:8192:25344,32768:0:0,32768:8192:8192,32768:32768:4224,"
                       "32768:32768:8448", help="T:chunk:block for section 3 (0: planned)")
+  parser.add_argument("--objective", default="8192:0:0,32768:0:0,32768:1024:64,"
+                      "32768:1024:128,32768:1024:256,32768:1024:512,32768:512:1024,"
+                      "32768:2048:2048", help="T:rows MiB:grad MiB for section 5 (0: planned)")
   parser.add_argument("--sections", default="kernels,gemms,plans,trace")
   parser.add_argument("--repeats", type=int, default=5)
   args = parser.parse_args()
@@ -218,7 +267,9 @@ def main():
   if args.tiny:
     args.chunk, args.block, args.tokens, args.plans, args.repeats = (256, 512, 512,
                                                                      "512:0:0,512:256:256", 1)
-  settings = [tuple(int(x) or None for x in p.split(":")) for p in args.plans.split(",") if p]
+    args.objective = "512:0:0,512:1:1"
+  parse = lambda text: [tuple(int(x) or None for x in p.split(":")) for p in text.split(",") if p]
+  settings = parse(args.plans)
   sections = args.sections.split(",")
   rows = []
   if "kernels" in sections:
@@ -229,6 +280,10 @@ def main():
     rows += plans(dim, columns, settings, args.repeats)
   if "trace" in sections:
     rows += trace(args.tokens, dim, columns, 30)
+  if "objective" in sections:
+    rows += objective(dim, columns, parse(args.objective), args.repeats)
+  if "objective-trace" in sections:
+    rows += trace(args.tokens, dim, columns, 30, path="objective")
   report = dict(device=jax.devices()[0].device_kind, jax=jax.__version__,
                 commit=os.environ.get("JAXCE_COMMIT", "unknown"), V=columns, D=dim, rows=rows)
   with open(os.path.join(os.environ.get("OUT", "."), "head_profile.json"), "w") as f:
@@ -237,12 +292,13 @@ def main():
            and r.get("ms")}
   print(f"\n{report['device']}, JAX {report['jax']}, commit {report['commit']}")
   for r in rows:
-    rate = f"{r['tflops']:7.1f} TFLOP/s" if r.get("tflops") and r["section"] != "trace" else ""
+    rate = f"{r['tflops']:7.1f} TFLOP/s" if r.get("tflops") and "trace" not in r["section"] else ""
     ratio = (f" x{r['tflops'] / plain[r['N']]:.3f} plain" if r["section"] == "kernels"
              and r.get("tflops") and r.get("N") in plain else "")
     ms = "  error " + r["error"][:100] if r.get("ms") is None else f"{r['ms']:9.2f} ms"
     calls = f" ({r['calls']} calls)" if "calls" in r else ""
-    calls += f" {r['compiled_extra_gib']:.2f} GiB" if "compiled_extra_gib" in r else ""
+    calls += (f" {r['compiled_extra_gib']:.2f} GiB" if r.get("compiled_extra_gib") is not None
+              else "")
     print(f"{r['section']:<8} {r['piece'][:70]:<70} {ms} {rate}{ratio}{calls}")
 
 

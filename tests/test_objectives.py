@@ -74,6 +74,45 @@ def test_fused_objective_matches_reference(name, chunk_size):
     _close(g, r, 1e-10, what)
 
 
+@pytest.mark.parametrize("chunk_size, grad_chunk", [(5, 5), (5, 20), (4, 12), (3, 21)])
+def test_fused_objective_gradient_groups(chunk_size, grad_chunk, monkeypatch):
+  """Chunks' d logits gathered into groups for the gradient matmuls (T = 21): one chunk a
+  group, a group clamped back over 19 rows of the one before, groups that divide T's
+  chunks, one group of 7 chunks (the last clamped inside it); the planned group is used."""
+  monkeypatch.setattr(jaxce.plan, "linear_objective_grad_chunk", lambda *a, **k: grad_chunk)
+  objective = OBJECTIVES["grpo"]
+  hidden, weight, bias, labels, args, options = _problem(8)
+  assert jaxce.plan.of(jaxce.linear_token_loss, objective, hidden, weight, labels, *args,
+                       chunk_size=chunk_size, **options).grad_chunk == grad_chunk
+  ref = _reference_loss(objective, labels, args, options, lambda h, w, b: (
+      reference.linear_logprobs_and_entropy(h, w, labels, bias=b, **options)))
+  value, grads = jax.value_and_grad(ref, (0, 1, 2))(hidden, weight, bias)
+  f = lambda h, w, b: jaxce.linear_token_loss(objective, h, w, labels, *args, bias=b,
+                                              chunk_size=chunk_size, **options)
+  (got, (logp, _)), got_grads = jax.jit(jax.value_and_grad(f, (0, 1, 2), has_aux=True))(
+      hidden, weight, bias)
+  _close(got, value, 1e-10, "loss")
+  _close(logp, reference.linear_logprobs_and_entropy(hidden, weight, labels, bias=bias,
+                                                     **options)[0], 1e-10, "logp")
+  for what, g, r in zip(("d hidden", "d weight", "d bias"), got_grads, grads):
+    _close(g, r, 1e-10, what)
+
+
+def test_objective_grad_chunk_plan():
+  """Whole chunks within the budget and T, a count dividing T's chunks when one is within
+  a factor 2; the chunk itself when one chunk's d logits are over the budget."""
+  budget = jaxce.plan.LINEAR_OBJECTIVE_GRAD_BYTES["gpu"]
+  grad_chunk = lambda t, v, c: jaxce.plan.linear_objective_grad_chunk(t, v, c, "gpu")
+  columns = budget // (2 * 1024 * 6)  # 6 chunks of 1024 fit
+  assert grad_chunk(32768, columns, 1024) == 4096  # 32 chunks: 4 divides, 6 and 5 do not
+  assert grad_chunk(6 * 1024, columns, 1024) == 6144
+  assert grad_chunk(7 * 1024, columns, 1024) == 6144  # no count in [3, 6] divides 7
+  assert grad_chunk(4 * 1024 + 10, columns, 1024) == 4096  # whole chunks in T only
+  assert grad_chunk(5 * 1024 + 10, columns, 1024) == 3072  # 3 divides 6 chunks
+  assert grad_chunk(512, columns, 1024) == 1024  # (a padded, batch-invariant chunk)
+  assert grad_chunk(32768, budget, 1024) == 1024
+
+
 @pytest.mark.parametrize("name", list(OBJECTIVES))
 @pytest.mark.parametrize("chunk_size", [None, 4])
 def test_logits_objective_matches_reference(name, chunk_size):

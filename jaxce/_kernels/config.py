@@ -73,6 +73,8 @@ class Plan(NamedTuple):
       tile's rows (a multiple of 256 with ``"mosaic"``); objective paths: the rows whose
       full vocabulary is held at once.
     block: vocabulary columns per tile of the fused per-token path (else ``None``).
+    grad_chunk: the fused objective path's tokens per pair of gradient matmuls, a
+      multiple of ``chunk`` (else ``None``).
     kernel_chunk: tokens per call of the Mosaic forward kernel (else ``None``).
     backward_order: the fused per-token backward's outer loop, ``"vocab"`` or
       ``"token"`` (else ``None``).
@@ -95,6 +97,7 @@ class Plan(NamedTuple):
   reason: str
   chunk: int | None = None
   block: int | None = None
+  grad_chunk: int | None = None
   kernel_chunk: int | None = None
   backward_order: str | None = None
   interpret: bool = True

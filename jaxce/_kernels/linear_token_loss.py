@@ -2,18 +2,23 @@
 ``softmax(hidden @ weight)`` and, under differentiation, its gradients, formed in the
 forward pass with three matmuls.
 
-One scan over chunks of tokens (token-outer). Per chunk: ``x = hidden_chunk @ weight``,
-the chunk's full ``[C, V_local]`` rows in f32 (matmul 1), kept until the chunk is done;
-its statistics (shards combine them with one pmax + one psum) and per-token loss terms;
-then, when differentiating, the cotangents the objective gives each token, ``d logits``
-of the rows, ``d hidden_chunk = d @ weightᵀ`` (matmul 2, all-reduced over the vocab axis
-in f32 and written once) and ``d weight += hidden_chunkᵀ @ d`` (matmul 3) into an f32
-``[D, V_local]`` accumulator. The custom_vjp's backward only scales the stored gradients
-by the loss's cotangent. Extra memory: the gradients, the f32 ``d weight`` accumulator and
-one chunk's rows (f32 and the operand-dtype ``d``), flat in T beyond ``d hidden``.
+One scan over groups of tokens (token-outer), each walked in chunks (the plan's
+``grad_chunk`` and ``chunk``). Per chunk: ``x = hidden_chunk @ weight``, the chunk's full
+``[C, V_local]`` rows in f32 (matmul 1), kept until the chunk is done; its statistics
+(shards combine them with one pmax + one psum) and per-token loss terms; then, when
+differentiating, the cotangents the objective gives each token and ``d logits`` of the
+rows, in the operand dtype, into the group's ``[G, V_local]``. Per group: ``d
+hidden_group = d @ weightᵀ`` (matmul 2, all-reduced over the vocab axis in f32 and
+written once) and ``d weight += hidden_groupᵀ @ d`` (matmul 3) into an f32 ``[D,
+V_local]`` sum, read and written once per group (larger groups: fewer passes over it).
+The custom_vjp's backward only scales the stored gradients by the loss's cotangent.
+Extra memory: the gradients, the f32 ``d weight`` sum, one chunk's f32 rows and one
+group's ``d``, flat in T beyond ``d hidden``.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -42,19 +47,19 @@ def _run(objective, hidden, weight, bias, tokens, token_args, config, with_grads
   """``((loss, (logp, entropy)), ((d hidden, d weight, d bias), type witnesses) or
   None)``: the gradients of this device's loss, not yet summed over shard_map axes."""
   num_tokens, num_columns = hidden.shape[0], weight.shape[config.vocab_dim]
-  chunk, vocab_dim = config.plan.chunk, config.vocab_dim
+  chunk, group, vocab_dim = config.plan.chunk, config.plan.grad_chunk, config.vocab_dim
   operand_dtype, dtype = head.dtypes(hidden, weight)
   column_start = softmax.shard_column_start(num_columns, config.vocab_axis)
   primals = (hidden, weight, bias)
-  # (fewer tokens than a chunk: batch-invariant plans only, the matmul keeps its rows)
-  hidden, tokens = chunking.pad_rows(hidden, chunk), tokens.padded(chunk)
-  token_args = tuple(chunking.pad_rows(a, chunk) for a in token_args)
+  # (fewer tokens than a group: batch-invariant plans only, the matmul keeps its rows)
+  hidden, tokens = chunking.pad_rows(hidden, group), tokens.padded(group)
+  token_args = tuple(chunking.pad_rows(a, group) for a in token_args)
   padded = hidden.shape[0]
 
-  def step(carry, i):
-    start = chunking.chunk_start(i, padded, chunk)
-    h, chunk_tokens, chunk_args = chunking.take_rows((hidden, tokens, token_args), start,
-                                                     chunk)
+  def chunk_step(group_rows, d_bias, i):
+    """Chunk ``i`` of a group's rows: its outputs and, when differentiating, its ``d``
+    (the operand dtype) and the running ``d bias`` sum."""
+    h, chunk_tokens, chunk_args, fresh = chunking.take_rows(group_rows, i * chunk, chunk)
     labels, inv_temp, valid, kept = chunk_tokens
     if not config.plan.exact_sums:
       x = head.tile_logits(h, weight, bias, config.softcap, vocab_dim)
@@ -63,29 +68,44 @@ def _run(objective, hidden, weight, bias, tokens, token_args, config, with_grads
     logp, shift, log_sum, entropy = logits_rows.statistics(x, chunk_tokens, column_start, config)
     if config.plan.exact_sums:  # (the exact statistics applied it themselves)
       x = head.cap(x, config.softcap)
-    row_mask = valid & chunking.fresh_rows(i, start, chunk)  # the overlap counts once
+    row_mask = valid & fresh  # a clamped group's overlap counts once
     loss, g_logp, g_entropy = loss_terms.terms_and_cotangents(
         objective, logp, entropy, list(chunk_args), row_mask, with_grads)
     outputs = (loss, logp) + ((entropy,) if config.with_entropy else ())
     if not with_grads:
-      return carry, outputs
-    d_hidden, d_weight, d_bias = carry
+      return d_bias, outputs
     kept_tile = None if kept is None else softmax.kept_columns(
         kept, 0, num_columns, labels - column_start)
     z = softmax.scaled_logits(x, inv_temp, column_start, config.mask_vocab, kept=kept_tile)
     dz = softmax.logit_grad(z, labels - column_start, shift, log_sum, entropy, g_logp,
                             g_entropy, row_mask)
     dx = head.logits_input_grad(dz, inv_temp, x, config.softcap, row_mask)
-    d = dx.astype(operand_dtype)
+    d_bias = None if d_bias is None else d_bias + jnp.sum(dx, axis=0)
+    return d_bias, outputs + (dx.astype(operand_dtype),)
+
+  def group_step(carry, g):
+    start = chunking.chunk_start(g, padded, group)
+    fresh = chunking.fresh_rows(g, start, group)
+    h, group_tokens, group_args = chunking.take_rows((hidden, tokens, token_args), start,
+                                                     group)
+    group_rows = (h, group_tokens, group_args, fresh)
+    d_bias = carry[2] if with_grads else None
+    d_bias, stacked = lax.scan(functools.partial(chunk_step, group_rows), d_bias,
+                               jnp.arange(group // chunk))
+    loss, *per_token = stacked
+    flat = lambda a: a.reshape((group,) + a.shape[2:])  # [chunks, chunk, ...] -> [group, ...]
+    outputs = (jnp.sum(loss), *map(flat, per_token[:1 + config.with_entropy]))
+    if not with_grads:
+      return carry, outputs
+    d_hidden, d_weight, _ = carry
+    d = flat(per_token[-1])
+    row_mask = group_tokens.valid & fresh
     h = jnp.where(row_mask[:, None], h, 0)  # an ignored row's NaN must not reach d W as 0 * NaN
     dh_rows = head.contract(d, weight, 1, vocab_dim)
     if config.vocab_axis is not None:
       dh_rows = lax.psum(dh_rows, config.vocab_axis)  # partial sums over vocab shards
-    fresh = chunking.fresh_rows(i, start, chunk)
     d_hidden = chunking.write_fresh(d_hidden, dh_rows, start, fresh)
-    dw = head.weight_grad(h, d, vocab_dim)
-    d_bias = None if d_bias is None else d_bias + jnp.sum(dx, axis=0)
-    return (d_hidden, d_weight + dw, d_bias), outputs
+    return (d_hidden, d_weight + head.weight_grad(h, d, vocab_dim), d_bias), outputs
 
   carry = None
   if with_grads:
@@ -95,8 +115,8 @@ def _run(objective, hidden, weight, bias, tokens, token_args, config, with_grads
         (jnp.zeros(weight.shape, dtype), None if bias is None else jnp.zeros(bias.shape, dtype),
          hidden, weight, *tokens[:3]), config.vocab_axis)[:2]
     carry = (jnp.zeros_like(hidden), d_weight, d_bias)
-  n_chunks = chunking.num_chunks(padded, chunk)
-  carry, (loss, logp, *entropy) = lax.scan(step, carry, jnp.arange(n_chunks))
+  n_groups = chunking.num_chunks(padded, group)
+  carry, (loss, logp, *entropy) = lax.scan(group_step, carry, jnp.arange(n_groups))
   logp = chunking.unchunk(logp, padded)[:num_tokens]
   entropy = chunking.unchunk(entropy[0], padded)[:num_tokens] if entropy else None
   out = (jnp.sum(loss), (logp, entropy))

@@ -72,7 +72,7 @@ DEFAULT_VOCAB_BLOCK = 8192
 LINEAR_OBJECTIVE_ROWS_BYTES = {"gpu": 2**30, "cpu": 16 * 2**20}
 # ... and bytes of one group's d logits in the operand dtype: the chunks of a group feed
 # one pair of gradient matmuls, so the f32 d W sum is read and written once per group.
-LINEAR_OBJECTIVE_GRAD_BYTES = {"gpu": 2**30, "cpu": 4 * 2**20}
+LINEAR_OBJECTIVE_GRAD_BYTES = {"gpu": 5 * 2**28, "cpu": 4 * 2**20}
 # Fused path, Mosaic GPU forward: bytes of one chunk's f32 [V_local / 128, 4, chunk] tile
 # statistics (1/32 of its f32 [chunk, V_local] logits).
 LINEAR_KERNEL_STATS_BYTES = 256 * 2**20

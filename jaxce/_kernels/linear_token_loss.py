@@ -56,9 +56,9 @@ def _run(objective, hidden, weight, bias, tokens, token_args, config, with_grads
   token_args = tuple(chunking.pad_rows(a, group) for a in token_args)
   padded = hidden.shape[0]
 
-  def chunk_step(group_rows, d_bias, i):
+  def chunk_step(group_rows, carry, i):
     """Chunk ``i`` of a group's rows: its outputs and, when differentiating, its ``d``
-    (the operand dtype) and the running ``d bias`` sum."""
+    written into the group's (the operand dtype) and the running ``d bias`` sum."""
     h, chunk_tokens, chunk_args, fresh = chunking.take_rows(group_rows, i * chunk, chunk)
     labels, inv_temp, valid, kept = chunk_tokens
     if not config.plan.exact_sums:
@@ -73,15 +73,16 @@ def _run(objective, hidden, weight, bias, tokens, token_args, config, with_grads
         objective, logp, entropy, list(chunk_args), row_mask, with_grads)
     outputs = (loss, logp) + ((entropy,) if config.with_entropy else ())
     if not with_grads:
-      return d_bias, outputs
+      return carry, outputs
     kept_tile = None if kept is None else softmax.kept_columns(
         kept, 0, num_columns, labels - column_start)
     z = softmax.scaled_logits(x, inv_temp, column_start, config.mask_vocab, kept=kept_tile)
     dz = softmax.logit_grad(z, labels - column_start, shift, log_sum, entropy, g_logp,
                             g_entropy, row_mask)
     dx = head.logits_input_grad(dz, inv_temp, x, config.softcap, row_mask)
-    d_bias = None if d_bias is None else d_bias + jnp.sum(dx, axis=0)
-    return d_bias, outputs + (dx.astype(operand_dtype),)
+    d_group, d_bias = carry
+    d_group = lax.dynamic_update_slice_in_dim(d_group, dx.astype(operand_dtype), i * chunk, 0)
+    return (d_group, None if d_bias is None else d_bias + jnp.sum(dx, axis=0)), outputs
 
   def group_step(carry, g):
     start = chunking.chunk_start(g, padded, group)
@@ -89,32 +90,32 @@ def _run(objective, hidden, weight, bias, tokens, token_args, config, with_grads
     h, group_tokens, group_args = chunking.take_rows((hidden, tokens, token_args), start,
                                                      group)
     group_rows = (h, group_tokens, group_args, fresh)
-    d_bias = carry[2] if with_grads else None
-    d_bias, stacked = lax.scan(functools.partial(chunk_step, group_rows), d_bias,
-                               jnp.arange(group // chunk))
-    loss, *per_token = stacked
+    # (the group's d: one buffer carried from group to group, written in place)
+    d_hidden, d_weight, d_bias, d = carry if with_grads else (None,) * 4
+    (d, d_bias), (loss, *per_token) = lax.scan(functools.partial(chunk_step, group_rows),
+                                               (d, d_bias), jnp.arange(group // chunk))
     flat = lambda a: a.reshape((group,) + a.shape[2:])  # [chunks, chunk, ...] -> [group, ...]
-    outputs = (jnp.sum(loss), *map(flat, per_token[:1 + config.with_entropy]))
+    outputs = (jnp.sum(loss), *map(flat, per_token))
     if not with_grads:
       return carry, outputs
-    d_hidden, d_weight, _ = carry
-    d = flat(per_token[-1])
     row_mask = group_tokens.valid & fresh
     h = jnp.where(row_mask[:, None], h, 0)  # an ignored row's NaN must not reach d W as 0 * NaN
     dh_rows = head.contract(d, weight, 1, vocab_dim)
     if config.vocab_axis is not None:
       dh_rows = lax.psum(dh_rows, config.vocab_axis)  # partial sums over vocab shards
     d_hidden = chunking.write_fresh(d_hidden, dh_rows, start, fresh)
-    return (d_hidden, d_weight + head.weight_grad(h, d, vocab_dim), d_bias), outputs
+    return (d_hidden, d_weight + head.weight_grad(h, d, vocab_dim), d_bias, d), outputs
 
   carry = None
   if with_grads:
     # d hidden's rows arrive summed over the vocab shards, so it varies like hidden; the
     # d weight and d bias sums vary like every input together (reduced at the end).
-    d_weight, d_bias = plumbing.unify_varying(
+    # (the group's d varies like them too)
+    d_weight, d_bias, d_group = plumbing.unify_varying(
         (jnp.zeros(weight.shape, dtype), None if bias is None else jnp.zeros(bias.shape, dtype),
-         hidden, weight, *tokens[:3]), config.vocab_axis)[:2]
-    carry = (jnp.zeros_like(hidden), d_weight, d_bias)
+         jnp.zeros((group, num_columns), operand_dtype), hidden, weight, *tokens[:3]),
+        config.vocab_axis)[:3]
+    carry = (jnp.zeros_like(hidden), d_weight, d_bias, d_group)
   n_groups = chunking.num_chunks(padded, group)
   carry, (loss, logp, *entropy) = lax.scan(group_step, carry, jnp.arange(n_groups))
   logp = chunking.unchunk(logp, padded)[:num_tokens]
@@ -122,7 +123,7 @@ def _run(objective, hidden, weight, bias, tokens, token_args, config, with_grads
   out = (jnp.sum(loss), (logp, entropy))
   if not with_grads:
     return out, None
-  d_hidden, d_weight, d_bias = carry
+  d_hidden, d_weight, d_bias, _ = carry
   grads = (d_hidden[:num_tokens], d_weight.astype(primals[1].dtype),
            None if d_bias is None else d_bias.astype(primals[2].dtype))
   # Zero-size slices carry each primal's type over shard_map axes to the backward, which

@@ -17,7 +17,7 @@
    the planner's), with XLA's compiled memory plan; ``objective-trace``: the planned one at
    ``--tokens`` under the profiler.
 
-    python -m scripts.gpu_head_profile                 # on a Hopper GPU: JSON to $OUT
+    python -m scripts.gpu_head_profile                 # on a Hopper GPU: JSON to $OUT (or bench/out)
     python -m scripts.gpu_head_profile --tiny          # anywhere: small shapes, a smoke test
 
 Median ms of ``--repeats`` calls (bench.timing). Prints a table last.
@@ -286,7 +286,9 @@ def main():
     rows += trace(args.tokens, dim, columns, 30, path="objective")
   report = dict(device=jax.devices()[0].device_kind, jax=jax.__version__,
                 commit=os.environ.get("JAXCE_COMMIT", "unknown"), V=columns, D=dim, rows=rows)
-  with open(os.path.join(os.environ.get("OUT", "."), "head_profile.json"), "w") as f:
+  out = os.environ.get("OUT", "bench/out")  # (bench/out: ignored by git)
+  os.makedirs(out, exist_ok=True)
+  with open(os.path.join(out, "head_profile.json"), "w") as f:
     json.dump(report, f, indent=1)
   plain = {r["N"]: r["tflops"] for r in rows if r["piece"].startswith("plain Mosaic")
            and r.get("ms")}

@@ -256,12 +256,12 @@ def test_fused_objective_runs_three_matmuls_general_path_four():
 def test_fused_objective_memory_is_flat_in_tokens(monkeypatch):
   """XLA's compiled plan of value and gradients: no [T, V] buffer, and 4x the tokens add
   no more than 4x the d hidden output's growth (the rest is the f32 [D, V] d W sum, one
-  chunk's rows and one group's d logits, the same at any T: a 4 MiB group here, on every
-  platform)."""
-  dim, columns, chunk = 32, 4096, 64
+  chunk's rows and one group's d logits, the same at any T: groups of 2 chunks here, on
+  every platform; on GPUs also cuBLAS's 32 MiB workspace)."""
+  dim, columns, chunk = 32, 16384, 64
   objective = OBJECTIVES["grpo"]
   for platform in ("gpu", "cpu"):
-    monkeypatch.setitem(jaxce.plan.LINEAR_OBJECTIVE_GRAD_BYTES, platform, 4 * 2**20)
+    monkeypatch.setitem(jaxce.plan.LINEAR_OBJECTIVE_GRAD_BYTES, platform, 8 * 2**20)
 
   def temp_bytes(tokens):
     shapes = [jax.ShapeDtypeStruct((tokens, dim), jnp.float32),

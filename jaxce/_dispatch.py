@@ -19,8 +19,8 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from jaxce import _checks, _options, _sharded, keep as keep_mod, plan
-from jaxce._kernels import linear, linear_kept_ids, linear_token_loss, logits, softmax
-from jaxce._kernels import mosaic_reciprocal, token_loss, triton_reciprocal
+from jaxce._kernels import linear, linear_kept_ids, linear_token_loss, logits, logits_kept_ids
+from jaxce._kernels import loss_terms, mosaic_reciprocal, softmax, token_loss, triton_reciprocal
 from jaxce._kernels.config import Config, KeptIds, Tokens
 
 
@@ -79,7 +79,9 @@ def run(op: Operation, operands, labels, request: _options.Request, *, objective
   if mesh is None:
     return _shard(op, options, objective, operands, labels, request.temperature, request.where,
                   keep, token_args, vocab_axis)
-  if isinstance(keep, KeptIds):  # (packed over the global columns, then split)
+  if isinstance(keep, KeptIds) and _sharded.token_axes(token_entries):
+    # (tokens split too: packed over the global columns, then split like the logits; else
+    # every shard gets all the ids and takes its columns' ones)
     num_columns = operands[1].shape[options.vocab_dim] if op.fused else operands[0].shape[-1]
     keep = keep_mod.pack_ids(keep, num_columns, shape=labels.shape)
   if keep is not None:  # split like the tokens and, 32 columns a word, like the vocabulary
@@ -93,7 +95,8 @@ def _on_mesh(op, options, objective, operands, labels, request, token_args, mesh
   """``_shard`` in ``shard_map`` over ``mesh``: the operands split over the vocabulary
   (and the tokens), every per-token array (labels, array ``temperature`` / ``where``
   broadcast to the labels' shape, the objective's ``token_args``) split like the labels,
-  and the kept sets (``operands``' last, when given) like both."""
+  and the kept sets (``operands``' last, when given) like both, or kept ids whole on
+  every shard."""
   token_arrays = {"labels": labels}
   scalars = {}
   for name in ("temperature", "where"):
@@ -104,7 +107,7 @@ def _on_mesh(op, options, objective, operands, labels, request, token_args, mesh
     else:
       scalars[name] = value
   token_arrays.update({f"arg{k}": a for k, a in enumerate(token_args)})
-  keep_spec = P(*token_entries, vocab_axis)
+  keep_spec = P() if isinstance(operands[-1], KeptIds) else P(*token_entries, vocab_axis)
   if op.fused:
     bias = operands[2]
     arrays = operands[:2] + (() if bias is None else (bias,))
@@ -190,14 +193,19 @@ def _shard(op, options, objective, operands, labels, temperature, where, keep, t
     kept = None if keep is None else keep.reshape(num_tokens, keep.shape[-1])
   tokens = Tokens(labels.reshape(-1).astype(jnp.int32), inv_temp.reshape(-1), valid.reshape(-1),
                   kept)
+  kept_ids_kernel = (linear_kept_ids if op.fused else logits_kept_ids).logprobs_entropy
   if not op.is_objective:
-    kernel = linear_kept_ids.logprobs_entropy if shard_plan.kept_ids else op.kernel
+    kernel = kept_ids_kernel if shard_plan.kept_ids else op.kernel
     out = kernel(*flat, tokens, config)
     return out[0].reshape(labels.shape), (out[1].reshape(labels.shape) if with_entropy
                                           else None)
   flat_args = tuple(lax.stop_gradient(jnp.broadcast_to(a, labels.shape).reshape(-1))
                     for a in token_args)
-  loss, (logp, entropy) = op.kernel(objective, *flat, tokens, flat_args, config)
+  if shard_plan.kept_ids:  # the per-token kept-ids kernel under autodiff
+    loss, (logp, entropy) = loss_terms.per_token_loss(objective, kept_ids_kernel, flat, tokens,
+                                                      flat_args, config)
+  else:
+    loss, (logp, entropy) = op.kernel(objective, *flat, tokens, flat_args, config)
   logp = lax.stop_gradient(logp.reshape(labels.shape))
   return loss, (logp, None if entropy is None else lax.stop_gradient(entropy.reshape(labels.shape)))
 

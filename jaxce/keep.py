@@ -16,9 +16,9 @@ ids).
 
 A sampler's kept sets are small (a few ids per token): :func:`from_csr` takes them as
 kept ids (vLLM's sampling masks) and ``keep=`` takes the :class:`KeptIds` it returns as
-they are. The fused per-token path (``linear_logprobs_and_entropy``) then computes only
-the kept columns' logits, a fraction of the head's cost; every other function packs them
-into words first (:func:`pack_ids`; ``jaxce.plan.of`` says which).
+they are. Every function then computes only the kept columns' logits (on the fused head a
+fraction of its cost), unless the sets are large or the call batch-invariant: then they
+are packed into words first (:func:`pack_ids`; ``jaxce.plan.of`` says which).
 
 Example:
   >>> import jax.numpy as jnp
@@ -105,8 +105,8 @@ def from_csr(token_ids, offsets) -> KeptIds:
     offsets: ``int [T + 1]``, nondecreasing from 0.
 
   Returns:
-    A :class:`KeptIds` for ``keep=`` (every function; the fused per-token path then
-    computes only the kept columns' logits) or for :func:`pack_ids`. Memory: ``[N]``
+    A :class:`KeptIds` for ``keep=`` (every function, which then computes only the kept
+    columns' logits) or for :func:`pack_ids`. Memory: ``[N]``
     arrays.
 
   Raises:

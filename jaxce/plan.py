@@ -85,9 +85,9 @@ LINEAR_KERNEL_GRAD_BYTES = 576 * 2**20
 LINEAR_KERNEL_MIN_BLOCK, LINEAR_KERNEL_MAX_BLOCK = 4096, 8448
 LINEAR_KERNEL_BLOCK_PASS = 2.7e-4
 
-# Kept ids (jaxce.keep.from_csr) on the fused per-token path: only the kept columns'
-# logits when their entries (and the labels) are at most this fraction of the T x V_local
-# logits; above it, the whole head on packed words.
+# Kept ids (jaxce.keep.from_csr), every path: only the kept columns' logits when their
+# entries (and the labels) are at most this fraction of the T x V_local logits; above it,
+# the whole rows (or head) on packed words.
 KEPT_IDS_FRACTION = 1 / 8
 
 # Batch-invariant fused paths: (rows, columns) of every forward hidden @ weight matmul,
@@ -451,16 +451,16 @@ def make(operation: str, *, target: Target, implementation: str | None, num_toke
 
 def kept_ids_unsupported(operation: str, num_tokens: int, num_columns: int, num_kept_ids: int,
                          batch_invariant: bool) -> str | None:
-  """Why a call with kept ids packs them into words (a sentence), or None when the fused
-  per-token path computes only their columns: ``N + T`` entries (the labels count) at
-  most ``KEPT_IDS_FRACTION`` of the ``T x V_local`` logits."""
-  if operation != "linear_logprobs_and_entropy":
-    return f"{operation} takes kept sets as packed words"
+  """Why a call with kept ids packs them into words (a sentence), or None when it computes
+  only their columns' logits (every operation; the objectives through the per-token
+  kept-ids kernels): ``N + T`` entries (the labels count) at most ``KEPT_IDS_FRACTION`` of
+  the ``T x V_local`` logits."""
   if batch_invariant:
     return "batch_invariant=True takes kept sets as packed words (exact sums)"
   if (num_kept_ids + num_tokens) > KEPT_IDS_FRACTION * num_tokens * num_columns:
+    whole = "head" if operation.startswith("linear") else "rows"
     return (f"{num_kept_ids} kept ids for {num_tokens} tokens over {num_columns} columns: "
-            "the whole head costs less")
+            f"the whole {whole} cost less")
   return None
 
 

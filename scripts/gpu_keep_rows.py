@@ -1,10 +1,10 @@
 """Kept-set rows (``keep=``) on a GPU: the fused and logits paths' fwd+bwd with a
 top-p-like mask (about 5 % of the vocabulary kept per token, random per token) against the
-same call without ``keep`` in the same process, with XLA's compiled memory plan; and the
-fused path with a sampler's kept ids (``jaxce.keep.from_csr``; set sizes as prime-rl
-measured them: ~46 % singletons, median 2, mean ~6, a tail to a few hundred), in both
-weight layouts, against the same sets as packed words (``kept_ids_*`` rows; the largest
-difference of their log-probs and entropies is in the summary).
+same call without ``keep`` in the same process, with XLA's compiled memory plan; and both
+paths with a sampler's kept ids (``jaxce.keep.from_csr``; set sizes as prime-rl measured
+them: ~46 % singletons, median 2, mean ~6, a tail to a few hundred), the fused path in
+both weight layouts, against the same sets as packed words (``kept_ids_*`` rows; the
+largest difference of their log-probs and entropies is in the summary).
 
     python -m scripts.gpu_keep_rows                      # JSON lines, and $OUT/keep_rows.json
     python -m scripts.gpu_keep_rows --tokens 1024 --vocab 4096 --dim 256   # small
@@ -69,6 +69,14 @@ def main():
   row("logits", "default", per_token, (logits,), labels[:n], cot[:, :n])
   row("logits", "xla", per_token, (logits,), labels[:n], cot[:, :n], implementation="xla")
   row("logits", "keep", per_token, (logits,), labels[:n], cot[:, :n], keep=keep[:n])
+  logits_kept = _kept_ids(p["key"], sizes[:n], labels[:n], v)
+  logits_words = jaxce.keep.pack_ids(logits_kept, v, shape=(n,))
+  row("logits", "kept_ids", per_token, (logits,), labels[:n], cot[:, :n], keep=logits_kept)
+  row("logits", "kept_ids_as_words", per_token, (logits,), labels[:n], cot[:, :n],
+      keep=logits_words)
+  sparse, dense = (jax.jit(lambda k: per_token(logits, labels[:n], keep=k))(k)
+                   for k in (logits_kept, logits_words))
+  logits_difference = max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(sparse, dense))
   by = {(r["path"], r["variant"]): r for r in rows}
   summary = dict(device=jax.devices()[0].device_kind, jax=jax.__version__,
                  commit=os.environ.get("JAXCE_COMMIT", "unknown"), kept_fraction=args.kept,
@@ -76,10 +84,13 @@ def main():
                  kept_ids_median=float(jnp.median(sizes)),
                  kept_ids_p99=float(jnp.percentile(sizes, 99)),
                  kept_ids_singletons=float(jnp.mean(sizes == 1)),
-                 kept_ids_vs_words_max_difference=kept_ids_difference)
-  for variant in ("kept_ids", "kept_ids_vd", "kept_ids_as_words"):
-    summary[f"fused_{variant}_over_default"] = by[("fused", variant)]["fwd_bwd_ms"] / by[
-        ("fused", "default")]["fwd_bwd_ms"]
+                 kept_ids_vs_words_max_difference=kept_ids_difference,
+                 logits_kept_ids_vs_words_max_difference=logits_difference)
+  for path, variants in (("fused", ("kept_ids", "kept_ids_vd", "kept_ids_as_words")),
+                         ("logits", ("kept_ids", "kept_ids_as_words"))):
+    for variant in variants:
+      summary[f"{path}_{variant}_over_default"] = by[(path, variant)]["fwd_bwd_ms"] / by[
+          (path, "default")]["fwd_bwd_ms"]
   for path in ("fused", "logits"):
     keep_row = by[(path, "keep")]
     summary[f"{path}_keep_over_default"] = keep_row["fwd_bwd_ms"] / by[(path, "default")][

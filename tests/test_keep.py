@@ -269,16 +269,136 @@ def test_kept_ids_everywhere_as_the_packed_words(path):
 
 
 def test_the_planner_picks_kept_ids_by_their_number():
+  """Every operation takes few kept ids as they are, many (or batch-invariant calls) as
+  packed words, and says why."""
   p = _sparse_problem(13)
-  arrays = (jnp.asarray(p["hidden"]), jnp.asarray(p["weight"]), p["labels"])
-  fused = jaxce.linear_logprobs_and_entropy
-  small = jaxce.plan.of(fused, *arrays, keep=p["kept_ids"])
-  assert small.kept_ids and "only their columns' logits" in small.reason
+  x, h, w = (jnp.asarray(p[k]) for k in ("logits", "hidden", "weight"))
+  adv, objective = p["cot"][0], lambda lp, ent, a: -a * lp
+  calls = {
+      "fused": lambda **k: jaxce.linear_logprobs_and_entropy(h, w, p["labels"], **k),
+      "logits": lambda **k: jaxce.logprobs_and_entropy(x, p["labels"], **k),
+      "token_loss": lambda **k: jaxce.token_loss(objective, x, p["labels"], adv, **k),
+      "linear_token_loss": lambda **k: jaxce.linear_token_loss(objective, h, w, p["labels"],
+                                                               adv, **k),
+  }
   everything = _kept_ids(np.ones((T, V), bool), np.random.default_rng(0))
-  assert not jaxce.plan.of(fused, *arrays, keep=everything).kept_ids
-  assert not jaxce.plan.of(fused, *arrays, keep=p["kept_ids"], batch_invariant=True).kept_ids
-  assert not jaxce.plan.of(jaxce.logprobs_and_entropy, jnp.asarray(p["logits"]), p["labels"],
-                           keep=p["kept_ids"]).kept_ids
+  for name, call in calls.items():
+    small = jaxce.plan.of(call, keep=p["kept_ids"])
+    assert small.kept_ids and "only their columns' logits" in small.reason, name
+    many = jaxce.plan.of(call, keep=everything)
+    assert not many.kept_ids and "cost less" in many.reason, name
+    invariant = jaxce.plan.of(call, keep=p["kept_ids"], batch_invariant=True)
+    assert not invariant.kept_ids and "exact sums" in invariant.reason, name
+
+
+@pytest.mark.parametrize("chunk_size", [None, 5])
+def test_kept_ids_on_the_logits_path(chunk_size):
+  """Only the kept entries of the logits read: against the float64 reference (values and
+  gradients, the one-kept token's zeros, a label outside its set finite, no gradient
+  outside the kept columns and the labels), per-token temperature, padded vocabulary."""
+  p = _sparse_problem(15)
+  options = dict(temperature=p["temperature"], where=p["where"], vocab_size=VOCAB)
+  fn = lambda x: jaxce.logprobs_and_entropy(x, p["labels"], keep=p["kept_ids"],
+                                            chunk_size=chunk_size, **options)
+  ref = lambda x: reference.logprobs_and_entropy(x, p["labels"], keep=p["keep"], **options)
+  x = jnp.asarray(p["logits"])
+  assert jaxce.plan.of(fn, x).kept_ids
+  (logp, entropy), (grad,) = _check(fn, ref, (x,), p["cot"], (0,))
+  assert abs(float(logp[1])) < 1e-12 and abs(float(entropy[1])) < 1e-12
+  touched = (p["mask"] | (np.arange(V) == p["labels"][:, None])) & p["where"][:, None]
+  assert np.all(np.asarray(grad)[~touched] == 0)
+
+
+@pytest.mark.parametrize("path", ["token_loss", "linear_token_loss"])
+def test_kept_ids_on_the_objective_paths(path):
+  """The objective over kept ids (the per-token kept-ids kernel under autodiff): loss and
+  every gradient against the float64 reference on the same sets; a NaN token argument at
+  ignored tokens reaches no gradient."""
+  p = _sparse_problem(16)
+  objective = lambda lp, ent, a: -a * jnp.exp(lp - jax.lax.stop_gradient(lp)) - 0.02 * ent
+  adv = np.where(p["where"], p["cot"][0], np.nan)
+  options = dict(temperature=p["temperature"], where=p["where"], vocab_size=VOCAB)
+  valid = p["where"] & (p["labels"] >= 0)
+
+  def reference_loss(*arrays):
+    if path == "token_loss":
+      logp, ent = reference.logprobs_and_entropy(*arrays, p["labels"], keep=p["keep"], **options)
+    else:
+      logp, ent = reference.linear_logprobs_and_entropy(*arrays, p["labels"], keep=p["keep"],
+                                                        **options)
+    return jnp.sum(jnp.where(valid, objective(logp, ent, jnp.where(valid, adv, 0)), 0))
+
+  def loss(*arrays):
+    fn = jaxce.token_loss if path == "token_loss" else jaxce.linear_token_loss
+    return fn(objective, *arrays, p["labels"], adv, keep=p["kept_ids"], **options)[0]
+
+  arrays = ((jnp.asarray(p["logits"]),) if path == "token_loss" else
+            (jnp.asarray(p["hidden"]), jnp.asarray(p["weight"])))
+  assert jaxce.plan.of(loss, *arrays).kept_ids
+  argnums = tuple(range(len(arrays)))
+  got = jax.jit(jax.value_and_grad(loss, argnums))(*arrays)
+  want = jax.value_and_grad(reference_loss, argnums)(*arrays)
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    assert np.all(np.isfinite(np.asarray(g)))
+    assert_close(g, w, 1e-10, path)
+
+
+@pytest.mark.parametrize("path,shards", [("logits", 1), ("logits", 2), ("linear", 4),
+                                         ("linear", 8), ("token_loss", 2),
+                                         ("linear_token_loss", 4)])
+def test_kept_ids_sharded_equal_one_device(path, shards):
+  """``sharded_*`` with kept ids (every shard gets them all and takes its columns' ones,
+  several ids at the shards' edges): the one-device numbers, values and gradients."""
+  tokens, columns = 8, 2048  # 256 columns a shard at 8 shards
+  p = _problem(17, columns=columns, tokens=tokens)
+  rng = np.random.default_rng(3)
+  mask = rng.random((tokens, columns)) < 2 / columns
+  edges = np.arange(0, columns, columns // 8)
+  mask[:, edges] = mask[:, edges - 1] = True  # ids at every shard's first and last column
+  mask[np.arange(tokens), p["labels"]] = True
+  mask[1] = False
+  mask[1, p["labels"][1]] = True  # one kept token: the label
+  mask[2, p["labels"][2]] = False  # a label outside its kept set
+  kept_ids = _kept_ids(mask, rng)
+  mesh = Mesh(np.array(devices(shards)), ("v",))
+  objective = lambda lp, ent, a: -a * lp - 0.01 * ent
+  adv = p["cot"][0, :tokens]
+  kw = dict(keep=kept_ids, temperature=p["temperature"][:tokens], vocab_size=columns - 8)
+  sharded = dict(mesh=mesh, vocab_axis="v")
+  x, h, w = (jnp.asarray(p[k]) for k in ("logits", "hidden", "weight"))
+  labels = p["labels"]
+  calls = {
+      "logits": ((x,), lambda x, **s: (jaxce.sharded_logprobs_and_entropy if s else
+                                       jaxce.logprobs_and_entropy)(x, labels, **kw, **s)),
+      "linear": ((h, w), lambda h, w, **s: (jaxce.sharded_linear_logprobs_and_entropy if s else
+                                            jaxce.linear_logprobs_and_entropy)(
+                                                h, w, labels, **kw, **s)),
+      "token_loss": ((x,), lambda x, **s: (jaxce.sharded_token_loss if s else jaxce.token_loss)(
+          objective, x, labels, adv, **kw, **s)[1:] + ((jaxce.sharded_token_loss if s else
+                                                        jaxce.token_loss)(
+              objective, x, labels, adv, **kw, **s)[0],)),
+      "linear_token_loss": ((h, w), lambda h, w, **s: (
+          jaxce.sharded_linear_token_loss if s else jaxce.linear_token_loss)(
+              objective, h, w, labels, adv, **kw, **s)[:1] + (None,)),
+  }
+  arrays, call = calls[path]
+  cot = jnp.asarray(p["cot"][:, :tokens])
+
+  def value(f):
+    def loss(*a):
+      out = f(*a)
+      if path == "linear_token_loss":
+        return out[0]
+      if path == "token_loss":
+        return out[1] + jnp.sum(cot[0] * out[0][0])
+      return jnp.sum(cot[0] * out[0]) + jnp.sum(cot[1] * out[1])
+    return jax.jit(jax.value_and_grad(loss, tuple(range(len(arrays)))))
+
+  one = value(call)(*arrays)
+  split = value(lambda *a: call(*a, **sharded))(*arrays)
+  assert jaxce.plan.of(lambda *a: call(*a, **sharded), *arrays).kept_ids
+  for a, b in zip(jax.tree.leaves(one), jax.tree.leaves(split)):
+    assert_close(b, a, 1e-10, f"{path}, {shards} shards")
 
 
 @pytest.mark.parametrize("path,shards", [("logits", 2), ("linear", 4), ("linear", 8)])
@@ -369,6 +489,28 @@ def test_no_tokens_by_vocab_mask_in_the_compiled_plan():
   sizes = [np.prod([int(d) for d in dims.split(",")]) for dims in re.findall(r"\[([\d,]+)\]",
                                                                                text)]
   assert max(sizes) < tokens * columns // 4, max(sizes)
+
+
+def test_kept_ids_hold_no_tokens_by_vocab_buffer():
+  """XLA's compiled plans with kept ids: the fused objective's value and gradients, and
+  the logits path's forward, hold no temporary near ``T x V`` (f32: 1/16 of it at most;
+  the logits path's gradient is its output)."""
+  tokens, columns, dim = 4096, 4096, 32
+  kept = jaxce.keep.from_csr(jnp.arange(4 * tokens) % columns,
+                             jnp.arange(tokens + 1) * 4)
+  labels = jnp.zeros((tokens,), jnp.int32)
+  objective = lambda lp, ent, a: -a * lp - 0.01 * ent
+  h = jax.ShapeDtypeStruct((tokens, dim), jnp.float32)
+  w = jax.ShapeDtypeStruct((dim, columns), jnp.float32)
+  x = jax.ShapeDtypeStruct((tokens, columns), jnp.float32)
+  adv = jnp.ones((tokens,))
+  fused = jax.jit(jax.value_and_grad(lambda h, w: jaxce.linear_token_loss(
+      objective, h, w, labels, adv, keep=kept)[0], (0, 1)))
+  forward = jax.jit(lambda x: jaxce.logprobs_and_entropy(x, labels, keep=kept))
+  for fn, args in ((fused, (h, w)), (forward, (x,))):
+    assert jaxce.plan.of(fn, *args).kept_ids
+    temp = fn.lower(*args).compile().memory_analysis().temp_size_in_bytes
+    assert temp < 4 * tokens * columns // 16, temp
 
 
 # --- the helpers against NumPy -------------------------------------------------------------

@@ -90,8 +90,9 @@ class Plan(NamedTuple):
     invariant_to: what the call's per-token bits do not depend on (``jaxce.plan.
       invariances``): some of ``"tokens"``, ``"chunking"``, ``"differentiation"``,
       ``"constants"``, ``"shards"``; empty where nothing is promised.
-    kept_ids: the fused per-token path computes only the kept columns' logits
-      (``linear_kept_ids``); else kept ids, if any, are packed into words first.
+    kept_ids: the call computes only the kept columns' logits (``linear_kept_ids``,
+      ``logits_kept_ids``; an objective through them under autodiff); else kept ids, if
+      any, are packed into words first.
   """
   backend: Backend
   reason: str

@@ -1,21 +1,13 @@
 """The fused LM-head path over kept ids: log-prob and entropy of the softmax renormalized
-over each token's kept set ``S_t``, computing only the logits of ``S_t`` and the label.
+over each token's kept set ``S_t``, computing only the logits of ``S_t`` and the label
+(``kept_entries``: the maths, the entries and their statistics).
 
-With kept ids (``jaxce.keep.from_csr``) a token's outputs involve its kept columns alone:
-
-    z_v = softcap(h_t · W[:, v] + b_v) / T_t   for v in S_t ∪ {y_t}
-    logp = z_y - m - log s,  s = Σ_v exp(z_v - m),  H = log s - Σ_v exp(z_v - m)(z_v - m) / s
-
-so the forward costs ``O((Σ_t |S_t| + T) · D)``, not ``O(T · V · D)``, and the gradient
-reaches only those columns. The entries (a kept id and its token; the label of each
-token is one more entry, and a kept id equal to its token's label is dropped, so the
-label counts once, kept or not) are walked in blocks of ``BLOCK``: each block gathers
-its hidden rows and weight columns (``[BLOCK, D]`` each) and forms its logits, f32
-``[N]`` in all; the per-token statistics are segment reductions over them, combined over
-the vocab shards (each shard owns the ids in its column range) with one pmax and one
-psum. The backward forms each entry's ``d z`` from the saved statistics and accumulates
-``d hidden`` (f32 ``[T, D]``), ``d weight`` and ``d bias`` (f32, like the weight) by
-segment sums over the blocks.
+The forward costs ``O((Σ_t |S_t| + T) · D)``, not ``O(T · V · D)``, and the gradient
+reaches only those columns. The entries are walked in blocks of ``BLOCK``: each block
+gathers its hidden rows and weight columns (``[BLOCK, D]`` each) and forms its logits,
+``z = softcap(h_t · W[:, v] + b_v) / T_t``, f32 ``[N]`` in all. The backward forms each
+entry's ``d z`` from the saved statistics and accumulates ``d hidden`` (f32 ``[T, D]``),
+``d weight`` and ``d bias`` (f32, like the weight) by segment sums over the blocks.
 
 Memory: the entries' f32 logits ``[N + T]``, two ``[BLOCK, D]`` gathers at a time; the
 backward's f32 ``d hidden`` and ``d weight`` accumulators (the gradients' size in f32).
@@ -28,7 +20,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxce._kernels import head, plumbing, softmax
+from jaxce._kernels import head, kept_entries, plumbing
 from jaxce._kernels.config import Config, KeptIds, Tokens
 
 BLOCK = 4096  # entries per gather: two [BLOCK, D] operand-dtype arrays
@@ -41,31 +33,6 @@ def logprobs_entropy(hidden, weight, bias, tokens: Tokens, config: Config):
   ``(logp, entropy)`` in the compute dtype; differentiable in ``hidden``, ``weight`` and
   ``bias``. Memory: see the module."""
   return _jitted(hidden, weight, bias, tokens, config=config)
-
-
-def _entries(tokens, num_columns, config):
-  """``(column, token, is_label, active)`` ``[N + T]`` each, padded to a multiple of
-  ``BLOCK``: the local column of every kept id on this shard (dropping those equal to
-  their token's label, those beyond the logical vocabulary and those of ignored tokens),
-  then each token's label (on the shard that owns it)."""
-  ids, token = tokens.kept
-  num_tokens = tokens.labels.shape[0]
-  shard_start = softmax.shard_column_start(num_columns, config.vocab_axis)
-  limit = num_columns if config.mask_vocab is None else config.mask_vocab - shard_start
-  safe_token = jnp.clip(token, 0, num_tokens - 1)
-  column = ids - shard_start
-  kept = ((ids >= 0) & (token >= 0) & (token < num_tokens) & (column >= 0)
-          & (column < jnp.minimum(num_columns, limit)) & (ids != tokens.labels[safe_token])
-          & tokens.valid[safe_token])
-  label_column = tokens.labels - shard_start
-  owns_label = tokens.valid & (label_column >= 0) & (label_column < num_columns)
-  column = jnp.concatenate([jnp.where(kept, column, 0), jnp.where(owns_label, label_column, 0)])
-  token = jnp.concatenate([safe_token, jnp.arange(num_tokens, dtype=safe_token.dtype)])
-  is_label = jnp.concatenate([jnp.zeros_like(kept), jnp.ones_like(owns_label)])
-  active = jnp.concatenate([kept, owns_label])
-  size = -(-column.shape[0] // BLOCK) * BLOCK
-  pad = lambda a: jnp.pad(a, (0, size - a.shape[0]))
-  return pad(column), pad(token), pad(is_label), pad(active)
 
 
 def _blocks(*arrays):
@@ -81,9 +48,9 @@ def _weight_columns(weight, column, vocab_dim):
 
 
 def _logits(hidden, weight, bias, tokens, entries, config):
-  """``(z, x)``, f32 ``[size]`` each: every entry's scaled logit ``z`` (``-inf``-free:
-  inactive entries hold 0) and its capped logit ``x`` before the temperature."""
-  column, token, _, active = entries
+  """``(z, x)``, f32 ``[size]`` each: every entry's scaled logit ``z``
+  (``kept_entries.scaled``) and its capped logit ``x`` before the temperature."""
+  column, token, _, _ = entries
   operand_dtype, dtype = head.dtypes(hidden, weight)
 
   def block(_, arrays):
@@ -97,25 +64,7 @@ def _logits(hidden, weight, bias, tokens, entries, config):
 
   _, x = lax.scan(block, None, _blocks(column, token))
   x = x.reshape(-1)
-  z = jnp.where(active, x * tokens.inv_temp[token].astype(dtype), 0)
-  return z, x
-
-
-def _statistics(z, entries, num_tokens, config):
-  """``(m, log s, entropy or None, picked)`` ``[T]`` over every shard's entries."""
-  _, token, is_label, active = entries
-  floor = jnp.finfo(z.dtype).min
-  m = jax.ops.segment_max(jnp.where(active, z, floor), token, num_tokens)
-  m = jnp.maximum(m, floor)  # (a token with no entry here: finfo.min, never -inf)
-  shifted = z - m[token]
-  e = jnp.where(active, jnp.exp(shifted), 0)
-  s = jax.ops.segment_sum(e, token, num_tokens)
-  q = (jax.ops.segment_sum(e * jnp.where(active, shifted, 0), token, num_tokens)
-       if config.with_entropy else None)
-  picked = jax.ops.segment_sum(jnp.where(is_label & active, z, 0), token, num_tokens)
-  m, s, q, picked = softmax.combine_shards(m, s, q, picked, config.vocab_axis)
-  log_s, entropy = softmax.finish_statistics(jnp.where(s > 0, s, 1), q)
-  return m, log_s, entropy, picked
+  return kept_entries.scaled(x, tokens, entries), x
 
 
 def _forward(hidden, weight, bias, tokens, config):
@@ -125,13 +74,10 @@ def _forward(hidden, weight, bias, tokens, config):
       (hidden, weight, bias, tokens.labels, tokens.inv_temp, tokens.valid, *tokens.kept),
       config.vocab_axis)
   tokens = Tokens(*arrays[:3], KeptIds(*arrays[3:]))
-  entries = _entries(tokens, weight.shape[config.vocab_dim], config)
+  entries = kept_entries.entries(tokens, weight.shape[config.vocab_dim], config, BLOCK)
   z, _ = _logits(hidden, weight, bias, tokens, entries, config)
-  m, log_s, entropy, picked = _statistics(z, entries, num_tokens, config)
-  logp, entropy_out = softmax.finish_outputs((picked - m) - log_s, entropy, outer.labels,
-                                             outer.valid, config.vocab_size)
-  out = (logp,) + ((entropy_out,) if config.with_entropy else ())
-  return out, (m, log_s, entropy)
+  return kept_entries.outputs(kept_entries.statistics(z, entries, num_tokens, config), outer,
+                              config)
 
 
 @plumbing.custom_vjp("config")
@@ -162,17 +108,11 @@ def _bwd(config, residuals, cotangents):
   m, log_s, *rest = arrays[5:]
   entropy = rest[0] if rest else None
   num_columns = weight.shape[config.vocab_dim]
-  entries = _entries(tokens, num_columns, config)
-  column, token, is_label, active = entries
+  entries = kept_entries.entries(tokens, num_columns, config, BLOCK)
+  column, token, _, active = entries
   z, x = _logits(hidden, weight, bias, tokens, entries, config)
   dtype = z.dtype
-  log_p = z - m[token] - log_s[token]
-  p = jnp.exp(log_p)
-  dz = jnp.zeros_like(z)
-  if g_logp is not None:
-    dz = dz + g_logp[token].astype(dtype) * (is_label.astype(dtype) - p)
-  if g_entropy is not None:
-    dz = dz - g_entropy[token].astype(dtype) * p * (log_p + entropy[token])
+  dz = kept_entries.logit_grad(z, entries, (m, log_s, entropy), g_logp, g_entropy)
   valid = active & tokens.valid[token]
   dx = head.logits_input_grad(dz[:, None], tokens.inv_temp[token], x[:, None], config.softcap,
                               valid)[:, 0]
@@ -188,7 +128,8 @@ def _bwd(config, residuals, cotangents):
                 else d_weight.at[:, column].add(update.T))
     return (d_hidden, d_weight), None
 
-  start = (jnp.zeros(hidden.shape, dtype), jnp.zeros(weight.shape, dtype))
+  # (zeros_like: the sums vary like every input together over shard_map axes)
+  start = (jnp.zeros_like(hidden, dtype), jnp.zeros_like(weight, dtype))
   (d_hidden, d_weight), _ = lax.scan(block, start, _blocks(column, token, dx))
   if config.vocab_axis is not None:
     d_hidden = lax.psum(d_hidden, config.vocab_axis)

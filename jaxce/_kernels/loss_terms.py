@@ -28,3 +28,17 @@ def terms_and_cotangents(objective, logp, entropy, token_args, row_mask, with_gr
   g_logp = jnp.where(row_mask, g_logp, 0).astype(logp.dtype)
   g_entropy = None if entropy is None else jnp.where(row_mask, g_entropy, 0).astype(logp.dtype)
   return loss, g_logp, g_entropy
+
+
+def per_token_loss(objective, per_token, operands, tokens, token_args, config):
+  """``(loss, (logp, entropy or None))`` of ``objective`` over the outputs of a per-token
+  kernel ``per_token(*operands, tokens, config)`` (the kept-ids kernels: their gradients
+  cost little, so autodiff through them serves), the loss differentiable in the operands.
+  Rows of ignored tokens reach the objective as 0 and get no cotangent (not ``0 * NaN``)."""
+  out = per_token(*operands, tokens, config)
+  logp, entropy = out[0], (out[1] if config.with_entropy else None)
+  row_mask = tokens.valid
+  masked = lambda v: jnp.where(row_mask, v, 0)
+  entropy_in = jnp.zeros_like(logp) if entropy is None else masked(entropy)
+  terms = objective(masked(logp), entropy_in, *token_args)
+  return jnp.sum(jnp.where(row_mask, terms, 0)), (logp, entropy)

@@ -50,8 +50,9 @@ def entries(tokens: Tokens, num_columns: int, config: Config, multiple: int = 1)
 
 
 def scaled(x, tokens: Tokens, entries_):
-  """``z``, f32 ``[size]``: each active entry's logit ``x`` (capped) over its token's
-  temperature; inactive entries hold 0 (never ``-inf``)."""
+  """``z`` ``[size]`` in ``x``'s dtype (the compute dtype): each active entry's logit
+  ``x`` (capped, on the fused head) over its token's temperature; inactive entries hold 0
+  (never ``-inf``)."""
   _, token, _, active = entries_
   return jnp.where(active, x * tokens.inv_temp[token].astype(x.dtype), 0)
 
@@ -84,7 +85,7 @@ def outputs(statistics_, tokens: Tokens, config: Config):
 
 
 def logit_grad(z, entries_, saved, g_logp, g_entropy):
-  """``d loss / d z`` of every entry, f32 ``[size]``, from the forward's ``saved``
+  """``d loss / d z`` of every entry, ``[size]`` like ``z``, from the forward's ``saved``
   ``(m, log s, entropy)`` and the cotangents (``[T]`` each, either may be None). The
   caller masks inactive entries and invalid tokens (after every factor)."""
   _, token, is_label, _ = entries_

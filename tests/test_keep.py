@@ -389,6 +389,96 @@ def test_kept_ids_sharded_equal_one_device(path, shards):
     assert_close(b, a, 1e-10, f"{path}, {shards} shards")
 
 
+@pytest.mark.parametrize("path,shards", [("logits", 2), ("linear", 4), ("linear", 8)])
+def test_sharded_equals_one_device(path, shards):
+  """The words split with the vocabulary (256 columns: 32 per shard at 8 shards)."""
+  p = _problem(5, columns=256, tokens=8)
+  mesh = Mesh(np.array(devices(shards)), ("v",))
+  kw = dict(keep=p["keep"], temperature=p["temperature"][:8], vocab_size=250)
+  if path == "logits":
+    arrays = (jnp.asarray(p["logits"]),)
+    local = lambda x: jaxce.logprobs_and_entropy(x, p["labels"], **kw)
+    sharded = lambda x: jaxce.sharded_logprobs_and_entropy(x, p["labels"], mesh=mesh,
+                                                           vocab_axis="v", **kw)
+  else:
+    arrays = (jnp.asarray(p["hidden"]), jnp.asarray(p["weight"]))
+    local = lambda h, w: jaxce.linear_logprobs_and_entropy(h, w, p["labels"], **kw)
+    sharded = lambda h, w: jaxce.sharded_linear_logprobs_and_entropy(
+        h, w, p["labels"], mesh=mesh, vocab_axis="v", **kw)
+  argnums = tuple(range(len(arrays)))
+  cot = jnp.asarray(p["cot"][:, :8])
+  both = lambda f: jax.jit(lambda *a: (f(*a), jax.grad(_weighted(f, cot), argnums)(*a)))
+  for a, b in zip(jax.tree.leaves(both(local)(*arrays)), jax.tree.leaves(both(sharded)(*arrays))):
+    assert_close(a, b, 1e-10, "outputs and grads")
+
+
+def test_inside_shard_map_and_explicitly_split():
+  p = _problem(6, columns=128, tokens=8)
+  x, keep, labels = jnp.asarray(p["logits"]), p["keep"], jnp.asarray(p["labels"])
+  want = jaxce.logprobs_and_entropy(x, labels, keep=keep)[0]
+  mesh = Mesh(np.array(devices(4)), ("v",))
+  inside = jax.shard_map(lambda x, k: jaxce.logprobs_and_entropy(x, labels, keep=k,
+                                                                 vocab_axis="v")[0],
+                         mesh=mesh, in_specs=(P(None, "v"), P(None, "v")), out_specs=P())
+  assert_close(inside(x, keep), want, 1e-10, "inside shard_map")
+  explicit = jax.make_mesh((4,), ("v",), axis_types=(jax.sharding.AxisType.Explicit,),
+                           devices=devices(4))
+  with jax.set_mesh(explicit):
+    split = lambda a: jax.device_put(a, NamedSharding(explicit, P(None, "v")))
+    got = jaxce.logprobs_and_entropy(split(x), labels, keep=split(keep))[0]
+  assert_close(got, want, 1e-10, "explicitly split")
+
+
+@pytest.mark.parametrize("keep,error,message", [
+    (lambda p: p["keep"].astype(jnp.int32), TypeError, "keep must be a uint32"),
+    (lambda p: p["keep"][:, :-1], ValueError, r"keep must have shape .* \(13, 4\)"),
+])
+def test_bad_keep_is_an_error(keep, error, message):
+  p = _problem()
+  with pytest.raises(error, match=message):
+    jaxce.logprobs_and_entropy(jnp.asarray(p["logits"]), p["labels"], keep=keep(p))
+
+
+def test_a_split_vocabulary_needs_shards_of_32_columns():
+  p = _problem(7, columns=96, tokens=4)
+  mesh = Mesh(np.array(devices(2)), ("v",))
+  with pytest.raises(ValueError, match="multiple of 32 columns, got 48"):
+    jaxce.sharded_logprobs_and_entropy(jnp.asarray(p["logits"]), p["labels"], mesh=mesh,
+                                       vocab_axis="v", keep=p["keep"])
+
+
+def test_the_planner_falls_back_to_xla_and_says_why(monkeypatch):
+  monkeypatch.setattr(jaxce.plan, "target", lambda *a, mesh=None: jaxce.plan.Target(
+      "gpu", "9.0", 132))
+  h = jax.ShapeDtypeStruct((512, 64), jnp.bfloat16)
+  w = jax.ShapeDtypeStruct((64, 256), jnp.bfloat16)
+  labels, keep = jax.ShapeDtypeStruct((512,), jnp.int32), jax.ShapeDtypeStruct((512, 8),
+                                                                              jnp.uint32)
+  assert jaxce.plan.of(jaxce.linear_logprobs_and_entropy, h, w, labels).backend == "mosaic"
+  got = jaxce.plan.of(jaxce.linear_logprobs_and_entropy, h, w, labels, keep=keep)
+  assert got.backend == "xla"
+  assert "not mosaic: a kept set (keep=) is not supported yet" in got.reason
+  assert "not triton: it does not take a kept set (keep=) yet" in got.reason
+  with pytest.raises(ValueError, match="triton.*does not take a kept set"):
+    jaxce.plan.of(jaxce.logprobs_and_entropy, jax.ShapeDtypeStruct((512, 256), jnp.bfloat16),
+                  labels, keep=keep, implementation="triton")
+
+
+def test_no_tokens_by_vocab_mask_in_the_compiled_plan():
+  """The fused fwd+bwd with a kept set holds the packed words, never a [T, V] mask."""
+  tokens, columns = 1024, 2048
+  h = jnp.zeros((tokens, 64), jnp.float32)
+  w = jnp.zeros((64, columns), jnp.float32)
+  labels = jnp.zeros((tokens,), jnp.int32)
+  keep = jnp.zeros((tokens, columns // 32), jnp.uint32)
+  loss = lambda h, w: jnp.sum(jaxce.linear_logprobs_and_entropy(
+      h, w, labels, keep=keep, chunk_size=128, vocab_block_size=256)[0])
+  text = jax.jit(jax.grad(loss, (0, 1))).lower(h, w).compile().as_text()
+  sizes = [np.prod([int(d) for d in dims.split(",")]) for dims in re.findall(r"\[([\d,]+)\]",
+                                                                               text)]
+  assert max(sizes) < tokens * columns // 4, max(sizes)
+
+
 def test_kept_ids_hold_no_tokens_by_vocab_buffer():
   """XLA's compiled plans with kept ids: the fused objective's value and gradients, and
   the logits path's forward, hold no temporary near ``T x V`` (f32: 1/16 of it at most;

@@ -156,8 +156,14 @@ def chunk_size(num_tokens: int, num_columns: int, requested: int | None,
     return cap  # one chunk: rounding it down would only add a step
   if cap >= 8:
     cap -= cap % 8
+  return _divisor_near(num_tokens, cap)
+
+
+def _divisor_near(total: int, cap: int) -> int:
+  """The largest divisor of ``total`` in ``[cap / 2, cap]``, else ``cap``: steps of that
+  size cover ``total`` with no ragged last step when one lies within a factor 2."""
   for size in range(cap, max(cap // 2, 1) - 1, -1):
-    if num_tokens % size == 0:
+    if total % size == 0:
       return size
   return cap
 
@@ -199,11 +205,7 @@ def linear_objective_grad_chunk(num_tokens: int, num_columns: int, chunk: int,
   whole_chunks = max(1, num_tokens // chunk)
   budget = LINEAR_OBJECTIVE_GRAD_BYTES[budget_platform(platform)]
   cap = max(1, min(whole_chunks, budget // (itemsize * chunk * max(num_columns, 1))))
-  total = -(-num_tokens // chunk)
-  for count in range(cap, max(cap // 2, 1) - 1, -1):
-    if total % count == 0:
-      return count * chunk
-  return cap * chunk
+  return chunk * _divisor_near(-(-num_tokens // chunk), cap)
 
 
 def linear_kernel_chunk(num_tokens: int, num_columns: int) -> int:
@@ -436,7 +438,6 @@ def make(operation: str, *, target: Target, implementation: str | None, num_toke
   else:
     if chosen == "mosaic":  # (fewer tokens than a CTA's rows are padded to them)
       num_tokens = max(num_tokens, mosaic_head.MIN_ROWS)
-    if chosen == "mosaic":
       chunk, block = linear_kernel_tiles(num_tokens, num_columns, chunk_size, vocab_block_size,
                                          platform, depth=depth or 1, num_cores=target.num_cores)
     else:

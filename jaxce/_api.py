@@ -67,11 +67,13 @@ def logprobs_and_entropy(logits: ArrayLike, labels: ArrayLike, *, temperature=1.
       ``shard_map`` / ``pmap``. Shard k holds ids ``[k * V_local, (k + 1) * V_local)``.
     return_entropy: when False the entropy is neither computed nor returned (``None``).
     implementation: forward statistics by ``"xla"`` (two fused passes per chunk of
-      tokens) or ``"triton"`` (one pass, a Pallas Triton kernel; interpreted off GPUs, for
-      tests; ``"pallas"`` is its old name). ``None``: ``"triton"`` on GPUs unless the
-      logits are float64, else ``"xla"``, the same for every way of calling it
-      (``jaxce.plan.of`` tells which a call takes, and why). One that cannot run the call
-      is a ``ValueError`` saying why.
+      tokens), ``"mosaic"`` (one pass, a Pallas Mosaic GPU kernel for Hopper; bf16, f16 or
+      f32 logits, a vocabulary per device that is a multiple of 128) or ``"triton"`` (one
+      pass, a Pallas Triton kernel, on JAX's deprecated Triton backend: only when asked
+      for; ``"pallas"`` is its old name). The kernels run interpreted off GPUs (tests).
+      ``None``: ``"mosaic"`` on a Hopper GPU where it can run the call, else ``"xla"``,
+      the same for every way of calling it (``jaxce.plan.of`` tells which a call takes,
+      and why). One that cannot run the call is a ``ValueError`` saying why.
     backward_in_place: ``False`` (default): one fused pass writes the gradient; donated
       logits are reused by XLA, but as an intermediate of a jitted step XLA's GPU plan
       gives the gradient its own buffer. ``True``: the backward walks the logits in
@@ -207,16 +209,15 @@ def linear_logprobs_and_entropy(hidden: ArrayLike, weight: ArrayLike, labels: Ar
       the table and the gradient into the other layout.
     implementation: the forward's statistics of each f32 tile by ``"xla"`` (two fused
       passes over the tile: the max, then the sums) or ``"triton"`` (one pass, the
-      Triton kernel of the logits path; ``"pallas"`` is its old name), or the whole
-      forward by ``"mosaic"``: one Mosaic GPU kernel (Hopper, sm90) that folds each tile
-      of the matmul into the statistics in registers, so no f32 tile reaches device
-      memory; for 16-bit ``hidden`` and ``weight`` of one dtype, no bias, ``D`` a
-      multiple of 64, a vocabulary per device that is a multiple of 128 and at least 256
-      tokens (a ``ValueError`` says which is missing); interpreted off GPUs, for tests.
-      Off GPUs both kernels run interpreted (tests). ``None``: ``"mosaic"`` on a Hopper
-      GPU where it can run, else ``"triton"`` on GPUs (``"xla"`` for float64), else
-      ``"xla"``, the same for every way of calling it (``jaxce.plan.of`` tells which a
-      call takes, and why).
+      Triton kernel of the logits path, on JAX's deprecated Triton backend: only when
+      asked for; ``"pallas"`` is its old name), or the whole forward by ``"mosaic"``: one
+      Mosaic GPU kernel (Hopper, sm90) that folds each tile of the matmul into the
+      statistics in registers, so no f32 tile reaches device memory; for 16-bit
+      ``hidden`` and ``weight`` of one dtype, no bias, ``D`` a multiple of 64, a
+      vocabulary per device that is a multiple of 128 and at least 256 tokens (a
+      ``ValueError`` says which is missing). Off GPUs the kernels run interpreted (tests).
+      ``None``: ``"mosaic"`` on a Hopper GPU where it can run, else ``"xla"``, the same
+      for every way of calling it (``jaxce.plan.of`` tells which a call takes, and why).
     hidden_grad_accumulation: where the backward sums ``d hidden`` over the vocab blocks
       (and shards). ``"float32"`` (default): an f32 ``[T, D]`` buffer, rounded to
       ``hidden``'s dtype once at the end. ``"output"``: in ``d hidden`` itself, in
@@ -366,8 +367,9 @@ def linear_token_loss(objective: Callable[..., Array], hidden: ArrayLike, weight
       ``None`` plans it (``jaxce.plan.linear_objective_chunk``). The steps' ``d logits``
       (in the operand dtype) gather into groups of whole steps for the two gradient
       matmuls, planned by ``jaxce.plan.linear_objective_grad_chunk``.
-    implementation: the statistics of each chunk's rows by ``"xla"`` or ``"triton"``, as
-      in :func:`jaxce.logprobs_and_entropy` (this path has no Mosaic kernel yet).
+    implementation: the statistics of each chunk's rows by ``"xla"``, ``"mosaic"`` or
+      ``"triton"``, as in :func:`jaxce.logprobs_and_entropy` (``batch_invariant=True``
+      takes XLA's exact sums here: the rows come from XLA's matmuls).
 
   Returns:
     ``(loss, (logp, entropy))`` as :func:`jaxce.token_loss`.

@@ -20,7 +20,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxce import _checks, _options, _sharded, keep as keep_mod, plan
 from jaxce._kernels import linear, linear_kept_ids, linear_token_loss, logits, logits_kept_ids
-from jaxce._kernels import loss_terms, mosaic_reciprocal, softmax, token_loss, triton_reciprocal
+from jaxce._kernels import loss_terms, mosaic_reciprocal, softmax, token_loss
 from jaxce._kernels.config import Config, KeptIds, Tokens
 
 
@@ -212,16 +212,18 @@ def _shard(op, options, objective, operands, labels, temperature, where, keep, t
 
 def _inverse_temperature(temperature, shape, dtype, target):
   """``[*shape]`` ``1 / temperature`` in ``dtype``, no gradient. On GPUs an array's
-  reciprocal comes from a kernel (``mosaic_reciprocal`` on Hopper, else
-  ``triton_reciprocal``), so that its bits are the same whether the caller's ``jit``
-  passes the array or closes over it (XLA folds a constant's reciprocal on the host, which
-  need not round as the device does). A Python number is a constant in every program:
+  reciprocal is computed on the device whether the caller's ``jit`` passes the array or
+  closes over it (XLA folds a constant's reciprocal on the host, which need not round as
+  the device does), so its bits are the same either way: on Hopper by a kernel
+  (``mosaic_reciprocal``), elsewhere by XLA's division behind an optimization barrier,
+  which constant folding does not cross. A Python number is a constant in every program:
   XLA's division serves."""
   if (target.platform != "gpu" or jnp.dtype(dtype) != jnp.float32
       or isinstance(temperature, (int, float)) or not math.prod(shape)):
     return _checks.inverse_temperature(temperature, shape, dtype)
   t = _checks.broadcast_token_array(temperature, shape, dtype).reshape(-1)
-  kernel = mosaic_reciprocal if target.capability == "9.0" else triton_reciprocal
-  if kernel.plgpu is None:  # (this JAX lacks that Pallas backend)
-    return _checks.inverse_temperature(temperature, shape, dtype)
-  return lax.stop_gradient(kernel.reciprocal(t, interpret=False).reshape(shape))
+  if target.capability == "9.0" and mosaic_reciprocal.plgpu is not None:
+    inv_temp = mosaic_reciprocal.reciprocal(t, interpret=False)
+  else:
+    inv_temp = 1 / lax.optimization_barrier(t)
+  return lax.stop_gradient(inv_temp.reshape(shape))

@@ -46,7 +46,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxce._kernels import mosaic_head, triton_rows
+from jaxce._kernels import mosaic_head, mosaic_rows, triton_rows
 from jaxce._kernels.config import BACKEND_NAMES, Backend, Plan
 
 __all__ = [
@@ -97,16 +97,18 @@ KEPT_IDS_FRACTION = 1 / 8
 # The forward holds one f32 [rows, V_local] chunk of logits.
 INVARIANT_MATMUL_TILE = {"gpu": (512, 8192), "cpu": (32, 128)}
 
-# The backends: "triton" is Pallas on Triton (JAX deprecates that backend), "mosaic" Pallas
-# on Mosaic GPU (Hopper). "pallas" is the old name of "triton".
+# The backends: "triton" is Pallas on Triton (JAX deprecates that backend: it runs only when
+# asked for by name), "mosaic" Pallas on Mosaic GPU (Hopper). "pallas" is the old name of
+# "triton".
 IMPLEMENTATIONS = BACKEND_NAMES
 ALIASES = {"pallas": "triton"}
-# The backends each operation has, in the order the default tries them on GPUs.
+# The backends each operation has, in the order the default tries them on GPUs (XLA runs
+# every call, so the default never reaches a backend listed after it).
 BACKENDS = {
-    "logprobs_and_entropy": ("triton", "xla"),
-    "token_loss": ("triton", "xla"),
-    "linear_logprobs_and_entropy": ("mosaic", "triton", "xla"),
-    "linear_token_loss": ("triton", "xla"),
+    "logprobs_and_entropy": ("mosaic", "xla", "triton"),
+    "token_loss": ("mosaic", "xla", "triton"),
+    "linear_logprobs_and_entropy": ("mosaic", "xla", "triton"),
+    "linear_token_loss": ("mosaic", "xla", "triton"),
 }
 
 
@@ -307,7 +309,8 @@ def _multiple(size: int, multiple: int, total: int) -> int:
 INVARIANCES = ("tokens", "chunking", "differentiation", "constants", "shards")
 KERNEL_INVARIANCES = {
     (operation, backend): INVARIANCES[:4]
-    for backend, module in (("triton", triton_rows), ("mosaic", mosaic_head))
+    for backend, modules in (("triton", (triton_rows,)), ("mosaic", (mosaic_head, mosaic_rows)))
+    for module in modules
     for operation in module.INVARIANT_OPERATIONS
 }
 
@@ -333,11 +336,17 @@ def _unsupported(backend, *, operation, target, dtypes, has_bias, has_keep, dept
   if backend == "triton":
     return triton_rows.unsupported(operation=operation, dtypes=dtypes, has_keep=has_keep,
                                    batch_invariant=batch_invariant)
-  if backend == "mosaic":  # (it runs one operation, invariant by construction)
+  if backend == "mosaic" and operation == "linear_logprobs_and_entropy":
     return mosaic_head.unsupported(
         platform=target.platform, capability=target.capability, hidden_dtype=dtypes[0],
         weight_dtype=dtypes[1], has_bias=has_bias, depth=depth, num_columns=num_columns,
         has_keep=has_keep)
+  if backend == "mosaic":  # (the statistics of logits rows; the fused objective's are f32)
+    rows_dtype = jnp.float32 if operation == "linear_token_loss" else dtypes[0]
+    return mosaic_rows.unsupported(
+        operation=operation, platform=target.platform, capability=target.capability,
+        dtypes=(*dtypes, rows_dtype), num_columns=num_columns, has_keep=has_keep,
+        batch_invariant=batch_invariant)
   return None
 
 
@@ -421,13 +430,13 @@ def make(operation: str, *, target: Target, implementation: str | None, num_toke
   common = dict(backend=chosen, reason=reason, interpret=platform != "gpu",
                 num_cores=target.num_cores, exact_sums=exact, matmul_tile=matmul_tile,
                 invariant_to=invariances(operation, chosen, batch_invariant))
+  one_pass = chosen in ("mosaic", "triton")  # (the logits path's kernels read every row)
   if operation == "logprobs_and_entropy":
-    uses_chunks = chosen == "xla" or backward_in_place
+    uses_chunks = not one_pass or backward_in_place
     chunk = logits_chunk(num_tokens, num_columns, chunk_size, platform) if uses_chunks else None
     plan = Plan(chunk=chunk, **common)
   elif operation == "token_loss":
-    chunk = None if chosen == "triton" else logits_chunk(num_tokens, num_columns, chunk_size,
-                                                          platform)
+    chunk = None if one_pass else logits_chunk(num_tokens, num_columns, chunk_size, platform)
     plan = Plan(chunk=chunk, **common)
   elif operation == "linear_token_loss":  # (exact sums: the matmul's rows a chunk, a group)
     chunk = (matmul_tile[0] if exact else

@@ -1,5 +1,6 @@
 """Full logits rows ``[C, V_local]``: their forward statistics (XLA's two fused passes, or
-the one-pass Triton kernel of ``triton_rows`` merged by ``triton_merge``, as the plan says)
+a one-pass kernel, ``mosaic_rows`` merged by ``mosaic_merge`` or ``triton_rows`` merged by
+``triton_merge``, as the plan says)
 combined over the vocab shards, and their gradient in one elementwise pass. Shared by the
 logits path's per-token and objective kernels and by the fused objective kernel, which
 holds a chunk's full rows."""
@@ -9,7 +10,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
-from jaxce._kernels import chunking, mosaic_merge, softmax, triton_merge, triton_rows
+from jaxce._kernels import chunking, mosaic_merge, mosaic_rows, softmax, triton_merge
+from jaxce._kernels import triton_rows
 from jaxce._kernels.config import Tokens
 
 
@@ -23,12 +25,18 @@ def statistics(x, tokens: Tokens, column_start, config):
   it applies); else ``softmax.chunk_statistics`` (one pmax and one psum over the vocab
   axis)."""
   labels, inv_temp, valid, kept = tokens
-  if config.plan.backend == "triton":
+  backend, interpret = config.plan.backend, config.plan.interpret
+  if backend in ("mosaic", "triton"):
     limit = softmax.column_limit(config.mask_vocab, column_start, x.shape[1])
-    m, s, q = triton_rows.row_statistics(x, inv_temp, limit, config.with_entropy,
-                                         interpret=config.plan.interpret)
     picked = softmax.label_logit(x, labels, inv_temp, column_start)
-    tiles = jnp.stack([m, s, q, picked])[None]  # this shard's columns: one tile
+    if backend == "mosaic":  # (groups of columns, picked in the first)
+      tiles = mosaic_rows.statistics(x, inv_temp, picked,
+                                     None if config.mask_vocab is None else limit,
+                                     with_entropy=config.with_entropy, interpret=interpret)
+    else:
+      m, s, q = triton_rows.row_statistics(x, inv_temp, limit, config.with_entropy,
+                                           interpret=interpret)
+      tiles = jnp.stack([m, s, q, picked])[None]  # this shard's columns: one tile
     logp, m, log_s, entropy = merge_tiles(tiles, config)
     logp, entropy_out = softmax.finish_outputs(logp, entropy, labels, valid, config.vocab_size)
     return logp, m, log_s, entropy_out
@@ -59,12 +67,12 @@ def merge_tiles(tiles, config):
 def forward(x, tokens: Tokens, config):
   """``((logp,) or (logp, entropy), (m, log s, entropy or None))`` of every row of
   ``x [T, V_local]`` (no gradient): the outputs and the statistics the gradient needs.
-  The Triton kernel reads all rows in one pass; XLA's statistics run in a scan over
-  ``config.plan.chunk`` rows (a clamped last chunk, no copy)."""
+  The Mosaic or Triton kernel reads all rows in one pass; XLA's statistics run in a scan
+  over ``config.plan.chunk`` rows (a clamped last chunk, no copy)."""
   num_tokens, num_columns = x.shape
   with_entropy = config.with_entropy
   column_start = softmax.shard_column_start(num_columns, config.vocab_axis)
-  if config.plan.backend == "triton":
+  if config.plan.backend in ("mosaic", "triton"):
     logp, m, log_s, entropy_out = statistics(x, tokens, column_start, config)
     return (logp,) + ((entropy_out,) if with_entropy else ()), (m, log_s, entropy_out)
   chunk = config.plan.chunk

@@ -1,0 +1,224 @@
+"""Softmax statistics of logits rows ``[T, V_local]`` in one read, as a Pallas Mosaic GPU
+kernel (Hopper): the logits path's forward (``logits_rows``), merged by ``mosaic_merge``.
+
+Each CTA (one warpgroup) takes ``ROWS`` rows and one group of ``tiles_per_group(V_local)``
+consecutive ``[ROWS, TILE]`` tiles of columns, streamed into shared memory by TMA,
+``stages`` tiles ahead (``plgpu.emit_pipeline``). Each tile is folded in registers into
+its rows' running statistics, in the columns' order:
+
+    m' = max(m, max_v z_v)              z = x * inv_temp (-inf beyond the vocabulary)
+    s' = s e + Σ_v exp(z_v - m'),       e = exp(m - m')
+    q' = e (q + (m - m') s) + Σ_v exp(z_v - m') (z_v - m')
+
+and the group's ``(m, s, q, picked)`` is written to an f32 ``[groups, 4, T]`` array
+(``picked``, the label's ``z``, gathered outside, goes to group 0). ``mosaic_merge``
+merges the groups in their order. The groups depend on ``V_local`` alone, so a row's
+numbers depend on its own logits, label and temperature only (not on ``T``, its
+neighbours or the program around the call): batch-invariant by construction.
+
+Rows past a multiple of ``ROWS`` are covered by moving the last row block back inside
+the array (its rows overlap the block before and are written twice, with the same
+bits); fewer than ``ROWS`` rows, or a number that is not a multiple of 8 (TMA's row
+tiling), are padded (a copy). ``V_local`` must be a multiple of ``TILE``.
+Off GPUs the kernel runs in JAX's GPU interpreter (tests).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from jaxce._kernels import chunking, mosaic_merge, plumbing
+
+plgpu = plumbing.lazy_module("jax.experimental.pallas.mosaic_gpu")
+
+ROWS = 64  # rows per CTA (one warpgroup)
+TILE = 128  # columns per pipeline step
+MIN_TILES_PER_GROUP = 8
+STAGE_BYTES = 96 * 2**10  # shared memory of the pipeline's buffers, per CTA
+# The operations whose outputs this kernel makes batch-invariant: those that read whole
+# rows of logits (``linear_token_loss``'s rows come from XLA's matmuls).
+INVARIANT_OPERATIONS = ("logprobs_and_entropy", "token_loss")
+_LOG2_E = 1.4426950408889634
+_FLOOR = float(jnp.finfo(jnp.float32).min)
+
+
+def tiles_per_group(num_columns: int) -> int:
+  """Tiles of ``TILE`` columns per CTA: at least ``MIN_TILES_PER_GROUP``, few enough
+  that the groups of a row fit one ``mosaic_merge`` stage. A function of ``V_local``
+  only: a row's groups (and so its bits) do not depend on the number of rows."""
+  num_tiles = -(-num_columns // TILE)
+  return min(num_tiles, max(MIN_TILES_PER_GROUP, -(-num_tiles // mosaic_merge.GROUP)))
+
+
+def _transforms(dtype):
+  """Shared-memory tiling and swizzle of a ``[ROWS, TILE]`` tile of ``dtype`` (128-byte
+  swizzle: conflict-free loads into the WGMMA register layout)."""
+  itemsize = jnp.dtype(dtype).itemsize
+  swizzle = plgpu.find_swizzle(TILE * itemsize * 8)
+  return plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle)
+
+
+def _fold(x, carry, inv_temp, limit, column, *, masked, with_entropy):
+  """``(m, s, q)`` ``[ROWS]`` f32 with the tile ``x [ROWS, TILE]`` (WGMMA layout), whose
+  first column is ``column``, folded in; ``inv_temp`` and ``limit`` are ``[ROWS]`` f32."""
+  m, s, q = carry
+  per_row = lambda v: lax.broadcast_in_dim(v, x.shape, [0])
+  z = x.astype(jnp.float32) * per_row(inv_temp)
+  if masked:
+    local = plgpu.broadcasted_iota(jnp.int32, x.shape, 1, layout=plgpu.Layout.WGMMA)
+    z = jnp.where((local + column).astype(jnp.float32) < per_row(limit), z, -jnp.inf)
+  m_new = jnp.maximum(m, jnp.max(z, axis=1))  # m starts at the floor: never -inf
+  shifted = z - per_row(m_new)
+  e = jnp.exp2(shifted * _LOG2_E)
+  step = m - m_new
+  rescale = jnp.exp2(step * _LOG2_E)
+  if with_entropy:  # (max: an excluded column's 0 * -inf is 0 * floor)
+    q = rescale * (q + step * s) + jnp.sum(e * jnp.maximum(shifted, _FLOOR), axis=1)
+  return m_new, s * rescale + jnp.sum(e, axis=1), q
+
+
+def _statistics(x, row_inputs, *, masked, with_entropy, stages, interpret):
+  """``[groups, row blocks, 4, ROWS]`` f32 group statistics of each block of rows of ``x
+  [T, V_local]`` (``T >= ROWS``; the last block moved back inside);
+  ``row_inputs [row blocks, 3, ROWS]`` f32: inverse temperature, label ``z`` and first
+  excluded column of each block's rows (``_block_rows``)."""
+  num_rows, num_columns = x.shape
+  num_tiles = num_columns // TILE
+  group = tiles_per_group(num_columns)
+  num_groups = -(-num_tiles // group)
+  row_blocks = -(-num_rows // ROWS)
+  transforms = _transforms(x.dtype)
+
+  def kernel(x_gmem, rows_gmem, out_gmem):
+    block, group_index = lax.axis_index("rows"), lax.axis_index("groups")
+    # The last block moved back inside (T is a multiple of 8: the tiles' row tiling).
+    first_row = pl.multiple_of(jnp.minimum(block * ROWS, num_rows - ROWS), 8)
+    rows = pl.ds(first_row, ROWS)
+    row_layout = plgpu.Layout.WGMMA.reduce(1)
+    inv_temp, picked, limit = (plgpu.load(rows_gmem.at[block, i], layout=row_layout,
+                                          optimized=False) for i in range(3))
+    first_tile = group_index * group
+    count = jnp.minimum(group, num_tiles - first_tile)
+
+    def body(indices, x_smem, carry):
+      (k,) = indices
+      return _fold(plgpu.load(x_smem, layout=plgpu.Layout.WGMMA), carry, inv_temp, limit,
+                   (first_tile + k) * TILE, masked=masked, with_entropy=with_entropy)
+
+    zero = jnp.zeros((ROWS,), jnp.float32)
+    init = (jnp.full((ROWS,), _FLOOR, jnp.float32), zero, zero)
+    pipeline = plgpu.emit_pipeline(
+        body, grid=(count,),
+        in_specs=[plgpu.BlockSpec((ROWS, TILE), lambda k: (0, first_tile + k),
+                                  transforms=transforms)],
+        max_concurrent_steps=stages, init_carry=init)
+    m, s, q = pipeline(x_gmem.at[rows])
+
+    @partial(pl.run_scoped, out_smem=plgpu.SMEM((4, ROWS), jnp.float32))
+    def _store(out_smem):
+      none = s * 0.0  # (s >= 0 is finite; a splat of zeros cannot be stored)
+      for i, value in enumerate((m, s, q if with_entropy else none, none)):
+        out_smem[i] = value
+
+      @pl.when(group_index == 0)
+      def _label():
+        out_smem[3] = picked
+
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(out_smem, out_gmem.at[group_index, block])
+      plgpu.wait_smem_to_gmem(0)
+
+  return plgpu.kernel(
+      kernel,
+      out_type=plumbing.shape_dtype_like(x, (num_groups, row_blocks, 4, ROWS), jnp.float32),
+      grid=(row_blocks, num_groups),
+      grid_names=("rows", "groups"),
+      interpret=plgpu.InterpretGPUParams() if interpret else None,
+  )(x, row_inputs)
+
+
+def _block_rows(num_rows):
+  """``[row blocks, ROWS]`` int32: the rows of each CTA (the last block moved back inside
+  ``num_rows >= ROWS``)."""
+  starts = jnp.minimum(jnp.arange(-(-num_rows // ROWS)) * ROWS, num_rows - ROWS)
+  return starts[:, None] + jnp.arange(ROWS)[None, :]
+
+
+def statistics(x, inv_temp, picked, limit, *, with_entropy, interpret, stages=None):
+  """Per-row softmax statistics of ``z = x * inv_temp`` over the columns below ``limit``,
+  by groups of columns, for ``mosaic_merge.merge`` to merge in the columns' order.
+
+  Args:
+    x: ``[T, V_local]`` logits, bf16, f16 or f32, ``V_local`` a multiple of ``TILE``;
+      read once.
+    inv_temp: ``[T]`` f32.
+    picked: ``[T]`` f32: the label's ``z`` (0 when this shard does not own the label),
+      carried into group 0.
+    limit: int32 scalar: local columns at or beyond it are excluded (padded vocabulary),
+      or None.
+    with_entropy: compute ``q`` (else zeros).
+    interpret: run in JAX's GPU interpreter (off GPUs: tests).
+    stages: tiles in flight per CTA (default: ``STAGE_BYTES`` of them).
+
+  Returns:
+    ``[groups, 4, T]`` float32 ``(m, s, q, picked)`` per group of
+    ``tiles_per_group(V_local)`` tiles. Memory: that array (16 bytes per row per group),
+    and a padded copy of ``x`` when ``T`` is below ``ROWS`` or not a multiple of 8.
+  """
+  num_rows, num_columns = x.shape
+  if num_columns % TILE:
+    raise ValueError(f"{num_columns} columns: a multiple of {TILE} expected")
+  if stages is None:
+    stages = max(2, STAGE_BYTES // (ROWS * TILE * jnp.dtype(x.dtype).itemsize))
+  padded_rows = max(-(-num_rows // 8) * 8, ROWS)  # (TMA's row tiling; a copy when padded)
+  x = chunking.pad_rows(x, padded_rows)
+  pad = lambda v, fill: chunking.pad_rows(v.astype(jnp.float32), padded_rows, fill)
+  bound = num_columns if limit is None else limit
+  row_inputs = jnp.stack([pad(inv_temp, 1.0), pad(picked, 0.0),
+                          pad(jnp.broadcast_to(jnp.asarray(bound, jnp.float32), inv_temp.shape),
+                              0.0)])
+  row_inputs = row_inputs[:, _block_rows(padded_rows)].transpose(1, 0, 2)
+  tiles = _statistics(x, row_inputs, masked=limit is not None, with_entropy=with_entropy,
+                      stages=stages, interpret=interpret)
+  num_groups, row_blocks = tiles.shape[:2]
+  tiles = tiles.transpose(0, 2, 1, 3)  # [groups, 4, row blocks, ROWS]
+  whole = tiles[:, :, :-1].reshape(num_groups, 4, (row_blocks - 1) * ROWS)
+  last = tiles[:, :, -1, (row_blocks - 1) * ROWS - (padded_rows - ROWS):]
+  return jnp.concatenate([whole, last], axis=2)[:, :, :num_rows]
+
+
+def unsupported(*, operation, platform, capability, dtypes, num_columns, has_keep=False,
+                batch_invariant=False) -> str | None:
+  """Why the kernel cannot run the row statistics of a call of ``operation`` (a public
+  function's name; a sentence), or None when it can.
+
+  Args:
+    platform, capability: the call's platform and its GPUs' compute capability.
+    dtypes: the operands' dtypes, the rows' last (for ``linear_token_loss``, float32).
+    num_columns: this device's ``V_local``.
+    has_keep, batch_invariant: a kept set; ``batch_invariant=True``.
+  """
+  if plgpu is None:
+    return f"this JAX ({jax.__version__}) has no Pallas Mosaic GPU backend"
+  if platform == "gpu":
+    if capability != "9.0":
+      return f"it needs a Hopper GPU (compute capability 9.0), got {capability}"
+  elif not hasattr(plgpu, "InterpretGPUParams"):
+    return f"off GPUs it runs in the GPU interpreter of JAX >= 0.11, got {jax.__version__}"
+  if batch_invariant and operation not in INVARIANT_OPERATIONS:
+    return ("batch_invariant=True: this path's logits come from XLA's matmuls, whose "
+            "rounding depends on the program; XLA's exact sums hold the option")
+  if any(jnp.dtype(d) == jnp.float64 for d in dtypes):
+    return "it computes in float32 and the inputs are float64"
+  if jnp.dtype(dtypes[-1]) not in (jnp.bfloat16, jnp.float16, jnp.float32):
+    return f"it reads bfloat16, float16 or float32 logits, got {jnp.dtype(dtypes[-1])}"
+  if num_columns % TILE:
+    return f"the vocabulary (per device) must be a multiple of {TILE}, got {num_columns}"
+  if has_keep:
+    return "it does not take a kept set (keep=) yet"
+  return None

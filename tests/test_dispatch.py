@@ -43,8 +43,8 @@ OPERATIONS = {
     "linear_token_loss": (jaxce.linear_token_loss, jaxce.sharded_linear_token_loss,
                           ("hidden", "weight")),
 }
-EXPECTED = {"logprobs_and_entropy": "triton", "linear_logprobs_and_entropy": "mosaic",
-            "token_loss": "triton", "linear_token_loss": "triton"}
+EXPECTED = {"logprobs_and_entropy": "mosaic", "linear_logprobs_and_entropy": "mosaic",
+            "token_loss": "mosaic", "linear_token_loss": "mosaic"}
 
 
 def _call(operation, fn, operands, labels, adv, **kw):
@@ -102,22 +102,36 @@ def test_the_same_plan_off_gpus(operation):
 
 
 def test_the_default_follows_the_platform_of_the_call(monkeypatch):
-  """With GPUs as the default backend a traced call takes a Pallas kernel (Triton: these
-  'GPUs' report no Hopper capability), outside shard_map and inside it; float64 stays on
-  XLA; a call whose arrays or mesh live on CPU devices (a CPU mesh on a GPU host) uses
-  XLA: the kernels cannot run there."""
+  """With GPUs as the default backend a traced call takes the platform's default: the
+  Mosaic kernel where the GPU is a Hopper, XLA on other GPUs (never the deprecated
+  Triton backend: only by name), outside shard_map and inside it; float64 stays on XLA;
+  a call whose arrays or mesh live on CPU devices (a CPU mesh on a GPU host) uses XLA:
+  the kernels cannot run there."""
   monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
   h = jax.ShapeDtypeStruct((4, 8), jnp.bfloat16)
   w, labels = jax.ShapeDtypeStruct((8, 16), jnp.float32), jax.ShapeDtypeStruct((4,), jnp.int32)
   fused = jaxce.linear_logprobs_and_entropy
   got = plan.of(fused, h, w, labels)
-  assert (got.backend, got.interpret) == ("triton", False), got
+  assert (got.backend, got.interpret) == ("xla", False), got
   assert "not mosaic:" in got.reason, got.reason  # (no Hopper here, or the mixed dtypes)
+  assert "triton" not in got.reason, got.reason
+  logits = jax.ShapeDtypeStruct((4, 256), jnp.bfloat16)
+  hopper = plan.Target("gpu", "9.0", 132)
+  monkeypatch.setattr(plan, "target", lambda *arrays, mesh=None: hopper)
+  assert plan.of(jaxce.logprobs_and_entropy, logits, labels).backend == "mosaic"
+  assert plan.of(jaxce.logprobs_and_entropy, logits.update(dtype=jnp.float64),
+                 labels).backend == "xla"
+  monkeypatch.setattr(plan, "target", lambda *arrays, mesh=None: hopper._replace(
+      capability="8.0"))
+  got = plan.of(jaxce.logprobs_and_entropy, logits, labels)
+  assert got.backend == "xla" and "needs a Hopper GPU" in got.reason, got
+  monkeypatch.undo()
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
   assert plan.of(fused, h, jax.ShapeDtypeStruct((8, 16), jnp.float64), labels).backend == "xla"
   mesh = Mesh(np.array(devices(2)), ("vocab",))
   inside = jax.shard_map(lambda h, w, lab: fused(h, w, lab, vocab_axis="vocab")[0], mesh=mesh,
                          in_specs=(P(), P(None, "vocab"), P()), out_specs=P())
-  assert plan.of(inside, h, w, labels).backend == "triton"
+  assert plan.of(inside, h, w, labels).backend == "xla"
   concrete = (jnp.zeros((4, 8), jnp.bfloat16), jnp.zeros((8, 16), jnp.float32),
               jnp.arange(4, dtype=jnp.int32))
   assert plan.of(fused, *concrete).backend == "xla"  # concrete arrays on CPU devices
@@ -129,9 +143,9 @@ def test_the_default_follows_the_platform_of_the_call(monkeypatch):
 
 
 @pytest.mark.parametrize("operation,implementation,reason", [
-    ("logprobs_and_entropy", "mosaic", "logprobs_and_entropy has no mosaic kernel"),
-    ("token_loss", "mosaic", "token_loss has no mosaic kernel"),
-    ("linear_token_loss", "mosaic", "linear_token_loss has no mosaic kernel"),
+    ("logprobs_and_entropy", "mosaic", "the vocabulary .per device. must be a multiple of 128"),
+    ("token_loss", "mosaic", "the vocabulary .per device. must be a multiple of 128"),
+    ("linear_token_loss", "mosaic", "the vocabulary .per device. must be a multiple of 128"),
     ("linear_logprobs_and_entropy", "mosaic", "the hidden dim must be a multiple of 64"),
 ])
 def test_an_implementation_that_cannot_run_says_why(operation, implementation, reason,
@@ -140,11 +154,13 @@ def test_an_implementation_that_cannot_run_says_why(operation, implementation, r
   local_fn, _, names = OPERATIONS[operation]
   inputs = _inputs(V_LOCAL)
   operands = [inputs[n][:, :48] if n == "hidden" else inputs[n] for n in names]
-  if "weight" in names:
-    operands[1] = operands[1][:48]
+  if "weight" in names:  # (the fused objective's rows: 200 columns)
+    operands[1] = operands[1][:48, :200] if operation == "linear_token_loss" else operands[1][:48]
+  else:
+    operands[0] = operands[0][:, :200]
   with pytest.raises(ValueError, match=f'implementation="{implementation}" cannot run this '
                                        f"call: {reason}"):
-    plan.of(_call, operation, local_fn, operands, inputs["labels"], inputs["adv"],
+    plan.of(_call, operation, local_fn, operands, inputs["labels"] % 200, inputs["adv"],
             implementation=implementation)
 
 
@@ -176,18 +192,18 @@ def test_import_loads_no_pallas_backend():
 def test_a_jax_without_pallas_backends_runs_on_xla(operation, monkeypatch):
   """The day JAX drops a Pallas backend, the default on a Hopper GPU falls back, saying
   why, and asking for it names what is missing."""
-  from jaxce._kernels import mosaic_head, triton_rows  # pylint: disable=import-outside-toplevel
+  # pylint: disable-next=import-outside-toplevel
+  from jaxce._kernels import mosaic_head, mosaic_rows, triton_rows
   monkeypatch.setattr(plan, "target", lambda *arrays, mesh=None: HOPPER)
   monkeypatch.setattr(mosaic_head, "plgpu", None)
+  monkeypatch.setattr(mosaic_rows, "plgpu", None)
   monkeypatch.setattr(triton_rows, "plgpu", None)
   local_fn, _, names = OPERATIONS[operation]
   inputs = _inputs(V_LOCAL)
   operands = [inputs[n] for n in names]
   got = plan.of(_call, operation, local_fn, operands, inputs["labels"], inputs["adv"])
   assert got.backend == "xla", got
-  assert "has no Pallas Triton backend" in got.reason, got.reason
-  if operation == "linear_logprobs_and_entropy":
-    assert "not mosaic: this JAX" in got.reason and "no Pallas Mosaic GPU" in got.reason
+  assert "not mosaic: this JAX" in got.reason and "no Pallas Mosaic GPU" in got.reason
   with pytest.raises(ValueError, match="has no Pallas Triton backend"):
     plan.of(_call, operation, local_fn, operands, inputs["labels"], inputs["adv"],
             implementation="triton")

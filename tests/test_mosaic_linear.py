@@ -235,10 +235,3 @@ def test_each_tokens_bits_do_not_depend_on_the_call():
                                    f"{w.view(np.float32)}"
   plan = jaxce.plan.of(jaxce.linear_logprobs_and_entropy, hidden, weight, labels, **kw)
   assert plan.invariant_to == ("tokens", "chunking", "differentiation", "constants")
-
-
-def test_other_paths_refuse_mosaic():
-  with pytest.raises(ValueError, match='"mosaic" cannot run this call: logprobs_and_entropy '
-                                       'has no mosaic kernel'):
-    jaxce.logprobs_and_entropy(jnp.zeros((4, 8)), jnp.zeros(4, jnp.int32),
-                               implementation="mosaic")

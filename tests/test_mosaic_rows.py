@@ -1,0 +1,171 @@
+"""The logits path's Mosaic GPU forward (``mosaic_rows``, ``implementation="mosaic"``),
+run in JAX's GPU interpreter off GPUs: its group statistics against float64, the public
+calls (both logits-path functions and the fused objective's row statistics) against XLA
+and the float64 reference with gradients, and a token's bits whatever the call around it.
+On GPUs, ``scripts/gpu_logits_mosaic.py`` checks the compiled kernel at full size."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from helpers import assert_close, jaxce, kernel_device, reference, value_and_grads
+from jaxce._kernels import mosaic_merge, mosaic_rows
+
+if jax.default_backend() != "gpu" and not hasattr(plgpu, "InterpretGPUParams"):
+  pytest.skip(f"the Mosaic GPU interpreter needs JAX >= 0.11 (this is {jax.__version__}); "
+              ".ci/run runs these tests on Python 3.12", allow_module_level=True)
+
+
+def _logits(rng, tokens, columns, dtype):
+  """Peaked and shifted rows: a per-row offset of +-60, a spike per row, a -inf column."""
+  x = rng.normal(size=(tokens, columns)) * 3 + rng.uniform(-60, 60, (tokens, 1))
+  x[np.arange(tokens), rng.integers(0, columns, tokens)] += 25
+  x[::5, 3] = -np.inf
+  return jnp.asarray(x, dtype)
+
+
+@pytest.mark.parametrize("tokens,columns,dtype,limit,min_tiles", [
+    (8, 128, jnp.bfloat16, None, 8),      # fewer rows than a CTA's: padded
+    (300, 384, jnp.float32, 300, 1),      # a ragged row count (padded to 8), 3 groups, a limit
+    (136, 256, jnp.float16, None, 1),     # the last row block moved back, 2 groups
+    (64, 1152, jnp.bfloat16, 1100, 4),    # a short last group
+])
+def test_group_statistics_match_float64(tokens, columns, dtype, limit, min_tiles, monkeypatch):
+  monkeypatch.setattr(mosaic_rows, "MIN_TILES_PER_GROUP", min_tiles)
+  rng = np.random.default_rng(tokens + columns)
+  x = _logits(rng, tokens, columns, dtype)
+  inv_temp = rng.uniform(0.5, 2.0, tokens).astype(np.float32)
+  picked = rng.normal(size=tokens).astype(np.float32)
+  tiles = mosaic_rows.statistics(x, jnp.asarray(inv_temp), jnp.asarray(picked), limit,
+                                 with_entropy=True, interpret=kernel_device()["interpret"])
+  group = mosaic_rows.tiles_per_group(columns) * mosaic_rows.TILE
+  num_groups = -(-columns // group)
+  assert tiles.shape == (num_groups, 4, tokens)
+  z = np.asarray(x.astype(jnp.float32), np.float64) * inv_temp[:, None].astype(np.float64)
+  if limit is not None:
+    z[:, limit:] = -np.inf
+  tiles = np.asarray(tiles, np.float64)
+  for g in range(num_groups):
+    part = z[:, g * group:(g + 1) * group]
+    m = np.maximum(part.max(axis=1), np.finfo(np.float32).min)
+    e = np.exp(part - m[:, None])
+    q = np.sum(e * np.where(np.isfinite(part), part - m[:, None], 0), axis=1)
+    scale = np.max(np.abs(m))
+    assert_close(tiles[g, 0], m, 2**-22 * scale, f"group {g}: m")
+    assert_close(tiles[g, 1], e.sum(axis=1), 2e-6 * e.sum(axis=1).max() * (1 + scale), f"s {g}")
+    assert_close(tiles[g, 2], q, 2e-6 * e.sum(axis=1).max() * (1 + scale), f"q {g}")
+    np.testing.assert_array_equal(tiles[g, 3], picked if g == 0 else 0)
+
+
+@pytest.mark.parametrize("tokens", [40, 300])
+def test_matches_xla_and_reference(tokens):
+  """bf16 logits, per-token temperature, a padded vocabulary, ignored and masked tokens,
+  random cotangents for both outputs: the Mosaic forward as exact as XLA's, the same
+  gradient."""
+  rng = np.random.default_rng(tokens)
+  x = _logits(rng, tokens, 384, jnp.bfloat16)
+  labels = rng.integers(0, 370, tokens)
+  labels[rng.random(tokens) < 0.1] = -100
+  loss_kw = dict(labels=labels, cot_logp=rng.normal(size=tokens),
+                 cot_entropy=rng.normal(size=tokens))
+  kw = dict(temperature=rng.uniform(0.6, 1.5, tokens), vocab_size=370,
+            where=rng.random(tokens) < 0.9)
+  f = jaxce.logprobs_and_entropy
+  mosaic = value_and_grads(f, (x,), (0,), implementation="mosaic", **loss_kw, **kw)
+  xla = value_and_grads(f, (x,), (0,), implementation="xla", **loss_kw, **kw)
+  exact = value_and_grads(reference.logprobs_and_entropy, (jnp.asarray(x, jnp.float64),), (0,),
+                          **loss_kw, **kw)
+  for i, name in enumerate(("logp", "entropy")):
+    err_mosaic = np.max(np.abs(np.asarray(mosaic[0][i], np.float64) - exact[0][i]))
+    err_xla = np.max(np.abs(np.asarray(xla[0][i], np.float64) - exact[0][i]))
+    assert err_mosaic <= 1.5 * err_xla + 2e-6, (name, err_mosaic, err_xla)
+  g, gx = (np.asarray(a[1][0], np.float32) for a in (mosaic, xla))
+  assert_close(g, gx, 2**-7 * np.max(np.abs(gx)), "d logits")
+
+
+@pytest.mark.parametrize("path", ["token_loss", "linear_token_loss"])
+def test_objective_paths_match_xla(path):
+  rng = np.random.default_rng(3)
+  tokens = 72
+  labels = jnp.asarray(rng.integers(0, 256, tokens), jnp.int32)
+  adv = jnp.asarray(rng.normal(size=tokens), jnp.float32)
+  objective = lambda logp, entropy, adv: -adv * logp - 0.01 * entropy
+  if path == "token_loss":
+    operands = (_logits(rng, tokens, 256, jnp.bfloat16),)
+    fn = lambda *a, **kw: jaxce.token_loss(objective, *a, labels, adv, **kw)[0]
+  else:
+    hidden = jnp.asarray(rng.normal(size=(tokens, 64)), jnp.bfloat16)
+    weight = jnp.asarray(rng.normal(size=(64, 256)) * 0.3, jnp.bfloat16)
+    operands = (hidden, weight)
+    fn = lambda *a, **kw: jaxce.linear_token_loss(objective, *a, labels, adv, **kw)[0]
+  assert jaxce.plan.of(lambda *a: fn(*a, implementation="mosaic"), *operands).backend == "mosaic"
+  got = jax.value_and_grad(lambda *a: fn(*a, implementation="mosaic"),
+                           tuple(range(len(operands))))(*operands)
+  want = jax.value_and_grad(lambda *a: fn(*a, implementation="xla"),
+                            tuple(range(len(operands))))(*operands)
+  assert_close(got[0], want[0], 1e-5 * (1 + abs(float(want[0]))), "loss")
+  for g, w in zip(got[1], want[1]):
+    w = np.asarray(w, np.float32)
+    assert_close(np.asarray(g, np.float32), w, 2**-7 * np.max(np.abs(w)), "gradient")
+
+
+def test_each_tokens_bits_do_not_depend_on_the_call():
+  """Batch invariance by construction, in either mode: a token's logp and entropy are the
+  same bits alone (padded to the kernel's rows), among 9 and 200 tokens at random
+  positions (one the last row), inside ``jit(grad)`` with the temperature closed over or
+  passed, and forward only. The planner says so. (On GPUs the same test is in the GPU
+  tally: there the temperature's reciprocal comes from ``mosaic_reciprocal``.)"""
+  rng = np.random.default_rng(9)
+  x = _logits(rng, 200, 256, jnp.bfloat16)
+  labels = rng.integers(0, 256, 200)
+  temperature = rng.uniform(0.6, 1.4, 200).astype(np.float32)
+  probes = np.arange(3)
+
+  def call(rows, differentiate=False, constant=False, invariant=False):
+    f = lambda x, t: jaxce.logprobs_and_entropy(x, labels[rows], temperature=t,
+                                                batch_invariant=invariant,
+                                                implementation="mosaic")
+    t = jnp.asarray(temperature[rows])
+    if not differentiate:
+      return f(x[rows], t)
+    loss = lambda x, t: (lambda o: (jnp.sum(o[0]) + jnp.sum(o[1]), o))(f(x, t))
+    if constant:
+      return jax.jit(jax.grad(lambda x: loss(x, t), has_aux=True))(x[rows])[1]
+    return jax.jit(jax.grad(loss, has_aux=True))(x[rows], t)[1]
+
+  bits = lambda out, at: tuple(np.asarray(o)[at].view(np.uint32) for o in out)
+  plan = jaxce.plan.of(jaxce.logprobs_and_entropy, x, labels, implementation="mosaic")
+  assert plan.invariant_to == ("tokens", "chunking", "differentiation", "constants")
+  for invariant in (False, True):
+    want = tuple(np.stack(w) for w in zip(*[
+        bits(call(np.array([p]), invariant=invariant), 0) for p in probes]))
+    for tokens, extra in ((9, {}), (200, {}), (200, dict(differentiate=True, constant=True)),
+                          (200, dict(differentiate=True))):
+      others = rng.permutation(np.arange(3, 200))[:tokens - len(probes)]
+      at = rng.permutation(tokens)[:len(probes)]
+      at[0] = tokens - 1
+      rows = np.empty(tokens, np.int64)
+      rows[at] = probes
+      rows[np.setdiff1d(np.arange(tokens), at)] = others
+      got = bits(call(rows, invariant=invariant, **extra), at)
+      for name, g, w in zip(("logp", "entropy"), got, want):
+        assert np.array_equal(g, w), f"T = {tokens} {extra} {invariant}: {name}"
+
+
+def test_merge_takes_the_groups_in_order():
+  """The groups reach ``mosaic_merge`` in the columns' order (group 0 holds the label's
+  z): the merged log-prob of a row equals the float64 one."""
+  rng = np.random.default_rng(1)
+  x = _logits(rng, 64, 512, jnp.float32)
+  inv_temp = jnp.ones(64, jnp.float32)
+  z = np.asarray(x, np.float64)
+  labels = rng.integers(0, 512, 64)
+  picked = jnp.asarray(z[np.arange(64), labels], jnp.float32)
+  tiles = mosaic_rows.statistics(x, inv_temp, picked, None, with_entropy=True,
+                                 interpret=kernel_device()["interpret"])
+  logp = mosaic_merge.merge(tiles, with_entropy=True, interpret=kernel_device()["interpret"])[0]
+  m = z.max(axis=1)
+  want = z[np.arange(64), labels] - (m + np.log(np.exp(z - m[:, None]).sum(axis=1)))
+  assert_close(logp, want, 1e-5, "logp")

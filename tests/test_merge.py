@@ -111,3 +111,19 @@ def test_reciprocal(kernel, num_tokens):
   assert got.shape == (num_tokens,)
   relative = np.abs(got / (1 / temperature.astype(np.float64)) - 1)
   assert np.max(relative) <= 2.0**-22, f"1 / t: relative error {np.max(relative):.2e}"
+
+
+def test_reciprocal_off_hopper_is_the_same_for_a_constant_and_an_argument():
+  """GPUs without the Mosaic kernel take ``1 / t`` from XLA behind an optimization
+  barrier: the same bits whether the caller's ``jit`` closes over the temperature (a
+  constant XLA could fold on the host) or passes it (meaningful on a GPU; the barrier's
+  path is forced here with another GPU's capability)."""
+  from jaxce import _dispatch  # pylint: disable=import-outside-toplevel
+  target = jaxce.plan.Target("gpu", "8.0", 132)
+  temperature = np.random.default_rng(5).uniform(0.05, 3.0, 4096).astype(np.float32)
+  inverse = lambda t: _dispatch._inverse_temperature(t, (4096,), jnp.float32, target)
+  passed = np.asarray(jax.jit(inverse)(jnp.asarray(temperature)))
+  closed = np.asarray(jax.jit(lambda: inverse(jnp.asarray(temperature)))())
+  np.testing.assert_array_equal(passed.view(np.uint32), closed.view(np.uint32))
+  relative = np.abs(passed / (1 / temperature.astype(np.float64)) - 1)
+  assert np.max(relative) <= 2.0**-23

@@ -18,8 +18,8 @@ neighbours or the program around the call): batch-invariant by construction.
 
 Rows past a multiple of ``ROWS`` are covered by moving the last row block back inside
 the array (its rows overlap the block before and are written twice, with the same
-bits); fewer than ``ROWS`` rows, or a number that is not a multiple of 8 (TMA's row
-tiling), are padded (a copy). ``V_local`` must be a multiple of ``TILE``.
+bits). TMA reads rows in tiles of 8: when ``T`` is not a multiple of 8 (or is below
+``ROWS``) the kernel reads a padded copy of the logits. ``V_local`` must be a multiple of ``TILE``.
 Off GPUs the kernel runs in JAX's GPU interpreter (tests).
 """
 
@@ -82,12 +82,13 @@ def _fold(x, carry, inv_temp, limit, column, *, masked, with_entropy):
   return m_new, s * rescale + jnp.sum(e, axis=1), q
 
 
-def _statistics(x, row_inputs, *, masked, with_entropy, stages, interpret):
+def _statistics(x, row_inputs, *, num_rows, masked, with_entropy, stages, interpret):
   """``[groups, row blocks, 4, ROWS]`` f32 group statistics of each block of rows of ``x
-  [T, V_local]`` (``T >= ROWS``; the last block moved back inside);
+  [T, V_local]`` (``T = num_rows >= ROWS``, a multiple of 8: TMA's row tiling; the last
+  block moved back inside);
   ``row_inputs [row blocks, 3, ROWS]`` f32: inverse temperature, label ``z`` and first
   excluded column of each block's rows (``_block_rows``)."""
-  num_rows, num_columns = x.shape
+  num_columns = x.shape[1]
   num_tiles = num_columns // TILE
   group = tiles_per_group(num_columns)
   num_groups = -(-num_tiles // group)
@@ -96,7 +97,6 @@ def _statistics(x, row_inputs, *, masked, with_entropy, stages, interpret):
 
   def kernel(x_gmem, rows_gmem, out_gmem):
     block, group_index = lax.axis_index("rows"), lax.axis_index("groups")
-    # The last block moved back inside (T is a multiple of 8: the tiles' row tiling).
     first_row = pl.multiple_of(jnp.minimum(block * ROWS, num_rows - ROWS), 8)
     rows = pl.ds(first_row, ROWS)
     row_layout = plgpu.Layout.WGMMA.reduce(1)
@@ -167,29 +167,37 @@ def statistics(x, inv_temp, picked, limit, *, with_entropy, interpret, stages=No
 
   Returns:
     ``[groups, 4, T]`` float32 ``(m, s, q, picked)`` per group of
-    ``tiles_per_group(V_local)`` tiles. Memory: that array (16 bytes per row per group),
-    and a padded copy of ``x`` when ``T`` is below ``ROWS`` or not a multiple of 8.
+    ``tiles_per_group(V_local)`` tiles. Memory: that array (16 bytes per row per group)
+    and its blocked form; when ``T`` is not a multiple of 8 or is below ``ROWS``, a
+    padded copy of ``x``.
   """
   num_rows, num_columns = x.shape
   if num_columns % TILE:
     raise ValueError(f"{num_columns} columns: a multiple of {TILE} expected")
   if stages is None:
     stages = max(2, STAGE_BYTES // (ROWS * TILE * jnp.dtype(x.dtype).itemsize))
-  padded_rows = max(-(-num_rows // 8) * 8, ROWS)  # (TMA's row tiling; a copy when padded)
-  x = chunking.pad_rows(x, padded_rows)
-  pad = lambda v, fill: chunking.pad_rows(v.astype(jnp.float32), padded_rows, fill)
-  bound = num_columns if limit is None else limit
+  bound = jnp.float32(num_columns) if limit is None else jnp.asarray(limit, jnp.float32)
+  if num_rows % 8 or num_rows < ROWS:  # (TMA reads rows in tiles of 8: a padded copy)
+    x = chunking.pad_rows(x, max(-(-num_rows // 8) * 8, ROWS))
+  return _rows(x, num_rows, inv_temp, picked, bound, masked=limit is not None,
+               with_entropy=with_entropy, stages=stages, interpret=interpret)
+
+
+def _rows(x, count, inv_temp, picked, bound, **options):
+  """``[groups, 4, count]`` statistics of ``x``'s first ``count`` rows (``inv_temp`` and
+  ``picked``: theirs): one kernel over all ``x``'s rows (at least ``ROWS``, a multiple
+  of 8)."""
+  num_rows = x.shape[0]
+  pad = lambda v, fill: chunking.pad_rows(v.astype(jnp.float32), num_rows, fill)
   row_inputs = jnp.stack([pad(inv_temp, 1.0), pad(picked, 0.0),
-                          pad(jnp.broadcast_to(jnp.asarray(bound, jnp.float32), inv_temp.shape),
-                              0.0)])
-  row_inputs = row_inputs[:, _block_rows(padded_rows)].transpose(1, 0, 2)
-  tiles = _statistics(x, row_inputs, masked=limit is not None, with_entropy=with_entropy,
-                      stages=stages, interpret=interpret)
+                          jnp.broadcast_to(bound, (num_rows,))])
+  row_inputs = row_inputs[:, _block_rows(num_rows)].transpose(1, 0, 2)
+  tiles = _statistics(x, row_inputs, num_rows=num_rows, **options)
   num_groups, row_blocks = tiles.shape[:2]
   tiles = tiles.transpose(0, 2, 1, 3)  # [groups, 4, row blocks, ROWS]
   whole = tiles[:, :, :-1].reshape(num_groups, 4, (row_blocks - 1) * ROWS)
-  last = tiles[:, :, -1, (row_blocks - 1) * ROWS - (padded_rows - ROWS):]
-  return jnp.concatenate([whole, last], axis=2)[:, :, :num_rows]
+  last = tiles[:, :, -1, (row_blocks - 1) * ROWS - (num_rows - ROWS):]
+  return jnp.concatenate([whole, last], axis=2)[:, :, :count]
 
 
 def unsupported(*, operation, platform, capability, dtypes, num_columns, has_keep=False,

@@ -109,7 +109,7 @@ def logprobs_and_entropy(logits: ArrayLike, labels: ArrayLike, *, temperature=1.
     ``return_entropy=False``).
 
   Memory: the forward keeps the logits plus three ``[T]`` vectors as residuals; its working
-  set is O(T) with the Triton kernel and the reductions' partial sums of one
+  set is O(T) with the Mosaic or Triton kernel and the reductions' partial sums of one
   ``[chunk, V_local]`` tile with XLA. The backward reads the logits once and writes the
   gradient (an array like ``logits``) with no temporaries; see ``backward_in_place`` for
   when that array is the logits' own buffer.

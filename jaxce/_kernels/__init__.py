@@ -8,15 +8,17 @@ Four layers, each importing only the ones below it:
   blocks): ``logits`` (per-token, logits path), ``linear`` (per-token, fused LM head),
   ``linear_kept_ids`` (the same over kept ids: only their columns), ``token_loss`` and
   ``linear_token_loss`` (objectives, gradient formed in the forward);
-* shared by them: ``logits_rows`` (full logits rows: statistics by XLA or Triton, the
+* shared by them: ``logits_rows`` (full logits rows: statistics by XLA, Mosaic GPU or
+  Triton, the
   merge of per-tile statistics by the plan's backend, the gradient), ``head`` (the LM
   head's tile matmuls), ``loss_terms`` (a chunk's loss terms and cotangents);
-* backends, one kernel a module, imported from JAX when first used: ``triton_rows``
-  (Pallas Triton row statistics) and ``mosaic_head`` (Pallas Mosaic GPU: the fused
-  head's tiles with a statistics or a ``d logits`` epilogue), each saying why it cannot
-  run a call (``unsupported``); ``mosaic_merge`` / ``triton_merge`` (per-tile statistics
-  merged in column order) and ``mosaic_reciprocal`` / ``triton_reciprocal`` (``1 / T`` on
-  the device); XLA is plain ``jax.numpy`` in the floor below;
+* backends, one kernel a module, imported from JAX when first used: ``mosaic_rows`` /
+  ``triton_rows`` (row statistics of logits rows in one read; Triton only when asked
+  for by name) and ``mosaic_head`` (Pallas Mosaic GPU: the fused head's tiles with a
+  statistics or a ``d logits`` epilogue), each saying why it cannot run a call
+  (``unsupported``); ``mosaic_merge`` / ``triton_merge`` (per-tile statistics merged in
+  column order) and ``mosaic_reciprocal`` (``1 / T`` on the device, Hopper); XLA is plain
+  ``jax.numpy`` in the floor below;
 * the floor: ``softmax`` (the per-tile maths), ``chunking`` (ragged chunks without
   copies), ``plumbing`` (shard_map varying types, symbolic zeros, named custom_vjp
   arguments, lazy backends), ``config`` (Tokens, Plan, Config).

@@ -1,9 +1,9 @@
 """The logits path's per-token kernel: log-prob and entropy of ``[T, V_local]`` logits rows
 with a hand-written backward, on arrays the front door has checked and flattened.
 
-Forward: ``logits_rows.forward`` (the row statistics of every token by the Triton kernel in one
-pass, or by XLA in a scan over chunks of tokens; shards combine them with one pmax and one
-psum). Backward: one fused elementwise pass writes the gradient, or (``config.in_place``)
+Forward: ``logits_rows.forward`` (the row statistics of every token by the Mosaic GPU or
+Triton kernel in one pass, or by XLA in a scan over chunks of tokens; shards combine them
+with one pmax and one psum). Backward: one fused elementwise pass writes the gradient, or (``config.in_place``)
 a loop overwrites the logits chunk by chunk.
 """
 
@@ -24,7 +24,7 @@ def logprobs_entropy(x, tokens: Tokens, config: Config):
   outer jit or shard_map).
 
   Memory: the forward keeps ``x`` and three ``[T]`` vectors as residuals; its working set
-  is O(T) with the Triton kernel and the reductions' partial sums of one ``[chunk,
+  is O(T) with the Mosaic or Triton kernel and the reductions' partial sums of one ``[chunk,
   V_local]`` tile with XLA. The backward reads ``x`` once and writes the gradient (an
   array like ``x``); with ``in_place`` it overwrites ``x``'s buffer when ``x`` is dead.
   """

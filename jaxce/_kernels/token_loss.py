@@ -1,7 +1,7 @@
 """The logits path's objective kernel: ``sum objective(logp, entropy, *token_args)`` of
 ``softmax(logits)`` and, under differentiation, its gradient, formed in the forward pass.
 
-The logits rows' forward statistics (``logits_rows.forward``: one Triton pass, or XLA's chunked
+The logits rows' forward statistics (``logits_rows.forward``: one Mosaic or Triton pass, or XLA's chunked
 scan; shards combine them with one pmax + one psum), the objective's per-token terms and
 cotangents (O(T)), then, when differentiating, ``d logits`` in one elementwise pass
 (``logits_rows.gradient``): two passes over the logits (read; read + write). The

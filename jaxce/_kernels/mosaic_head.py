@@ -68,13 +68,9 @@ def unsupported(*, platform, capability, hidden_dtype, weight_dtype, has_bias, d
     depth, num_columns: ``D`` and this device's ``V_local``. (Calls with fewer than
       ``MIN_ROWS`` tokens are padded to it by the caller.)
   """
-  if plgpu is None:
-    return f"this JAX ({jax.__version__}) has no Pallas Mosaic GPU backend"
-  if platform == "gpu":
-    if capability != "9.0":
-      return f"it needs a Hopper GPU (compute capability 9.0), got {capability}"
-  elif not hasattr(plgpu, "InterpretGPUParams"):
-    return f"off GPUs it runs in the GPU interpreter of JAX >= 0.11, got {jax.__version__}"
+  platform_reason = plumbing.mosaic_gpu_unsupported(plgpu, platform, capability)
+  if platform_reason:
+    return platform_reason
   if hidden_dtype != weight_dtype or hidden_dtype not in (jnp.bfloat16, jnp.float16):
     return (f"hidden and weight must share a 16-bit float dtype, got {hidden_dtype} and "
             f"{weight_dtype}")

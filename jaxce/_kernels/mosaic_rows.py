@@ -27,7 +27,6 @@ from __future__ import annotations
 
 from functools import partial
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
@@ -82,13 +81,13 @@ def _fold(x, carry, inv_temp, limit, column, *, masked, with_entropy):
   return m_new, s * rescale + jnp.sum(e, axis=1), q
 
 
-def _statistics(x, row_inputs, *, num_rows, masked, with_entropy, stages, interpret):
+def _statistics(x, row_inputs, *, masked, with_entropy, stages, interpret):
   """``[groups, row blocks, 4, ROWS]`` f32 group statistics of each block of rows of ``x
-  [T, V_local]`` (``T = num_rows >= ROWS``, a multiple of 8: TMA's row tiling; the last
-  block moved back inside);
+  [T, V_local]`` (``T >= ROWS``, a multiple of 8: TMA's row tiling; the last block moved
+  back inside);
   ``row_inputs [row blocks, 3, ROWS]`` f32: inverse temperature, label ``z`` and first
   excluded column of each block's rows (``_block_rows``)."""
-  num_columns = x.shape[1]
+  num_rows, num_columns = x.shape
   num_tiles = num_columns // TILE
   group = tiles_per_group(num_columns)
   num_groups = -(-num_tiles // group)
@@ -177,27 +176,19 @@ def statistics(x, inv_temp, picked, limit, *, with_entropy, interpret, stages=No
   if stages is None:
     stages = max(2, STAGE_BYTES // (ROWS * TILE * jnp.dtype(x.dtype).itemsize))
   bound = jnp.float32(num_columns) if limit is None else jnp.asarray(limit, jnp.float32)
-  if num_rows % 8 or num_rows < ROWS:  # (TMA reads rows in tiles of 8: a padded copy)
-    x = chunking.pad_rows(x, max(-(-num_rows // 8) * 8, ROWS))
-  return _rows(x, num_rows, inv_temp, picked, bound, masked=limit is not None,
-               with_entropy=with_entropy, stages=stages, interpret=interpret)
-
-
-def _rows(x, count, inv_temp, picked, bound, **options):
-  """``[groups, 4, count]`` statistics of ``x``'s first ``count`` rows (``inv_temp`` and
-  ``picked``: theirs): one kernel over all ``x``'s rows (at least ``ROWS``, a multiple
-  of 8)."""
-  num_rows = x.shape[0]
-  pad = lambda v, fill: chunking.pad_rows(v.astype(jnp.float32), num_rows, fill)
+  padded = max(-(-num_rows // 8) * 8, ROWS)  # (TMA reads rows in tiles of 8)
+  x = chunking.pad_rows(x, padded)  # (a copy when padded)
+  pad = lambda v, fill: chunking.pad_rows(v.astype(jnp.float32), padded, fill)
   row_inputs = jnp.stack([pad(inv_temp, 1.0), pad(picked, 0.0),
-                          jnp.broadcast_to(bound, (num_rows,))])
-  row_inputs = row_inputs[:, _block_rows(num_rows)].transpose(1, 0, 2)
-  tiles = _statistics(x, row_inputs, num_rows=num_rows, **options)
+                          jnp.broadcast_to(bound, (padded,))])
+  row_inputs = row_inputs[:, _block_rows(padded)].transpose(1, 0, 2)
+  tiles = _statistics(x, row_inputs, masked=limit is not None, with_entropy=with_entropy,
+                      stages=stages, interpret=interpret)
   num_groups, row_blocks = tiles.shape[:2]
   tiles = tiles.transpose(0, 2, 1, 3)  # [groups, 4, row blocks, ROWS]
   whole = tiles[:, :, :-1].reshape(num_groups, 4, (row_blocks - 1) * ROWS)
-  last = tiles[:, :, -1, (row_blocks - 1) * ROWS - (num_rows - ROWS):]
-  return jnp.concatenate([whole, last], axis=2)[:, :, :count]
+  last = tiles[:, :, -1, (row_blocks - 1) * ROWS - (padded - ROWS):]
+  return jnp.concatenate([whole, last], axis=2)[:, :, :num_rows]
 
 
 def unsupported(*, operation, platform, capability, dtypes, num_columns, has_keep=False,
@@ -211,13 +202,9 @@ def unsupported(*, operation, platform, capability, dtypes, num_columns, has_kee
     num_columns: this device's ``V_local``.
     has_keep, batch_invariant: a kept set; ``batch_invariant=True``.
   """
-  if plgpu is None:
-    return f"this JAX ({jax.__version__}) has no Pallas Mosaic GPU backend"
-  if platform == "gpu":
-    if capability != "9.0":
-      return f"it needs a Hopper GPU (compute capability 9.0), got {capability}"
-  elif not hasattr(plgpu, "InterpretGPUParams"):
-    return f"off GPUs it runs in the GPU interpreter of JAX >= 0.11, got {jax.__version__}"
+  platform_reason = plumbing.mosaic_gpu_unsupported(plgpu, platform, capability)
+  if platform_reason:
+    return platform_reason
   if batch_invariant and operation not in INVARIANT_OPERATIONS:
     return ("batch_invariant=True: this path's logits come from XLA's matmuls, whose "
             "rounding depends on the program; XLA's exact sums hold the option")

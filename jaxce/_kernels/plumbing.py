@@ -34,6 +34,21 @@ def lazy_module(name: str):
   return module
 
 
+def mosaic_gpu_unsupported(plgpu, platform, capability) -> str | None:
+  """Why a Pallas Mosaic GPU kernel cannot run on ``platform`` (``capability``: its GPUs'
+  compute capability) with ``plgpu`` (the kernel module's lazily imported backend, or
+  None), a sentence, or None: it runs on Hopper GPUs and, in JAX's GPU interpreter
+  (JAX >= 0.11), off GPUs."""
+  if plgpu is None:
+    return f"this JAX ({jax.__version__}) has no Pallas Mosaic GPU backend"
+  if platform == "gpu":
+    if capability != "9.0":
+      return f"it needs a Hopper GPU (compute capability 9.0), got {capability}"
+  elif not hasattr(plgpu, "InterpretGPUParams"):
+    return f"off GPUs it runs in the GPU interpreter of JAX >= 0.11, got {jax.__version__}"
+  return None
+
+
 def custom_vjp(*static: str):
   """``jax.custom_vjp`` whose non-differentiable arguments are named (``static``), not
   numbered: adding an argument to the function shifts nothing."""

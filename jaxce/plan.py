@@ -345,7 +345,7 @@ def _unsupported(backend, *, operation, target, dtypes, has_bias, has_keep, dept
     rows_dtype = jnp.float32 if operation == "linear_token_loss" else dtypes[0]
     return mosaic_rows.unsupported(
         operation=operation, platform=target.platform, capability=target.capability,
-        dtypes=(*dtypes, rows_dtype), num_columns=num_columns, has_keep=has_keep,
+        dtypes=(*dtypes, rows_dtype), num_columns=num_columns,
         batch_invariant=batch_invariant)
   return None
 

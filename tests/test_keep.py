@@ -448,6 +448,8 @@ def test_a_split_vocabulary_needs_shards_of_32_columns():
 
 
 def test_the_planner_falls_back_to_xla_and_says_why(monkeypatch):
+  """The fused head's kernel takes no kept set (XLA runs the call, and the plan says
+  why); the logits path's does."""
   monkeypatch.setattr(jaxce.plan, "target", lambda *a, mesh=None: jaxce.plan.Target(
       "gpu", "9.0", 132))
   h = jax.ShapeDtypeStruct((512, 64), jnp.bfloat16)
@@ -458,9 +460,13 @@ def test_the_planner_falls_back_to_xla_and_says_why(monkeypatch):
   got = jaxce.plan.of(jaxce.linear_logprobs_and_entropy, h, w, labels, keep=keep)
   assert got.backend == "xla"
   assert "not mosaic: a kept set (keep=) is not supported yet" in got.reason
+  logits = jax.ShapeDtypeStruct((512, 256), jnp.bfloat16)
   with pytest.raises(ValueError, match="triton.*does not take a kept set"):
-    jaxce.plan.of(jaxce.logprobs_and_entropy, jax.ShapeDtypeStruct((512, 256), jnp.bfloat16),
-                  labels, keep=keep, implementation="triton")
+    jaxce.plan.of(jaxce.logprobs_and_entropy, logits, labels, keep=keep,
+                  implementation="triton")
+  # the logits path's kernel reads the kept sets with its tiles
+  assert jaxce.plan.of(jaxce.logprobs_and_entropy, logits, labels, keep=keep).backend == \
+      "mosaic"
 
 
 def test_no_tokens_by_vocab_mask_in_the_compiled_plan():

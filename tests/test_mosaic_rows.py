@@ -59,6 +59,45 @@ def test_group_statistics_match_float64(tokens, columns, dtype, limit, min_tiles
     np.testing.assert_array_equal(tiles[g, 3], picked if g == 0 else 0)
 
 
+@pytest.mark.parametrize("tokens,columns,dtype,limit", [
+    (136, 384, jnp.bfloat16, None),  # the last row block moved back, 3 groups
+    (300, 256, jnp.float32, 200),    # a ragged row count (padded to 8), a limit
+])
+def test_group_statistics_over_kept_sets(tokens, columns, dtype, limit, monkeypatch):
+  """Kept sets read with the tiles: ~5 % kept at random, a row keeping its label alone (or
+  nothing: the label column still kept), a row keeping every column; each matches float64
+  over exactly its kept columns and the label's."""
+  monkeypatch.setattr(mosaic_rows, "MIN_TILES_PER_GROUP", 1)
+  rng = np.random.default_rng(tokens + 7)
+  x = _logits(rng, tokens, columns, dtype)
+  inv_temp = rng.uniform(0.5, 2.0, tokens).astype(np.float32)
+  label_column = rng.integers(-3, columns, tokens)  # (negative: the label lies elsewhere)
+  kept = rng.random((tokens, columns)) < 0.05
+  kept[1] = False
+  kept[2] = True
+  words = jaxce.keep.pack(kept)
+  tiles = mosaic_rows.statistics(x, jnp.asarray(inv_temp), jnp.zeros(tokens, jnp.float32),
+                                 limit, words, jnp.asarray(label_column),
+                                 with_entropy=True, interpret=kernel_device()["interpret"])
+  group = mosaic_rows.tiles_per_group(columns) * mosaic_rows.TILE
+  z = np.asarray(x.astype(jnp.float32), np.float64) * inv_temp[:, None].astype(np.float64)
+  kept[np.arange(tokens), np.clip(label_column, 0, None)] |= label_column >= 0
+  z[~kept] = -np.inf
+  if limit is not None:
+    z[:, limit:] = -np.inf
+  tiles = np.asarray(tiles, np.float64)
+  for g in range(tiles.shape[0]):
+    part = z[:, g * group:(g + 1) * group]
+    m = np.maximum(part.max(axis=1), np.finfo(np.float32).min)
+    e = np.exp(part - m[:, None])
+    q = np.sum(e * np.where(np.isfinite(part), part - m[:, None], 0), axis=1)
+    scale = np.max(np.abs(np.where(np.isfinite(part).any(axis=1), m, 0)))
+    assert_close(tiles[g, 0], m, 2**-22 * np.max(np.abs(m)), f"group {g}: m")
+    assert_close(tiles[g, 1], e.sum(axis=1), 2e-6 * max(e.sum(axis=1).max(), 1) * (1 + scale),
+                 f"s {g}")
+    assert_close(tiles[g, 2], q, 2e-6 * max(e.sum(axis=1).max(), 1) * (1 + scale), f"q {g}")
+
+
 @pytest.mark.parametrize("tokens", [40, 300])
 def test_matches_xla_and_reference(tokens):
   """bf16 logits, per-token temperature, a padded vocabulary, ignored and masked tokens,
@@ -83,6 +122,52 @@ def test_matches_xla_and_reference(tokens):
     assert err_mosaic <= 1.5 * err_xla + 2e-6, (name, err_mosaic, err_xla)
   g, gx = (np.asarray(a[1][0], np.float32) for a in (mosaic, xla))
   assert_close(g, gx, 2**-7 * np.max(np.abs(gx)), "d logits")
+
+
+@pytest.mark.parametrize("path", ["logprobs_and_entropy", "token_loss"])
+def test_kept_sets_match_xla_and_reference(path):
+  """``keep=`` in the kernel: ~5 % kept, a row whose arg-max is dropped, a row keeping its
+  label alone, a label outside its kept set, a padded vocabulary and a per-token
+  temperature; values as exact as XLA's against float64, the same gradient. The planner
+  keeps the call on the kernel."""
+  rng = np.random.default_rng(11)
+  tokens, columns, vocab = 200, 384, 370
+  x = _logits(rng, tokens, columns, jnp.bfloat16)
+  labels = rng.integers(0, vocab, tokens)
+  mask = rng.random((tokens, columns)) < 0.05
+  mask[np.arange(tokens), labels] = True
+  mask[0, np.argmax(np.asarray(x[0], np.float32))] = False
+  mask[1] = False
+  mask[1, labels[1]] = True
+  mask[2, labels[2]] = False
+  kw = dict(labels=labels, keep=jaxce.keep.pack(mask), vocab_size=vocab,
+            temperature=rng.uniform(0.6, 1.5, tokens))
+  cot = rng.normal(size=(2, tokens))
+  if path == "token_loss":
+    objective = lambda logp, entropy, c0, c1: c0 * logp + c1 * entropy
+    fn = lambda x, **o: jaxce.token_loss(objective, x, kw["labels"], *cot, **o, **{
+        k: v for k, v in kw.items() if k != "labels"})[0]
+    ref = lambda x: _weighted_sum(reference.logprobs_and_entropy(x, **kw), cot)
+  else:
+    fn = lambda x, **o: _weighted_sum(jaxce.logprobs_and_entropy(x, **o, **kw), cot)
+    ref = lambda x: _weighted_sum(reference.logprobs_and_entropy(x, **kw), cot)
+  plan = jaxce.plan.of(lambda x: fn(x, implementation="mosaic"), x)
+  assert plan.backend == "mosaic"
+  mosaic, xla = (jax.value_and_grad(lambda x: fn(x, implementation=b))(x)
+                 for b in ("mosaic", "xla"))
+  exact = jax.value_and_grad(ref)(jnp.asarray(x, jnp.float64))
+  err_mosaic, err_xla = (abs(float(a[0]) - float(exact[0])) for a in (mosaic, xla))
+  assert err_mosaic <= 1.5 * err_xla + 1e-5 * (1 + abs(float(exact[0]))), (err_mosaic, err_xla)
+  g, gx = (np.asarray(a[1], np.float32) for a in (mosaic, xla))
+  assert np.all(np.isfinite(g))
+  assert_close(g, gx, 2**-7 * np.max(np.abs(gx)), "d logits")
+  dropped = ~mask
+  dropped[np.arange(tokens), labels] = False
+  assert np.all(g[dropped] == 0)
+
+
+def _weighted_sum(outputs, cot):
+  return jnp.sum(cot[0] * outputs[0]) + jnp.sum(cot[1] * outputs[1])
 
 
 @pytest.mark.parametrize("path", ["token_loss", "linear_token_loss"])

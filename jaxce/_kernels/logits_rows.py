@@ -18,9 +18,10 @@ from jaxce._kernels.config import Tokens
 def statistics(x, tokens: Tokens, column_start, config):
   """``(logp, m, log s, entropy or None)``, ``[C]`` each, of the rows ``x [C, V_local]``
   (``tokens``: theirs; ``column_start`` the global id of ``x``'s first column): with the
-  ``"triton"`` backend (no kept sets) the row statistics by the one-pass
-  kernel, every shard's gathered in rank order and merged by ``triton_merge`` (each row's
-  bits depend on its own inputs alone); with XLA's exact sums (``plan.exact_sums``)
+  ``"mosaic"`` backend (kept sets read with the tiles) or the ``"triton"`` one (no kept
+  sets) the row statistics by a one-pass kernel, every shard's gathered in rank order and
+  merged by ``mosaic_merge`` or ``triton_merge`` (each row's bits depend on its own
+  inputs alone); with XLA's exact sums (``plan.exact_sums``)
   ``softmax.exact_statistics`` (then ``x`` is the logits before ``config.softcap``, which
   it applies); else ``softmax.chunk_statistics`` (one pmax and one psum over the vocab
   axis)."""
@@ -31,7 +32,8 @@ def statistics(x, tokens: Tokens, column_start, config):
     picked = softmax.label_logit(x, labels, inv_temp, column_start)
     if backend == "mosaic":  # (groups of columns, picked in the first)
       tiles = mosaic_rows.statistics(x, inv_temp, picked,
-                                     None if config.mask_vocab is None else limit,
+                                     None if config.mask_vocab is None else limit, kept,
+                                     None if kept is None else labels - column_start,
                                      with_entropy=config.with_entropy, interpret=interpret)
     else:
       m, s, q = triton_rows.row_statistics(x, inv_temp, limit, config.with_entropy,

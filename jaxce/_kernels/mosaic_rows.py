@@ -10,7 +10,11 @@ its rows' running statistics, in the columns' order:
     s' = s e + Σ_v exp(z_v - m'),       e = exp(m - m')
     q' = e (q + (m - m') s) + Σ_v exp(z_v - m') (z_v - m')
 
-and the group's ``(m, s, q, picked)`` is written to an f32 ``[groups, 4, T]`` array
+Kept sets (``keep=``) are read with the tiles: each tile's ``[WORDS, ROWS]`` block of
+the packed words (transposed to a row per word, so a word is a per-row vector) sets the
+columns outside the row's kept set, except its label's, to -inf before the fold.
+
+The group's ``(m, s, q, picked)`` is written to an f32 ``[groups, 4, T]`` array
 (``picked``, the label's ``z``, gathered outside, goes to group 0). ``mosaic_merge``
 merges the groups in their order. The groups depend on ``V_local`` alone, so a row's
 numbers depend on its own logits, label and temperature only (not on ``T``, its
@@ -37,6 +41,7 @@ plgpu = plumbing.lazy_module("jax.experimental.pallas.mosaic_gpu")
 
 ROWS = 64  # rows per CTA (one warpgroup)
 TILE = 128  # columns per pipeline step
+WORDS = TILE // 32  # kept-set words per tile row
 MIN_TILES_PER_GROUP = 8
 STAGE_BYTES = 96 * 2**10  # shared memory of the pipeline's buffers, per CTA
 # The operations whose outputs this kernel makes batch-invariant: those that read whole
@@ -62,15 +67,31 @@ def _transforms(dtype):
   return plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle)
 
 
-def _fold(x, carry, inv_temp, limit, column, *, masked, with_entropy):
+def _kept(words, label_column, column, shape):
+  """``bool [ROWS, TILE]`` (WGMMA layout): the tile's kept columns, from its rows' kept
+  words (``WORDS`` ``[ROWS]`` uint32 arrays, bit ``v % 32`` of word ``v // 32`` for the
+  tile's column ``v``) and each row's label column (``[ROWS]`` f32; always kept)."""
+  per_row = lambda v: lax.broadcast_in_dim(v, shape, [0])
+  local = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
+  low, high = (jnp.where(local < 32 * (2 * i + 1), per_row(words[2 * i]),
+                         per_row(words[2 * i + 1])) for i in range(2))
+  word = jnp.where(local < 64, low, high)
+  bit = (word >> (local & 31).astype(jnp.uint32)) & jnp.uint32(1)
+  return (bit == 1) | ((local + column).astype(jnp.float32) == per_row(label_column))
+
+
+def _fold(x, carry, inv_temp, limit, column, kept, *, masked, with_entropy):
   """``(m, s, q)`` ``[ROWS]`` f32 with the tile ``x [ROWS, TILE]`` (WGMMA layout), whose
-  first column is ``column``, folded in; ``inv_temp`` and ``limit`` are ``[ROWS]`` f32."""
+  first column is ``column``, folded in; ``inv_temp`` and ``limit`` are ``[ROWS]`` f32;
+  ``kept``: the tile's kept columns (``_kept``) or None."""
   m, s, q = carry
   per_row = lambda v: lax.broadcast_in_dim(v, x.shape, [0])
   z = x.astype(jnp.float32) * per_row(inv_temp)
   if masked:
     local = plgpu.broadcasted_iota(jnp.int32, x.shape, 1, layout=plgpu.Layout.WGMMA)
     z = jnp.where((local + column).astype(jnp.float32) < per_row(limit), z, -jnp.inf)
+  if kept is not None:
+    z = jnp.where(kept, z, -jnp.inf)
   m_new = jnp.maximum(m, jnp.max(z, axis=1))  # m starts at the floor: never -inf
   shifted = z - per_row(m_new)
   e = jnp.exp2(shifted * _LOG2_E)
@@ -81,42 +102,54 @@ def _fold(x, carry, inv_temp, limit, column, *, masked, with_entropy):
   return m_new, s * rescale + jnp.sum(e, axis=1), q
 
 
-def _statistics(x, row_inputs, *, masked, with_entropy, stages, interpret):
+def _statistics(x, row_inputs, words, *, masked, with_entropy, stages, interpret):
   """``[groups, row blocks, 4, ROWS]`` f32 group statistics of each block of rows of ``x
   [T, V_local]`` (``T >= ROWS``, a multiple of 8: TMA's row tiling; the last block moved
   back inside);
-  ``row_inputs [row blocks, 3, ROWS]`` f32: inverse temperature, label ``z`` and first
-  excluded column of each block's rows (``_block_rows``)."""
+  ``row_inputs [row blocks, 4, ROWS]`` f32: inverse temperature, label ``z``, first
+  excluded column and label column of each block's rows (``_block_rows``); ``words``:
+  uint32 ``[V_local / 32, T]`` kept sets, a row per word (read with the tiles), or None."""
   num_rows, num_columns = x.shape
   num_tiles = num_columns // TILE
   group = tiles_per_group(num_columns)
   num_groups = -(-num_tiles // group)
   row_blocks = -(-num_rows // ROWS)
   transforms = _transforms(x.dtype)
+  has_words = words is not None
 
-  def kernel(x_gmem, rows_gmem, out_gmem):
+  def kernel(x_gmem, rows_gmem, *refs):
+    *words_gmem, out_gmem = refs
     block, group_index = lax.axis_index("rows"), lax.axis_index("groups")
     first_row = pl.multiple_of(jnp.minimum(block * ROWS, num_rows - ROWS), 8)
     rows = pl.ds(first_row, ROWS)
     row_layout = plgpu.Layout.WGMMA.reduce(1)
-    inv_temp, picked, limit = (plgpu.load(rows_gmem.at[block, i], layout=row_layout,
-                                          optimized=False) for i in range(3))
+    inv_temp, picked, limit, label_column = (
+        plgpu.load(rows_gmem.at[block, i], layout=row_layout, optimized=False)
+        for i in range(4))
     first_tile = group_index * group
     count = jnp.minimum(group, num_tiles - first_tile)
 
-    def body(indices, x_smem, carry):
+    def body(indices, x_smem, *smem):
       (k,) = indices
+      *words_smem, carry = smem
+      column = (first_tile + k) * TILE
+      kept = None
+      if has_words:
+        tile_words = [plgpu.load(words_smem[0].at[j], layout=row_layout, optimized=False)
+                      for j in range(WORDS)]
+        kept = _kept(tile_words, label_column, column, (ROWS, TILE))
       return _fold(plgpu.load(x_smem, layout=plgpu.Layout.WGMMA), carry, inv_temp, limit,
-                   (first_tile + k) * TILE, masked=masked, with_entropy=with_entropy)
+                   column, kept, masked=masked, with_entropy=with_entropy)
 
     zero = jnp.zeros((ROWS,), jnp.float32)
     init = (jnp.full((ROWS,), _FLOOR, jnp.float32), zero, zero)
-    pipeline = plgpu.emit_pipeline(
-        body, grid=(count,),
-        in_specs=[plgpu.BlockSpec((ROWS, TILE), lambda k: (0, first_tile + k),
-                                  transforms=transforms)],
-        max_concurrent_steps=stages, init_carry=init)
-    m, s, q = pipeline(x_gmem.at[rows])
+    specs = [plgpu.BlockSpec((ROWS, TILE), lambda k: (0, first_tile + k),
+                             transforms=transforms)]
+    if has_words:
+      specs.append(plgpu.BlockSpec((WORDS, ROWS), lambda k: (first_tile + k, 0)))
+    pipeline = plgpu.emit_pipeline(body, grid=(count,), in_specs=specs,
+                                   max_concurrent_steps=stages, init_carry=init)
+    m, s, q = pipeline(x_gmem.at[rows], *(w.at[:, rows] for w in words_gmem))
 
     @partial(pl.run_scoped, out_smem=plgpu.SMEM((4, ROWS), jnp.float32))
     def _store(out_smem):
@@ -138,7 +171,7 @@ def _statistics(x, row_inputs, *, masked, with_entropy, stages, interpret):
       grid=(row_blocks, num_groups),
       grid_names=("rows", "groups"),
       interpret=plgpu.InterpretGPUParams() if interpret else None,
-  )(x, row_inputs)
+  )(x, row_inputs, *([words] if has_words else []))
 
 
 def _block_rows(num_rows):
@@ -148,9 +181,11 @@ def _block_rows(num_rows):
   return starts[:, None] + jnp.arange(ROWS)[None, :]
 
 
-def statistics(x, inv_temp, picked, limit, *, with_entropy, interpret, stages=None):
-  """Per-row softmax statistics of ``z = x * inv_temp`` over the columns below ``limit``,
-  by groups of columns, for ``mosaic_merge.merge`` to merge in the columns' order.
+def statistics(x, inv_temp, picked, limit, kept=None, label_column=None, *, with_entropy,
+               interpret, stages=None):
+  """Per-row softmax statistics of ``z = x * inv_temp`` over the columns below ``limit``
+  (and in the row's kept set), by groups of columns, for ``mosaic_merge.merge`` to merge
+  in the columns' order.
 
   Args:
     x: ``[T, V_local]`` logits, bf16, f16 or f32, ``V_local`` a multiple of ``TILE``;
@@ -160,6 +195,10 @@ def statistics(x, inv_temp, picked, limit, *, with_entropy, interpret, stages=No
       carried into group 0.
     limit: int32 scalar: local columns at or beyond it are excluded (padded vocabulary),
       or None.
+    kept: uint32 ``[T, V_local / 32]``, the rows' kept sets over the local columns (bit
+      ``v % 32`` of word ``v // 32``), read with the tiles; or None (every column kept).
+    label_column: ``[T]`` int, each row's label column relative to ``x``'s first
+      (always kept; any value when the label lies elsewhere); with ``kept`` only.
     with_entropy: compute ``q`` (else zeros).
     interpret: run in JAX's GPU interpreter (off GPUs: tests).
     stages: tiles in flight per CTA (default: ``STAGE_BYTES`` of them).
@@ -167,8 +206,9 @@ def statistics(x, inv_temp, picked, limit, *, with_entropy, interpret, stages=No
   Returns:
     ``[groups, 4, T]`` float32 ``(m, s, q, picked)`` per group of
     ``tiles_per_group(V_local)`` tiles. Memory: that array (16 bytes per row per group)
-    and its blocked form; when ``T`` is not a multiple of 8 or is below ``ROWS``, a
-    padded copy of ``x``.
+    and its blocked form; with ``kept``, its transposed copy (``T * V_local / 8``
+    bytes); when ``T`` is not a multiple of 8 or is below ``ROWS``, a padded copy of
+    ``x``.
   """
   num_rows, num_columns = x.shape
   if num_columns % TILE:
@@ -178,12 +218,18 @@ def statistics(x, inv_temp, picked, limit, *, with_entropy, interpret, stages=No
   bound = jnp.float32(num_columns) if limit is None else jnp.asarray(limit, jnp.float32)
   padded = max(-(-num_rows // 8) * 8, ROWS)  # (TMA reads rows in tiles of 8)
   x = chunking.pad_rows(x, padded)  # (a copy when padded)
+  if kept is not None:
+    if kept.shape != (num_rows, num_columns // 32):
+      raise ValueError(f"kept: {kept.shape}, ({num_rows}, {num_columns // 32}) expected")
+    kept = chunking.pad_rows(kept.astype(jnp.uint32), padded).T  # (a row per word)
   pad = lambda v, fill: chunking.pad_rows(v.astype(jnp.float32), padded, fill)
+  no_label = jnp.full((num_rows,), -1.0, jnp.float32)
   row_inputs = jnp.stack([pad(inv_temp, 1.0), pad(picked, 0.0),
-                          jnp.broadcast_to(bound, (padded,))])
+                          jnp.broadcast_to(bound, (padded,)),
+                          pad(no_label if label_column is None else label_column, -1.0)])
   row_inputs = row_inputs[:, _block_rows(padded)].transpose(1, 0, 2)
-  tiles = _statistics(x, row_inputs, masked=limit is not None, with_entropy=with_entropy,
-                      stages=stages, interpret=interpret)
+  tiles = _statistics(x, row_inputs, kept, masked=limit is not None,
+                      with_entropy=with_entropy, stages=stages, interpret=interpret)
   num_groups, row_blocks = tiles.shape[:2]
   tiles = tiles.transpose(0, 2, 1, 3)  # [groups, 4, row blocks, ROWS]
   whole = tiles[:, :, :-1].reshape(num_groups, 4, (row_blocks - 1) * ROWS)
@@ -191,7 +237,7 @@ def statistics(x, inv_temp, picked, limit, *, with_entropy, interpret, stages=No
   return jnp.concatenate([whole, last], axis=2)[:, :, :num_rows]
 
 
-def unsupported(*, operation, platform, capability, dtypes, num_columns, has_keep=False,
+def unsupported(*, operation, platform, capability, dtypes, num_columns,
                 batch_invariant=False) -> str | None:
   """Why the kernel cannot run the row statistics of a call of ``operation`` (a public
   function's name; a sentence), or None when it can.
@@ -200,7 +246,7 @@ def unsupported(*, operation, platform, capability, dtypes, num_columns, has_kee
     platform, capability: the call's platform and its GPUs' compute capability.
     dtypes: the operands' dtypes, the rows' last (for ``linear_token_loss``, float32).
     num_columns: this device's ``V_local``.
-    has_keep, batch_invariant: a kept set; ``batch_invariant=True``.
+    batch_invariant: ``batch_invariant=True``.
   """
   platform_reason = plumbing.mosaic_gpu_unsupported(plgpu, platform, capability)
   if platform_reason:
@@ -214,6 +260,4 @@ def unsupported(*, operation, platform, capability, dtypes, num_columns, has_kee
     return f"it reads bfloat16, float16 or float32 logits, got {jnp.dtype(dtypes[-1])}"
   if num_columns % TILE:
     return f"the vocabulary (per device) must be a multiple of {TILE}, got {num_columns}"
-  if has_keep:
-    return "it does not take a kept set (keep=) yet"
   return None

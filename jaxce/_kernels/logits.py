@@ -3,8 +3,10 @@ with a hand-written backward, on arrays the front door has checked and flattened
 
 Forward: ``logits_rows.forward`` (the row statistics of every token by the Mosaic GPU or
 Triton kernel in one pass, or by XLA in a scan over chunks of tokens; shards combine them
-with one pmax and one psum). Backward: one fused elementwise pass writes the gradient, or (``config.in_place``)
-a loop overwrites the logits chunk by chunk.
+with one pmax and one psum). Backward: one fused elementwise pass writes the gradient, or
+(``config.in_place``) the logits' buffer is overwritten: by the Mosaic GPU kernel
+``mosaic_rows_grad`` (whose output aliases its input) on the Mosaic plan when ``T`` is a
+multiple of 8, else by a loop chunk by chunk.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxce._kernels import chunking, logits_rows, plumbing, softmax
+from jaxce._kernels import chunking, logits_rows, mosaic_rows_grad, plumbing, softmax
 from jaxce._kernels.config import Config, Tokens
 
 
@@ -56,16 +58,27 @@ def _logprobs_entropy_bwd(config, residuals, cotangents):
     # One elementwise pass over [T, V_local] into a new array.
     return (logits_rows.gradient(x, *per_token, mask_vocab, column_start), None)
 
+  num_tokens = x.shape[0]
+
+  def rows_gradient(x, start, size):
+    return logits_rows.gradient(*chunking.take_rows((x,) + per_token, start, size),
+                                mask_vocab, column_start)
+
+  if config.plan.backend == "mosaic" and num_tokens % 8 == 0:  # (TMA's row tiling)
+    labels, inv_temp, valid, kept = tokens
+    limit = (None if mask_vocab is None else
+             softmax.column_limit(mask_vocab, column_start, x.shape[1]))
+    return (mosaic_rows_grad.overwrite(x, rows_gradient, inv_temp, saved,
+                                       (g_logp, g_entropy), valid, labels - column_start,
+                                       limit, kept, interpret=config.plan.interpret), None)
+
   # The logits buffer is the loop carry; each step overwrites one chunk of rows with
   # its gradient (XLA updates a loop carry in place, copying it first only when the
   # logits are still needed after the backward). A ragged tail is one static step.
-  num_tokens = x.shape[0]
   full, tail = divmod(num_tokens, chunk)
 
   def overwrite(x, start, size):
-    chunk_rows = chunking.take_rows((x,) + per_token, start, size)
-    return lax.dynamic_update_slice_in_dim(
-        x, logits_rows.gradient(*chunk_rows, mask_vocab, column_start), start, 0)
+    return lax.dynamic_update_slice_in_dim(x, rows_gradient(x, start, size), start, 0)
 
   x = lax.fori_loop(0, full, lambda i, x: overwrite(x, i * chunk, chunk), x)
   if tail:

@@ -1,0 +1,181 @@
+"""The gradient of logits rows ``[T, V_local]`` written over the logits' own buffer, as a
+Pallas Mosaic GPU kernel (Hopper): the logits path's backward with
+``backward_in_place=True``.
+
+The kernel's output aliases its input (``input_output_aliases``): XLA writes the
+gradient into the logits' buffer when the logits are dead after the backward (donated,
+or an intermediate of a jitted training step), and otherwise copies them first. Each CTA
+(one warpgroup) takes ``ROWS`` rows and a group of ``[ROWS, TILE]`` tiles, as
+``mosaic_rows``; TMA streams each tile in and its gradient back out, and every tile is
+read before it is overwritten, by the CTA that owns it. Per element, with the row's
+statistics and cotangents folded into per-row coefficients (``_row_inputs``)::
+
+    z = x * inv_temp     (-inf beyond the vocabulary or outside the row's kept set)
+    log p = max(z - (m + log s), f32 min)             p = exp(log p)
+    d x = inv_temp * (-p (g_logp + g_entropy (log p + H)) + g_logp [v == label])
+
+Rows are taken in whole blocks of ``ROWS`` (a moved-back block would read rows that its
+neighbour has overwritten): the last ``T % ROWS`` rows are written by XLA in place
+(``dynamic_update_slice``). ``T`` must be a multiple of 8 and ``V_local`` of ``TILE``.
+Off GPUs the kernel runs in JAX's GPU interpreter (tests).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from jaxce._kernels import mosaic_rows, plumbing
+
+plgpu = plumbing.lazy_module("jax.experimental.pallas.mosaic_gpu")
+
+ROWS, TILE, WORDS = mosaic_rows.ROWS, mosaic_rows.TILE, mosaic_rows.WORDS
+# Row inputs, in this order: inverse temperature, m + log s (+inf: no gradient), the
+# coefficient g_logp + g_entropy H, g_entropy, g_logp, the label's column, the first
+# excluded column.
+NUM_ROW_INPUTS = 7
+_LOG2_E = 1.4426950408889634
+_FLOOR = float(jnp.finfo(jnp.float32).min)
+
+
+def _tile_gradient(x, row_values, column, kept, *, masked):
+  """``d x`` ``[ROWS, TILE]`` f32 (WGMMA layout) of the tile ``x`` whose first column is
+  ``column``, from its rows' ``NUM_ROW_INPUTS`` ``[ROWS]`` f32 values; ``kept``: the
+  tile's kept columns (``mosaic_rows._kept``) or None."""
+  inv_temp, log_norm, coef, g_entropy, g_logp, label_column, limit = (
+      lax.broadcast_in_dim(v, x.shape, [0]) for v in row_values)
+  z = x.astype(jnp.float32) * inv_temp
+  local = plgpu.broadcasted_iota(jnp.int32, x.shape, 1, layout=plgpu.Layout.WGMMA)
+  columns = (local + column).astype(jnp.float32)
+  if masked:
+    z = jnp.where(columns < limit, z, -jnp.inf)
+  if kept is not None:
+    z = jnp.where(kept, z, -jnp.inf)
+  log_p = jnp.maximum(z - log_norm, _FLOOR)  # (an excluded column: p = 0, finite log p)
+  p = jnp.exp2(log_p * _LOG2_E)
+  dz = -(p * coef + (p * log_p) * g_entropy)  # (p log p: 0 there, never 0 * inf)
+  dz = jnp.where(columns == label_column, dz + g_logp, dz)
+  return dz * inv_temp
+
+
+def _overwrite(x, row_inputs, words, *, masked, stages, interpret):
+  """``x [R, V_local]`` (``R`` a multiple of ``ROWS``) overwritten by its gradient;
+  ``row_inputs [R / ROWS, NUM_ROW_INPUTS, ROWS]`` f32; ``words``: uint32 ``[V_local /
+  32, R]`` kept sets, a row per word, or None."""
+  num_rows, num_columns = x.shape
+  num_tiles = num_columns // TILE
+  group = mosaic_rows.tiles_per_group(num_columns)
+  num_groups = -(-num_tiles // group)
+  transforms = mosaic_rows._transforms(x.dtype)
+  has_words = words is not None
+
+  def kernel(x_gmem, rows_gmem, *words_gmem):
+    block, group_index = lax.axis_index("rows"), lax.axis_index("groups")
+    rows = pl.ds(pl.multiple_of(block * ROWS, ROWS), ROWS)
+    row_layout = plgpu.Layout.WGMMA.reduce(1)
+    row_values = [plgpu.load(rows_gmem.at[block, i], layout=row_layout, optimized=False)
+                  for i in range(NUM_ROW_INPUTS)]
+    first_tile = group_index * group
+
+    @functools.partial(pl.run_scoped,
+                       out_smem=plgpu.SMEM((2, ROWS, TILE), x.dtype, transforms=transforms))
+    def _scoped(out_smem):
+      def body(indices, x_smem, *words_smem):
+        (k,) = indices
+        column = (first_tile + k) * TILE
+        kept = None
+        if has_words:
+          tile_words = [plgpu.load(words_smem[0].at[j], layout=row_layout, optimized=False)
+                        for j in range(WORDS)]
+          kept = mosaic_rows._kept(tile_words, row_values[5], column, (ROWS, TILE))
+        grad = _tile_gradient(plgpu.load(x_smem, layout=plgpu.Layout.WGMMA), row_values,
+                              column, kept, masked=masked)
+        # The store of tile k - 2 out of this slot has read it: reuse it.
+        plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+        slot = out_smem.at[k % 2]
+        slot[...] = grad.astype(x.dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(slot, x_gmem.at[rows, pl.ds(pl.multiple_of(column, TILE),
+                                                              TILE)])
+
+      specs = [plgpu.BlockSpec((ROWS, TILE), lambda k: (0, first_tile + k),
+                               transforms=transforms)]
+      if has_words:
+        specs.append(plgpu.BlockSpec((WORDS, ROWS), lambda k: (first_tile + k, 0)))
+      pipeline = plgpu.emit_pipeline(
+          body, grid=(jnp.minimum(group, num_tiles - first_tile),), in_specs=specs,
+          max_concurrent_steps=stages)
+      pipeline(x_gmem.at[rows], *(w.at[:, rows] for w in words_gmem))
+      plgpu.wait_smem_to_gmem(0)
+
+  logits = jax.new_ref(x)  # (written in place: the kernel's output aliases x)
+  plgpu.kernel(kernel, out_type=(), grid=(num_rows // ROWS, num_groups),
+               grid_names=("rows", "groups"),
+               interpret=plgpu.InterpretGPUParams() if interpret else None,
+               )(logits, row_inputs, *([words] if has_words else []))
+  return jax.freeze(logits)
+
+
+def _row_inputs(inv_temp, saved, cotangents, valid, label_column, limit):
+  """``[NUM_ROW_INPUTS, T]`` f32: the per-row values of ``_tile_gradient`` (an ignored row,
+  or one with no cotangent, gets exactly zero gradient)."""
+  (shift, log_sum, entropy), (g_logp, g_entropy) = saved, cotangents
+  zeros = jnp.zeros_like(shift, jnp.float32)
+  g_logp = zeros if g_logp is None else g_logp.astype(jnp.float32)
+  g_entropy = zeros if g_entropy is None else g_entropy.astype(jnp.float32)
+  coef = g_logp + (zeros if entropy is None else g_entropy * entropy.astype(jnp.float32))
+  values = [inv_temp, jnp.where(valid, shift + log_sum, jnp.inf), coef, g_entropy, g_logp]
+  values = [jnp.where(valid, v, 0) if i >= 2 else v for i, v in enumerate(values)]
+  values += [label_column, jnp.broadcast_to(limit, shift.shape)]
+  return jnp.stack([v.astype(jnp.float32) for v in values])
+
+
+def overwrite(x, tail_gradient, inv_temp, saved, cotangents, valid, label_column, limit,
+              kept=None, *, interpret, stages=None):
+  """``x [T, V_local]`` overwritten by ``d loss / d x`` (in ``x``'s dtype).
+
+  Args:
+    x: logits, bf16, f16 or f32, ``T`` a multiple of 8 (TMA reads rows in tiles of 8;
+      a padded copy would not be in place), ``V_local`` a multiple of ``TILE``.
+    tail_gradient: ``(x, start, size) -> d x`` of rows ``[start, start + size)`` of
+      ``x`` (XLA's elementwise pass), for the rows past the last whole block of
+      ``ROWS``, which the kernel leaves as they were.
+    inv_temp: ``[T]`` f32.
+    saved: ``(m, log s, entropy or None)`` ``[T]`` each, the forward's statistics.
+    cotangents: ``(g_logp, g_entropy)`` ``[T]`` each, None for a symbolic zero.
+    valid: ``[T]`` bool; other rows get zero gradient.
+    label_column: ``[T]`` int, the label's column relative to ``x``'s first.
+    limit: int32 scalar: local columns at or beyond it are excluded, or None.
+    kept: uint32 ``[T, V_local / 32]`` kept sets over the local columns, or None.
+    interpret: run in JAX's GPU interpreter (off GPUs: tests).
+    stages: tiles in flight per CTA on the way in (default: ``mosaic_rows.STAGE_BYTES``
+      of them and the two output tiles).
+
+  Returns:
+    the gradient, in ``x``'s buffer when ``x`` is dead. Memory: ``NUM_ROW_INPUTS``
+    floats per row and, with ``kept``, the words' transposed copy (``T * V_local / 8``
+    bytes); XLA's copy of ``x`` first when ``x`` is still live.
+  """
+  num_rows, num_columns = x.shape
+  if num_columns % TILE or num_rows % 8:
+    raise ValueError(f"x: {x.shape}, rows a multiple of 8 and columns of {TILE} expected")
+  if stages is None:
+    stages = max(2, mosaic_rows.STAGE_BYTES // (ROWS * TILE * jnp.dtype(x.dtype).itemsize) - 2)
+  whole = num_rows // ROWS * ROWS
+  if whole:
+    bound = num_columns if limit is None else limit
+    rows = _row_inputs(inv_temp[:whole], tuple(None if s is None else s[:whole]
+                                               for s in saved),
+                       tuple(None if c is None else c[:whole] for c in cotangents),
+                       valid[:whole], label_column[:whole], bound)
+    rows = rows.reshape(NUM_ROW_INPUTS, whole // ROWS, ROWS).transpose(1, 0, 2)
+    words = None if kept is None else kept[:whole].astype(jnp.uint32).T
+    x = _overwrite(x, rows, words, masked=limit is not None, stages=stages,
+                   interpret=interpret)
+  if whole < num_rows:
+    x = lax.dynamic_update_slice_in_dim(x, tail_gradient(x, whole, num_rows - whole), whole, 0)
+  return x

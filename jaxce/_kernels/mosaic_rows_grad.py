@@ -177,5 +177,8 @@ def overwrite(x, tail_gradient, inv_temp, saved, cotangents, valid, label_column
     x = _overwrite(x, rows, words, masked=limit is not None, stages=stages,
                    interpret=interpret)
   if whole < num_rows:
+    # (The barrier keeps XLA's GPU compiler from fusing the update into the kernel's
+    # custom call, which it cannot lower: "DUS target must be a fusion parameter".)
+    x = lax.optimization_barrier(x)
     x = lax.dynamic_update_slice_in_dim(x, tail_gradient(x, whole, num_rows - whole), whole, 0)
   return x

@@ -76,12 +76,13 @@ def logprobs_and_entropy(logits: ArrayLike, labels: ArrayLike, *, temperature=1.
       and why). One that cannot run the call is a ``ValueError`` saying why.
     backward_in_place: ``False`` (default): one fused pass writes the gradient; donated
       logits are reused by XLA, but as an intermediate of a jitted step XLA's GPU plan
-      gives the gradient its own buffer. ``True``: the backward walks the logits in
-      chunks of tokens and overwrites each chunk with its gradient, so when the logits
-      are dead afterwards (donated, or an intermediate of a jitted training step) the
-      gradient takes their buffer; when they are still alive XLA copies them first (one
-      more read and write of the logits, no more memory). On GPUs this loop runs slower
-      than the fused pass (bench/NOTES.md, entry 10).
+      gives the gradient its own buffer. ``True``: the backward overwrites the logits
+      with their gradient, so when the logits are dead afterwards (donated, or an
+      intermediate of a jitted training step) the gradient takes their buffer; when they
+      are still alive XLA copies them first (one more read and write of the logits, no
+      more memory). On Hopper (the Mosaic plan, ``T`` a multiple of 8) one kernel does it
+      as fast as the fused pass; elsewhere a loop over chunks of tokens, slower on GPUs
+      (bench/NOTES.md, entry 10).
 
     keep: optional uint32 ``[..., ceil(V / 32)]``, each token's kept set (the sampler's
       top-k / top-p / min-p support), packed 32 columns a word (bit ``v % 32`` of word

@@ -120,7 +120,8 @@ class Config(NamedTuple):
     with_entropy: compute (and return) the entropy.
     softcap: ``c`` of ``c * tanh(x / c)`` (fused paths), or ``None``.
     vocab_dim: the fused weight's vocabulary dim (1: ``[D, V]``, 0: ``[V, D]``).
-    in_place: the logits path's backward overwrites the logits chunk by chunk.
+    in_place: the logits path's backward overwrites the logits (the Mosaic kernel, or
+      chunk by chunk).
     hidden_grad_in_output: the fused backward sums ``d hidden`` in its own dtype.
   """
   plan: Plan

@@ -59,7 +59,7 @@ def tiles_per_group(num_columns: int) -> int:
   return min(num_tiles, max(MIN_TILES_PER_GROUP, -(-num_tiles // mosaic_merge.GROUP)))
 
 
-def _transforms(dtype):
+def tile_transforms(dtype):
   """Shared-memory tiling and swizzle of a ``[ROWS, TILE]`` tile of ``dtype`` (128-byte
   swizzle: conflict-free loads into the WGMMA register layout)."""
   itemsize = jnp.dtype(dtype).itemsize
@@ -67,7 +67,7 @@ def _transforms(dtype):
   return plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle)
 
 
-def _kept(words, label_column, column, shape):
+def kept_columns(words, label_column, column, shape):
   """``bool [ROWS, TILE]`` (WGMMA layout): the tile's kept columns, from its rows' kept
   words (``WORDS`` ``[ROWS]`` uint32 arrays, bit ``v % 32`` of word ``v // 32`` for the
   tile's column ``v``) and each row's label column (``[ROWS]`` f32; always kept)."""
@@ -83,7 +83,7 @@ def _kept(words, label_column, column, shape):
 def _fold(x, carry, inv_temp, limit, column, kept, *, masked, with_entropy):
   """``(m, s, q)`` ``[ROWS]`` f32 with the tile ``x [ROWS, TILE]`` (WGMMA layout), whose
   first column is ``column``, folded in; ``inv_temp`` and ``limit`` are ``[ROWS]`` f32;
-  ``kept``: the tile's kept columns (``_kept``) or None."""
+  ``kept``: the tile's kept columns (``kept_columns``) or None."""
   m, s, q = carry
   per_row = lambda v: lax.broadcast_in_dim(v, x.shape, [0])
   z = x.astype(jnp.float32) * per_row(inv_temp)
@@ -114,7 +114,7 @@ def _statistics(x, row_inputs, words, *, masked, with_entropy, stages, interpret
   group = tiles_per_group(num_columns)
   num_groups = -(-num_tiles // group)
   row_blocks = -(-num_rows // ROWS)
-  transforms = _transforms(x.dtype)
+  transforms = tile_transforms(x.dtype)
   has_words = words is not None
 
   def kernel(x_gmem, rows_gmem, *refs):
@@ -137,7 +137,7 @@ def _statistics(x, row_inputs, words, *, masked, with_entropy, stages, interpret
       if has_words:
         tile_words = [plgpu.load(words_smem[0].at[j], layout=row_layout, optimized=False)
                       for j in range(WORDS)]
-        kept = _kept(tile_words, label_column, column, (ROWS, TILE))
+        kept = kept_columns(tile_words, label_column, column, (ROWS, TILE))
       return _fold(plgpu.load(x_smem, layout=plgpu.Layout.WGMMA), carry, inv_temp, limit,
                    column, kept, masked=masked, with_entropy=with_entropy)
 

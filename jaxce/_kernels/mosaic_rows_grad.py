@@ -45,7 +45,7 @@ _FLOOR = float(jnp.finfo(jnp.float32).min)
 def _tile_gradient(x, row_values, column, kept, *, masked):
   """``d x`` ``[ROWS, TILE]`` f32 (WGMMA layout) of the tile ``x`` whose first column is
   ``column``, from its rows' ``NUM_ROW_INPUTS`` ``[ROWS]`` f32 values; ``kept``: the
-  tile's kept columns (``mosaic_rows._kept``) or None."""
+  tile's kept columns (``mosaic_rows.kept_columns``) or None."""
   inv_temp, log_norm, coef, g_entropy, g_logp, label_column, limit = (
       lax.broadcast_in_dim(v, x.shape, [0]) for v in row_values)
   z = x.astype(jnp.float32) * inv_temp
@@ -70,7 +70,7 @@ def _overwrite(x, row_inputs, words, *, masked, stages, interpret):
   num_tiles = num_columns // TILE
   group = mosaic_rows.tiles_per_group(num_columns)
   num_groups = -(-num_tiles // group)
-  transforms = mosaic_rows._transforms(x.dtype)
+  transforms = mosaic_rows.tile_transforms(x.dtype)
   has_words = words is not None
 
   def kernel(x_gmem, rows_gmem, *words_gmem):
@@ -91,7 +91,7 @@ def _overwrite(x, row_inputs, words, *, masked, stages, interpret):
         if has_words:
           tile_words = [plgpu.load(words_smem[0].at[j], layout=row_layout, optimized=False)
                         for j in range(WORDS)]
-          kept = mosaic_rows._kept(tile_words, row_values[5], column, (ROWS, TILE))
+          kept = mosaic_rows.kept_columns(tile_words, row_values[5], column, (ROWS, TILE))
         grad = _tile_gradient(plgpu.load(x_smem, layout=plgpu.Layout.WGMMA), row_values,
                               column, kept, masked=masked)
         # The store of tile k - 2 out of this slot has read it: reuse it.

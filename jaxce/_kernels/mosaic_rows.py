@@ -67,10 +67,26 @@ def tile_transforms(dtype):
   return plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle)
 
 
-def kept_columns(words, label_column, column, shape):
-  """``bool [ROWS, TILE]`` (WGMMA layout): the tile's kept columns, from its rows' kept
-  words (``WORDS`` ``[ROWS]`` uint32 arrays, bit ``v % 32`` of word ``v // 32`` for the
-  tile's column ``v``) and each row's label column (``[ROWS]`` f32; always kept)."""
+def tile_specs(first_tile, dtype, has_words):
+  """The pipeline's ``in_specs`` over a group's tiles from ``first_tile``: step ``k``'s
+  ``[ROWS, TILE]`` tile of ``dtype`` and, with ``has_words``, its ``[WORDS, ROWS]`` block
+  of the transposed kept-set words."""
+  specs = [plgpu.BlockSpec((ROWS, TILE), lambda k: (0, first_tile + k),
+                           transforms=tile_transforms(dtype))]
+  if has_words:
+    specs.append(plgpu.BlockSpec((WORDS, ROWS), lambda k: (first_tile + k, 0)))
+  return specs
+
+
+def kept_columns(words_smem, label_column, column):
+  """``bool [ROWS, TILE]`` (WGMMA layout): the kept columns of the tile whose first
+  column is ``column``, from its rows' words (``words_smem``, ``[WORDS, ROWS]`` uint32:
+  bit ``v % 32`` of word ``v // 32`` for the tile's column ``v``) and each row's label
+  column (``[ROWS]`` f32; always kept)."""
+  shape = (ROWS, TILE)
+  row_layout = plgpu.Layout.WGMMA.reduce(1)
+  words = [plgpu.load(words_smem.at[j], layout=row_layout, optimized=False)
+           for j in range(WORDS)]
   per_row = lambda v: lax.broadcast_in_dim(v, shape, [0])
   local = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
   low, high = (jnp.where(local < 32 * (2 * i + 1), per_row(words[2 * i]),
@@ -114,7 +130,6 @@ def _statistics(x, row_inputs, words, *, masked, with_entropy, stages, interpret
   group = tiles_per_group(num_columns)
   num_groups = -(-num_tiles // group)
   row_blocks = -(-num_rows // ROWS)
-  transforms = tile_transforms(x.dtype)
   has_words = words is not None
 
   def kernel(x_gmem, rows_gmem, *refs):
@@ -133,21 +148,14 @@ def _statistics(x, row_inputs, words, *, masked, with_entropy, stages, interpret
       (k,) = indices
       *words_smem, carry = smem
       column = (first_tile + k) * TILE
-      kept = None
-      if has_words:
-        tile_words = [plgpu.load(words_smem[0].at[j], layout=row_layout, optimized=False)
-                      for j in range(WORDS)]
-        kept = kept_columns(tile_words, label_column, column, (ROWS, TILE))
+      kept = kept_columns(words_smem[0], label_column, column) if has_words else None
       return _fold(plgpu.load(x_smem, layout=plgpu.Layout.WGMMA), carry, inv_temp, limit,
                    column, kept, masked=masked, with_entropy=with_entropy)
 
     zero = jnp.zeros((ROWS,), jnp.float32)
     init = (jnp.full((ROWS,), _FLOOR, jnp.float32), zero, zero)
-    specs = [plgpu.BlockSpec((ROWS, TILE), lambda k: (0, first_tile + k),
-                             transforms=transforms)]
-    if has_words:
-      specs.append(plgpu.BlockSpec((WORDS, ROWS), lambda k: (first_tile + k, 0)))
-    pipeline = plgpu.emit_pipeline(body, grid=(count,), in_specs=specs,
+    pipeline = plgpu.emit_pipeline(body, grid=(count,),
+                                   in_specs=tile_specs(first_tile, x.dtype, has_words),
                                    max_concurrent_steps=stages, init_carry=init)
     m, s, q = pipeline(x_gmem.at[rows], *(w.at[:, rows] for w in words_gmem))
 

@@ -87,11 +87,8 @@ def _overwrite(x, row_inputs, words, *, masked, stages, interpret):
       def body(indices, x_smem, *words_smem):
         (k,) = indices
         column = (first_tile + k) * TILE
-        kept = None
-        if has_words:
-          tile_words = [plgpu.load(words_smem[0].at[j], layout=row_layout, optimized=False)
-                        for j in range(WORDS)]
-          kept = mosaic_rows.kept_columns(tile_words, row_values[5], column, (ROWS, TILE))
+        kept = (mosaic_rows.kept_columns(words_smem[0], row_values[5], column)
+                if has_words else None)
         grad = _tile_gradient(plgpu.load(x_smem, layout=plgpu.Layout.WGMMA), row_values,
                               column, kept, masked=masked)
         # The store of tile k - 2 out of this slot has read it: reuse it.
@@ -102,12 +99,9 @@ def _overwrite(x, row_inputs, words, *, masked, stages, interpret):
         plgpu.copy_smem_to_gmem(slot, x_gmem.at[rows, pl.ds(pl.multiple_of(column, TILE),
                                                               TILE)])
 
-      specs = [plgpu.BlockSpec((ROWS, TILE), lambda k: (0, first_tile + k),
-                               transforms=transforms)]
-      if has_words:
-        specs.append(plgpu.BlockSpec((WORDS, ROWS), lambda k: (first_tile + k, 0)))
       pipeline = plgpu.emit_pipeline(
-          body, grid=(jnp.minimum(group, num_tiles - first_tile),), in_specs=specs,
+          body, grid=(jnp.minimum(group, num_tiles - first_tile),),
+          in_specs=mosaic_rows.tile_specs(first_tile, x.dtype, has_words),
           max_concurrent_steps=stages)
       pipeline(x_gmem.at[rows], *(w.at[:, rows] for w in words_gmem))
       plgpu.wait_smem_to_gmem(0)

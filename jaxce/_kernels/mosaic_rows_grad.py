@@ -2,9 +2,10 @@
 Pallas Mosaic GPU kernel (Hopper): the logits path's backward with
 ``backward_in_place=True``.
 
-The kernel's output aliases its input (``input_output_aliases``): XLA writes the
-gradient into the logits' buffer when the logits are dead after the backward (donated,
-or an intermediate of a jitted training step), and otherwise copies them first. Each CTA
+The kernel writes into the logits through a mutable reference (``jax.new_ref``), which
+reaches XLA as an output aliasing its input: XLA writes the gradient into the logits'
+buffer when the logits are dead after the backward (donated, or an intermediate of a
+jitted training step), and otherwise copies them first. Each CTA
 (one warpgroup) takes ``ROWS`` rows and a group of ``[ROWS, TILE]`` tiles, as
 ``mosaic_rows``; TMA streams each tile in and its gradient back out, and every tile is
 read before it is overwritten, by the CTA that owns it. Per element, with the row's
@@ -146,8 +147,8 @@ def overwrite(x, tail_gradient, inv_temp, saved, cotangents, valid, label_column
     limit: int32 scalar: local columns at or beyond it are excluded, or None.
     kept: uint32 ``[T, V_local / 32]`` kept sets over the local columns, or None.
     interpret: run in JAX's GPU interpreter (off GPUs: tests).
-    stages: tiles in flight per CTA on the way in (default: ``mosaic_rows.STAGE_BYTES``
-      of them and the two output tiles).
+    stages: tiles in flight per CTA on the way in (default: as many as fit in
+      ``mosaic_rows.STAGE_BYTES`` beside the two output tiles).
 
   Returns:
     the gradient, in ``x``'s buffer when ``x`` is dead. Memory: ``NUM_ROW_INPUTS``
@@ -158,7 +159,8 @@ def overwrite(x, tail_gradient, inv_temp, saved, cotangents, valid, label_column
   if num_columns % TILE or num_rows % 8:
     raise ValueError(f"x: {x.shape}, rows a multiple of 8 and columns of {TILE} expected")
   if stages is None:
-    stages = max(2, mosaic_rows.STAGE_BYTES // (ROWS * TILE * jnp.dtype(x.dtype).itemsize) - 2)
+    tile_bytes = ROWS * TILE * jnp.dtype(x.dtype).itemsize
+    stages = max(2, mosaic_rows.STAGE_BYTES // tile_bytes - 2)
   whole = num_rows // ROWS * ROWS
   if whole:
     bound = num_columns if limit is None else limit

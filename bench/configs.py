@@ -97,6 +97,10 @@ SUPPORTS = {
 # the gradient formed in the forward); "grpo" (jaxce's per-token path or plain JAX, then
 # the bench's GRPO objective, GRPO_NOTE, through autodiff); "objective_grpo" (the GRPO
 # objective on the objective path). fwd_bwd only, one device.
+# "keep" (jaxce with ``keep=``: packed words keeping KEPT_FRACTION of the columns at random
+# per token) and "kept_ids" (jaxce with ``keep=jaxce.keep.from_csr(...)``: a sampler's
+# kept ids in vLLM's CSR form, their sizes as prime-rl measured them; bench.inputs); both
+# compared with the "default" row of the same run.
 IN_PLACE_VARIANTS = ("inplace", "inplace_grad", "inplace_loop")
 LOOP_VARIANTS = ("inplace_loop", "train_step_loop")
 TRAIN_STEP_VARIANTS = ("train_step", "train_step_loop")
@@ -104,9 +108,11 @@ IMPLEMENTATION_VARIANTS = ("xla", "triton")
 # tokamax rows name the implementation they ask for (tokamax 0.0.17 has both on GPU).
 TOKAMAX_VARIANTS = ("xla", "chunked_xla")
 OBJECTIVE_VARIANTS = ("objective", "grpo", "objective_grpo")
+KEEP_VARIANTS = ("keep", "kept_ids")
+KEPT_FRACTION = 0.05
 VARIANTS = ("default", "logp_only", "hidden_grad_output", "batch_invariant") + \
     IN_PLACE_VARIANTS + TRAIN_STEP_VARIANTS + IMPLEMENTATION_VARIANTS + ("chunked_xla",) + \
-    OBJECTIVE_VARIANTS
+    OBJECTIVE_VARIANTS + KEEP_VARIANTS
 GRPO_NOTE = ("GRPO: clip 0.2 / 0.28, k3 KL to a reference with beta 0.04, entropy bonus 0.01, "
              "sequence-mean-token-mean over sequences of 1024 tokens")
 MODES = ("fwd", "fwd_bwd")
@@ -189,6 +195,8 @@ class Config:
       return f"{self.variant} is a one-device fwd_bwd variant of jaxce (grpo: or jax_plain)"
     if self.variant == "batch_invariant" and self.impl != "jaxce":
       return "batch_invariant is a jaxce variant"
+    if self.variant in KEEP_VARIANTS and self.impl != "jaxce":
+      return f"{self.variant} is a jaxce variant"
     if self.variant == "logp_only" and self.impl in LOGP_ONLY_IMPLS:
       return "already log-prob only"
     if self.input == "linear" and not self.D:
@@ -275,6 +283,9 @@ def _gpu_variant_groups(Ts):
       Group("linear", ("jaxce:logp_only", "jaxce:xla", "jax_scan_remat", "jaxce:train_step",
                        "jaxce:train_step_loop", "jax_plain:train_step"), Ts, _GPU_V, _GPU_D,
             **_BWD),
+      # Kept sets (issues 42 and 43): against the default rows of the same run.
+      Group("logits", ("jaxce:keep", "jaxce:kept_ids"), Ts, _GPU_V, **_BWD),
+      Group("linear", ("jaxce:keep", "jaxce:kept_ids"), Ts, _GPU_V, _GPU_D, **_BWD),
   ]
 
 
@@ -306,6 +317,8 @@ SUITES = {
         Group("linear", ("jaxce:objective_grpo", "jaxce:grpo", "jax_plain:grpo"), (200,), 1000,
               32, **_BWD),
         Group("logits", ("jaxce:objective",), (200,), 1000, **_BWD),
+        Group("logits", ("jaxce:keep", "jaxce:kept_ids"), (200,), 1000, **_BWD),
+        Group("linear", ("jaxce:keep", "jaxce:kept_ids"), (200,), 1000, 32, **_BWD),
     ],
     # One GPU: the headline numbers (V = 151936, bf16; D = 4096 on the fused path).
     "gpu": _gpu_groups(_GPU_T),

@@ -19,12 +19,16 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from bench.configs import (GRPO_NOTE, IMPLEMENTATION_VARIANTS, IN_PLACE_VARIANTS,
-                           LOOP_VARIANTS, OBJECTIVE_VARIANTS, TRAIN_STEP_VARIANTS, Config)
+                           KEEP_VARIANTS, KEPT_FRACTION, LOOP_VARIANTS, OBJECTIVE_VARIANTS,
+                           TRAIN_STEP_VARIANTS, Config)
 
 VOCAB_AXIS = "v"
 # Where each input lives: the vocab dim split over the mesh, everything else replicated.
 SPECS = {"logits": P(None, VOCAB_AXIS), "weight": P(None, VOCAB_AXIS), "hidden": P(),
-         "labels": P(), "adv": P()}
+         "labels": P(), "adv": P(), "keep": P(None, VOCAB_AXIS), "kept_token_ids": P(),
+         "kept_offsets": P()}
+# The kept sets' inputs of each kept-set variant (bench.inputs), after the float arrays.
+KEEP_INPUTS = {"keep": ("keep",), "kept_ids": ("kept_token_ids", "kept_offsets")}
 SCAN_CHUNK = 1024  # jax_scan_remat's chunk when the config gives none
 
 
@@ -161,6 +165,8 @@ def _per_token_fn(config: Config, mesh: Mesh, n_devices: int):
     kw["hidden_grad_accumulation"] = "output"
   if config.variant == "batch_invariant":
     kw["batch_invariant"] = True
+  if config.variant in KEEP_VARIANTS:
+    return _kept_sets_fn(config, kw, shard_kw, sharded, v_local)
   if config.variant in TRAIN_STEP_VARIANTS:
     if impl == "jaxce":
       fn = jaxce.sharded_logprobs_and_entropy if sharded else jaxce.logprobs_and_entropy
@@ -207,12 +213,42 @@ def _per_token_fn(config: Config, mesh: Mesh, n_devices: int):
   raise ValueError(f"no per-token JAX function for {config.impl}")
 
 
+def _kept_sets_fn(config: Config, kw, shard_kw, sharded, v_local):
+  """``(f, chunk_used, note)`` of a kept-set variant: f maps the float arrays, the kept
+  sets' inputs (``KEEP_INPUTS``) and the labels to jaxce's ``(logp, H)`` with ``keep=``
+  (the packed words as they are, or ``jaxce.keep.from_csr`` of the CSR ids)."""
+  import jaxce
+  linear = config.input == "linear"
+  if linear:
+    fn = jaxce.sharded_linear_logprobs_and_entropy if sharded else \
+        jaxce.linear_logprobs_and_entropy
+  else:
+    fn = jaxce.sharded_logprobs_and_entropy if sharded else jaxce.logprobs_and_entropy
+  num_floats = 2 if linear else 1
+
+  def f(*args):
+    floats, kept, labels = args[:num_floats], args[num_floats:-1], args[-1]
+    keep = kept[0] if config.variant == "keep" else jaxce.keep.from_csr(*kept)
+    return fn(*floats, labels, keep=keep, **shard_kw, **kw)
+
+  if config.variant == "keep":
+    note = f"keep=: packed words keeping {KEPT_FRACTION:.0%} of the columns per token"
+    kept = jax.ShapeDtypeStruct((config.T, -(-v_local // 32)), jnp.uint32)
+    chunk = _planned_chunk(config, v_local, dict(kw, keep=kept), linear)
+  else:
+    note = ("keep=jaxce.keep.from_csr(ids, offsets): a sampler's kept ids (prime-rl's set "
+            "sizes: median 2, mean ~8), the CSR made into KeptIds inside the timed call")
+    chunk = None
+  return f, chunk, note
+
+
 def build(config: Config, devices) -> Built:
   """The function to jit for ``config`` on ``devices`` (the vocab split over them)."""
   n_devices = len(devices)
   mesh = Mesh(np.array(devices), (VOCAB_AXIS,))
   floats = ("logits",) if config.input == "logits" else ("hidden", "weight")
-  names = floats + (("labels",) if config.mode == "fwd" else ("labels", "adv"))
+  names = floats + KEEP_INPUTS.get(config.variant, ()) + (
+      ("labels",) if config.mode == "fwd" else ("labels", "adv"))
   donate = (0,) if config.variant in IN_PLACE_VARIANTS else ()
 
   if config.impl == "tokamax":

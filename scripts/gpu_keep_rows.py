@@ -2,7 +2,8 @@
 top-p-like mask (about 5 % of the vocabulary kept per token, random per token) against the
 same call without ``keep`` in the same process, with XLA's compiled memory plan; and both
 paths with a sampler's kept ids (``jaxce.keep.from_csr``; set sizes as prime-rl measured
-them: ~46 % singletons, median 2, mean ~6, a tail to a few hundred), the fused path in
+them, ``bench.inputs.sampler_set_sizes``: ~46 % singletons, median 2, mean ~8, a tail to
+a few hundred; rows before 2026-11-25's second session drew a mean of ~6), the fused path in
 both weight layouts, against the same sets as packed words (``kept_ids_*`` rows; the
 largest difference of their log-probs and entropies is in the summary).
 
@@ -20,8 +21,10 @@ import os
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 import jaxce
+from bench import inputs
 from scripts import _fused_rows
 
 
@@ -54,7 +57,7 @@ def main():
   row("fused", "default", fused, (hidden, weight), labels, cot)
   row("fused", "xla", fused, (hidden, weight), labels, cot, implementation="xla")
   row("fused", "keep", fused, (hidden, weight), labels, cot, keep=keep)
-  sizes = _sampler_set_sizes(p["key"], labels.shape[0])
+  sizes = jnp.asarray(inputs.sampler_set_sizes(np.random.default_rng(1), labels.shape[0]))
   kept = _kept_ids(p["key"], sizes, labels, v)
   words = jaxce.keep.pack_ids(kept, v, shape=labels.shape)
   weight_vd = jnp.asarray(weight.T)  # (a transposed copy, made once, not timed)
@@ -102,15 +105,6 @@ def main():
   if out:
     with open(os.path.join(out, "keep_rows.json"), "w") as f:
       json.dump(dict(summary=summary, rows=rows), f, indent=1)
-
-
-def _sampler_set_sizes(key, num_tokens):
-  """Kept-set sizes like a top-p 0.97 / top-k 512 sampler's (prime-rl's measurements):
-  ~46 % singletons, the rest log-normal from 2 up to 512."""
-  k1, k2 = jax.random.split(jax.random.fold_in(key, 1))
-  tail = jnp.ceil(jnp.exp(1.6 + 1.1 * jax.random.normal(k2, (num_tokens,))))
-  sizes = jnp.where(jax.random.uniform(k1, (num_tokens,)) < 0.46, 1, jnp.clip(tail, 2, 512))
-  return sizes.astype(jnp.int32)
 
 
 def _kept_ids(key, sizes, labels, num_columns):

@@ -105,6 +105,17 @@ def test_jaxce_and_plain_ran_in_both_modes(smoke):
   assert {("jaxce", "logits"), ("jax_plain", "logits"), ("jaxce", "linear")} <= sharded
 
 
+def test_kept_set_rows(smoke):
+  """The kept-set variants ran on both inputs, saying what they keep."""
+  _, results, _ = smoke
+  for variant, words in (("keep", "packed words"), ("kept_ids", "from_csr")):
+    for inp in ("logits", "linear"):
+      rows = [r for r in results["rows"] if (r["impl"], r["variant"], r["input"]) ==
+              ("jaxce", variant, inp)]
+      assert len(rows) == 1 and rows[0]["status"] == "ok", rows
+      assert words in rows[0]["note"], rows[0]
+
+
 def test_memory_ordering(smoke):
   """The plan of jaxce's logits backward holds fewer bytes than plain JAX's."""
   _, results, _ = smoke

@@ -147,9 +147,18 @@ def _options_note(kw) -> str:
                             "batch_invariant"))
 
 
+def _jaxce_fn(linear: bool, sharded: bool):
+  """jaxce's per-token function of the input path (fused or logits), in its ``sharded_*``
+  form when the vocabulary is split."""
+  import jaxce
+  if linear:
+    return jaxce.sharded_linear_logprobs_and_entropy if sharded else \
+        jaxce.linear_logprobs_and_entropy
+  return jaxce.sharded_logprobs_and_entropy if sharded else jaxce.logprobs_and_entropy
+
+
 def _per_token_fn(config: Config, mesh: Mesh, n_devices: int):
   """``(f, chunk_used, note)``: f maps the float arrays and labels to ``(logp, H)``."""
-  import jaxce
   entropy = config.entropy
   kw = dict(chunk_size=config.chunk_size, return_entropy=entropy)
   sharded = n_devices > 1
@@ -169,18 +178,16 @@ def _per_token_fn(config: Config, mesh: Mesh, n_devices: int):
     return _kept_sets_fn(config, kw, shard_kw, sharded, v_local)
   if config.variant in TRAIN_STEP_VARIANTS:
     if impl == "jaxce":
-      fn = jaxce.sharded_logprobs_and_entropy if sharded else jaxce.logprobs_and_entropy
+      fn = _jaxce_fn(False, sharded)
       f = lambda h, w, lab: fn(_matmul(h, w), lab, **shard_kw, **kw)
       return f, _planned_chunk(config, v_local, kw), _options_note(kw)
     return (lambda h, w, lab: plain_logprobs_entropy(_matmul(h, w), lab, entropy)), None, ""
 
   if impl == "jaxce":
+    fn = _jaxce_fn(linear, sharded)
     if linear:
-      fn = jaxce.sharded_linear_logprobs_and_entropy if sharded else \
-          jaxce.linear_logprobs_and_entropy
       f = lambda h, w, lab: fn(h, w, lab, **shard_kw, **kw)
       return f, _planned_chunk(config, v_local, kw, True), _options_note(kw)
-    fn = jaxce.sharded_logprobs_and_entropy if sharded else jaxce.logprobs_and_entropy
     f = lambda x, lab: fn(x, lab, **shard_kw, **kw)
     note = _options_note(kw)
     if config.variant in IN_PLACE_VARIANTS:
@@ -219,11 +226,7 @@ def _kept_sets_fn(config: Config, kw, shard_kw, sharded, v_local):
   (the packed words as they are, or ``jaxce.keep.from_csr`` of the CSR ids)."""
   import jaxce
   linear = config.input == "linear"
-  if linear:
-    fn = jaxce.sharded_linear_logprobs_and_entropy if sharded else \
-        jaxce.linear_logprobs_and_entropy
-  else:
-    fn = jaxce.sharded_logprobs_and_entropy if sharded else jaxce.logprobs_and_entropy
+  fn = _jaxce_fn(linear, sharded)
   num_floats = 2 if linear else 1
 
   def f(*args):

@@ -1,7 +1,8 @@
 """What the GPU row scripts ``gpu_keep_rows`` and ``gpu_invariant_cost`` share: the command
 line, the problem (bf16 ``hidden [T, D]``, ``weight [D, V] / sqrt(D)``, labels, per-token
 cotangents ``[2, T]``, and bf16 logits of the first ``--logits-tokens`` rows) and one
-fwd+bwd row (the planner's backend, the median time, the plan's temporary memory)."""
+fwd+bwd row (the planner's backend, the median time, the plan's temporary memory; also
+``gpu_keep_logits``'s rows)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
 """The logits path's fwd+bwd with a ~5 % kept set (``keep=``) against the same call
 without, in one process, each row printed as it is measured (JSON lines; also
-``$OUT/keep_logits.jsonl``).
+``$OUT/keep_logits.jsonl``): ``_fused_rows.fwd_bwd_row``'s backend, median time and
+temporary memory.
 
     python -m scripts.gpu_keep_logits [--tokens 32768 --vocab 151936 --kept 0.05]
 """
@@ -10,13 +11,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 import jaxce
+from scripts import _fused_rows
 
 
 def main():
@@ -37,20 +37,10 @@ def main():
   rows = []
 
   def row(variant, **kw):
-    def loss(x):
-      logp, entropy = jaxce.logprobs_and_entropy(x, labels, **kw)
-      return jnp.sum(cot[0] * logp) + jnp.sum(cot[1] * entropy)
-    step = jax.jit(jax.value_and_grad(loss))
-    plan = jaxce.plan.of(jaxce.logprobs_and_entropy, logits, labels, **kw)
-    jax.block_until_ready(step(logits))
-    times = []
-    for _ in range(args.repeats):
-      start = time.perf_counter()
-      jax.block_until_ready(step(logits))
-      times.append(time.perf_counter() - start)
-    r = dict(variant=variant, tokens=t, vocab=v, backend=plan.backend,
-             fwd_bwd_ms=1e3 * float(np.median(times)), device=jax.devices()[0].device_kind,
-             jax=jax.__version__, commit=os.environ.get("JAXCE_COMMIT", "unknown"))
+    r = dict(variant=variant, vocab=v, **_fused_rows.fwd_bwd_row(
+        jaxce.logprobs_and_entropy, (logits,), labels, cot, args.repeats, **kw),
+        device=jax.devices()[0].device_kind, jax=jax.__version__,
+        commit=os.environ.get("JAXCE_COMMIT", "unknown"))
     rows.append(r)
     print(json.dumps(r), flush=True)
     if out:

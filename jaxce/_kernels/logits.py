@@ -65,12 +65,10 @@ def _logprobs_entropy_bwd(config, residuals, cotangents):
                                 mask_vocab, column_start)
 
   if config.plan.backend == "mosaic" and num_tokens % 8 == 0:  # (TMA's row tiling)
-    labels, inv_temp, valid, kept = tokens
     limit = (None if mask_vocab is None else
              softmax.column_limit(mask_vocab, column_start, x.shape[1]))
-    return (mosaic_rows_grad.overwrite(x, rows_gradient, inv_temp, saved,
-                                       (g_logp, g_entropy), valid, labels - column_start,
-                                       limit, kept, interpret=config.plan.interpret), None)
+    return (mosaic_rows_grad.overwrite(x, *per_token, column_start, limit, rows_gradient,
+                                       interpret=config.plan.interpret), None)
 
   # The logits buffer is the loop carry; each step overwrites one chunk of rows with
   # its gradient (XLA updates a loop carry in place, copying it first only when the

@@ -31,6 +31,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from jaxce._kernels import mosaic_rows, plumbing
+from jaxce._kernels.config import Tokens
 
 plgpu = plumbing.lazy_module("jax.experimental.pallas.mosaic_gpu")
 
@@ -115,7 +116,7 @@ def _overwrite(x, row_inputs, words, *, masked, stages, interpret):
   return jax.freeze(logits)
 
 
-def _row_inputs(inv_temp, saved, cotangents, valid, label_column, limit):
+def _row_inputs(tokens: Tokens, saved, cotangents, column_start, limit):
   """``[NUM_ROW_INPUTS, T]`` f32: the per-row values of ``_tile_gradient`` (an ignored row,
   or one with no cotangent, gets exactly zero gradient)."""
   (shift, log_sum, entropy), (g_logp, g_entropy) = saved, cotangents
@@ -123,36 +124,37 @@ def _row_inputs(inv_temp, saved, cotangents, valid, label_column, limit):
   g_logp = zeros if g_logp is None else g_logp.astype(jnp.float32)
   g_entropy = zeros if g_entropy is None else g_entropy.astype(jnp.float32)
   coef = g_logp + (zeros if entropy is None else g_entropy * entropy.astype(jnp.float32))
-  values = [inv_temp, jnp.where(valid, shift + log_sum, jnp.inf), coef, g_entropy, g_logp]
-  values = [jnp.where(valid, v, 0) if i >= 2 else v for i, v in enumerate(values)]
-  values += [label_column, jnp.broadcast_to(limit, shift.shape)]
+  valid = tokens.valid
+  masked = lambda v: jnp.where(valid, v, 0)
+  values = [tokens.inv_temp, jnp.where(valid, shift + log_sum, jnp.inf), masked(coef),
+            masked(g_entropy), masked(g_logp), tokens.labels - column_start,
+            jnp.broadcast_to(limit, shift.shape)]
   return jnp.stack([v.astype(jnp.float32) for v in values])
 
 
-def overwrite(x, tail_gradient, inv_temp, saved, cotangents, valid, label_column, limit,
-              kept=None, *, interpret, stages=None):
+def overwrite(x, tokens: Tokens, saved, cotangents, column_start, limit, tail_gradient, *,
+              interpret, stages=None):
   """``x [T, V_local]`` overwritten by ``d loss / d x`` (in ``x``'s dtype).
 
   Args:
     x: logits, bf16, f16 or f32, ``T`` a multiple of 8 (TMA reads rows in tiles of 8;
       a padded copy would not be in place), ``V_local`` a multiple of ``TILE``.
+    tokens: the rows' tokens (``inv_temp`` f32; rows not ``valid`` get zero gradient;
+      ``kept``, the kept sets over the local columns, read with the tiles).
+    saved: ``(m, log s, entropy or None)`` ``[T]`` each, the forward's statistics.
+    cotangents: ``(g_logp, g_entropy)`` ``[T]`` each, None for a symbolic zero.
+    column_start: the global id of ``x``'s first column.
+    limit: int32 scalar: local columns at or beyond it are excluded, or None.
     tail_gradient: ``(x, start, size) -> d x`` of rows ``[start, start + size)`` of
       ``x`` (XLA's elementwise pass), for the rows past the last whole block of
       ``ROWS``, which the kernel leaves as they were.
-    inv_temp: ``[T]`` f32.
-    saved: ``(m, log s, entropy or None)`` ``[T]`` each, the forward's statistics.
-    cotangents: ``(g_logp, g_entropy)`` ``[T]`` each, None for a symbolic zero.
-    valid: ``[T]`` bool; other rows get zero gradient.
-    label_column: ``[T]`` int, the label's column relative to ``x``'s first.
-    limit: int32 scalar: local columns at or beyond it are excluded, or None.
-    kept: uint32 ``[T, V_local / 32]`` kept sets over the local columns, or None.
     interpret: run in JAX's GPU interpreter (off GPUs: tests).
     stages: tiles in flight per CTA on the way in (default: as many as fit in
       ``mosaic_rows.STAGE_BYTES`` beside the two output tiles).
 
   Returns:
     the gradient, in ``x``'s buffer when ``x`` is dead. Memory: ``NUM_ROW_INPUTS``
-    floats per row and, with ``kept``, the words' transposed copy (``T * V_local / 8``
+    floats per row and, with kept sets, the words' transposed copy (``T * V_local / 8``
     bytes); XLA's copy of ``x`` first when ``x`` is still live.
   """
   num_rows, num_columns = x.shape
@@ -164,12 +166,9 @@ def overwrite(x, tail_gradient, inv_temp, saved, cotangents, valid, label_column
   whole = num_rows // ROWS * ROWS
   if whole:
     bound = num_columns if limit is None else limit
-    rows = _row_inputs(inv_temp[:whole], tuple(None if s is None else s[:whole]
-                                               for s in saved),
-                       tuple(None if c is None else c[:whole] for c in cotangents),
-                       valid[:whole], label_column[:whole], bound)
+    rows = _row_inputs(tokens, saved, cotangents, column_start, bound)[:, :whole]
     rows = rows.reshape(NUM_ROW_INPUTS, whole // ROWS, ROWS).transpose(1, 0, 2)
-    words = None if kept is None else kept[:whole].astype(jnp.uint32).T
+    words = None if tokens.kept is None else tokens.kept[:whole].astype(jnp.uint32).T
     x = _overwrite(x, rows, words, masked=limit is not None, stages=stages,
                    interpret=interpret)
   if whole < num_rows:

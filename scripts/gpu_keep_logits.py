@@ -1,9 +1,12 @@
 """The logits path's fwd+bwd with a ~5 % kept set (``keep=``) against the same call
 without, in one process, each row printed as it is measured (JSON lines; also
 ``$OUT/keep_logits.jsonl``): ``_fused_rows.fwd_bwd_row``'s backend, median time and
-temporary memory.
+temporary memory. With ``--parts``, also where the kept set's time goes: the forward
+alone, the kept words' preparation (``mosaic_rows.kept_words``) alone, the forward kernel
+alone on prepared words, and the compiled fwd+bwd program's HLO
+(``$OUT/keep_fwd_bwd.hlo.txt``).
 
-    python -m scripts.gpu_keep_logits [--tokens 32768 --vocab 151936 --kept 0.05]
+    python -m scripts.gpu_keep_logits [--tokens 32768 --vocab 151936 --kept 0.05] [--parts]
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ import jax
 import jax.numpy as jnp
 
 import jaxce
+from bench.timing import time_ms
+from jaxce._kernels import mosaic_rows
 from scripts import _fused_rows
 
 
@@ -25,6 +30,7 @@ def main():
   parser.add_argument("--vocab", type=int, default=151936)
   parser.add_argument("--kept", type=float, default=0.05)
   parser.add_argument("--repeats", type=int, default=10)
+  parser.add_argument("--parts", action="store_true")
   args = parser.parse_args()
   t, v = args.tokens, args.vocab
   key = jax.random.key(0)
@@ -36,11 +42,13 @@ def main():
   out = os.environ.get("OUT")
   rows = []
 
-  def row(variant, **kw):
-    r = dict(variant=variant, vocab=v, **_fused_rows.fwd_bwd_row(
-        jaxce.logprobs_and_entropy, (logits,), labels, cot, args.repeats, **kw),
-        device=jax.devices()[0].device_kind, jax=jax.__version__,
-        commit=os.environ.get("JAXCE_COMMIT", "unknown"))
+  def row(variant, measured=None, **kw):
+    if measured is None:
+      measured = _fused_rows.fwd_bwd_row(jaxce.logprobs_and_entropy, (logits,), labels, cot,
+                                         args.repeats, **kw)
+    r = dict(variant=variant, vocab=v, **{"tokens": t, **measured},
+             device=jax.devices()[0].device_kind, jax=jax.__version__,
+             commit=os.environ.get("JAXCE_COMMIT", "unknown"))
     rows.append(r)
     print(json.dumps(r), flush=True)
     if out:
@@ -54,6 +62,35 @@ def main():
   row("keep_invariant", keep=keep, batch_invariant=True)
   base = min(r["fwd_bwd_ms"] for r in rows if r["variant"] == "default")
   print(json.dumps({r["variant"]: round(r["fwd_bwd_ms"] / base, 3) for r in rows}))
+  if args.parts:
+    parts(row, logits, labels, keep, cot, args.repeats, out)
+
+
+def parts(row, logits, labels, keep, cot, repeats, out):
+  """The forward alone with and without ``keep``, the words' preparation alone, the
+  forward kernel alone on prepared words and without; the fwd+bwd HLO to ``out``."""
+  t, v = logits.shape
+  forward = jax.jit(lambda x, k: jaxce.logprobs_and_entropy(x, labels, keep=k))
+  row("fwd_default", {"fwd_ms": time_ms(lambda x: forward(x, None), (logits,), repeats)})
+  row("fwd_keep", {"fwd_ms": time_ms(forward, (logits, keep), repeats)})
+  prepare = jax.jit(lambda k: mosaic_rows.kept_words(k, labels, t))
+  row("kept_words", {"ms": time_ms(prepare, (keep,), repeats)})
+  words = prepare(keep)
+  block_rows = mosaic_rows._block_rows(t)  # pylint: disable=protected-access
+  row_inputs = jnp.stack([jnp.ones(t), jnp.zeros(t), jnp.full(t, float(v))])
+  row_inputs = row_inputs[:, block_rows].transpose(1, 0, 2)
+  kernel = jax.jit(lambda x, r, w: mosaic_rows._statistics(  # pylint: disable=protected-access
+      x, r, w, masked=False, with_entropy=True, stages=6,
+      interpret=jax.default_backend() != "gpu"))
+  row("kernel_default", {"ms": time_ms(lambda x, r: kernel(x, r, None),
+                                       (logits, row_inputs), repeats)})
+  row("kernel_keep", {"ms": time_ms(kernel, (logits, row_inputs, words), repeats)})
+  if out:
+    def loss(x):
+      logp, ent = jaxce.logprobs_and_entropy(x, labels, keep=keep)
+      return jnp.sum(cot[0] * logp) + jnp.sum(cot[1] * ent)
+    with open(os.path.join(out, "keep_fwd_bwd.hlo.txt"), "w") as f:
+      f.write(jax.jit(jax.grad(loss)).lower(logits).compile().as_text())
 
 
 if __name__ == "__main__":

@@ -11,8 +11,9 @@ its rows' running statistics, in the columns' order:
     q' = e (q + (m - m') s) + Σ_v exp(z_v - m') (z_v - m')
 
 Kept sets (``keep=``) are read with the tiles: each tile's ``[WORDS, ROWS]`` block of
-the packed words (transposed to a row per word, so a word is a per-row vector) sets the
-columns outside the row's kept set, except its label's, to -inf before the fold.
+the packed words (transposed to a row per word, so a word is a per-row vector, with the
+label's bit set on the way: ``kept_words``) sets the columns outside the row's kept set
+to -inf before the fold.
 
 The group's ``(m, s, q, picked)`` is written to an f32 ``[groups, 4, T]`` array
 (``picked``, the label's ``z``, gathered outside, goes to group 0). ``mosaic_merge``
@@ -78,11 +79,24 @@ def tile_specs(first_tile, dtype, has_words):
   return specs
 
 
-def kept_columns(words_smem, label_column, column):
-  """``bool [ROWS, TILE]`` (WGMMA layout): the kept columns of the tile whose first
-  column is ``column``, from its rows' words (``words_smem``, ``[WORDS, ROWS]`` uint32:
-  bit ``v % 32`` of word ``v // 32`` for the tile's column ``v``) and each row's label
-  column (``[ROWS]`` f32; always kept)."""
+def kept_words(kept, label_column, num_rows):
+  """uint32 ``[V_local / 32, num_rows]``: the kept sets ``kept [T, V_local / 32]`` (bit
+  ``v % 32`` of word ``v // 32``) with each row's label column's bit set (``label_column
+  [T]`` int; none outside ``[0, V_local)``: the label lies elsewhere), zero rows past
+  ``T``, transposed so that a word is a per-row vector (``kept_columns``). One XLA
+  fusion; memory: ``num_rows * V_local / 8`` bytes."""
+  words = kept.astype(jnp.uint32)
+  label_column = label_column.astype(jnp.int32)[:, None]
+  label_bit = jnp.left_shift(jnp.uint32(1), (label_column % 32).astype(jnp.uint32))
+  index = lax.broadcasted_iota(jnp.int32, words.shape, 1)
+  words = jnp.where(index == label_column // 32, words | label_bit, words)
+  return chunking.pad_rows(words, num_rows).T
+
+
+def kept_columns(words_smem):
+  """``bool [ROWS, TILE]`` (WGMMA layout): a tile's kept columns, from its rows' words
+  (``words_smem``, ``[WORDS, ROWS]`` uint32 of ``kept_words``: bit ``v % 32`` of word
+  ``v // 32`` for the tile's column ``v``)."""
   shape = (ROWS, TILE)
   row_layout = plgpu.Layout.WGMMA.reduce(1)
   words = [plgpu.load(words_smem.at[j], layout=row_layout, optimized=False)
@@ -92,8 +106,7 @@ def kept_columns(words_smem, label_column, column):
   low, high = (jnp.where(local < 32 * (2 * i + 1), per_row(words[2 * i]),
                          per_row(words[2 * i + 1])) for i in range(2))
   word = jnp.where(local < 64, low, high)
-  bit = (word >> (local & 31).astype(jnp.uint32)) & jnp.uint32(1)
-  return (bit == 1) | ((local + column).astype(jnp.float32) == per_row(label_column))
+  return ((word >> (local & 31).astype(jnp.uint32)) & jnp.uint32(1)) == 1
 
 
 def _fold(x, carry, inv_temp, limit, column, kept, *, masked, with_entropy):
@@ -122,9 +135,9 @@ def _statistics(x, row_inputs, words, *, masked, with_entropy, stages, interpret
   """``[groups, row blocks, 4, ROWS]`` f32 group statistics of each block of rows of ``x
   [T, V_local]`` (``T >= ROWS``, a multiple of 8: TMA's row tiling; the last block moved
   back inside);
-  ``row_inputs [row blocks, 4, ROWS]`` f32: inverse temperature, label ``z``, first
-  excluded column and label column of each block's rows (``_block_rows``); ``words``:
-  uint32 ``[V_local / 32, T]`` kept sets, a row per word (read with the tiles), or None."""
+  ``row_inputs [row blocks, 3, ROWS]`` f32: inverse temperature, label ``z`` and first
+  excluded column of each block's rows (``_block_rows``); ``words``: uint32 ``[V_local /
+  32, T]`` kept sets of ``kept_words`` (read with the tiles), or None."""
   num_rows, num_columns = x.shape
   num_tiles = num_columns // TILE
   group = tiles_per_group(num_columns)
@@ -138,9 +151,9 @@ def _statistics(x, row_inputs, words, *, masked, with_entropy, stages, interpret
     first_row = pl.multiple_of(jnp.minimum(block * ROWS, num_rows - ROWS), 8)
     rows = pl.ds(first_row, ROWS)
     row_layout = plgpu.Layout.WGMMA.reduce(1)
-    inv_temp, picked, limit, label_column = (
+    inv_temp, picked, limit = (
         plgpu.load(rows_gmem.at[block, i], layout=row_layout, optimized=False)
-        for i in range(4))
+        for i in range(3))
     first_tile = group_index * group
     count = jnp.minimum(group, num_tiles - first_tile)
 
@@ -148,7 +161,7 @@ def _statistics(x, row_inputs, words, *, masked, with_entropy, stages, interpret
       (k,) = indices
       *words_smem, carry = smem
       column = (first_tile + k) * TILE
-      kept = kept_columns(words_smem[0], label_column, column) if has_words else None
+      kept = kept_columns(words_smem[0]) if has_words else None
       return _fold(plgpu.load(x_smem, layout=plgpu.Layout.WGMMA), carry, inv_temp, limit,
                    column, kept, masked=masked, with_entropy=with_entropy)
 
@@ -214,7 +227,7 @@ def statistics(x, inv_temp, picked, limit, kept=None, label_column=None, *, with
   Returns:
     ``[groups, 4, T]`` float32 ``(m, s, q, picked)`` per group of
     ``tiles_per_group(V_local)`` tiles. Memory: that array (16 bytes per row per group)
-    and its blocked form; with ``kept``, its transposed copy (``T * V_local / 8``
+    and its blocked form; with ``kept``, its ``kept_words`` copy (``T * V_local / 8``
     bytes); when ``T`` is not a multiple of 8 or is below ``ROWS``, a padded copy of
     ``x``.
   """
@@ -229,12 +242,10 @@ def statistics(x, inv_temp, picked, limit, kept=None, label_column=None, *, with
   if kept is not None:
     if kept.shape != (num_rows, num_columns // 32):
       raise ValueError(f"kept: {kept.shape}, ({num_rows}, {num_columns // 32}) expected")
-    kept = chunking.pad_rows(kept.astype(jnp.uint32), padded).T  # (a row per word)
+    kept = kept_words(kept, label_column, padded)
   pad = lambda v, fill: chunking.pad_rows(v.astype(jnp.float32), padded, fill)
-  no_label = jnp.full((num_rows,), -1.0, jnp.float32)
   row_inputs = jnp.stack([pad(inv_temp, 1.0), pad(picked, 0.0),
-                          jnp.broadcast_to(bound, (padded,)),
-                          pad(no_label if label_column is None else label_column, -1.0)])
+                          jnp.broadcast_to(bound, (padded,))])
   row_inputs = row_inputs[:, _block_rows(padded)].transpose(1, 0, 2)
   tiles = _statistics(x, row_inputs, kept, masked=limit is not None,
                       with_entropy=with_entropy, stages=stages, interpret=interpret)

@@ -67,7 +67,7 @@ def _tile_gradient(x, row_values, column, kept, *, masked):
 def _overwrite(x, row_inputs, words, *, masked, stages, interpret):
   """``x [R, V_local]`` (``R`` a multiple of ``ROWS``) overwritten by its gradient;
   ``row_inputs [R / ROWS, NUM_ROW_INPUTS, ROWS]`` f32; ``words``: uint32 ``[V_local /
-  32, R]`` kept sets, a row per word, or None."""
+  32, R]`` kept sets of ``mosaic_rows.kept_words``, or None."""
   num_rows, num_columns = x.shape
   num_tiles = num_columns // TILE
   group = mosaic_rows.tiles_per_group(num_columns)
@@ -89,8 +89,7 @@ def _overwrite(x, row_inputs, words, *, masked, stages, interpret):
       def body(indices, x_smem, *words_smem):
         (k,) = indices
         column = (first_tile + k) * TILE
-        kept = (mosaic_rows.kept_columns(words_smem[0], row_values[5], column)
-                if has_words else None)
+        kept = mosaic_rows.kept_columns(words_smem[0]) if has_words else None
         grad = _tile_gradient(plgpu.load(x_smem, layout=plgpu.Layout.WGMMA), row_values,
                               column, kept, masked=masked)
         # The store of tile k - 2 out of this slot has read it: reuse it.
@@ -154,8 +153,8 @@ def overwrite(x, tokens: Tokens, saved, cotangents, column_start, limit, tail_gr
 
   Returns:
     the gradient, in ``x``'s buffer when ``x`` is dead. Memory: ``NUM_ROW_INPUTS``
-    floats per row and, with kept sets, the words' transposed copy (``T * V_local / 8``
-    bytes); XLA's copy of ``x`` first when ``x`` is still live.
+    floats per row and, with kept sets, the words' ``mosaic_rows.kept_words`` copy
+    (``T * V_local / 8`` bytes); XLA's copy of ``x`` first when ``x`` is still live.
   """
   num_rows, num_columns = x.shape
   if num_columns % TILE or num_rows % 8:
@@ -168,7 +167,8 @@ def overwrite(x, tokens: Tokens, saved, cotangents, column_start, limit, tail_gr
     bound = num_columns if limit is None else limit
     rows = _row_inputs(tokens, saved, cotangents, column_start, bound)[:, :whole]
     rows = rows.reshape(NUM_ROW_INPUTS, whole // ROWS, ROWS).transpose(1, 0, 2)
-    words = None if tokens.kept is None else tokens.kept[:whole].astype(jnp.uint32).T
+    words = None if tokens.kept is None else mosaic_rows.kept_words(
+        tokens.kept[:whole], tokens.labels[:whole] - column_start, whole)
     x = _overwrite(x, rows, words, masked=limit is not None, stages=stages,
                    interpret=interpret)
   if whole < num_rows:

@@ -41,14 +41,22 @@ def problem(args) -> dict:
 
 def fwd_bwd_row(fn, arrays, labels, cot, repeats, **kw) -> dict:
   """``fn(*arrays, labels, **kw)``'s ``sum(cot[0] logp) + sum(cot[1] entropy)`` and its
-  gradient in one jit: ``tokens``, ``backend`` and ``reason`` (``jaxce.plan.of``),
-  ``fwd_bwd_ms`` (median) and ``temp_gib`` (``memory_analysis``)."""
-  def loss(*a):
-    logp, ent = fn(*a, labels, **kw)
+  gradient (for ``arrays``) in one jit, which takes ``arrays``, the labels and the
+  keyword arrays of ``kw`` (``keep``, a temperature) as its arguments, as a training
+  step does, and closes over the other options: ``tokens``, ``backend`` and ``reason``
+  (``jaxce.plan.of``), ``fwd_bwd_ms`` (median) and ``temp_gib`` (``memory_analysis``)."""
+  is_array = lambda v: bool(jax.tree.leaves(v)) and all(
+      isinstance(leaf, jax.Array) for leaf in jax.tree.leaves(v))
+  arguments = {k: v for k, v in kw.items() if is_array(v)}
+  kw = {k: v for k, v in kw.items() if k not in arguments}
+
+  def loss(a, lab, named):
+    logp, ent = fn(*a, lab, **named, **kw)
     return jnp.sum(cot[0] * logp) + jnp.sum(cot[1] * ent)
-  step = jax.jit(jax.value_and_grad(loss, argnums=tuple(range(len(arrays)))))
-  compiled = step.lower(*arrays).compile()
-  plan = jaxce.plan.of(fn, *arrays, labels, **kw)
+  step = jax.jit(jax.value_and_grad(loss))
+  inputs = (tuple(arrays), labels, arguments)
+  compiled = step.lower(*inputs).compile()
+  plan = jaxce.plan.of(fn, *arrays, labels, **arguments, **kw)
   return dict(tokens=labels.shape[0], backend=plan.backend, reason=plan.reason,
-              fwd_bwd_ms=time_ms(step, arrays, repeats),
+              fwd_bwd_ms=time_ms(step, inputs, repeats),
               temp_gib=compiled.memory_analysis().temp_size_in_bytes / 2**30)

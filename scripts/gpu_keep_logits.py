@@ -4,7 +4,9 @@ without, in one process, each row printed as it is measured (JSON lines; also
 temporary memory. With ``--parts``, also where the kept set's time goes: the forward
 alone, the kept words' preparation (``mosaic_rows.kept_words``) alone, the forward kernel
 alone on prepared words, and the compiled fwd+bwd program's HLO
-(``$OUT/keep_fwd_bwd.hlo.txt``).
+(``$OUT/keep_fwd_bwd.hlo.txt``). The logits, labels and kept sets are the jitted
+functions' arguments, as in a training step (a kept set closed over as a constant lets
+XLA fold its preparation into the constant, and time something no user runs).
 
     python -m scripts.gpu_keep_logits [--tokens 32768 --vocab 151936 --kept 0.05] [--parts]
 """
@@ -70,12 +72,12 @@ def parts(row, logits, labels, keep, cot, repeats, out):
   """The forward alone with and without ``keep``, the words' preparation alone, the
   forward kernel alone on prepared words and without; the fwd+bwd HLO to ``out``."""
   t, v = logits.shape
-  forward = jax.jit(lambda x, k: jaxce.logprobs_and_entropy(x, labels, keep=k))
-  row("fwd_default", {"fwd_ms": time_ms(lambda x: forward(x, None), (logits,), repeats)})
-  row("fwd_keep", {"fwd_ms": time_ms(forward, (logits, keep), repeats)})
-  prepare = jax.jit(lambda k: mosaic_rows.kept_words(k, labels, t))
-  row("kept_words", {"ms": time_ms(prepare, (keep,), repeats)})
-  words = prepare(keep)
+  forward = jax.jit(lambda x, lab, k: jaxce.logprobs_and_entropy(x, lab, keep=k))
+  row("fwd_default", {"fwd_ms": time_ms(forward, (logits, labels, None), repeats)})
+  row("fwd_keep", {"fwd_ms": time_ms(forward, (logits, labels, keep), repeats)})
+  prepare = jax.jit(lambda k, lab: mosaic_rows.kept_words(k, lab, t))
+  row("kept_words", {"ms": time_ms(prepare, (keep, labels), repeats)})
+  words = prepare(keep, labels)
   block_rows = mosaic_rows._block_rows(t)  # pylint: disable=protected-access
   row_inputs = jnp.stack([jnp.ones(t), jnp.zeros(t), jnp.full(t, float(v))])
   row_inputs = row_inputs[:, block_rows].transpose(1, 0, 2)
@@ -86,11 +88,11 @@ def parts(row, logits, labels, keep, cot, repeats, out):
                                        (logits, row_inputs), repeats)})
   row("kernel_keep", {"ms": time_ms(kernel, (logits, row_inputs, words), repeats)})
   if out:
-    def loss(x):
-      logp, ent = jaxce.logprobs_and_entropy(x, labels, keep=keep)
+    def loss(x, lab, k):
+      logp, ent = jaxce.logprobs_and_entropy(x, lab, keep=k)
       return jnp.sum(cot[0] * logp) + jnp.sum(cot[1] * ent)
     with open(os.path.join(out, "keep_fwd_bwd.hlo.txt"), "w") as f:
-      f.write(jax.jit(jax.grad(loss)).lower(logits).compile().as_text())
+      f.write(jax.jit(jax.grad(loss)).lower(logits, labels, keep).compile().as_text())
 
 
 if __name__ == "__main__":

@@ -23,8 +23,9 @@ neighbours or the program around the call): batch-invariant by construction.
 
 Rows past a multiple of ``ROWS`` are covered by moving the last row block back inside
 the array (its rows overlap the block before and are written twice, with the same
-bits). TMA reads rows in tiles of 8: when ``T`` is not a multiple of 8 (or is below
-``ROWS``) the kernel reads a padded copy of the logits. ``V_local`` must be a multiple of ``TILE``.
+bits). TMA reads rows in tiles of 8: when ``T`` is not a multiple of 8, the kernel reads
+the first ``T - T % 8`` rows where they lie and, in a second call, a padded copy of the
+last ``T % 8`` (``ROWS`` rows; below ``ROWS`` rows, of the whole array). ``V_local`` must be a multiple of ``TILE``.
 Off GPUs the kernel runs in JAX's GPU interpreter (tests).
 """
 
@@ -228,27 +229,46 @@ def statistics(x, inv_temp, picked, limit, kept=None, label_column=None, *, with
     ``[groups, 4, T]`` float32 ``(m, s, q, picked)`` per group of
     ``tiles_per_group(V_local)`` tiles. Memory: that array (16 bytes per row per group)
     and its blocked form; with ``kept``, its ``kept_words`` copy (``T * V_local / 8``
-    bytes); when ``T`` is not a multiple of 8 or is below ``ROWS``, a padded copy of
-    ``x``.
+    bytes). TMA reads rows in tiles of 8: when ``T`` is not a multiple of 8, the kernel
+    reads the first ``T - T % 8`` rows (XLA's slice) and then a padded copy of the last
+    ``T % 8`` (``ROWS`` rows); below ``ROWS`` rows, a padded copy of ``x``.
   """
   num_rows, num_columns = x.shape
   if num_columns % TILE:
     raise ValueError(f"{num_columns} columns: a multiple of {TILE} expected")
+  if kept is not None and kept.shape != (num_rows, num_columns // 32):
+    raise ValueError(f"kept: {kept.shape}, ({num_rows}, {num_columns // 32}) expected")
   if stages is None:
     stages = max(2, STAGE_BYTES // (ROWS * TILE * jnp.dtype(x.dtype).itemsize))
   bound = jnp.float32(num_columns) if limit is None else jnp.asarray(limit, jnp.float32)
+  part = partial(_part_statistics, bound=bound, masked=limit is not None,
+                 with_entropy=with_entropy, stages=stages, interpret=interpret)
+  aligned = num_rows // 8 * 8
+  if aligned == num_rows or aligned < ROWS:
+    return part(x, inv_temp, picked, kept, label_column)
+  # (Each row's numbers depend on its own inputs alone: the same bits in either part.)
+  rows = lambda v, start, stop: None if v is None else v[start:stop]
+  return jnp.concatenate(
+      [part(*(rows(v, start, stop) for v in (x, inv_temp, picked, kept, label_column)))
+       for start, stop in ((0, aligned), (aligned, num_rows))], axis=2)
+
+
+def _part_statistics(x, inv_temp, picked, kept, label_column, *, bound, masked,
+                     with_entropy, stages, interpret):
+  """``statistics`` of rows ``x [T, V_local]`` in one kernel call: a padded copy of ``x``
+  (and of the rows' inputs) when ``T`` is not a multiple of 8 or is below ``ROWS``;
+  ``bound`` is the limit as f32."""
+  num_rows = x.shape[0]
   padded = max(-(-num_rows // 8) * 8, ROWS)  # (TMA reads rows in tiles of 8)
   x = chunking.pad_rows(x, padded)  # (a copy when padded)
   if kept is not None:
-    if kept.shape != (num_rows, num_columns // 32):
-      raise ValueError(f"kept: {kept.shape}, ({num_rows}, {num_columns // 32}) expected")
     kept = kept_words(kept, label_column, padded)
   pad = lambda v, fill: chunking.pad_rows(v.astype(jnp.float32), padded, fill)
   row_inputs = jnp.stack([pad(inv_temp, 1.0), pad(picked, 0.0),
                           jnp.broadcast_to(bound, (padded,))])
   row_inputs = row_inputs[:, _block_rows(padded)].transpose(1, 0, 2)
-  tiles = _statistics(x, row_inputs, kept, masked=limit is not None,
-                      with_entropy=with_entropy, stages=stages, interpret=interpret)
+  tiles = _statistics(x, row_inputs, kept, masked=masked, with_entropy=with_entropy,
+                      stages=stages, interpret=interpret)
   num_groups, row_blocks = tiles.shape[:2]
   tiles = tiles.transpose(0, 2, 1, 3)  # [groups, 4, row blocks, ROWS]
   whole = tiles[:, :, :-1].reshape(num_groups, 4, (row_blocks - 1) * ROWS)

@@ -3,7 +3,8 @@ without, in one process, each row printed as it is measured (JSON lines; also
 ``$OUT/keep_logits.jsonl``): ``_fused_rows.fwd_bwd_row``'s backend, median time and
 temporary memory. With ``--parts``, also where the kept set's time goes: the forward
 alone, the kept words' preparation (``mosaic_rows.kept_words``) alone, the forward kernel
-alone on prepared words, and the compiled fwd+bwd program's HLO
+alone on prepared words, the gradient's pass alone (XLA's and ``mosaic_rows_grad``'s, with
+and without the kept set), and the compiled fwd+bwd program's HLO
 (``$OUT/keep_fwd_bwd.hlo.txt``). The logits, labels and kept sets are the jitted
 functions' arguments, as in a training step (a kept set closed over as a constant lets
 XLA fold its preparation into the constant, and time something no user runs).
@@ -19,10 +20,12 @@ import os
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 import jaxce
 from bench.timing import time_ms
-from jaxce._kernels import mosaic_rows
+from jaxce._kernels import logits_rows, mosaic_rows, mosaic_rows_grad
+from jaxce._kernels.config import Tokens
 from scripts import _fused_rows
 
 
@@ -78,7 +81,7 @@ def parts(row, logits, labels, keep, cot, repeats, out):
   prepare = jax.jit(lambda k, lab: mosaic_rows.kept_words(k, lab, t))
   row("kept_words", {"ms": time_ms(prepare, (keep, labels), repeats)})
   words = prepare(keep, labels)
-  block_rows = mosaic_rows._block_rows(t)  # pylint: disable=protected-access
+  block_rows = mosaic_rows.block_rows(t)
   row_inputs = jnp.stack([jnp.ones(t), jnp.zeros(t), jnp.full(t, float(v))])
   row_inputs = row_inputs[:, block_rows].transpose(1, 0, 2)
   kernel = jax.jit(lambda x, r, w: mosaic_rows._statistics(  # pylint: disable=protected-access
@@ -87,6 +90,15 @@ def parts(row, logits, labels, keep, cot, repeats, out):
   row("kernel_default", {"ms": time_ms(lambda x, r: kernel(x, r, None),
                                        (logits, row_inputs), repeats)})
   row("kernel_keep", {"ms": time_ms(kernel, (logits, row_inputs, words), repeats)})
+  saved = (jnp.zeros(t), jnp.full(t, float(np.log(v))), jnp.ones(t))
+  for name, kept in (("default", None), ("keep", keep)):
+    tokens = Tokens(labels, jnp.ones(t), jnp.ones(t, bool), kept)
+    for backend, fn in (("xla", lambda x, tok, c: logits_rows.gradient(
+        x, tok, saved, (c[0], c[1]), None, 0)), ("mosaic", lambda x, tok, c: (
+            mosaic_rows_grad.gradient(x, tok, saved, (c[0], c[1]), 0, None,
+                                      interpret=jax.default_backend() != "gpu")))):
+      row(f"gradient_{backend}_{name}", {"ms": time_ms(jax.jit(fn), (logits, tokens, cot),
+                                                       repeats)})
   if out:
     def loss(x, lab, k):
       logp, ent = jaxce.logprobs_and_entropy(x, lab, keep=k)

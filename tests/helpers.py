@@ -84,3 +84,18 @@ def assert_close(actual, expected, atol, what):
 
 __all__ = ["TOLERANCE", "adversarial_logits", "assert_close", "devices", "jaxce", "kernel_device",
            "reference", "reference_options", "value_and_grads", "weighted_loss"]
+
+
+def count_primitives(jaxpr, *names: str) -> int:
+  """How many equations of the primitives ``names`` ``jaxpr`` (a jaxpr or closed jaxpr)
+  holds, those of the jaxprs in its equations' parameters included (each counted once)."""
+  jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+  total = 0
+  for eqn in jaxpr.eqns:
+    total += eqn.primitive.name in names
+    for param in eqn.params.values():
+      for sub in (param if isinstance(param, (tuple, list)) else (param,)):
+        inner = getattr(sub, "jaxpr", sub)
+        if hasattr(inner, "eqns"):
+          total += count_primitives(inner, *names)
+  return total

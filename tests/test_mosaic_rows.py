@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from helpers import assert_close, jaxce, kernel_device, reference, value_and_grads
+from helpers import assert_close, count_primitives, jaxce, kernel_device, reference, value_and_grads
 from jaxce._kernels import mosaic_merge, mosaic_rows
 
 if jax.default_backend() != "gpu" and not hasattr(plgpu, "InterpretGPUParams"):
@@ -171,17 +171,21 @@ def _weighted_sum(outputs, cot):
   return jnp.sum(cot[0] * outputs[0]) + jnp.sum(cot[1] * outputs[1])
 
 
-@pytest.mark.parametrize("tokens,keep,entropy_cotangent", [
-    (200, False, True),   # 3 whole blocks of rows, then 8 rows by XLA
-    (128, True, True),    # kept sets read with the tiles
-    (64, False, False),   # no entropy cotangent (a symbolic zero)
-    (60, False, True),    # T not a multiple of 8: XLA's loop
+@pytest.mark.parametrize("tokens,keep,in_place,entropy_cotangent,kernels", [
+    (200, False, True, True, 3),     # 3 whole blocks of rows, then 8 rows by XLA
+    (128, True, True, True, 3),      # kept sets read with the tiles
+    (64, False, True, False, 3),     # no entropy cotangent (a symbolic zero)
+    (60, False, True, True, 2),      # T not a multiple of 8: XLA's loop
+    (200, True, False, True, 3),     # kept sets, a new array: the last block moved back
+    (40, True, False, False, 3),     # below ROWS rows: a padded copy
+    (60, True, False, True, 2),      # T not a multiple of 8: XLA's fused pass
 ])
-def test_backward_in_place_matches_xla(tokens, keep, entropy_cotangent):
-  """``backward_in_place=True`` on the Mosaic plan: the gradient kernel writes over the
-  logits (its output aliases them) with a padded vocabulary, per-token temperature,
-  ignored tokens and random cotangents; the same gradient as XLA's new array, float64's
-  within bf16 rounding, exactly zero at excluded columns and ignored rows."""
+def test_gradient_kernels_match_xla(tokens, keep, in_place, entropy_cotangent, kernels):
+  """The gradient kernel on the Mosaic plan, over the logits (``backward_in_place=True``:
+  its output aliases them) or, with a kept set, into a new array, with a padded
+  vocabulary, per-token temperature, ignored tokens and random cotangents; the same
+  gradient as XLA's, float64's within bf16 rounding, exactly zero at excluded columns and
+  ignored rows. ``kernels``: the Pallas calls of the fwd+bwd (forward, merge, gradient)."""
   rng = np.random.default_rng(tokens)
   columns, vocab = 384, 370
   x = _logits(rng, tokens, columns, jnp.bfloat16)
@@ -196,10 +200,13 @@ def test_backward_in_place_matches_xla(tokens, keep, entropy_cotangent):
   cot = rng.normal(size=(2, tokens)) * np.array([[1.0], [1.0 if entropy_cotangent else 0.0]])
   loss = lambda f, **o: lambda x: _weighted_sum(f(x, **o, **kw), cot)
   f = jaxce.logprobs_and_entropy
-  in_place = jax.jit(jax.grad(loss(f, implementation="mosaic", backward_in_place=True)))(x)
+  mosaic = jax.grad(loss(f, implementation="mosaic", backward_in_place=in_place))
+  # (plgpu.kernel's primitive: mpmd_map since JAX 0.11, pallas_call before)
+  assert count_primitives(jax.make_jaxpr(mosaic)(x), "mpmd_map", "pallas_call") == kernels
+  got = jax.jit(mosaic)(x)
   new = jax.jit(jax.grad(loss(f, implementation="xla")))(x)
   exact = jax.grad(loss(reference.logprobs_and_entropy))(jnp.asarray(x, jnp.float64))
-  g, gx, ge = (np.asarray(a, np.float64) for a in (in_place, new, exact))
+  g, gx, ge = (np.asarray(a, np.float64) for a in (got, new, exact))
   assert np.all(np.isfinite(g))
   assert_close(g, gx, 2**-7 * np.max(np.abs(gx)), "vs XLA")
   assert_close(g, ge, 2**-7 * np.max(np.abs(ge)), "vs float64")

@@ -6,7 +6,8 @@ Triton kernel in one pass, or by XLA in a scan over chunks of tokens; shards com
 with one pmax and one psum). Backward: one fused elementwise pass writes the gradient, or
 (``config.in_place``) the logits' buffer is overwritten: by the Mosaic GPU kernel
 ``mosaic_rows_grad`` (whose output aliases its input) on the Mosaic plan when ``T`` is a
-multiple of 8, else by a loop chunk by chunk.
+multiple of 8, else by a loop chunk by chunk. With a kept set on the Mosaic plan, the
+gradient's pass is ``mosaic_rows_grad``'s kernel too (``logits_rows.gradient``).
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ def _logprobs_entropy_bwd(config, residuals, cotangents):
 
   if not config.in_place:
     # One elementwise pass over [T, V_local] into a new array.
-    return (logits_rows.gradient(x, *per_token, mask_vocab, column_start), None)
+    return (logits_rows.gradient(x, *per_token, mask_vocab, column_start, config), None)
 
   num_tokens = x.shape[0]
 

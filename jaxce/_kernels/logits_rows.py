@@ -10,8 +10,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
-from jaxce._kernels import chunking, mosaic_merge, mosaic_rows, softmax, triton_merge
-from jaxce._kernels import triton_rows
+from jaxce._kernels import chunking, mosaic_merge, mosaic_rows, mosaic_rows_grad, softmax
+from jaxce._kernels import triton_merge, triton_rows
 from jaxce._kernels.config import Tokens
 
 
@@ -91,12 +91,21 @@ def forward(x, tokens: Tokens, config):
   return (logp,) + tuple(entropy), (m, log_s, entropy[0] if with_entropy else None)
 
 
-def gradient(x, tokens: Tokens, saved, cotangents, mask_vocab, column_start):
+def gradient(x, tokens: Tokens, saved, cotangents, mask_vocab, column_start, config=None):
   """``d loss / d x`` of logits rows ``x [C, V_local]`` (in ``x``'s dtype) from their
   tokens, the statistics the forward saved (``(m, log s, entropy or None)``) and the
   per-token cotangents (``(g_logp, g_entropy)``, ``[C]`` each; ``None`` for a symbolic
-  zero): one elementwise pass. ``column_start``: the global id of ``x``'s first column."""
+  zero): one elementwise pass. ``column_start``: the global id of ``x``'s first column.
+  With a kept set on ``config``'s Mosaic plan (``C`` a multiple of 8), the pass is
+  ``mosaic_rows_grad``'s kernel, which reads the kept words with its tiles; else XLA's
+  fused pass."""
   labels, inv_temp, valid, kept = tokens
+  if (kept is not None and config is not None and config.plan.backend == "mosaic"
+      and x.shape[0] % 8 == 0):  # (TMA's row tiling)
+    limit = (None if mask_vocab is None else
+             softmax.column_limit(mask_vocab, column_start, x.shape[1]))
+    return mosaic_rows_grad.gradient(x, tokens, saved, cotangents, column_start, limit,
+                                     interpret=config.plan.interpret)
   (shift, log_sum, entropy), (g_logp, g_entropy) = saved, cotangents
   if kept is not None:
     kept = softmax.kept_columns(kept, 0, x.shape[1], labels - column_start)

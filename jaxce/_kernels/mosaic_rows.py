@@ -137,7 +137,7 @@ def _statistics(x, row_inputs, words, *, masked, with_entropy, stages, interpret
   [T, V_local]`` (``T >= ROWS``, a multiple of 8: TMA's row tiling; the last block moved
   back inside);
   ``row_inputs [row blocks, 3, ROWS]`` f32: inverse temperature, label ``z`` and first
-  excluded column of each block's rows (``_block_rows``); ``words``: uint32 ``[V_local /
+  excluded column of each block's rows (``block_rows``); ``words``: uint32 ``[V_local /
   32, T]`` kept sets of ``kept_words`` (read with the tiles), or None."""
   num_rows, num_columns = x.shape
   num_tiles = num_columns // TILE
@@ -196,7 +196,7 @@ def _statistics(x, row_inputs, words, *, masked, with_entropy, stages, interpret
   )(x, row_inputs, *([words] if has_words else []))
 
 
-def _block_rows(num_rows):
+def block_rows(num_rows):
   """``[row blocks, ROWS]`` int32: the rows of each CTA (the last block moved back inside
   ``num_rows >= ROWS``)."""
   starts = jnp.minimum(jnp.arange(-(-num_rows // ROWS)) * ROWS, num_rows - ROWS)
@@ -266,7 +266,7 @@ def _part_statistics(x, inv_temp, picked, kept, label_column, *, bound, masked,
   pad = lambda v, fill: chunking.pad_rows(v.astype(jnp.float32), padded, fill)
   row_inputs = jnp.stack([pad(inv_temp, 1.0), pad(picked, 0.0),
                           jnp.broadcast_to(bound, (padded,))])
-  row_inputs = row_inputs[:, _block_rows(padded)].transpose(1, 0, 2)
+  row_inputs = row_inputs[:, block_rows(padded)].transpose(1, 0, 2)
   tiles = _statistics(x, row_inputs, kept, masked=masked, with_entropy=with_entropy,
                       stages=stages, interpret=interpret)
   num_groups, row_blocks = tiles.shape[:2]

@@ -1,11 +1,12 @@
-"""The gradient of logits rows ``[T, V_local]`` written over the logits' own buffer, as a
-Pallas Mosaic GPU kernel (Hopper): the logits path's backward with
-``backward_in_place=True``.
+"""The gradient of logits rows ``[T, V_local]`` as a Pallas Mosaic GPU kernel (Hopper):
+written over the logits' own buffer (``overwrite``: the logits path's backward with
+``backward_in_place=True``) or into a new array (``gradient``: the backward with a kept
+set, whose bits XLA's fused pass unpacks slowly).
 
-The kernel writes into the logits through a mutable reference (``jax.new_ref``), which
-reaches XLA as an output aliasing its input: XLA writes the gradient into the logits'
-buffer when the logits are dead after the backward (donated, or an intermediate of a
-jitted training step), and otherwise copies them first. Each CTA
+In place, the kernel writes into the logits through a mutable reference
+(``jax.new_ref``), which reaches XLA as an output aliasing its input: XLA writes the
+gradient into the logits' buffer when the logits are dead after the backward (donated, or
+an intermediate of a jitted training step), and otherwise copies them first. Each CTA
 (one warpgroup) takes ``ROWS`` rows and a group of ``[ROWS, TILE]`` tiles, as
 ``mosaic_rows``; TMA streams each tile in and its gradient back out, and every tile is
 read before it is overwritten, by the CTA that owns it. Per element, with the row's
@@ -15,9 +16,10 @@ statistics and cotangents folded into per-row coefficients (``_row_inputs``)::
     log p = max(z - (m + log s), f32 min)             p = exp(log p)
     d x = inv_temp * (-p (g_logp + g_entropy (log p + H)) + g_logp [v == label])
 
-Rows are taken in whole blocks of ``ROWS`` (a moved-back block would read rows that its
-neighbour has overwritten): the last ``T % ROWS`` rows are written by XLA in place
-(``dynamic_update_slice``). ``T`` must be a multiple of 8 and ``V_local`` of ``TILE``.
+In place, rows are taken in whole blocks of ``ROWS`` (a moved-back block would read rows
+that its neighbour has overwritten): the last ``T % ROWS`` rows are written by XLA in
+place (``dynamic_update_slice``). Into a new array, the last block is moved back inside,
+as in ``mosaic_rows``. ``T`` must be a multiple of 8 and ``V_local`` of ``TILE``.
 Off GPUs the kernel runs in JAX's GPU interpreter (tests).
 """
 
@@ -30,7 +32,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from jaxce._kernels import mosaic_rows, plumbing
+from jaxce._kernels import chunking, mosaic_rows, plumbing
 from jaxce._kernels.config import Tokens
 
 plgpu = plumbing.lazy_module("jax.experimental.pallas.mosaic_gpu")
@@ -64,10 +66,12 @@ def _tile_gradient(x, row_values, column, kept, *, masked):
   return dz * inv_temp
 
 
-def _overwrite(x, row_inputs, words, *, masked, stages, interpret):
-  """``x [R, V_local]`` (``R`` a multiple of ``ROWS``) overwritten by its gradient;
-  ``row_inputs [R / ROWS, NUM_ROW_INPUTS, ROWS]`` f32; ``words``: uint32 ``[V_local /
-  32, R]`` kept sets of ``mosaic_rows.kept_words``, or None."""
+def _kernel(x, row_inputs, words, *, in_place, masked, stages, interpret):
+  """The gradient of ``x [R, V_local]`` (``R`` a multiple of 8, at least ``ROWS``): over
+  the first ``row blocks * ROWS`` rows of ``x`` (``in_place``; the rest left as they
+  were) or into a new array (the last row block moved back inside, as in
+  ``mosaic_rows``); ``row_inputs [row blocks, NUM_ROW_INPUTS, ROWS]`` f32; ``words``:
+  uint32 ``[V_local / 32, R]`` kept sets of ``mosaic_rows.kept_words``, or None."""
   num_rows, num_columns = x.shape
   num_tiles = num_columns // TILE
   group = mosaic_rows.tiles_per_group(num_columns)
@@ -75,9 +79,17 @@ def _overwrite(x, row_inputs, words, *, masked, stages, interpret):
   transforms = mosaic_rows.tile_transforms(x.dtype)
   has_words = words is not None
 
-  def kernel(x_gmem, rows_gmem, *words_gmem):
+  def kernel(x_gmem, rows_gmem, *refs):
+    if in_place:
+      words_gmem, out_gmem = refs, x_gmem
+    else:
+      *words_gmem, out_gmem = refs
     block, group_index = lax.axis_index("rows"), lax.axis_index("groups")
-    rows = pl.ds(pl.multiple_of(block * ROWS, ROWS), ROWS)
+    if in_place:  # (whole blocks: a moved-back block would read overwritten rows)
+      first_row = pl.multiple_of(block * ROWS, ROWS)
+    else:
+      first_row = pl.multiple_of(jnp.minimum(block * ROWS, num_rows - ROWS), 8)
+    rows = pl.ds(first_row, ROWS)
     row_layout = plgpu.Layout.WGMMA.reduce(1)
     row_values = [plgpu.load(rows_gmem.at[block, i], layout=row_layout, optimized=False)
                   for i in range(NUM_ROW_INPUTS)]
@@ -97,8 +109,8 @@ def _overwrite(x, row_inputs, words, *, masked, stages, interpret):
         slot = out_smem.at[k % 2]
         slot[...] = grad.astype(x.dtype)
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(slot, x_gmem.at[rows, pl.ds(pl.multiple_of(column, TILE),
-                                                              TILE)])
+        plgpu.copy_smem_to_gmem(
+            slot, out_gmem.at[rows, pl.ds(pl.multiple_of(column, TILE), TILE)])
 
       pipeline = plgpu.emit_pipeline(
           body, grid=(jnp.minimum(group, num_tiles - first_tile),),
@@ -107,11 +119,15 @@ def _overwrite(x, row_inputs, words, *, masked, stages, interpret):
       pipeline(x_gmem.at[rows], *(w.at[:, rows] for w in words_gmem))
       plgpu.wait_smem_to_gmem(0)
 
+  call = functools.partial(
+      plgpu.kernel, kernel, grid=(row_inputs.shape[0], num_groups),
+      grid_names=("rows", "groups"),
+      interpret=plgpu.InterpretGPUParams() if interpret else None)
+  inputs = (row_inputs, *([words] if has_words else []))
+  if not in_place:
+    return call(out_type=plumbing.shape_dtype_like(x, x.shape, x.dtype))(x, *inputs)
   logits = jax.new_ref(x)  # (written in place: the kernel's output aliases x)
-  plgpu.kernel(kernel, out_type=(), grid=(num_rows // ROWS, num_groups),
-               grid_names=("rows", "groups"),
-               interpret=plgpu.InterpretGPUParams() if interpret else None,
-               )(logits, row_inputs, *([words] if has_words else []))
+  call(out_type=())(logits, *inputs)
   return jax.freeze(logits)
 
 
@@ -159,9 +175,7 @@ def overwrite(x, tokens: Tokens, saved, cotangents, column_start, limit, tail_gr
   num_rows, num_columns = x.shape
   if num_columns % TILE or num_rows % 8:
     raise ValueError(f"x: {x.shape}, rows a multiple of 8 and columns of {TILE} expected")
-  if stages is None:
-    tile_bytes = ROWS * TILE * jnp.dtype(x.dtype).itemsize
-    stages = max(2, mosaic_rows.STAGE_BYTES // tile_bytes - 2)
+  stages = _default_stages(x.dtype) if stages is None else stages
   whole = num_rows // ROWS * ROWS
   if whole:
     bound = num_columns if limit is None else limit
@@ -169,11 +183,41 @@ def overwrite(x, tokens: Tokens, saved, cotangents, column_start, limit, tail_gr
     rows = rows.reshape(NUM_ROW_INPUTS, whole // ROWS, ROWS).transpose(1, 0, 2)
     words = None if tokens.kept is None else mosaic_rows.kept_words(
         tokens.kept[:whole], tokens.labels[:whole] - column_start, whole)
-    x = _overwrite(x, rows, words, masked=limit is not None, stages=stages,
-                   interpret=interpret)
+    x = _kernel(x, rows, words, in_place=True, masked=limit is not None, stages=stages,
+                interpret=interpret)
   if whole < num_rows:
     # (The barrier keeps XLA's GPU compiler from fusing the update into the kernel's
     # custom call, which it cannot lower: "DUS target must be a fusion parameter".)
     x = lax.optimization_barrier(x)
     x = lax.dynamic_update_slice_in_dim(x, tail_gradient(x, whole, num_rows - whole), whole, 0)
   return x
+
+
+def gradient(x, tokens: Tokens, saved, cotangents, column_start, limit, *, interpret,
+             stages=None):
+  """``d loss / d x`` of ``x [T, V_local]`` into a new array like ``x``: as ``overwrite``
+  (the same arguments, and ``T`` a multiple of 8), the last block of ``ROWS`` rows moved
+  back inside (below ``ROWS`` rows, a padded copy of ``x``). Memory: the gradient,
+  ``NUM_ROW_INPUTS`` floats per row and, with kept sets, their ``mosaic_rows.kept_words``
+  copy (``T * V_local / 8`` bytes)."""
+  num_rows, num_columns = x.shape
+  if num_columns % TILE or num_rows % 8:
+    raise ValueError(f"x: {x.shape}, rows a multiple of 8 and columns of {TILE} expected")
+  padded = max(num_rows, ROWS)
+  blocks = mosaic_rows.block_rows(padded)
+  bound = num_columns if limit is None else limit
+  rows = _row_inputs(tokens, saved, cotangents, column_start, bound)
+  rows = chunking.pad_rows(rows.T, padded, 0).T[:, blocks].transpose(1, 0, 2)
+  words = None if tokens.kept is None else mosaic_rows.kept_words(
+      tokens.kept, tokens.labels - column_start, padded)
+  grad = _kernel(chunking.pad_rows(x, padded), rows, words, in_place=False,
+                 masked=limit is not None,
+                 stages=_default_stages(x.dtype) if stages is None else stages,
+                 interpret=interpret)
+  return grad[:num_rows]
+
+
+def _default_stages(dtype):
+  """Tiles in flight per CTA on the way in: as many as fit in ``mosaic_rows.STAGE_BYTES``
+  beside the two output tiles."""
+  return max(2, mosaic_rows.STAGE_BYTES // (ROWS * TILE * jnp.dtype(dtype).itemsize) - 2)

@@ -40,7 +40,8 @@ def _run(objective, x, tokens, token_args, config, with_grads):
   if not with_grads:
     return out, None
   grad = logits_rows.gradient(x, tokens, saved, (g_logp, g_entropy), config.mask_vocab,
-                       softmax.shard_column_start(x.shape[1], config.vocab_axis))
+                              softmax.shard_column_start(x.shape[1], config.vocab_axis),
+                              config)
   # A zero-size slice carries x's type over shard_map axes to the backward, which sums
   # the scaled gradient over the axes x does not vary over.
   return out, (grad, x.reshape(-1)[:0])

@@ -214,7 +214,8 @@ def gradient(x, tokens: Tokens, saved, cotangents, column_start, limit, *, inter
                  masked=limit is not None,
                  stages=_default_stages(x.dtype) if stages is None else stages,
                  interpret=interpret)
-  return grad[:num_rows]
+  # (The kernel's output type drops the shard_map axes x varies over: cast back.)
+  return plumbing.unify_varying((grad[:num_rows], x), None)[0]
 
 
 def _default_stages(dtype):

@@ -25,7 +25,8 @@ Rows past a multiple of ``ROWS`` are covered by moving the last row block back i
 the array (its rows overlap the block before and are written twice, with the same
 bits). TMA reads rows in tiles of 8: when ``T`` is not a multiple of 8, the kernel reads
 the first ``T - T % 8`` rows where they lie and, in a second call, a padded copy of the
-last ``T % 8`` (``ROWS`` rows; below ``ROWS`` rows, of the whole array). ``V_local`` must be a multiple of ``TILE``.
+last ``T % 8`` (``ROWS`` rows; below ``ROWS`` rows, of the whole array). ``V_local`` must
+be a multiple of ``TILE``.
 Off GPUs the kernel runs in JAX's GPU interpreter (tests).
 """
 

@@ -73,7 +73,8 @@ def main():
 
 def parts(row, logits, labels, keep, cot, repeats, out):
   """The forward alone with and without ``keep``, the words' preparation alone, the
-  forward kernel alone on prepared words and without; the fwd+bwd HLO to ``out``."""
+  forward kernel alone on prepared words and without, the gradient's pass alone (XLA's
+  and ``mosaic_rows_grad``'s, with and without ``keep``); the fwd+bwd HLO to ``out``."""
   t, v = logits.shape
   forward = jax.jit(lambda x, lab, k: jaxce.logprobs_and_entropy(x, lab, keep=k))
   row("fwd_default", {"fwd_ms": time_ms(forward, (logits, labels, None), repeats)})

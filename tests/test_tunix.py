@@ -305,3 +305,54 @@ def test_completion_without_tokens_matches_tunix(case):
       [0, 1, 3]] > 0)
   _compare(model, example, config, case.replace("gspo-token", "grpo"),
            jaxce_tunix.PPO_LOSS if case == "ppo" else jaxce_tunix.GRPO_LOSS)
+
+
+def _kept_model(kept_logits, tied):
+  """A Qwen3 whose logits outside each position's kept set (``kept_logits``, bool ``[B, S,
+  V]``) are -1e9: Tunix's own loss on them is the loss over the kept sets (exp(-1e9) is
+  0 in float32, and 0 * -1e9 is 0 in its entropy), the oracle for ``keep=``."""
+  class KeptQwen3(tunix_models.Qwen3):
+    def __call__(self, *args, **kwargs):
+      logits, cache = super().__call__(*args, **kwargs)
+      return jnp.where(kept_logits, logits, -1e9), cache
+
+  reference = _model(tied)
+  model = KeptQwen3(reference.config, rngs=nnx.Rngs(0))
+  nnx.update(model, nnx.state(reference))
+  return model
+
+
+@pytest.mark.parametrize("case", ["grpo", "gspo-token", "ppo"])
+@pytest.mark.parametrize("form", ["words", "kept_ids"])
+def test_kept_sets_match_tunix_on_masked_logits(case, form):
+  """``TrainExampleWithKept.kept`` (a sampler's small sets, the label in each; as packed
+  words or as vLLM-style CSR kept ids): every loss, aux metric and gradient equals
+  Tunix's own loss on logits set to -1e9 outside the kept sets."""
+  rng = np.random.default_rng(21)
+  vocab = 300
+  example = _example(rng, token_advantages=case == "ppo")
+  completion = np.asarray(example.completion_ids)
+  sets = [sorted({int(t), *rng.integers(0, vocab, rng.integers(0, 5))})
+          for t in completion.reshape(-1)]
+  mask = np.zeros((B, COMPLETION, vocab), bool)
+  for i, ids in enumerate(sets):
+    mask[i // COMPLETION, i % COMPLETION, ids] = True
+  # Position s of the sequence predicts token s + 1: the completion's from PROMPT - 1.
+  kept_logits = np.ones((B, PROMPT + COMPLETION, vocab), bool)
+  kept_logits[:, PROMPT - 1:PROMPT - 1 + COMPLETION] = mask
+  if form == "words":
+    kept = jaxce_tunix.jaxce.keep.pack(jnp.asarray(mask))
+  else:
+    offsets = np.concatenate([[0], np.cumsum([len(s) for s in sets])])
+    kept = jaxce_tunix.jaxce.keep.from_csr(np.concatenate(sets), offsets)
+  fields = {f.name: getattr(example, f.name) for f in dataclasses.fields(example)}
+  example = jaxce_tunix.TrainExampleWithKept(**fields, kept=kept)
+  if case == "ppo":
+    config = PPOConfig(epsilon_low=0.2, epsilon_high=0.28, epsilon_c=3.0, entropy_coef=0.01)
+    names = ("ppo", jaxce_tunix.PPO_LOSS)
+  else:
+    config = GRPOConfig(num_generations=2, epsilon=0.2, loss_algo=case, beta=0.04,
+                        loss_agg_mode="sequence-mean-token-mean")
+    config.temperature = 0.7
+    names = ("grpo", jaxce_tunix.GRPO_LOSS)
+  _compare(_kept_model(jnp.asarray(kept_logits), False), example, config, *names)

@@ -15,6 +15,10 @@ removes them under ``jit``; ``tests/test_tunix.py`` checks the compiled plan).
     jaxce_tunix.use_jaxce(algo_config)                  # policy_loss_fn = "jaxce_grpo"
     learner = GRPOLearner(rl_cluster, algo_config, reward_fns)
 
+Kept sets (the sampler's top-k / top-p support, e.g. vLLM's sampling masks): give the
+example a ``kept`` field (:class:`TrainExampleWithKept`), and every loss here computes the
+log-probs and entropies over each token's kept set (``keep=``; docs/guides/kept_sets.md).
+
 What of Tunix this relies on: ``function_registry.register_policy_loss_fn``, the loss
 signature ``(model, train_example, algo_config, pad_id, eos_id)``, ``common.process_ids``,
 ``common.aggregate_loss``, ``common.compute_kl_divergence``, ``algo_core.masked_mean``,
@@ -27,7 +31,9 @@ Tunix's Qwen3, Qwen2, Llama3 and Gemma models have them (tests: Qwen3 and Gemma)
 from __future__ import annotations
 
 import inspect
+from typing import Any
 
+import flax
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -35,9 +41,27 @@ from tunix.rl import algo_core, common, function_registry
 
 import jaxce
 
-__all__ = ["GRPO_LOSS", "PPO_LOSS", "grpo_loss", "per_token_logps", "ppo_loss", "use_jaxce"]
+__all__ = ["GRPO_LOSS", "PPO_LOSS", "TrainExampleWithKept", "grpo_loss", "per_token_logps",
+           "ppo_loss", "use_jaxce"]
 
 GRPO_LOSS, PPO_LOSS = "jaxce_grpo", "jaxce_ppo"
+
+
+@flax.struct.dataclass(frozen=True)
+class TrainExampleWithKept(common.TrainExample):
+  """Tunix's ``TrainExample`` with the sampler's kept sets of the scored tokens.
+
+  Attributes:
+    kept: what ``keep=`` takes, one set per scored token: the completion tokens ``[B,
+      L]`` (unpacked), or positions ``1 .. S - 1`` of each row (packed sequences, as
+      the labels ``tokens[:, 1:]``). Packed words ``uint32 [B, L, ceil(V / 32)]``
+      (``jaxce.keep.pack``, ``jaxce.keep.pack_ids``), or a :class:`jaxce.keep.KeptIds`
+      (``jaxce.keep.from_csr`` of vLLM's ``SamplingMask``, tokens in ``[B, L]``'s
+      flattened order). Tunix's learner slices every array of an example along the
+      batch into mini-batches: there, pass packed words (a ``KeptIds``' CSR arrays do
+      not slice by row). ``None``: the full vocabulary.
+  """
+  kept: Any = None
 
 
 def per_token_logps(model, train_example, pad_id, eos_id, temperature=1.0):
@@ -53,11 +77,14 @@ def per_token_logps(model, train_example, pad_id, eos_id, temperature=1.0):
       ``segment_ids`` / ``segment_positions`` when packed).
     pad_id, eos_id: the tokenizer's.
     temperature: the rollout temperature (the logits are divided by it, as Tunix does).
+
+  With a ``kept`` field on the example (:class:`TrainExampleWithKept`), each token's
+  softmax runs over its kept set.
   """
   hidden, labels, weight, layout, packed = _head_inputs(model, train_example, pad_id, eos_id)
   logp, entropy = jaxce.linear_logprobs_and_entropy(
       hidden, weight, labels, temperature=_temperature(temperature), weight_layout=layout,
-      logit_softcap=_softcap(model))
+      logit_softcap=_softcap(model), keep=_kept(train_example))
   vocab_size = weight.shape[1 if layout == "dv" else 0]
   return _unpack(logp, packed, 0.0), _unpack(entropy, packed, jnp.log(vocab_size))
 
@@ -87,6 +114,11 @@ def _head_inputs(model, train_example, pad_id, eos_id):
   if dtype is not None:
     hidden, weight = hidden.astype(dtype), weight.astype(dtype)
   return hidden, labels, weight, layout, packed
+
+
+def _kept(train_example):
+  """The example's kept sets (``keep=``), or None."""
+  return getattr(train_example, "kept", None)
 
 
 def _takes_segment_ids(model):
@@ -172,7 +204,7 @@ def grpo_loss(model, train_example, algo_config, pad_id, eos_id, **kwargs):
         jnp.zeros(mask.shape) if ref_logp is None else ref_logp.astype(jnp.float32),
         pg_weight, 1.0 if sampler_weights is None else sampler_weights.astype(jnp.float32),
         temperature=_temperature(algo_config.temperature), weight_layout=layout,
-        logit_softcap=_softcap(model), return_entropy=True)
+        logit_softcap=_softcap(model), return_entropy=True, keep=_kept(train_example))
     logp, entropy = jax.lax.stop_gradient(logp), jax.lax.stop_gradient(entropy)  # metrics
   else:
     logp, entropy = per_token_logps(model, train_example, pad_id, eos_id,
@@ -191,27 +223,27 @@ def grpo_loss(model, train_example, algo_config, pad_id, eos_id, **kwargs):
   pg_loss = aggregate(dual)
   if not fused:
     loss = pg_loss
-  kept = mask > 0
+  scored = mask > 0
   adv_all = jnp.broadcast_to(adv, mask.shape)
   aux = {
       "kl": 0.0, "kl_loss": 0.0, "pg_loss": pg_loss,
       "pg_clipfrac": mean(clipped > unclipped), "ppo_kl": ppo_kl,
       "pg_clipfrac_lower": aggregate(dual_fraction),
       "is_ratio/mean": mean(ratio),
-      "is_ratio/max": jnp.max(jnp.where(kept, ratio, 0.0)),
-      "is_ratio/min": jnp.min(jnp.where(kept, ratio, jnp.inf)),
+      "is_ratio/max": jnp.max(jnp.where(scored, ratio, 0.0)),
+      "is_ratio/min": jnp.min(jnp.where(scored, ratio, jnp.inf)),
       "log_ratio/abs_mean": mean(jnp.abs(log_ratio)),
       "pg_loss/unclipped_mean": mean(unclipped), "pg_loss/clipped_mean": mean(clipped),
       "advantage/abs_mean": mean(jnp.abs(adv_all)),
-      "advantage/max": jnp.max(jnp.where(kept, adv_all, -jnp.inf)),
-      "advantage/min": jnp.min(jnp.where(kept, adv_all, jnp.inf)),
+      "advantage/max": jnp.max(jnp.where(scored, adv_all, -jnp.inf)),
+      "advantage/min": jnp.min(jnp.where(scored, adv_all, jnp.inf)),
       "advantage/nonzero_frac": mean((jnp.abs(adv_all) > 1e-8).astype(jnp.float32)),
       "sampler_is/weight_mean": jnp.float32(1.0), "sampler_is/weight_min": jnp.float32(1.0),
   }
   if sampler_weights is not None:
     weights = sampler_weights.astype(jnp.float32)
     aux["sampler_is/weight_mean"] = mean(weights)
-    aux["sampler_is/weight_min"] = jnp.min(jnp.where(kept, weights, jnp.inf))
+    aux["sampler_is/weight_min"] = jnp.min(jnp.where(scored, weights, jnp.inf))
   if train_example.ref_per_token_logps is not None:
     kl = common.compute_kl_divergence(logp, train_example.ref_per_token_logps,
                                       algo_config.kl_loss_mode,

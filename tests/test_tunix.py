@@ -122,15 +122,12 @@ def test_ppo_matches_tunix(tied):
   _compare(_model(tied), example, config, "ppo", jaxce_tunix.PPO_LOSS)
 
 
-@pytest.mark.parametrize("loss_algo", ["grpo", "gspo-token"])
-def test_packed_sequences_match_tunix(loss_algo):
-  """Sequence packing: no prompts, the documents' segment ids and positions; every
-  position but the first predicts the next token (Tunix pads the first back)."""
-  rng = np.random.default_rng(3)
-  shape, vocab_size = (2, 12), 300
+def _packed_example(rng, vocab_size=300):
+  """Two packed rows of 12 tokens: no prompts, the documents' segment ids and positions."""
+  shape = (2, 12)
   positions = np.stack([np.r_[np.arange(5), np.arange(7)], np.r_[np.arange(8), np.arange(4)]])
   near = lambda: jnp.asarray(-np.log(vocab_size) + 0.1 * rng.normal(size=shape), jnp.float32)
-  example = common.TrainExample(
+  return common.TrainExample(
       prompt_ids=jnp.zeros((2, 0), jnp.int32), prompt_mask=jnp.zeros((2, 0), bool),
       completion_ids=jnp.asarray(rng.integers(2, vocab_size, shape)),
       completion_mask=jnp.asarray(rng.random(shape) < 0.7, jnp.int32),
@@ -138,9 +135,16 @@ def test_packed_sequences_match_tunix(loss_algo):
       ref_per_token_logps=near(), old_per_token_logps=near(),
       segment_ids=jnp.asarray(1 + (positions < np.roll(positions, 1, axis=1)).cumsum(1)),
       segment_positions=jnp.asarray(positions))
+
+
+@pytest.mark.parametrize("loss_algo", ["grpo", "gspo-token"])
+def test_packed_sequences_match_tunix(loss_algo):
+  """Sequence packing: every position but the first predicts the next token (Tunix pads
+  the first back)."""
   config = GRPOConfig(num_generations=2, beta=0.04, loss_algo=loss_algo)
   config.temperature = 0.8
-  _compare(_model(False), example, config, "grpo", jaxce_tunix.GRPO_LOSS)
+  _compare(_model(False), _packed_example(np.random.default_rng(3)), config, "grpo",
+           jaxce_tunix.GRPO_LOSS)
 
 
 @pytest.mark.parametrize("loss_algo", ["grpo", "gspo-token"])
@@ -322,24 +326,30 @@ def _kept_model(kept_logits, tied):
   return model
 
 
-@pytest.mark.parametrize("case", ["grpo", "gspo-token", "ppo"])
+@pytest.mark.parametrize("case", ["grpo", "gspo-token", "ppo", "packed"])
 @pytest.mark.parametrize("form", ["words", "kept_ids"])
 def test_kept_sets_match_tunix_on_masked_logits(case, form):
   """``TrainExampleWithKept.kept`` (a sampler's small sets, the label in each; as packed
-  words or as vLLM-style CSR kept ids): every loss, aux metric and gradient equals
-  Tunix's own loss on logits set to -1e9 outside the kept sets."""
+  words or as vLLM-style CSR kept ids; packed sequences too): every loss, aux metric and
+  gradient equals Tunix's own loss on logits set to -1e9 outside the kept sets."""
   rng = np.random.default_rng(21)
   vocab = 300
-  example = _example(rng, token_advantages=case == "ppo")
-  completion = np.asarray(example.completion_ids)
+  if case == "packed":  # the labels are tokens[:, 1:], predicted from positions 0 .. S - 2
+    example = _packed_example(rng, vocab)
+    labels = np.asarray(example.completion_ids)[:, 1:]
+    first = 0
+  else:  # the completion's tokens, predicted from positions PROMPT - 1 ..
+    example = _example(rng, token_advantages=case == "ppo")
+    labels = np.asarray(example.completion_ids)
+    first = PROMPT - 1
   sets = [sorted({int(t), *rng.integers(0, vocab, rng.integers(0, 5))})
-          for t in completion.reshape(-1)]
-  mask = np.zeros((B, COMPLETION, vocab), bool)
+          for t in labels.reshape(-1)]
+  mask = np.zeros(labels.shape + (vocab,), bool)
   for i, ids in enumerate(sets):
-    mask[i // COMPLETION, i % COMPLETION, ids] = True
-  # Position s of the sequence predicts token s + 1: the completion's from PROMPT - 1.
-  kept_logits = np.ones((B, PROMPT + COMPLETION, vocab), bool)
-  kept_logits[:, PROMPT - 1:PROMPT - 1 + COMPLETION] = mask
+    mask[i // labels.shape[1], i % labels.shape[1], ids] = True
+  sequence = example.prompt_ids.shape[1] + example.completion_ids.shape[1]
+  kept_logits = np.ones((labels.shape[0], sequence, vocab), bool)
+  kept_logits[:, first:first + labels.shape[1]] = mask
   if form == "words":
     kept = jaxce_tunix.jaxce.keep.pack(jnp.asarray(mask))
   else:
@@ -351,7 +361,8 @@ def test_kept_sets_match_tunix_on_masked_logits(case, form):
     config = PPOConfig(epsilon_low=0.2, epsilon_high=0.28, epsilon_c=3.0, entropy_coef=0.01)
     names = ("ppo", jaxce_tunix.PPO_LOSS)
   else:
-    config = GRPOConfig(num_generations=2, epsilon=0.2, loss_algo=case, beta=0.04,
+    config = GRPOConfig(num_generations=2, epsilon=0.2, beta=0.04,
+                        loss_algo="grpo" if case == "packed" else case,
                         loss_agg_mode="sequence-mean-token-mean")
     config.temperature = 0.7
     names = ("grpo", jaxce_tunix.GRPO_LOSS)

@@ -80,14 +80,12 @@ def _kernel(x, row_inputs, words, *, in_place, masked, stages, interpret):
   has_words = words is not None
 
   def kernel(x_gmem, rows_gmem, *refs):
-    if in_place:
-      words_gmem, out_gmem = refs, x_gmem
-    else:
-      *words_gmem, out_gmem = refs
     block, group_index = lax.axis_index("rows"), lax.axis_index("groups")
     if in_place:  # (whole blocks: a moved-back block would read overwritten rows)
+      words_gmem, out_gmem = refs, x_gmem
       first_row = pl.multiple_of(block * ROWS, ROWS)
     else:
+      *words_gmem, out_gmem = refs
       first_row = pl.multiple_of(jnp.minimum(block * ROWS, num_rows - ROWS), 8)
     rows = pl.ds(first_row, ROWS)
     row_layout = plgpu.Layout.WGMMA.reduce(1)
@@ -125,7 +123,9 @@ def _kernel(x, row_inputs, words, *, in_place, masked, stages, interpret):
       interpret=plgpu.InterpretGPUParams() if interpret else None)
   inputs = (row_inputs, *([words] if has_words else []))
   if not in_place:
-    return call(out_type=plumbing.shape_dtype_like(x, x.shape, x.dtype))(x, *inputs)
+    grad = call(out_type=plumbing.shape_dtype_like(x, x.shape, x.dtype))(x, *inputs)
+    # (The kernel's output type drops the shard_map axes x varies over: cast back.)
+    return plumbing.unify_varying((grad, x), None)[0]
   logits = jax.new_ref(x)  # (written in place: the kernel's output aliases x)
   call(out_type=())(logits, *inputs)
   return jax.freeze(logits)
@@ -173,8 +173,7 @@ def overwrite(x, tokens: Tokens, saved, cotangents, column_start, limit, tail_gr
     (``T * V_local / 8`` bytes); XLA's copy of ``x`` first when ``x`` is still live.
   """
   num_rows, num_columns = x.shape
-  if num_columns % TILE or num_rows % 8:
-    raise ValueError(f"x: {x.shape}, rows a multiple of 8 and columns of {TILE} expected")
+  _check_shape(x)
   stages = _default_stages(x.dtype) if stages is None else stages
   whole = num_rows // ROWS * ROWS
   if whole:
@@ -201,8 +200,8 @@ def gradient(x, tokens: Tokens, saved, cotangents, column_start, limit, *, inter
   ``NUM_ROW_INPUTS`` floats per row and, with kept sets, their ``mosaic_rows.kept_words``
   copy (``T * V_local / 8`` bytes)."""
   num_rows, num_columns = x.shape
-  if num_columns % TILE or num_rows % 8:
-    raise ValueError(f"x: {x.shape}, rows a multiple of 8 and columns of {TILE} expected")
+  _check_shape(x)
+  stages = _default_stages(x.dtype) if stages is None else stages
   padded = max(num_rows, ROWS)
   blocks = mosaic_rows.block_rows(padded)
   bound = num_columns if limit is None else limit
@@ -211,11 +210,15 @@ def gradient(x, tokens: Tokens, saved, cotangents, column_start, limit, *, inter
   words = None if tokens.kept is None else mosaic_rows.kept_words(
       tokens.kept, tokens.labels - column_start, padded)
   grad = _kernel(chunking.pad_rows(x, padded), rows, words, in_place=False,
-                 masked=limit is not None,
-                 stages=_default_stages(x.dtype) if stages is None else stages,
-                 interpret=interpret)
-  # (The kernel's output type drops the shard_map axes x varies over: cast back.)
-  return plumbing.unify_varying((grad[:num_rows], x), None)[0]
+                 masked=limit is not None, stages=stages, interpret=interpret)
+  return grad[:num_rows]
+
+
+def _check_shape(x):
+  """A ``ValueError`` unless ``x``'s rows are a multiple of 8 and its columns of ``TILE``."""
+  num_rows, num_columns = x.shape
+  if num_columns % TILE or num_rows % 8:
+    raise ValueError(f"x: {x.shape}, rows a multiple of 8 and columns of {TILE} expected")
 
 
 def _default_stages(dtype):

@@ -93,11 +93,10 @@ def logprobs_and_entropy(logits: ArrayLike, labels: ArrayLike, *, temperature=1.
       a data error (``jaxce.keep.check`` finds it): its column counts as kept, so every
       output and gradient stays finite. Or kept ids (``jaxce.keep.from_csr``, a sampler's
       CSR sets over the flattened tokens): only the kept entries of the logits are read
-      while the sets are small. ``None``: the full vocabulary. On Hopper the logits
-      path's kernels read the words with their tiles, forward and backward, from a
-      transposed copy (the mask's size, made in each pass); the fused head's kernel takes
-      no kept set yet (XLA runs the call; ``jaxce.plan.of`` says so). Memory: the mask,
-      read tile by tile, never expanded beyond a tile; kept ids: ``[N + T]`` arrays.
+      while the sets are small. ``None``: the full vocabulary. On Hopper the Mosaic GPU
+      kernels read the words with their tiles, from a transposed copy (the mask's size,
+      made in each pass). Memory: the mask, read tile by tile, never expanded beyond a
+      tile; kept ids: ``[N + T]`` arrays.
     batch_invariant: ``True``: each token's ``logp`` and ``entropy`` are the same bits
       whatever the call around it: the other tokens and their number, ``chunk_size``,
       with or without a gradient, whether your ``jit`` passes an array or closes over it

@@ -339,8 +339,7 @@ def _unsupported(backend, *, operation, target, dtypes, has_bias, has_keep, dept
   if backend == "mosaic" and operation == "linear_logprobs_and_entropy":
     return mosaic_head.unsupported(
         platform=target.platform, capability=target.capability, hidden_dtype=dtypes[0],
-        weight_dtype=dtypes[1], has_bias=has_bias, depth=depth, num_columns=num_columns,
-        has_keep=has_keep)
+        weight_dtype=dtypes[1], has_bias=has_bias, depth=depth, num_columns=num_columns)
   if backend == "mosaic":  # (the statistics of logits rows; the fused objective's are f32)
     rows_dtype = jnp.float32 if operation == "linear_token_loss" else dtypes[0]
     return mosaic_rows.unsupported(

@@ -4,7 +4,7 @@ fused and objective paths, against a float64 reference that sets the dropped log
 the call without ``keep``), labels outside their kept set (finite everywhere), padded
 vocabulary, per-token temperature, softcap, ragged chunks and blocks; the vocabulary split
 over 2, 4 and 8 simulated devices; the helpers against NumPy; no ``[T, V]`` mask in the
-compiled plan; the planner falls back to XLA and says why; vLLM's CSR kept ids
+compiled plan; the planner keeps kept sets on the Mosaic kernels; vLLM's CSR kept ids
 (``from_csr``) against NumPy and through ``keep=``."""
 
 import re
@@ -447,9 +447,9 @@ def test_a_split_vocabulary_needs_shards_of_32_columns():
                                        vocab_axis="v", keep=p["keep"])
 
 
-def test_the_planner_falls_back_to_xla_and_says_why(monkeypatch):
-  """The fused head's kernel takes no kept set (XLA runs the call, and the plan says
-  why); the logits path's does."""
+def test_the_planner_keeps_kept_sets_on_the_kernels(monkeypatch):
+  """On Hopper both paths' Mosaic kernels read the kept sets; the Triton one, asked for by
+  name, says it cannot."""
   monkeypatch.setattr(jaxce.plan, "target", lambda *a, mesh=None: jaxce.plan.Target(
       "gpu", "9.0", 132))
   h = jax.ShapeDtypeStruct((512, 64), jnp.bfloat16)
@@ -457,9 +457,8 @@ def test_the_planner_falls_back_to_xla_and_says_why(monkeypatch):
   labels, keep = jax.ShapeDtypeStruct((512,), jnp.int32), jax.ShapeDtypeStruct((512, 8),
                                                                               jnp.uint32)
   assert jaxce.plan.of(jaxce.linear_logprobs_and_entropy, h, w, labels).backend == "mosaic"
-  got = jaxce.plan.of(jaxce.linear_logprobs_and_entropy, h, w, labels, keep=keep)
-  assert got.backend == "xla"
-  assert "not mosaic: a kept set (keep=) is not supported yet" in got.reason
+  assert jaxce.plan.of(jaxce.linear_logprobs_and_entropy, h, w, labels,
+                       keep=keep).backend == "mosaic"
   logits = jax.ShapeDtypeStruct((512, 256), jnp.bfloat16)
   with pytest.raises(ValueError, match="triton.*does not take a kept set"):
     jaxce.plan.of(jaxce.logprobs_and_entropy, logits, labels, keep=keep,

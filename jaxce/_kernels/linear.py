@@ -169,7 +169,8 @@ def _mosaic_statistics(hidden, weight, tokens, shard_start, config):
     start = chunking.chunk_start(i, num_tokens, chunk)
     h, chunk_tokens = chunking.take_rows((hidden, tokens), start, chunk)
     tiles = mosaic_head.statistics(
-        h, weight, chunk_tokens.labels, chunk_tokens.inv_temp, limit, column_start=shard_start,
+        h, weight, chunk_tokens.labels, chunk_tokens.inv_temp, limit, chunk_tokens.kept,
+        column_start=shard_start,
         vocab_dim=config.vocab_dim, softcap=config.softcap, with_entropy=config.with_entropy,
         interpret=config.plan.interpret, num_cores=config.plan.num_cores)
     return None, logits_rows.merge_tiles(tiles, config)
@@ -243,9 +244,11 @@ def _linear_logprobs_entropy_bwd(config, residuals, cotangents):
     label_column = labels - (shard_start + col)
     label_column = jnp.where(labels >= first_column, label_column, -1)
     if config.plan.backend == "mosaic":  # d formed in the matmul's epilogue (no bias here)
+      kept_words = None if chunk_tokens.kept is None else lax.dynamic_slice_in_dim(
+          chunk_tokens.kept, col // 32, width // 32, axis=1)  # (col: a multiple of 128)
       d = mosaic_head.logits_grad(
           h, w_cols, label_column, inv_temp, chunk_saved, chunk_cotangents, row_mask,
-          limit=softmax.column_limit(config.mask_vocab, shard_start + col, width),
+          kept_words, limit=softmax.column_limit(config.mask_vocab, shard_start + col, width),
           first_kept=first_column - (shard_start + col), vocab_dim=vocab_dim,
           softcap=config.softcap, interpret=config.plan.interpret,
           num_cores=config.plan.num_cores)

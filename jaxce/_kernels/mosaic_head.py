@@ -16,7 +16,10 @@ warpgroups):
   ``[tile start, limit)``, and reduce the tile to per-row ``(m, s, q, picked)``: its max,
   ``Σ exp(z - m)``, ``Σ exp(z - m)(z - m)`` and the label's ``z`` (0 when the label is
   not in the tile); or (backward epilogue) ``softmax.logit_grad`` and the softcap's and
-  temperature's factors, stored through shared memory with TMA.
+  temperature's factors, stored through shared memory with TMA. With kept sets, each
+  warpgroup's ``[4, 128]`` block of the transposed words comes in by TMA beside its row
+  inputs (the label's bit set in XLA: ``mosaic_rows.kept_words``), and columns outside a
+  row's kept set are masked too (``mosaic_rows.kept_columns``).
 
 The grid is persistent (one CTA per SM) over (row blocks × vocab tiles), walked in
 ``planar_snake`` order 8 row blocks wide, so that the CTAs running together share 8
@@ -41,7 +44,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from jaxce._kernels import plumbing
+from jaxce._kernels import mosaic_rows, plumbing
 
 plgpu = plumbing.lazy_module("jax.experimental.pallas.mosaic_gpu")
 
@@ -59,12 +62,12 @@ _LOG2_E = 1.4426950408889634
 
 
 def unsupported(*, platform, capability, hidden_dtype, weight_dtype, has_bias, depth,
-                num_columns, has_keep=False) -> str | None:
+                num_columns) -> str | None:
   """Why the kernels cannot run a fused call (a sentence), or None when they can.
 
   Args:
     platform, capability: the call's platform and its GPUs' compute capability.
-    hidden_dtype, weight_dtype, has_bias, has_keep: the operands (and a kept set).
+    hidden_dtype, weight_dtype, has_bias: the operands.
     depth, num_columns: ``D`` and this device's ``V_local``. (Calls with fewer than
       ``MIN_ROWS`` tokens are padded to it by the caller.)
   """
@@ -76,8 +79,6 @@ def unsupported(*, platform, capability, hidden_dtype, weight_dtype, has_bias, d
             f"{weight_dtype}")
   if has_bias:
     return "a bias is not supported"
-  if has_keep:
-    return "a kept set (keep=) is not supported yet"
   if depth % TILE_K:
     return f"the hidden dim must be a multiple of {TILE_K}, got {depth}"
   if num_columns % TILE_N:
@@ -85,14 +86,16 @@ def unsupported(*, platform, capability, hidden_dtype, weight_dtype, has_bias, d
   return None
 
 
-def _tiles(hidden, weight, row_inputs, *, vocab_dim, stages, epilogue, out_type, scratch,
-           store, interpret, num_cores):
+def _tiles(hidden, weight, row_inputs, words, *, vocab_dim, stages, epilogue, out_type,
+           scratch, store, interpret, num_cores):
   """The kernel skeleton: every ``[TILE_M, TILE_N]`` tile of ``hidden @ weight`` (f32
   accumulation) handed to ``epilogue`` in registers, and its result to ``store``.
 
   ``hidden [C, D]``, ``weight [D, V]`` (``vocab_dim`` 1) or ``[V, D]`` (0), 16-bit;
-  ``row_inputs [R, C]`` f32: R numbers per row, handed to ``epilogue`` as ``[TILE_M]``
-  vectors. ``epilogue(x, rows, column)`` (``column``: the tile's first column) returns
+  ``row_inputs [R, C]`` f32: R numbers per row (the label's column second), handed to
+  ``epilogue`` as ``[TILE_M]`` vectors; ``words``: uint32 ``[V / 32, C]`` kept sets, a
+  row per word, or None. ``epilogue(x, rows, column, kept)`` (``column``: the tile's
+  first column; ``kept``: its kept columns, ``mosaic_rows.kept_columns``, or None) returns
   what ``store(scratch_ref, out_ref, result, n_idx, rows, column)`` writes, through
   ``scratch`` (this warpgroup's part of a shared-memory buffer of type ``scratch``,
   leading dim 2) into the output of type ``out_type``. ``interpret``: run in JAX's GPU
@@ -108,6 +111,8 @@ def _tiles(hidden, weight, row_inputs, *, vocab_dim, stages, epilogue, out_type,
   k_iters = depth // TILE_K
   stages = min(stages, k_iters)
   num_row_inputs = row_inputs.shape[0]
+  has_words = words is not None
+  words_per_tile = TILE_N // 32
   transforms = _transforms(TILE_K, hidden.dtype)
   if vocab_dim:
     weight_spec = plgpu.BlockSpec((TILE_K, TILE_N), lambda k: (k, 0), transforms=transforms,
@@ -129,8 +134,12 @@ def _tiles(hidden, weight, row_inputs, *, vocab_dim, stages, epilogue, out_type,
         compute_context=compute_context,
     )
 
-  def kernel(hidden_gmem, weight_gmem, rows_gmem, out_gmem):
+  def kernel(hidden_gmem, weight_gmem, rows_gmem, *refs):
+    *words_gmem, out_gmem = refs
     ignore = lambda *_, **__: None
+    words_scratch = dict(
+        words_smem=plgpu.SMEM((2, words_per_tile, TILE_M), jnp.uint32),
+        words_barrier=plgpu.Barrier(num_barriers=2)) if has_words else {}
 
     @functools.partial(
         pl.run_scoped,
@@ -139,8 +148,10 @@ def _tiles(hidden, weight, row_inputs, *, vocab_dim, stages, epilogue, out_type,
         out_smem=scratch,
         rows_barrier=plgpu.Barrier(num_barriers=2),
         collective_axes="wg",
+        **words_scratch,
     )
-    def _scope(allocations, rows_smem, out_smem, rows_barrier):
+    def _scope(allocations, rows_smem, out_smem, rows_barrier, words_smem=None,
+               words_barrier=None):
       wg = lax.axis_index("wg")
 
       @plgpu.nd_loop((m_iters * n_iters,), collective_axes="sm")
@@ -155,6 +166,11 @@ def _tiles(hidden, weight, row_inputs, *, vocab_dim, stages, epilogue, out_type,
         def compute_context(eval_pipeline):
           plgpu.copy_gmem_to_smem(rows_gmem.at[:, row_slice], rows_smem.at[wg],
                                   rows_barrier.at[wg])
+          if has_words:
+            tile_words = pl.ds(pl.multiple_of(n_idx * words_per_tile, words_per_tile),
+                               words_per_tile)
+            plgpu.copy_gmem_to_smem(words_gmem[0].at[tile_words, row_slice],
+                                    words_smem.at[wg], words_barrier.at[wg])
 
           @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((TILE_M, TILE_N), jnp.float32))
           def _acc_scope(acc_ref):
@@ -164,7 +180,11 @@ def _tiles(hidden, weight, row_inputs, *, vocab_dim, stages, epilogue, out_type,
             row_layout = plgpu.Layout.WGMMA.reduce(1)  # one number per row of the tile
             row_values = tuple(plgpu.load(rows_smem.at[wg, i], layout=row_layout)
                                for i in range(num_row_inputs))
-            result = epilogue(x, row_values, column)
+            kept = None
+            if has_words:
+              plgpu.barrier_wait(words_barrier.at[wg])
+              kept = mosaic_rows.kept_columns(words_smem.at[wg])
+            result = epilogue(x, row_values, column, kept)
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # out_smem is free again
             store(out_smem.at[wg], out_gmem, result, n_idx, row_slice, column)
 
@@ -192,7 +212,7 @@ def _tiles(hidden, weight, row_inputs, *, vocab_dim, stages, epilogue, out_type,
       thread_name="wg",
       interpret=plgpu.InterpretGPUParams() if interpret else None,
   )
-  return call(hidden, weight, row_inputs)
+  return call(hidden, weight, row_inputs, *([words] if has_words else []))
 
 
 def _transforms(minor_dim, dtype):
@@ -203,16 +223,16 @@ def _transforms(minor_dim, dtype):
           plgpu.SwizzleTransform(swizzle))
 
 
-def _tile_statistics(hidden, weight, row_inputs, *, vocab_dim, softcap, with_entropy,
+def _tile_statistics(hidden, weight, row_inputs, words, *, vocab_dim, softcap, with_entropy,
                      interpret, num_cores):
   """``[vocab tiles, 4, C]`` f32: ``(m, s, q, picked)`` of every ``[row, tile]``;
   ``row_inputs [3, C]``: the inverse temperature, the label's column in this weight (-1
-  when not here) and the first excluded column, per row."""
+  when not here) and the first excluded column, per row; ``words`` as ``_tiles``."""
   num_rows = hidden.shape[0]
   n_iters = weight.shape[vocab_dim] // TILE_N
 
-  def epilogue(x, row_values, column):
-    return _epilogue(x, *row_values, column, softcap, with_entropy)
+  def epilogue(x, row_values, column, kept):
+    return _epilogue(x, *row_values, column, kept, softcap, with_entropy)
 
   def store(scratch, out_gmem, stats, n_idx, row_slice, column):
     del column
@@ -221,20 +241,21 @@ def _tile_statistics(hidden, weight, row_inputs, *, vocab_dim, softcap, with_ent
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(scratch, out_gmem.at[n_idx, :, row_slice])
 
-  return _tiles(hidden, weight, row_inputs, vocab_dim=vocab_dim, stages=STAGES,
+  return _tiles(hidden, weight, row_inputs, words, vocab_dim=vocab_dim, stages=STAGES,
                 epilogue=epilogue,
                 out_type=jax.ShapeDtypeStruct((n_iters, 4, num_rows), jnp.float32),
                 scratch=plgpu.SMEM((2, 4, TILE_M), jnp.float32), store=store,
                 interpret=interpret, num_cores=num_cores)
 
 
-def _tile_logits_grad(hidden, weight, row_inputs, *, vocab_dim, softcap, interpret, num_cores):
+def _tile_logits_grad(hidden, weight, row_inputs, words, *, vocab_dim, softcap, interpret,
+                      num_cores):
   """``[C, V]`` ``d loss / d (hidden @ weight)`` in hidden's dtype; ``row_inputs [10, C]``
-  as ``_grad_epilogue`` takes them."""
+  as ``_grad_epilogue`` takes them; ``words`` as ``_tiles``."""
   num_rows, dtype = hidden.shape[0], hidden.dtype
 
-  def epilogue(x, row_values, column):
-    return _grad_epilogue(x, *row_values, column, softcap).astype(dtype)
+  def epilogue(x, row_values, column, kept):
+    return _grad_epilogue(x, *row_values, column, kept, softcap).astype(dtype)
 
   def store(scratch, out_gmem, d, n_idx, row_slice, column):
     del n_idx
@@ -242,7 +263,7 @@ def _tile_logits_grad(hidden, weight, row_inputs, *, vocab_dim, softcap, interpr
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(scratch, out_gmem.at[row_slice, pl.ds(column, TILE_N)])
 
-  return _tiles(hidden, weight, row_inputs, vocab_dim=vocab_dim, stages=GRAD_STAGES,
+  return _tiles(hidden, weight, row_inputs, words, vocab_dim=vocab_dim, stages=GRAD_STAGES,
                 epilogue=epilogue,
                 out_type=jax.ShapeDtypeStruct((num_rows, weight.shape[vocab_dim]), dtype),
                 scratch=plgpu.SMEM((2, TILE_M, TILE_N), dtype,
@@ -251,16 +272,19 @@ def _tile_logits_grad(hidden, weight, row_inputs, *, vocab_dim, softcap, interpr
 
 
 def _grad_epilogue(x, inv_temp, label, limit, first_kept, shift, log_sum, entropy, g_logp,
-                   g_entropy, row_mask, column, softcap):
+                   g_entropy, row_mask, column, kept_set, softcap):
   """``softmax.logit_grad`` then ``head.logits_input_grad`` of one accumulator tile
-  ``x [TILE_M, TILE_N]`` (WGMMA layout) whose first column is ``column``; every other
-  argument is a ``[TILE_M]`` f32 vector (``row_mask``: 1 or 0)."""
+  ``x [TILE_M, TILE_N]`` (WGMMA layout) whose first column is ``column``; ``kept_set``:
+  the tile's kept columns or None; every other argument is a ``[TILE_M]`` f32 vector
+  (``row_mask``: 1 or 0)."""
   shape = x.shape
   per_row = lambda v: lax.broadcast_in_dim(v, shape, [0])
   capped = softcap * jnp.tanh(x / softcap) if softcap is not None else x
   local = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
   global_column = (local + column).astype(jnp.float32)  # exact below 2**24
   kept = (global_column >= per_row(first_kept)) & (global_column < per_row(limit))
+  if kept_set is not None:
+    kept = kept & kept_set
   z = jnp.where(kept, capped * per_row(inv_temp), -jnp.inf)
   log_p = (z - per_row(shift)) - per_row(log_sum)
   p = jnp.exp(log_p)
@@ -273,9 +297,10 @@ def _grad_epilogue(x, inv_temp, label, limit, first_kept, shift, log_sum, entrop
   return jnp.where(per_row(row_mask) > 0, dx, 0.0)  # after every factor: a dropped row's NaN
 
 
-def _epilogue(x, inv_temp, label, limit, column, softcap, with_entropy):
+def _epilogue(x, inv_temp, label, limit, column, kept_set, softcap, with_entropy):
   """``(m, s, q, picked)`` ``[TILE_M]`` f32 of one accumulator tile ``x [TILE_M,
-  TILE_N]`` (WGMMA layout) whose first column is ``column``."""
+  TILE_N]`` (WGMMA layout) whose first column is ``column``; ``kept_set``: the tile's kept
+  columns or None."""
   shape = x.shape
   per_row = lambda v: lax.broadcast_in_dim(v, shape, [0])
   if softcap is not None:
@@ -283,6 +308,8 @@ def _epilogue(x, inv_temp, label, limit, column, softcap, with_entropy):
   local = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
   global_column = (local + column).astype(jnp.float32)  # exact below 2**24
   kept = global_column < per_row(limit)
+  if kept_set is not None:
+    kept = kept & kept_set
   z = jnp.where(kept, x * per_row(inv_temp), -jnp.inf)
   m = jnp.maximum(jnp.max(z, axis=1), jnp.finfo(jnp.float32).min)
   shifted = z - per_row(m)
@@ -293,8 +320,8 @@ def _epilogue(x, inv_temp, label, limit, column, softcap, with_entropy):
   return m, s, q, picked
 
 
-def statistics(hidden, weight, labels, inv_temp, limit, *, column_start, vocab_dim,
-               softcap, with_entropy, interpret, num_cores):
+def statistics(hidden, weight, labels, inv_temp, limit, kept=None, *, column_start,
+               vocab_dim, softcap, with_entropy, interpret, num_cores):
   """Per-tile ``(m, s, q, picked)`` of ``z = softcap(hidden @ weight) * inv_temp`` over
   this weight's columns below ``limit``, for ``mosaic_merge.merge`` to merge in the
   columns' order.
@@ -306,6 +333,8 @@ def statistics(hidden, weight, labels, inv_temp, limit, *, column_start, vocab_d
     labels: int32 ``[C]`` global label ids; ``column_start`` is this weight's first id.
     inv_temp: ``[C]`` float32.
     limit: int32 scalar: local columns at or beyond it are excluded (padded vocabulary).
+    kept: uint32 ``[C, V_local / 32]``, the rows' kept sets over this weight's columns,
+      read with the tiles (the label's column always kept); or None.
     with_entropy: compute ``q`` (else zeros).
     interpret, num_cores: as the plan says (``_tiles``).
 
@@ -314,19 +343,30 @@ def statistics(hidden, weight, labels, inv_temp, limit, *, column_start, vocab_d
     128 columns, in the columns' order. A row's numbers depend on its own hidden state,
     label, temperature and the tile's columns alone (one wgmma sequence over the whole
     hidden dim, no split-K; the epilogue's instructions are the same for every row).
-    Memory: that array, 1/32 of the bytes of the chunk's f32 logits.
+    Memory: that array, 1/32 of the bytes of the chunk's f32 logits; with ``kept``, its
+    ``mosaic_rows.kept_words`` copy.
   """
   num_columns = weight.shape[vocab_dim]
   label_column = labels - column_start
   label_column = jnp.where((label_column >= 0) & (label_column < num_columns), label_column, -1)
   row_inputs = jnp.stack([inv_temp.astype(jnp.float32), label_column.astype(jnp.float32),
                           jnp.broadcast_to(jnp.asarray(limit, jnp.float32), inv_temp.shape)])
-  return _tile_statistics(hidden, weight, row_inputs, vocab_dim=vocab_dim, softcap=softcap,
-                          with_entropy=with_entropy, interpret=interpret, num_cores=num_cores)
+  return _tile_statistics(hidden, weight, row_inputs, _words(kept, label_column, num_columns),
+                          vocab_dim=vocab_dim, softcap=softcap, with_entropy=with_entropy,
+                          interpret=interpret, num_cores=num_cores)
 
 
-def logits_grad(hidden, weight, label_column, inv_temp, saved, cotangents, row_mask, *, limit,
-                first_kept, vocab_dim, softcap, interpret, num_cores):
+def _words(kept, label_column, num_columns):
+  """uint32 ``[num_columns / 32, C]``: the kept sets ``[C, >= num_columns / 32]``'s words
+  of the first ``num_columns`` columns with each row's label column's bit set, a row per
+  word (``mosaic_rows.kept_words``, read by ``_tiles``); or None."""
+  if kept is None:
+    return None
+  return mosaic_rows.kept_words(kept[:, :num_columns // 32], label_column, kept.shape[0])
+
+
+def logits_grad(hidden, weight, label_column, inv_temp, saved, cotangents, row_mask,
+                kept=None, *, limit, first_kept, vocab_dim, softcap, interpret, num_cores):
   """``d loss / d (hidden @ weight)`` of one ``[C, Vb]`` tile of the fused backward, formed
   in the matmul's epilogue and written once, in hidden's dtype (the operand of the two
   gradient matmuls): no f32 tile reaches device memory.
@@ -342,6 +382,8 @@ def logits_grad(hidden, weight, label_column, inv_temp, saved, cotangents, row_m
       ``(g_logp, g_entropy)``, ``[C]`` f32 each (``entropy``, ``g_logp`` and
       ``g_entropy`` may be None: zeros).
     row_mask: bool ``[C]``: rows that are False get exactly 0.
+    kept: uint32 ``[C, Vb / 32]``, the rows' kept sets over the block's columns (the
+      label's column always kept), or None.
     limit, first_kept: int32 scalars: the block's columns outside ``[first_kept, limit)``
       are excluded (padded vocabulary; a clamped last block's overlap).
     interpret, num_cores: as the plan says (``_tiles``).
@@ -355,5 +397,7 @@ def logits_grad(hidden, weight, label_column, inv_temp, saved, cotangents, row_m
   row_inputs = jnp.stack([as_row(inv_temp), label_column.astype(jnp.float32), scalar(limit),
                           scalar(first_kept), *map(as_row, saved), *map(as_row, cotangents),
                           row_mask.astype(jnp.float32)])
-  return _tile_logits_grad(hidden, weight, row_inputs, vocab_dim=vocab_dim, softcap=softcap,
-                           interpret=interpret, num_cores=num_cores)
+  return _tile_logits_grad(hidden, weight, row_inputs,
+                           _words(kept, label_column, weight.shape[vocab_dim]),
+                           vocab_dim=vocab_dim,
+                           softcap=softcap, interpret=interpret, num_cores=num_cores)

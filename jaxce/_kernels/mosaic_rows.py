@@ -96,10 +96,10 @@ def kept_words(kept, label_column, num_rows):
 
 
 def kept_columns(words_smem):
-  """``bool [ROWS, TILE]`` (WGMMA layout): a tile's kept columns, from its rows' words
-  (``words_smem``, ``[WORDS, ROWS]`` uint32 of ``kept_words``: bit ``v % 32`` of word
-  ``v // 32`` for the tile's column ``v``)."""
-  shape = (ROWS, TILE)
+  """``bool [R, TILE]`` (WGMMA layout): the kept columns of a tile of ``R`` rows, from
+  its rows' words (``words_smem``, ``[WORDS, R]`` uint32 of ``kept_words``: bit ``v % 32``
+  of word ``v // 32`` for the tile's column ``v``). Shared by the fused head's kernel."""
+  shape = (words_smem.shape[1], TILE)
   row_layout = plgpu.Layout.WGMMA.reduce(1)
   words = [plgpu.load(words_smem.at[j], layout=row_layout, optimized=False)
            for j in range(WORDS)]

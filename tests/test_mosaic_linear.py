@@ -205,9 +205,13 @@ def test_kept_sets_match_xla_path_and_reference(weight_layout, tokens):
   exact = value_and_grads(fr, tuple(jnp.asarray(a, jnp.float64) for a in (hidden, weight)),
                           (0, 1), **loss_kw, **kw)
   for i, name in enumerate(("logp", "entropy")):
-    err_mosaic = np.max(np.abs(np.asarray(mosaic[0][i], np.float64) - exact[0][i]))
-    err_xla = np.max(np.abs(np.asarray(xla[0][i], np.float64) - exact[0][i]))
-    assert err_mosaic <= 1.5 * err_xla + 1e-6, (name, err_mosaic, err_xla)
+    # Mixed abs/rel error per token: an f32 result's rounding grows with its magnitude
+    # (a row at logp -13 carries 8x the absolute error of one at -1.5).
+    scale = np.maximum(1.0, np.abs(exact[0][i]))
+    err_mosaic = np.max(np.abs(np.asarray(mosaic[0][i], np.float64) - exact[0][i]) / scale)
+    err_xla = np.max(np.abs(np.asarray(xla[0][i], np.float64) - exact[0][i]) / scale)
+    assert err_mosaic <= 5e-6, (name, err_mosaic)
+    assert err_mosaic <= 1.5 * err_xla + 2e-7, (name, err_mosaic, err_xla)
   assert abs(float(mosaic[0][0][1])) < 1e-6  # the label alone: log-prob 0
   for name, g, gx in zip(("d hidden", "d weight"), mosaic[1], xla[1]):
     assert np.all(np.isfinite(np.asarray(g, np.float32))), name

@@ -5,13 +5,17 @@ over each token's kept set ``S_t``, computing only the logits of ``S_t`` and the
 The forward costs ``O((Σ_t |S_t| + T) · D)``, not ``O(T · V · D)``, and the gradient
 reaches only those columns. The entries are walked in blocks of ``BLOCK``: each block
 gathers its hidden rows and weight columns (``[BLOCK, D]`` each) and forms its logits,
-``z = softcap(h_t · W[:, v] + b_v) / T_t``, f32 ``[N]`` in all. The backward forms each
-entry's ``d z`` from the saved statistics and accumulates ``d hidden`` (f32 ``[T, D]``),
-``d weight`` and ``d bias`` (f32, like the weight) by segment sums over the blocks.
+``z = softcap(h_t · W[:, v] + b_v) / T_t``, f32 ``[N]`` in all. The columns are read as
+rows of a ``[V, D]`` weight, each one contiguous read: a ``[D, V]`` weight is transposed
+once per pass (a column of it is ``D`` elements ``V`` apart, a read amplified by the
+memory's sector size). The backward forms each entry's ``d z`` from the saved statistics,
+sorts the entries by column, and accumulates ``d hidden`` (f32 ``[T, D]``), ``d weight``
+(f32 ``[V, D]``, cast and transposed back at the end) and ``d bias`` by scatter-adds over
+the blocks; sorted, an id shared by many tokens is a run of adjacent updates.
 
-Memory: the entries' f32 logits ``[N + T]``, two ``[BLOCK, D]`` gathers at a time; the
-backward's f32 ``d hidden`` and ``d weight`` accumulators (the gradients' size in f32).
-Nothing ``[T, V]``-sized.
+Memory: the entries' f32 logits ``[N + T]``, two ``[BLOCK, D]`` gathers at a time, and for
+a ``[D, V]`` weight its transposed copy while a pass runs; the backward's f32 ``d hidden``
+and ``d weight`` accumulators (the gradients' size in f32). Nothing ``[T, V]``-sized.
 """
 
 from __future__ import annotations
@@ -40,23 +44,23 @@ def _blocks(*arrays):
   return tuple(a.reshape(-1, BLOCK) for a in arrays)
 
 
-def _weight_columns(weight, column, vocab_dim):
-  """``[BLOCK, D]``: the weight's columns ``column`` (either layout)."""
-  if vocab_dim == 0:
-    return jnp.take(weight, column, axis=0, mode="clip")
-  return jnp.take(weight, column, axis=1, mode="clip").T
+def _weight_rows(weight, vocab_dim):
+  """``[V_local, D]``: the weight with one column per row; a ``[D, V]`` weight
+  transposed (a copy of the weight)."""
+  return weight if vocab_dim == 0 else weight.T
 
 
-def _logits(hidden, weight, bias, tokens, entries, config):
+def _logits(hidden, weight_rows, bias, tokens, entries, config):
   """``(z, x)``, f32 ``[size]`` each: every entry's scaled logit ``z``
-  (``kept_entries.scaled``) and its capped logit ``x`` before the temperature."""
+  (``kept_entries.scaled``) and its capped logit ``x`` before the temperature
+  (``weight_rows``: ``[V_local, D]``)."""
   column, token, _, _ = entries
-  operand_dtype, dtype = head.dtypes(hidden, weight)
+  operand_dtype, dtype = head.dtypes(hidden, weight_rows)
 
   def block(_, arrays):
     column, token = arrays
     h = jnp.take(hidden, token, axis=0).astype(operand_dtype)
-    w = _weight_columns(weight, column, config.vocab_dim).astype(operand_dtype)
+    w = jnp.take(weight_rows, column, axis=0, mode="clip").astype(operand_dtype)
     x = jnp.einsum("nd,nd->n", h, w, preferred_element_type=dtype)
     if bias is not None:
       x = x + jnp.take(bias, column, mode="clip").astype(dtype)
@@ -75,7 +79,7 @@ def _forward(hidden, weight, bias, tokens, config):
       config.vocab_axis)
   tokens = Tokens(*arrays[:3], KeptIds(*arrays[3:]))
   entries = kept_entries.entries(tokens, weight.shape[config.vocab_dim], config, BLOCK)
-  z, _ = _logits(hidden, weight, bias, tokens, entries, config)
+  z, _ = _logits(hidden, _weight_rows(weight, config.vocab_dim), bias, tokens, entries, config)
   return kept_entries.outputs(kept_entries.statistics(z, entries, num_tokens, config), outer,
                               config)
 
@@ -110,31 +114,35 @@ def _bwd(config, residuals, cotangents):
   num_columns = weight.shape[config.vocab_dim]
   entries = kept_entries.entries(tokens, num_columns, config, BLOCK)
   column, token, _, active = entries
-  z, x = _logits(hidden, weight, bias, tokens, entries, config)
+  weight_rows = _weight_rows(weight, config.vocab_dim)
+  z, x = _logits(hidden, weight_rows, bias, tokens, entries, config)
   dtype = z.dtype
   dz = kept_entries.logit_grad(z, entries, (m, log_s, entropy), g_logp, g_entropy)
   valid = active & tokens.valid[token]
   dx = head.logits_input_grad(dz[:, None], tokens.inv_temp[token], x[:, None], config.softcap,
                               valid)[:, 0]
 
+  order = jnp.argsort(column, stable=True)  # (inactive entries: column 0, dx 0)
+  column, token, dx = column[order], token[order], dx[order]
+
   def block(carry, arrays):
-    d_hidden, d_weight = carry
+    d_hidden, d_weight_rows = carry
     column, token, dx = arrays
     h = jnp.take(hidden, token, axis=0).astype(dtype)
-    w = _weight_columns(weight, column, config.vocab_dim).astype(dtype)
+    w = jnp.take(weight_rows, column, axis=0).astype(dtype)
     d_hidden = d_hidden.at[token].add(dx[:, None] * w)
-    update = dx[:, None] * h
-    d_weight = (d_weight.at[column].add(update) if config.vocab_dim == 0
-                else d_weight.at[:, column].add(update.T))
-    return (d_hidden, d_weight), None
+    d_weight_rows = d_weight_rows.at[column].add(dx[:, None] * h, indices_are_sorted=True)
+    return (d_hidden, d_weight_rows), None
 
   # (zeros_like: the sums vary like every input together over shard_map axes)
-  start = (jnp.zeros_like(hidden, dtype), jnp.zeros_like(weight, dtype))
-  (d_hidden, d_weight), _ = lax.scan(block, start, _blocks(column, token, dx))
+  start = (jnp.zeros_like(hidden, dtype), jnp.zeros_like(weight_rows, dtype))
+  (d_hidden, d_weight_rows), _ = lax.scan(block, start, _blocks(column, token, dx))
   if config.vocab_axis is not None:
     d_hidden = lax.psum(d_hidden, config.vocab_axis)
-  d_bias = None if bias is None else jax.ops.segment_sum(dx, column, num_columns)
-  grads = (d_hidden.astype(hidden.dtype), d_weight.astype(weight.dtype),
+  d_weight = d_weight_rows.astype(weight.dtype)
+  d_bias = None if bias is None else jax.ops.segment_sum(dx, column, num_columns,
+                                                         indices_are_sorted=True)
+  grads = (d_hidden.astype(hidden.dtype), d_weight if config.vocab_dim == 0 else d_weight.T,
            None if bias is None else d_bias.astype(bias.dtype))
   return tuple(None if g is None else plumbing.reduce_to_varying(g, w)
                for g, w in zip(grads, witnesses)) + (None,)

@@ -1,0 +1,99 @@
+"""The fused path over kept ids (``jaxce.keep.from_csr``) on a GPU, in both weight
+layouts, with the sets' ids drawn uniformly over the vocabulary or by a Zipf popularity
+(a few ids shared by most tokens, as top-p sets are), against the full head without a
+kept set in the same process; with ``--before FILE``, the same rows with ``FILE``'s
+``logprobs_entropy`` (an earlier ``linear_kept_ids``) in place of the current one.
+
+    python -m scripts.gpu_kept_ids_layouts --before scripts/_kept_ids_before.py
+
+Each row as ``gpu_keep_rows``'s (backend, median fwd+bwd time, temporary memory); JSON
+lines, and ``$OUT/kept_ids_layouts.json`` with the summary (ratios to the full head).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jaxce
+from bench import inputs
+from jaxce import _dispatch
+from scripts import _fused_rows
+
+
+def main():
+  parser = _fused_rows.parser(__doc__)
+  parser.add_argument("--before", default=None)
+  parser.add_argument("--zipf", type=float, default=1.1)
+  args = parser.parse_args()
+  p = _fused_rows.problem(args)
+  hidden, weight, labels, cot = (p[k] for k in ("hidden", "weight", "labels", "cot"))
+  v = args.vocab
+  rng = np.random.default_rng(1)
+  sizes = inputs.sampler_set_sizes(rng, labels.shape[0])
+  popular = rng.permutation(v)  # the Zipf ranks' ids
+  zipf_ids = popular[np.minimum(rng.zipf(args.zipf, int(sizes.sum())), v) - 1]
+  sets = dict(uniform=_kept_ids(rng.integers(0, v, int(sizes.sum())), sizes, labels),
+              zipf=_kept_ids(zipf_ids, sizes, labels))
+  weight_vd = jnp.asarray(weight.T)  # (a transposed copy, made once, not timed)
+  fused = jaxce.linear_logprobs_and_entropy
+  vd = lambda h, w, labels, **kw: fused(h, w, labels, weight_layout="vd", **kw)
+  rows = []
+
+  def row(variant, fn, arrays, **kw):
+    r = dict(variant=variant, **_fused_rows.fwd_bwd_row(fn, arrays, labels, cot, args.repeats,
+                                                       **kw))
+    rows.append(r)
+    print(json.dumps(r), flush=True)
+
+  row("default", fused, (hidden, weight))
+  kernels = dict(after=_dispatch.linear_kept_ids)
+  if args.before:
+    spec = importlib.util.spec_from_file_location("kept_ids_before", args.before)
+    kernels["before"] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(kernels["before"])
+  for name, kernel in kernels.items():
+    _dispatch.linear_kept_ids = kernel
+    for ids, kept in sets.items():
+      row(f"{name}_{ids}_dv", fused, (hidden, weight), keep=kept)
+      row(f"{name}_{ids}_vd", vd, (hidden, weight_vd), keep=kept)
+  _dispatch.linear_kept_ids = kernels["after"]
+  outputs = {}
+  for name, kernel in kernels.items():
+    _dispatch.linear_kept_ids = kernel
+    outputs[name] = jax.jit(lambda k: fused(hidden, weight, labels, keep=k))(sets["zipf"])
+  _dispatch.linear_kept_ids = kernels["after"]
+  default_ms = rows[0]["fwd_bwd_ms"]
+  summary = dict(device=jax.devices()[0].device_kind, jax=jax.__version__,
+                 commit=os.environ.get("JAXCE_COMMIT", "unknown"), kept_ids=int(sizes.sum()),
+                 zipf=args.zipf,
+                 zipf_distinct_ids=int(np.unique(zipf_ids).size),
+                 uniform_distinct_ids=int(np.unique(np.asarray(sets["uniform"].ids)).size),
+                 **{f"{r['variant']}_over_default": r["fwd_bwd_ms"] / default_ms
+                    for r in rows[1:]})
+  if "before" in outputs:
+    summary["before_vs_after_max_difference"] = max(
+        float(jnp.max(jnp.abs(a - b))) for a, b in zip(outputs["before"], outputs["after"]))
+  print(json.dumps(summary), flush=True)
+  out = os.environ.get("OUT")
+  if out:
+    with open(os.path.join(out, "kept_ids_layouts.json"), "w") as f:
+      json.dump(dict(summary=summary, rows=rows), f, indent=1)
+
+
+def _kept_ids(ids, sizes, labels):
+  """The CSR kept ids of sets of ``sizes`` (host arrays): each set's first id its
+  label, then ``ids`` in order."""
+  offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int32)
+  ids = np.asarray(ids, np.int32).copy()
+  ids[offsets[:-1]] = np.asarray(labels)
+  return jaxce.keep.from_csr(jnp.asarray(ids), jnp.asarray(offsets))
+
+
+if __name__ == "__main__":
+  main()

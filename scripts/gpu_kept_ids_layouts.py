@@ -2,12 +2,13 @@
 layouts, with the sets' ids drawn uniformly over the vocabulary or by a Zipf popularity
 (a few ids shared by most tokens, as top-p sets are), against the full head without a
 kept set in the same process; with ``--before FILE``, the same rows with ``FILE``'s
-``logprobs_entropy`` (an earlier ``linear_kept_ids``) in place of the current one.
+``logprobs_entropy`` (an earlier ``linear_kept_ids``) in place of the current one; with
+``--blocks``, the current one's rows for each entry block size (``linear_kept_ids.BLOCK``).
 
     python -m scripts.gpu_kept_ids_layouts --before scripts/_kept_ids_before.py
 
-Each row as ``gpu_keep_rows``'s (backend, median fwd+bwd time, temporary memory); JSON
-lines, and ``$OUT/kept_ids_layouts.json`` with the summary (ratios to the full head).
+Each row as ``gpu_keep_rows``'s (backend, median fwd+bwd time, temporary memory) and the
+forward's median time alone; JSON lines, and ``$OUT/kept_ids_layouts.json`` with the summary (ratios to the full head).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import numpy as np
 
 import jaxce
 from bench import inputs
+from bench.timing import time_ms
 from jaxce import _dispatch
 from scripts import _fused_rows
 
@@ -30,6 +32,7 @@ def main():
   parser = _fused_rows.parser(__doc__)
   parser.add_argument("--before", default=None)
   parser.add_argument("--zipf", type=float, default=1.1)
+  parser.add_argument("--blocks", default=str(_dispatch.linear_kept_ids.BLOCK))
   args = parser.parse_args()
   p = _fused_rows.problem(args)
   hidden, weight, labels, cot = (p[k] for k in ("hidden", "weight", "labels", "cot"))
@@ -48,6 +51,8 @@ def main():
   def row(variant, fn, arrays, **kw):
     r = dict(variant=variant, **_fused_rows.fwd_bwd_row(fn, arrays, labels, cot, args.repeats,
                                                        **kw))
+    forward = jax.jit(lambda a, lab, named: fn(*a, lab, **named))
+    r["forward_ms"] = time_ms(forward, (tuple(arrays), labels, kw), args.repeats)
     rows.append(r)
     print(json.dumps(r), flush=True)
 
@@ -57,11 +62,17 @@ def main():
     spec = importlib.util.spec_from_file_location("kept_ids_before", args.before)
     kernels["before"] = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(kernels["before"])
+  default_block = kernels["after"].BLOCK
   for name, kernel in kernels.items():
     _dispatch.linear_kept_ids = kernel
-    for ids, kept in sets.items():
-      row(f"{name}_{ids}_dv", fused, (hidden, weight), keep=kept)
-      row(f"{name}_{ids}_vd", vd, (hidden, weight_vd), keep=kept)
+    for block in ([int(b) for b in args.blocks.split(",")] if name == "after" else [0]):
+      suffix = f"_block{block}" if block and block != default_block else ""
+      kernel.BLOCK = block or kernel.BLOCK
+      jax.clear_caches()  # (BLOCK is read when a call is traced)
+      for ids, kept in sets.items():
+        row(f"{name}_{ids}_dv{suffix}", fused, (hidden, weight), keep=kept)
+        row(f"{name}_{ids}_vd{suffix}", vd, (hidden, weight_vd), keep=kept)
+      kernel.BLOCK = default_block
   _dispatch.linear_kept_ids = kernels["after"]
   outputs = {}
   for name, kernel in kernels.items():

@@ -8,12 +8,11 @@ gathers its hidden rows and weight columns (``[BLOCK, D]`` each) and forms its l
 ``z = softcap(h_t · W[:, v] + b_v) / T_t``, f32 ``[N]`` in all. The columns are read as
 rows of a ``[V, D]`` weight, each one contiguous read: a ``[D, V]`` weight is transposed
 once per pass (a column of it is ``D`` elements ``V`` apart, a read amplified by the
-memory's sector size). The backward forms each entry's ``d z`` from the saved statistics,
-sorts the entries by column, and accumulates ``d hidden`` (f32 ``[T, D]``), ``d weight``
-(f32 ``[V, D]``, cast and transposed back at the end) and ``d bias`` by scatter-adds over
-the blocks; sorted, an id shared by many tokens is a run of adjacent updates.
+memory's sector size). The backward forms each entry's ``d z`` from the saved statistics
+and logits and accumulates ``d hidden`` (f32 ``[T, D]``), ``d weight`` (f32 ``[V, D]``, cast and
+transposed back at the end) and ``d bias`` by scatter-adds over the blocks.
 
-Memory: the entries' f32 logits ``[N + T]``, two ``[BLOCK, D]`` gathers at a time, and for
+Memory: the entries' f32 logits ``[N + T]`` (kept for the backward), two ``[BLOCK, D]`` gathers at a time, and for
 a ``[D, V]`` weight its transposed copy while a pass runs; the backward's f32 ``d hidden``
 and ``d weight`` accumulators (the gradients' size in f32). Nothing ``[T, V]``-sized.
 """
@@ -79,9 +78,10 @@ def _forward(hidden, weight, bias, tokens, config):
       config.vocab_axis)
   tokens = Tokens(*arrays[:3], KeptIds(*arrays[3:]))
   entries = kept_entries.entries(tokens, weight.shape[config.vocab_dim], config, BLOCK)
-  z, _ = _logits(hidden, _weight_rows(weight, config.vocab_dim), bias, tokens, entries, config)
-  return kept_entries.outputs(kept_entries.statistics(z, entries, num_tokens, config), outer,
-                              config)
+  z, x = _logits(hidden, _weight_rows(weight, config.vocab_dim), bias, tokens, entries, config)
+  out, saved = kept_entries.outputs(kept_entries.statistics(z, entries, num_tokens, config),
+                                    outer, config)
+  return out, (saved, x)
 
 
 @plumbing.custom_vjp("config")
@@ -96,7 +96,7 @@ def _fwd(hidden, weight, bias, tokens, config):
 
 
 def _bwd(config, residuals, cotangents):
-  hidden, weight, bias, tokens, (m, log_s, entropy) = residuals
+  hidden, weight, bias, tokens, ((m, log_s, entropy), x) = residuals
   g_logp = plumbing.symbolic_zero_to_none(cotangents[0])
   g_entropy = plumbing.symbolic_zero_to_none(cotangents[1]) if config.with_entropy else None
   zeros = (jnp.zeros_like(hidden), jnp.zeros_like(weight),
@@ -104,26 +104,23 @@ def _bwd(config, residuals, cotangents):
   if g_logp is None and g_entropy is None:
     return zeros
   witnesses = (hidden, weight, bias)
-  saved = (m, log_s) + (() if entropy is None else (entropy,))
+  saved = (x, m, log_s) + (() if entropy is None else (entropy,))
   hidden, weight, bias, *arrays = plumbing.unify_varying(
       (hidden, weight, bias, tokens.labels, tokens.inv_temp, tokens.valid, *tokens.kept,
        *saved), config.vocab_axis)
   tokens = Tokens(*arrays[:3], KeptIds(*arrays[3:5]))
-  m, log_s, *rest = arrays[5:]
+  x, m, log_s, *rest = arrays[5:]
   entropy = rest[0] if rest else None
   num_columns = weight.shape[config.vocab_dim]
   entries = kept_entries.entries(tokens, num_columns, config, BLOCK)
   column, token, _, active = entries
   weight_rows = _weight_rows(weight, config.vocab_dim)
-  z, x = _logits(hidden, weight_rows, bias, tokens, entries, config)
+  z = kept_entries.scaled(x, tokens, entries)
   dtype = z.dtype
   dz = kept_entries.logit_grad(z, entries, (m, log_s, entropy), g_logp, g_entropy)
   valid = active & tokens.valid[token]
   dx = head.logits_input_grad(dz[:, None], tokens.inv_temp[token], x[:, None], config.softcap,
                               valid)[:, 0]
-
-  order = jnp.argsort(column, stable=True)  # (inactive entries: column 0, dx 0)
-  column, token, dx = column[order], token[order], dx[order]
 
   def block(carry, arrays):
     d_hidden, d_weight_rows = carry
@@ -131,7 +128,7 @@ def _bwd(config, residuals, cotangents):
     h = jnp.take(hidden, token, axis=0).astype(dtype)
     w = jnp.take(weight_rows, column, axis=0).astype(dtype)
     d_hidden = d_hidden.at[token].add(dx[:, None] * w)
-    d_weight_rows = d_weight_rows.at[column].add(dx[:, None] * h, indices_are_sorted=True)
+    d_weight_rows = d_weight_rows.at[column].add(dx[:, None] * h)
     return (d_hidden, d_weight_rows), None
 
   # (zeros_like: the sums vary like every input together over shard_map axes)
@@ -140,8 +137,7 @@ def _bwd(config, residuals, cotangents):
   if config.vocab_axis is not None:
     d_hidden = lax.psum(d_hidden, config.vocab_axis)
   d_weight = d_weight_rows.astype(weight.dtype)
-  d_bias = None if bias is None else jax.ops.segment_sum(dx, column, num_columns,
-                                                         indices_are_sorted=True)
+  d_bias = None if bias is None else jax.ops.segment_sum(dx, column, num_columns)
   grads = (d_hidden.astype(hidden.dtype), d_weight if config.vocab_dim == 0 else d_weight.T,
            None if bias is None else d_bias.astype(bias.dtype))
   return tuple(None if g is None else plumbing.reduce_to_varying(g, w)

@@ -26,7 +26,7 @@ from jax import lax
 from jaxce._kernels import head, kept_entries, plumbing
 from jaxce._kernels.config import Config, KeptIds, Tokens
 
-BLOCK = 4096  # entries per gather: two [BLOCK, D] operand-dtype arrays
+BLOCK = 16384  # entries per gather: two [BLOCK, D] operand-dtype arrays
 
 
 def logprobs_entropy(hidden, weight, bias, tokens: Tokens, config: Config):

@@ -88,8 +88,11 @@ LINEAR_KERNEL_BLOCK_PASS = 2.7e-4
 
 # Kept ids (jaxce.keep.from_csr), every path: only the kept columns' logits when their
 # entries (and the labels) are at most this fraction of the T x V_local logits; above it,
-# the whole rows (or head) on packed words.
-KEPT_IDS_FRACTION = 1 / 8
+# the whole rows (or head) on packed words. Where the two forms cost the same, on one H100
+# (bench/NOTES.md, "kept ids against the whole head"): the fused head at about 1/560 (each
+# entry a D-long gather, dot and two scatter-adds; the head's logits cost a D-long matmul
+# column each), the logits path at about 1/150 (each entry one logit's read and write).
+KEPT_IDS_FRACTION = {"fused": 1 / 560, "logits": 1 / 150}
 
 # Batch-invariant fused paths: (rows, columns) of every forward hidden @ weight matmul,
 # one shape per platform whatever the call (a matmul's rows and columns depend on its
@@ -463,13 +466,14 @@ def kept_ids_unsupported(operation: str, num_tokens: int, num_columns: int, num_
                          batch_invariant: bool) -> str | None:
   """Why a call with kept ids packs them into words (a sentence), or None when it computes
   only their columns' logits (every operation; the objectives through the per-token
-  kept-ids kernels): ``N + T`` entries (the labels count) at most ``KEPT_IDS_FRACTION`` of
-  the ``T x V_local`` logits."""
+  kept-ids kernels): ``N + T`` entries (the labels count) at most ``KEPT_IDS_FRACTION``
+  (the fused paths' or the logits paths') of the ``T x V_local`` logits."""
   if batch_invariant:
     return "batch_invariant=True takes kept sets as packed words (exact sums)"
-  if (num_kept_ids + num_tokens) > KEPT_IDS_FRACTION * num_tokens * num_columns:
-    return (f"{num_kept_ids} kept ids for {num_tokens} tokens over {num_columns} columns: "
-            "all the columns cost less")
+  fraction = KEPT_IDS_FRACTION["fused" if operation.startswith("linear_") else "logits"]
+  if (num_kept_ids + num_tokens) > fraction * num_tokens * num_columns:
+    return (f"{num_kept_ids} kept ids for {num_tokens} tokens over {num_columns} columns "
+            f"(more than 1/{round(1 / fraction)} of the logits): all the columns cost less")
   return None
 
 

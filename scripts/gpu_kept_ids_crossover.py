@@ -37,7 +37,7 @@ def main():
   rows = []
 
   def row(path, form, k, fn, arrays, labels, cot, **kw):
-    jaxce.plan.KEPT_IDS_FRACTION = 0.0 if form == "dense" else 1.0
+    jaxce.plan.KEPT_IDS_FRACTION = dict.fromkeys(fraction, 0.0 if form == "dense" else 1.0)
     jax.clear_caches()  # (the fraction is read when a call is traced)
     r = dict(path=path, form=form, k=k,
              **_fused_rows.fwd_bwd_row(fn, arrays, labels, cot, args.repeats, **kw))
@@ -46,7 +46,7 @@ def main():
     rows.append(r)
     print(json.dumps(r), flush=True)
 
-  fraction = jaxce.plan.KEPT_IDS_FRACTION
+  fraction = dict(jaxce.plan.KEPT_IDS_FRACTION)
   fused, per_token = jaxce.linear_logprobs_and_entropy, jaxce.logprobs_and_entropy
   row("fused", "none", 0, fused, (hidden, weight), labels, cot)
   row("logits", "none", 0, per_token, (logits,), labels[:n], cot[:, :n])

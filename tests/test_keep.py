@@ -21,6 +21,16 @@ T, V, D, VOCAB = 13, 101, 8, 97  # V columns, the last 4 padding
 TOL = dict(value=1e-10, grad=1e-10)  # float64 inputs: the same maths, other order
 
 
+@pytest.fixture(autouse=True)
+def _kept_ids_at_these_sizes(monkeypatch):
+  """The planner takes kept ids as they are while their entries are at most a fraction of
+  the logits measured on full-size heads (1/560 of ``T x V`` on the fused path); a
+  sampler-like set over this file's ~100 columns is far more, so the tests raise it to keep
+  the kept-ids kernels under test (``test_the_planner_s_threshold_at_full_size`` tests
+  the real one)."""
+  monkeypatch.setattr(jaxce.plan, "KEPT_IDS_FRACTION", {"fused": 1 / 2, "logits": 1 / 2})
+
+
 def _problem(seed=0, columns=V, tokens=T):
   """Peaked, shifted logits; kept sets of ~30 % that drop some rows' arg-max, one row
   with a single kept column (its label), one row whose label is outside its kept set;
@@ -289,6 +299,29 @@ def test_the_planner_picks_kept_ids_by_their_number():
     assert not many.kept_ids and "cost less" in many.reason, name
     invariant = jaxce.plan.of(call, keep=p["kept_ids"], batch_invariant=True)
     assert not invariant.kept_ids and "exact sums" in invariant.reason, name
+
+
+def test_the_planner_s_threshold_at_full_size(monkeypatch):
+  """At T = 32768 over V = 151936 columns: a sampler's sets (8 ids a token) run over the
+  kept columns only on both paths; top-k 128 sets still do, top-k 512 sets run the fused
+  head whole but the logits path over its entries; top-k 2048 sets run whole on both."""
+  monkeypatch.undo()
+  tokens, columns, depth = 32768, 151936, 4096
+  shape = lambda *s, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(s, dtype)
+  labels = shape(tokens, dtype=jnp.int32)
+  calls = {"fused": (jaxce.linear_logprobs_and_entropy, shape(tokens, depth),
+                     shape(depth, columns), labels),
+           "logits": (jaxce.logprobs_and_entropy, shape(tokens, columns), labels)}
+  expected = {8: dict(fused=True, logits=True), 128: dict(fused=True, logits=True),
+              512: dict(fused=False, logits=True), 2048: dict(fused=False, logits=False)}
+  for k, sparse in expected.items():
+    kept = jaxce.keep.KeptIds(shape(k * tokens, dtype=jnp.int32),
+                              shape(k * tokens, dtype=jnp.int32))
+    for path, call in calls.items():
+      plan = jaxce.plan.of(*call, keep=kept)
+      assert plan.kept_ids == sparse[path], (k, path, plan.reason)
+      if not sparse[path]:
+        assert f"more than 1/{560 if path == 'fused' else 150} of the logits" in plan.reason
 
 
 @pytest.mark.parametrize("chunk_size", [None, 5])

@@ -3,18 +3,20 @@ over each token's kept set ``S_t``, computing only the logits of ``S_t`` and the
 (``kept_entries``: the maths, the entries and their statistics).
 
 The forward costs ``O((Σ_t |S_t| + T) · D)``, not ``O(T · V · D)``, and the gradient
-reaches only those columns. The entries are walked in blocks of ``BLOCK``: each block
-gathers its hidden rows and weight columns (``[BLOCK, D]`` each) and forms its logits,
-``z = softcap(h_t · W[:, v] + b_v) / T_t``, f32 ``[N]`` in all. The columns are read as
-rows of a ``[V, D]`` weight, each one contiguous read: a ``[D, V]`` weight is transposed
-once per pass (a column of it is ``D`` elements ``V`` apart, a read amplified by the
-memory's sector size). The backward forms each entry's ``d z`` from the saved statistics
-and logits and accumulates ``d hidden`` (f32 ``[T, D]``), ``d weight`` (f32 ``[V, D]``, cast and
-transposed back at the end) and ``d bias`` by scatter-adds over the blocks.
+reaches only those columns. The entries are walked in blocks of at most ``BLOCK``: each
+block gathers its hidden rows and weight columns (``[block, D]`` each) and forms its
+logits, ``z = softcap(h_t · W[:, v] + b_v) / T_t``, f32 ``[N + T]`` in all. The columns
+are read as rows of a ``[V, D]`` weight, each one contiguous read: a ``[D, V]`` weight is
+transposed once per pass (a column of it is ``D`` elements ``V`` apart, a read amplified
+by the memory's sector size). The backward forms each entry's ``d z`` from the saved
+statistics and logits, and accumulates ``d hidden`` (f32 ``[T, D]``), ``d weight`` (f32
+``[V, D]``, cast and transposed back at the end) and ``d bias`` by scatter-adds over the
+blocks.
 
-Memory: the entries' f32 logits ``[N + T]`` (kept for the backward), two ``[BLOCK, D]`` gathers at a time, and for
-a ``[D, V]`` weight its transposed copy while a pass runs; the backward's f32 ``d hidden``
-and ``d weight`` accumulators (the gradients' size in f32). Nothing ``[T, V]``-sized.
+Memory: the entries' f32 logits ``[N + T]`` (kept for the backward), two ``[block, D]``
+gathers at a time, and for a ``[D, V]`` weight its transposed copy while a pass runs; the
+backward's f32 ``d hidden`` and ``d weight`` accumulators (the gradients' size in f32).
+Nothing ``[T, V]``-sized.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from jax import lax
 from jaxce._kernels import head, kept_entries, plumbing
 from jaxce._kernels.config import Config, KeptIds, Tokens
 
-BLOCK = 16384  # entries per gather: two [BLOCK, D] operand-dtype arrays
+BLOCK = 16384  # entries per gather at most: two [BLOCK, D] operand-dtype arrays
 
 
 def logprobs_entropy(hidden, weight, bias, tokens: Tokens, config: Config):
@@ -38,9 +40,17 @@ def logprobs_entropy(hidden, weight, bias, tokens: Tokens, config: Config):
   return _jitted(hidden, weight, bias, tokens, config=config)
 
 
-def _blocks(*arrays):
-  """``[size]`` arrays as ``[size / BLOCK, BLOCK]`` (for a scan over blocks)."""
-  return tuple(a.reshape(-1, BLOCK) for a in arrays)
+def _block_size(tokens: Tokens) -> int:
+  """Entries per block: the ``N + T`` entries in the fewest blocks of at most ``BLOCK``,
+  of equal size (a multiple of 8), so the padding stays under 8 entries a block."""
+  size = tokens.kept[0].shape[0] + tokens.labels.shape[0]
+  blocks = -(-size // BLOCK)
+  return -(-size // (8 * blocks)) * 8
+
+
+def _blocks(block, *arrays):
+  """``[size]`` arrays as ``[size / block, block]`` (for a scan over blocks)."""
+  return tuple(a.reshape(-1, block) for a in arrays)
 
 
 def _weight_rows(weight, vocab_dim):
@@ -65,7 +75,7 @@ def _logits(hidden, weight_rows, bias, tokens, entries, config):
       x = x + jnp.take(bias, column, mode="clip").astype(dtype)
     return None, head.cap(x, config.softcap)
 
-  _, x = lax.scan(block, None, _blocks(column, token))
+  _, x = lax.scan(block, None, _blocks(_block_size(tokens), column, token))
   x = x.reshape(-1)
   return kept_entries.scaled(x, tokens, entries), x
 
@@ -77,7 +87,8 @@ def _forward(hidden, weight, bias, tokens, config):
       (hidden, weight, bias, tokens.labels, tokens.inv_temp, tokens.valid, *tokens.kept),
       config.vocab_axis)
   tokens = Tokens(*arrays[:3], KeptIds(*arrays[3:]))
-  entries = kept_entries.entries(tokens, weight.shape[config.vocab_dim], config, BLOCK)
+  entries = kept_entries.entries(tokens, weight.shape[config.vocab_dim], config,
+                                 _block_size(tokens))
   z, x = _logits(hidden, _weight_rows(weight, config.vocab_dim), bias, tokens, entries, config)
   out, saved = kept_entries.outputs(kept_entries.statistics(z, entries, num_tokens, config),
                                     outer, config)
@@ -112,7 +123,7 @@ def _bwd(config, residuals, cotangents):
   x, m, log_s, *rest = arrays[5:]
   entropy = rest[0] if rest else None
   num_columns = weight.shape[config.vocab_dim]
-  entries = kept_entries.entries(tokens, num_columns, config, BLOCK)
+  entries = kept_entries.entries(tokens, num_columns, config, _block_size(tokens))
   column, token, _, active = entries
   weight_rows = _weight_rows(weight, config.vocab_dim)
   z = kept_entries.scaled(x, tokens, entries)
@@ -133,7 +144,8 @@ def _bwd(config, residuals, cotangents):
 
   # (zeros_like: the sums vary like every input together over shard_map axes)
   start = (jnp.zeros_like(hidden, dtype), jnp.zeros_like(weight_rows, dtype))
-  (d_hidden, d_weight_rows), _ = lax.scan(block, start, _blocks(column, token, dx))
+  (d_hidden, d_weight_rows), _ = lax.scan(block, start, _blocks(_block_size(tokens), column,
+                                                                token, dx))
   if config.vocab_axis is not None:
     d_hidden = lax.psum(d_hidden, config.vocab_axis)
   d_weight = d_weight_rows.astype(weight.dtype)

@@ -9,9 +9,9 @@ logits, ``z = softcap(h_t · W[:, v] + b_v) / T_t``, f32 ``[N + T]`` in all. The
 are read as rows of a ``[V, D]`` weight, each one contiguous read: a ``[D, V]`` weight is
 transposed once per pass (a column of it is ``D`` elements ``V`` apart, a read amplified
 by the memory's sector size). The backward forms each entry's ``d z`` from the saved
-statistics and logits, and accumulates ``d hidden`` (f32 ``[T, D]``), ``d weight`` (f32
-``[V, D]``, cast and transposed back at the end) and ``d bias`` by scatter-adds over the
-blocks.
+statistics and logits, and accumulates ``d hidden`` (f32 ``[T, D]``; the entries sorted
+by token, a run of adds a token), ``d weight`` (f32 ``[V, D]``, cast and transposed back
+at the end) and ``d bias`` by scatter-adds over the blocks.
 
 Memory: the entries' f32 logits ``[N + T]`` (kept for the backward), two ``[block, D]``
 gathers at a time, and for a ``[D, V]`` weight its transposed copy while a pass runs; the
@@ -46,6 +46,15 @@ def _block_size(tokens: Tokens) -> int:
   size = tokens.kept[0].shape[0] + tokens.labels.shape[0]
   blocks = -(-size // BLOCK)
   return -(-size // (8 * blocks)) * 8
+
+
+def _entries(tokens: Tokens, num_columns: int, config: Config):
+  """``kept_entries.entries``, sorted by token (each token's kept ids, then its label,
+  then the padding of token 0 first): the backward's ``d hidden`` is a sum of runs, which
+  XLA's scatter-add of sorted indices sums in registers before one atomic add a run."""
+  entries = kept_entries.entries(tokens, num_columns, config, _block_size(tokens))
+  order = jnp.argsort(entries[1], stable=True)
+  return tuple(a[order] for a in entries)
 
 
 def _blocks(block, *arrays):
@@ -87,8 +96,7 @@ def _forward(hidden, weight, bias, tokens, config):
       (hidden, weight, bias, tokens.labels, tokens.inv_temp, tokens.valid, *tokens.kept),
       config.vocab_axis)
   tokens = Tokens(*arrays[:3], KeptIds(*arrays[3:]))
-  entries = kept_entries.entries(tokens, weight.shape[config.vocab_dim], config,
-                                 _block_size(tokens))
+  entries = _entries(tokens, weight.shape[config.vocab_dim], config)
   z, x = _logits(hidden, _weight_rows(weight, config.vocab_dim), bias, tokens, entries, config)
   out, saved = kept_entries.outputs(kept_entries.statistics(z, entries, num_tokens, config),
                                     outer, config)
@@ -123,7 +131,7 @@ def _bwd(config, residuals, cotangents):
   x, m, log_s, *rest = arrays[5:]
   entropy = rest[0] if rest else None
   num_columns = weight.shape[config.vocab_dim]
-  entries = kept_entries.entries(tokens, num_columns, config, _block_size(tokens))
+  entries = _entries(tokens, num_columns, config)
   column, token, _, active = entries
   weight_rows = _weight_rows(weight, config.vocab_dim)
   z = kept_entries.scaled(x, tokens, entries)
@@ -138,7 +146,7 @@ def _bwd(config, residuals, cotangents):
     column, token, dx = arrays
     h = jnp.take(hidden, token, axis=0).astype(dtype)
     w = jnp.take(weight_rows, column, axis=0).astype(dtype)
-    d_hidden = d_hidden.at[token].add(dx[:, None] * w)
+    d_hidden = d_hidden.at[token].add(dx[:, None] * w, indices_are_sorted=True)
     d_weight_rows = d_weight_rows.at[column].add(dx[:, None] * h)
     return (d_hidden, d_weight_rows), None
 

@@ -472,8 +472,9 @@ def kept_ids_unsupported(operation: str, num_tokens: int, num_columns: int, num_
     return "batch_invariant=True takes kept sets as packed words (exact sums)"
   fraction = KEPT_IDS_FRACTION["fused" if operation.startswith("linear_") else "logits"]
   if (num_kept_ids + num_tokens) > fraction * num_tokens * num_columns:
+    share = f"1/{round(1 / fraction)}" if fraction else "none"
     return (f"{num_kept_ids} kept ids for {num_tokens} tokens over {num_columns} columns "
-            f"(more than 1/{round(1 / fraction)} of the logits): all the columns cost less")
+            f"(more than {share} of the logits): all the columns cost less")
   return None
 
 

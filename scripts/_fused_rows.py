@@ -1,12 +1,14 @@
-"""What the GPU row scripts ``gpu_keep_rows`` and ``gpu_invariant_cost`` share: the command
-line, the problem (bf16 ``hidden [T, D]``, ``weight [D, V] / sqrt(D)``, labels, per-token
-cotangents ``[2, T]``, and bf16 logits of the first ``--logits-tokens`` rows) and one
-fwd+bwd row (the planner's backend, the median time, the plan's temporary memory; also
-``gpu_keep_logits``'s rows)."""
+"""What the GPU row scripts (``gpu_keep_rows``, ``gpu_invariant_cost``, ``gpu_kept_ids_*``)
+share: the command line, the problem (bf16 ``hidden [T, D]``, ``weight [D, V] / sqrt(D)``,
+labels, per-token cotangents ``[2, T]``, and bf16 logits of the first ``--logits-tokens``
+rows), one fwd+bwd row (the planner's backend, the median time, the plan's temporary
+memory; also ``gpu_keep_logits``'s rows) and the JSON they leave in ``$OUT``."""
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 
 import jax
 import jax.numpy as jnp
@@ -60,3 +62,11 @@ def fwd_bwd_row(fn, arrays, labels, cot, repeats, **kw) -> dict:
   return dict(tokens=labels.shape[0], backend=plan.backend, reason=plan.reason,
               fwd_bwd_ms=time_ms(step, inputs, repeats),
               temp_gib=compiled.memory_analysis().temp_size_in_bytes / 2**30)
+
+
+def save(name: str, summary: dict, rows: list) -> None:
+  """``{"summary": ..., "rows": ...}`` to ``$OUT/name`` when ``$OUT`` is set."""
+  out = os.environ.get("OUT")
+  if out:
+    with open(os.path.join(out, name), "w") as f:
+      json.dump(dict(summary=summary, rows=rows), f, indent=1)

@@ -55,10 +55,7 @@ def main():
     summary[f"{path}_invariant_over_default"] = inv["fwd_bwd_ms"] / default["fwd_bwd_ms"]
     summary[f"{path}_invariant_extra_temp_gib"] = inv["temp_gib"] - default["temp_gib"]
   print(json.dumps(summary), flush=True)
-  out = os.environ.get("OUT")
-  if out:
-    with open(os.path.join(out, f"cost_{args.label}.json"), "w") as f:
-      json.dump(dict(summary=summary, rows=rows), f, indent=1)
+  _fused_rows.save(f"cost_{args.label}.json", summary, rows)
 
 
 if __name__ == "__main__":

@@ -101,10 +101,7 @@ def main():
     summary[f"{path}_keep_over_xla"] = keep_row["fwd_bwd_ms"] / by[(path, "xla")]["fwd_bwd_ms"]
     summary[f"{path}_keep_extra_temp_gib"] = keep_row["temp_gib"] - by[(path, "xla")]["temp_gib"]
   print(json.dumps(summary), flush=True)
-  out = os.environ.get("OUT")
-  if out:
-    with open(os.path.join(out, "keep_rows.json"), "w") as f:
-      json.dump(dict(summary=summary, rows=rows), f, indent=1)
+  _fused_rows.save("keep_rows.json", summary, rows)
 
 
 def _kept_ids(key, sizes, labels, num_columns):

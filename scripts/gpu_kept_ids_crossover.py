@@ -61,10 +61,7 @@ def main():
   summary = dict(device=jax.devices()[0].device_kind, jax=jax.__version__,
                  commit=os.environ.get("JAXCE_COMMIT", "unknown"))
   print(json.dumps(summary), flush=True)
-  out = os.environ.get("OUT")
-  if out:
-    with open(os.path.join(out, "kept_ids_crossover.json"), "w") as f:
-      json.dump(dict(summary=summary, rows=rows), f, indent=1)
+  _fused_rows.save("kept_ids_crossover.json", summary, rows)
 
 
 def _top_k(rng, labels, k, num_columns):

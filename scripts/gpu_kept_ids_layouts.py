@@ -91,10 +91,7 @@ def main():
     summary["before_vs_after_max_difference"] = max(
         float(jnp.max(jnp.abs(a - b))) for a, b in zip(outputs["before"], outputs["after"]))
   print(json.dumps(summary), flush=True)
-  out = os.environ.get("OUT")
-  if out:
-    with open(os.path.join(out, "kept_ids_layouts.json"), "w") as f:
-      json.dump(dict(summary=summary, rows=rows), f, indent=1)
+  _fused_rows.save("kept_ids_layouts.json", summary, rows)
 
 
 def _kept_ids(ids, sizes, labels):

@@ -204,10 +204,26 @@ def _sparse_problem(seed, columns=V, tokens=T):
   return dict(p, mask=mask, keep=jaxce.keep.pack(mask), kept_ids=_kept_ids(mask, rng))
 
 
-@pytest.mark.parametrize("kw", [{}, dict(logit_softcap=20.0, weight_layout="vd", bias=True)])
-def test_kept_ids_on_the_fused_path(kw):
+@pytest.fixture
+def kept_ids_blocks(monkeypatch):
+  """The fused kept-ids kernel walking its entries in blocks of at most 24 (a function of
+  ``BLOCK``: traces made with the default are dropped before and after)."""
+  from jaxce._kernels import linear_kept_ids  # pylint: disable=import-outside-toplevel
+  monkeypatch.setattr(linear_kept_ids, "BLOCK", 24)
+  jax.clear_caches()
+  yield
+  jax.clear_caches()
+
+
+@pytest.mark.parametrize("kw", [{}, dict(logit_softcap=20.0, weight_layout="vd", bias=True),
+                                dict(blocks=True), dict(blocks=True, weight_layout="vd")])
+def test_kept_ids_on_the_fused_path(kw, request):
   """Only the kept columns' logits: against the float64 reference (values and gradients,
-  the one-kept token's zeros, no gradient to a dropped column) and the plan says so."""
+  the one-kept token's zeros, no gradient to a dropped column) and the plan says so; the
+  entries in one block or (``blocks``) several of equal size, each token's run crossing
+  their edges."""
+  if kw.get("blocks"):
+    request.getfixturevalue("kept_ids_blocks")
   p = _sparse_problem(11)
   layout = kw.get("weight_layout", "dv")
   weight = p["weight"] if layout == "dv" else p["weight"].T

@@ -89,7 +89,7 @@ LINEAR_KERNEL_BLOCK_PASS = 2.7e-4
 # Kept ids (jaxce.keep.from_csr), every path: only the kept columns' logits when their
 # entries (and the labels) are at most this fraction of the T x V_local logits; above it,
 # the whole rows (or head) on packed words. Where the two forms cost the same, on one H100
-# (bench/NOTES.md, "kept ids against the whole head"): the fused head at about 1/560 (each
+# (bench/NOTES.md, "Where kept ids stop paying"): the fused head at about 1/560 (each
 # entry a D-long gather, dot and two scatter-adds; the head's logits cost a D-long matmul
 # column each), the logits path at about 1/150 (each entry one logit's read and write).
 KEPT_IDS_FRACTION = {"fused": 1 / 560, "logits": 1 / 150}

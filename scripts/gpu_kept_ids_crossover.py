@@ -1,10 +1,10 @@
 """Where kept ids stop paying (``jaxce.plan.KEPT_IDS_FRACTION``): both paths' fwd+bwd with
 sets of exactly ``k`` ids per token (the label and ``k - 1`` random ids, as top-k
 sampling keeps them), once over the kept columns only (the sparse form) and once packed
-into words over whole rows (the dense form), for each ``--sizes`` k (``--logits-sizes`` on the logits path), against the call
-without a kept set, all in one process.
+into words over whole rows (the dense form), for each ``--sizes`` k (``--logits-sizes`` on
+the logits path), against the call without a kept set, all in one process.
 
-    python -m scripts.gpu_kept_ids_crossover            # JSON lines, and $OUT/kept_ids_crossover.json
+    python -m scripts.gpu_kept_ids_crossover   # JSON lines, and $OUT/kept_ids_crossover.json
     python -m scripts.gpu_kept_ids_crossover --tokens 1024 --vocab 4096 --dim 256 --sizes 4,64
 
 Each row as ``gpu_keep_rows``'s, with ``form`` and ``k``, and the fraction of the

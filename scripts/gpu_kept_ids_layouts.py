@@ -5,10 +5,12 @@ kept set in the same process; with ``--before FILE``, the same rows with ``FILE`
 ``logprobs_entropy`` (an earlier ``linear_kept_ids``) in place of the current one; with
 ``--blocks``, the current one's rows for each entry block size (``linear_kept_ids.BLOCK``).
 
-    python -m scripts.gpu_kept_ids_layouts --before scripts/_kept_ids_before.py
+    git show 94577b4:jaxce/_kernels/linear_kept_ids.py > /tmp/before.py
+    python -m scripts.gpu_kept_ids_layouts --before /tmp/before.py --blocks 4096,16384
 
 Each row as ``gpu_keep_rows``'s (backend, median fwd+bwd time, temporary memory) and the
-forward's median time alone; JSON lines, and ``$OUT/kept_ids_layouts.json`` with the summary (ratios to the full head).
+forward's median time alone; JSON lines, and ``$OUT/kept_ids_layouts.json`` with the
+summary (ratios to the full head).
 """
 
 from __future__ import annotations

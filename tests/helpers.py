@@ -82,8 +82,6 @@ def assert_close(actual, expected, atol, what):
   assert err <= atol, f"{what}: max abs error {err:.3e} > {atol:.1e}"
 
 
-__all__ = ["TOLERANCE", "adversarial_logits", "assert_close", "devices", "jaxce", "kernel_device",
-           "reference", "reference_options", "value_and_grads", "weighted_loss"]
 
 
 def count_primitives(jaxpr, *names: str) -> int:
@@ -99,3 +97,8 @@ def count_primitives(jaxpr, *names: str) -> int:
         if hasattr(inner, "eqns"):
           total += count_primitives(inner, *names)
   return total
+
+
+__all__ = ["TOLERANCE", "adversarial_logits", "assert_close", "count_primitives", "devices",
+           "jaxce", "kernel_device", "reference", "reference_options", "value_and_grads",
+           "weighted_loss"]

@@ -63,8 +63,8 @@ def _skeleton(hidden, weight, **device):
   rows = jnp.ones((3, hidden.shape[0]), jnp.float32)
   n_tiles = weight.shape[1] // mh.TILE_N
 
-  def epilogue(x, row_values, column):
-    del row_values, column
+  def epilogue(x, row_values, column, kept):
+    del row_values, column, kept
     m = jnp.max(x, axis=1)
     return m, m, m, m
 
@@ -76,7 +76,7 @@ def _skeleton(hidden, weight, **device):
     mh.plgpu.copy_smem_to_gmem(scratch, out_gmem.at[n_idx, :, row_slice])
 
   return mh._tiles(  # pylint: disable=protected-access
-      hidden, weight, rows, vocab_dim=1, stages=mh.STAGES, epilogue=epilogue,
+      hidden, weight, rows, None, vocab_dim=1, stages=mh.STAGES, epilogue=epilogue,
       out_type=jax.ShapeDtypeStruct((n_tiles, 4, hidden.shape[0]), jnp.float32),
       scratch=mh.plgpu.SMEM((2, 4, mh.TILE_M), jnp.float32), store=store, **device)
 

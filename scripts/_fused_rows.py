@@ -64,6 +64,22 @@ def fwd_bwd_row(fn, arrays, labels, cot, repeats, **kw) -> dict:
               temp_gib=compiled.memory_analysis().temp_size_in_bytes / 2**30)
 
 
+def run_info(**extra) -> dict:
+  """What a run's summary starts with: the device, JAX's version and the commit
+  (``$JAXCE_COMMIT``), then ``extra``."""
+  return dict(device=jax.devices()[0].device_kind, jax=jax.__version__,
+              commit=os.environ.get("JAXCE_COMMIT", "unknown"), **extra)
+
+
+def kept_ids(ids, sizes, labels):
+  """The CSR kept ids (``jaxce.keep.from_csr``) of sets of ``sizes`` (host arrays): each
+  set's first id its token's label, then ``ids`` in order."""
+  offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int32)
+  ids = np.asarray(ids, np.int32).copy()
+  ids[offsets[:-1]] = np.asarray(labels)
+  return jaxce.keep.from_csr(jnp.asarray(ids), jnp.asarray(offsets))
+
+
 def save(name: str, summary: dict, rows: list) -> None:
   """``{"summary": ..., "rows": ...}`` to ``$OUT/name`` when ``$OUT`` is set."""
   out = os.environ.get("OUT")

@@ -15,7 +15,6 @@ per token from its spare key.)
 from __future__ import annotations
 
 import json
-import os
 
 import jax
 import jax.numpy as jnp
@@ -48,8 +47,7 @@ def main():
           fn, arrays, p["labels"][:count], p["cot"][:, :count], args.repeats, **kw)))
       print(json.dumps(rows[-1]), flush=True)
   by = {(r["path"], r["variant"]): r for r in rows}
-  summary = dict(label=args.label, device=jax.devices()[0].device_kind, jax=jax.__version__,
-                 commit=os.environ.get("JAXCE_COMMIT", "unknown"))
+  summary = dict(label=args.label, **_fused_rows.run_info())
   for path in ("fused", "logits"):
     inv, default = by[(path, "batch_invariant")], by[(path, "default")]
     summary[f"{path}_invariant_over_default"] = inv["fwd_bwd_ms"] / default["fwd_bwd_ms"]

@@ -17,7 +17,6 @@ the plan's temporary bytes (``memory_analysis``) beyond the inputs and outputs.
 from __future__ import annotations
 
 import json
-import os
 
 import jax
 import jax.numpy as jnp
@@ -81,8 +80,7 @@ def main():
                    for k in (logits_kept, logits_words))
   logits_difference = max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(sparse, dense))
   by = {(r["path"], r["variant"]): r for r in rows}
-  summary = dict(device=jax.devices()[0].device_kind, jax=jax.__version__,
-                 commit=os.environ.get("JAXCE_COMMIT", "unknown"), kept_fraction=args.kept,
+  summary = _fused_rows.run_info(kept_fraction=args.kept,
                  kept_ids=int(sizes.sum()), kept_ids_mean=float(sizes.mean()),
                  kept_ids_median=float(jnp.median(sizes)),
                  kept_ids_p99=float(jnp.percentile(sizes, 99)),

@@ -14,10 +14,8 @@ Each row as ``gpu_keep_rows``'s, with ``form`` and ``k``, and the fraction of th
 from __future__ import annotations
 
 import json
-import os
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 import jaxce
@@ -58,8 +56,7 @@ def main():
       row("logits", form, k, per_token, (logits,), labels[:n], cot[:, :n],
           keep=_top_k(rng, labels[:n], k, v))
   jaxce.plan.KEPT_IDS_FRACTION = fraction
-  summary = dict(device=jax.devices()[0].device_kind, jax=jax.__version__,
-                 commit=os.environ.get("JAXCE_COMMIT", "unknown"))
+  summary = _fused_rows.run_info()
   print(json.dumps(summary), flush=True)
   _fused_rows.save("kept_ids_crossover.json", summary, rows)
 
@@ -67,10 +64,8 @@ def main():
 def _top_k(rng, labels, k, num_columns):
   """Kept ids, ``k`` per token: its label, then ``k - 1`` random ids (CSR)."""
   t = labels.shape[0]
-  ids = rng.integers(0, num_columns, (t, k), dtype=np.int32)
-  ids[:, 0] = np.asarray(labels)
-  offsets = np.arange(t + 1, dtype=np.int32) * k
-  return jaxce.keep.from_csr(jnp.asarray(ids.reshape(-1)), jnp.asarray(offsets))
+  ids = rng.integers(0, num_columns, (t, k), dtype=np.int32).reshape(-1)
+  return _fused_rows.kept_ids(ids, np.full(t, k), labels)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 
 import jax
 import jax.numpy as jnp
@@ -43,8 +42,9 @@ def main():
   sizes = inputs.sampler_set_sizes(rng, labels.shape[0])
   popular = rng.permutation(v)  # the Zipf ranks' ids
   zipf_ids = popular[np.minimum(rng.zipf(args.zipf, int(sizes.sum())), v) - 1]
-  sets = dict(uniform=_kept_ids(rng.integers(0, v, int(sizes.sum())), sizes, labels),
-              zipf=_kept_ids(zipf_ids, sizes, labels))
+  uniform_ids = rng.integers(0, v, int(sizes.sum()))
+  sets = dict(uniform=_fused_rows.kept_ids(uniform_ids, sizes, labels),
+              zipf=_fused_rows.kept_ids(zipf_ids, sizes, labels))
   weight_vd = jnp.asarray(weight.T)  # (a transposed copy, made once, not timed)
   fused = jaxce.linear_logprobs_and_entropy
   vd = lambda h, w, labels, **kw: fused(h, w, labels, weight_layout="vd", **kw)
@@ -82,9 +82,7 @@ def main():
     outputs[name] = jax.jit(lambda k: fused(hidden, weight, labels, keep=k))(sets["zipf"])
   _dispatch.linear_kept_ids = kernels["after"]
   default_ms = rows[0]["fwd_bwd_ms"]
-  summary = dict(device=jax.devices()[0].device_kind, jax=jax.__version__,
-                 commit=os.environ.get("JAXCE_COMMIT", "unknown"), kept_ids=int(sizes.sum()),
-                 zipf=args.zipf,
+  summary = _fused_rows.run_info(kept_ids=int(sizes.sum()), zipf=args.zipf,
                  zipf_distinct_ids=int(np.unique(zipf_ids).size),
                  uniform_distinct_ids=int(np.unique(np.asarray(sets["uniform"].ids)).size),
                  **{f"{r['variant']}_over_default": r["fwd_bwd_ms"] / default_ms
@@ -94,15 +92,6 @@ def main():
         float(jnp.max(jnp.abs(a - b))) for a, b in zip(outputs["before"], outputs["after"]))
   print(json.dumps(summary), flush=True)
   _fused_rows.save("kept_ids_layouts.json", summary, rows)
-
-
-def _kept_ids(ids, sizes, labels):
-  """The CSR kept ids of sets of ``sizes`` (host arrays): each set's first id its
-  label, then ``ids`` in order."""
-  offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int32)
-  ids = np.asarray(ids, np.int32).copy()
-  ids[offsets[:-1]] = np.asarray(labels)
-  return jaxce.keep.from_csr(jnp.asarray(ids), jnp.asarray(offsets))
 
 
 if __name__ == "__main__":

@@ -82,8 +82,6 @@ def assert_close(actual, expected, atol, what):
   assert err <= atol, f"{what}: max abs error {err:.3e} > {atol:.1e}"
 
 
-
-
 def count_primitives(jaxpr, *names: str) -> int:
   """How many equations of the primitives ``names`` ``jaxpr`` (a jaxpr or closed jaxpr)
   holds, those of the jaxprs in its equations' parameters included (each counted once)."""

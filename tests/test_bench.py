@@ -13,6 +13,7 @@ import math
 import os
 import subprocess
 import sys
+import time
 
 import jax
 import pytest
@@ -532,3 +533,22 @@ def test_merge_into_rewrites_the_results_file(tmp_path):
   merged = json.loads(old.read_text())
   assert sorted((r["T"], r["ms"]) for r in merged["rows"]) == [(8, 1.0), (64, 2.0)]
   assert "| bbbbbbb |" in (tmp_path / "old.md").read_text()
+
+
+def test_torch_peers_are_timed_after_their_compiling_call():
+  """A peer that compiles on its first call gets the timed calls its warm-up's time
+  allows, not one call judged from the compile."""
+  from bench import impls_torch
+  calls, events = [], []
+
+  def call():
+    calls.append(None)
+    time.sleep(0.3 if len(calls) == 1 else 0.001)  # the first call compiles
+    return len(calls)
+
+  times = impls_torch.time_after_first_call(
+      call, sync=lambda out: None, after=lambda: events.append("after"), repeats=5,
+      budget_s=0.1, between=lambda: events.append("between"))
+  assert len(times) == 5 and max(times) < 100  # the compiling call is not among them
+  assert len(calls) == 7  # compile, warm-up, 5 timed
+  assert events[:2] == ["after", "between"] and events.count("between") == 1

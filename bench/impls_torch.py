@@ -195,7 +195,7 @@ def run(config: Config, blocks: dict, budget_s: float) -> dict:
     source = "host_rss"
   note = LIGER_GRPO_NOTE if config.impl == "liger_grpo" else (
       "entropy returned in bf16" if config.impl == "liger_flsce" and config.entropy else "")
-  return dict(ms=float(np.median(times)), ms_all=times, repeats=repeats,
+  return dict(ms=float(np.median(times)), ms_all=times, repeats=len(times),
               peak_extra_bytes=int(peak), memory_source=source, n_devices=1,
               device=torch.cuda.get_device_name() if cuda else "cpu", note=note,
               torch=torch.__version__, peer_version=_peer_version(config.impl))

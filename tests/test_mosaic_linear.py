@@ -282,3 +282,13 @@ def test_each_tokens_bits_do_not_depend_on_the_call():
                                    f"{w.view(np.float32)}"
   plan = jaxce.plan.of(jaxce.linear_logprobs_and_entropy, hidden, weight, labels, **kw)
   assert plan.invariant_to == ("tokens", "chunking", "differentiation", "constants")
+
+
+def test_head_profile_kernel_section_runs():
+  """``scripts/gpu_head_profile``'s kernel section runs every piece it times on GPUs (the
+  plain Mosaic matmul aside) without an error row; its max-only skeleton calls
+  ``mosaic_head._tiles`` directly, which nothing else here does."""
+  from scripts import gpu_head_profile
+  rows = gpu_head_profile.kernels(256, 64, 256, 128, 1)
+  assert len(rows) == 7
+  assert [(r["piece"], r["error"]) for r in rows if r.get("error")] == []

@@ -8,7 +8,7 @@ T = 8192 and 32768, the two implementations alternating:
 * ``sustained``: ``SETTLE_S`` seconds of untimed calls (the clocks settle under the
   card's power limit), then ``REPEATS`` timed calls.
 
-    python -m scripts.gpu_power_cap_ab     # on a Hopper GPU with Liger-Kernel's FLSCE; JSON to $OUT
+    python -m scripts.gpu_power_cap_ab   # Hopper GPU, Liger: JSON lines, $OUT/power_cap_ab.json
 
 Log ``nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,clocks_throttle_reasons.active
 --format=csv -lms 250`` beside it for the clocks.
@@ -16,7 +16,6 @@ Log ``nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,clocks_throttle_reas
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import time
 
@@ -26,6 +25,8 @@ import numpy as np
 
 import jaxce
 from bench.impls_torch import flsce
+from bench.timing import time_calls
+from scripts import _fused_rows
 
 V, D = 151936, 4096
 SETTLE_S, REPEATS, COLD_S = 3.0, 10, 6.0
@@ -64,13 +65,9 @@ def _calls(tokens, seed=0):
   return {"jaxce": lambda: jax.block_until_ready(step(h, w)), "liger_flsce": peer_call}
 
 
-def _timed(call, n):
-  times = []
-  for _ in range(n):
-    start = time.perf_counter()
-    call()
-    times.append((time.perf_counter() - start) * 1e3)
-  return times
+def _timed(call, n, warmup=0):
+  """ms of ``n`` calls of ``call`` (each waits for itself) after ``warmup`` untimed ones."""
+  return time_calls(call, (), n, warmup, sync=lambda _: None)
 
 
 def main():
@@ -86,8 +83,7 @@ def main():
     for r in range(2):
       for name, call in calls.items():
         time.sleep(COLD_S)
-        call()
-        times = _timed(call, 5)
+        times = _timed(call, 5, warmup=1)
         emit(T=tokens, impl=name, mode="cold", round=r, ms=statistics.median(times),
              ms_all=times)
     for r in range(3):
@@ -100,12 +96,7 @@ def main():
              ms_all=times)
     del calls
     torch.cuda.empty_cache()
-  out = os.environ.get("OUT", "bench/out")
-  os.makedirs(out, exist_ok=True)
-  with open(os.path.join(out, "power_cap_ab.json"), "w") as f:
-    json.dump(dict(device=jax.devices()[0].device_kind, jax=jax.__version__,
-                   torch=torch.__version__, commit=os.environ.get("JAXCE_COMMIT"), rows=rows),
-              f, indent=1)
+  _fused_rows.save("power_cap_ab.json", _fused_rows.run_info(torch=torch.__version__), rows)
 
 
 if __name__ == "__main__":

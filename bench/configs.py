@@ -300,6 +300,22 @@ def _objective_groups(Ts):
   ]
 
 
+# The shapes users run (issue 56): ragged T (shifted labels give B x (S - 1) tokens,
+# padding removal the real count, OpenRLHF's budget 16192, verl's examples 24000) beside
+# the round T next to them, at the hidden sizes RL users train most, fused path.
+_SHAPE_T = (8184, 8192, 16192, 16384, 24000, 24576, 32760, 32768)
+_SHAPE_D = (1024, 2048, 4096)
+
+
+def _shape_groups():
+  """jaxce and FLSCE at every shape (both modes); plain JAX while its logits fit (it
+  holds several f32 ``[T, V]`` arrays); a second vocabulary (Qwen3.5's 248320) at D =
+  4096."""
+  return ([Group("linear", ("jaxce", "liger_flsce"), _SHAPE_T, _GPU_V, d) for d in _SHAPE_D]
+          + [Group("linear", ("jax_plain",), _SHAPE_T[:4], _GPU_V, d) for d in _SHAPE_D]
+          + [Group("linear", ("jaxce", "liger_flsce"), (8184, 32760), 248320, 4096)])
+
+
 SUITES = {
     # Default: a couple of minutes on 2 CPU cores; XLA's compiled memory plan and time.
     "cpu": _cpu_groups((128, 512, 2048), 16384, 64),
@@ -353,6 +369,8 @@ SUITES = {
         Group("linear", ("jaxce", "jax_plain"), (32768,), _GPU_V, _GPU_D, **_BWD),
     ],
     "objective": _objective_groups(_GPU_T),
+    # One GPU: the shape sweep behind README's headline (run with --resume across calls).
+    "shapes": _shape_groups(),
     "objective-cpu": [
         Group("linear", ("jaxce:objective_grpo", "jaxce:grpo", "jax_plain:grpo",
                          "jaxce:objective"), (2048,), 16384, 64, **_BWD),

@@ -216,10 +216,11 @@ def linear_objective_grad_chunk(num_tokens: int, num_columns: int, chunk: int,
 def linear_kernel_chunk(num_tokens: int, num_columns: int) -> int:
   """Tokens per call of the fused path's Mosaic GPU forward kernel: its tile statistics
   take 1/32 of the bytes of the chunk's f32 logits, planned to
-  ``LINEAR_KERNEL_STATS_BYTES`` and rounded down to a multiple of the kernel's row block
-  (``mosaic_head.MIN_ROWS``, 256; at least that, at most ``num_tokens``)."""
-  return _multiple(chunk_size(num_tokens, num_columns, None, 32 * LINEAR_KERNEL_STATS_BYTES),
-                   mosaic_head.MIN_ROWS, num_tokens)
+  ``LINEAR_KERNEL_STATS_BYTES``: all ``num_tokens`` when they fit, else the fewest, most
+  even chunks (``_kernel_chunk``: a multiple of the kernel's 256-row block; the rows left
+  take one call of their own)."""
+  cap = 32 * LINEAR_KERNEL_STATS_BYTES // (4 * max(num_columns, 1))
+  return _kernel_chunk(num_tokens, cap)
 
 
 def linear_kernel_tiles(num_tokens: int, num_columns: int, requested_chunk: int | None = None,
@@ -227,20 +228,23 @@ def linear_kernel_tiles(num_tokens: int, num_columns: int, requested_chunk: int 
                         depth: int = 4096, num_cores: int = 132) -> tuple[int, int]:
   """``(chunk, block)`` of the fused backward with the Mosaic GPU kernels.
 
-  With vocab blocks outer (``T <= V_local``) and neither size requested, the chunk is all
-  ``T`` tokens (rounded down to a multiple of 256) when a block of at least
-  ``LINEAR_KERNEL_MIN_BLOCK`` columns fits the budget (``LINEAR_KERNEL_GRAD_BYTES`` for the
-  ``[T, block]`` d logits in the operand dtype): each block's ``d hidden`` then adds into
-  its f32 sum inside the GEMM, with no row slices and no partial ``d W`` sums. With token
-  chunks outer, a chunk whose tile with the largest block fits that budget
-  (``_kernel_chunk``): fewer, larger chunks add each block's ``d W`` sum fewer times.
-  A requested size gets :func:`linear_tiles`' chunk (or the requested one), rounded down
-  to a multiple of the kernel's row block (``mosaic_head.MIN_ROWS``, 256). Unless a size
-  is requested, the block is the multiple of 128 between half the budget for ``[chunk,
-  block]`` and the budget (at most ``LINEAR_KERNEL_MAX_BLOCK``) with the least
-  ``_kernel_block_cost`` on ``num_cores`` SMs for a hidden dim ``depth``; else
-  :func:`linear_tiles`' block, rounded down to a multiple of 128 (at least that, at most
-  the array).
+  The token chunks are walked exactly (``linear.row_chunks``: equal chunks, then the rows
+  left in one call), so a chunk is all ``T`` tokens or a multiple of the kernel's row
+  block (``mosaic_head.MIN_ROWS``, 256), and no row is computed twice. With vocab blocks
+  outer (``T <= V_local``) and neither size requested, the chunk is all ``T`` tokens when
+  a block of at least ``LINEAR_KERNEL_MIN_BLOCK`` columns fits the budget
+  (``LINEAR_KERNEL_GRAD_BYTES`` for the ``[T, block]`` d logits in the operand dtype):
+  each block's ``d hidden`` then adds into its f32 sum inside the GEMM, with no row
+  slices and no partial ``d W`` sums; when it does not, the fewest, most even chunks
+  within :func:`linear_tiles`' budget (``_kernel_chunk``). With token chunks outer, the fewest,
+  most even chunks whose tile with the largest block fits that budget: fewer, larger
+  chunks add each block's ``d W`` sum fewer times. A requested chunk (or
+  :func:`linear_tiles`' chunk for a requested block) is rounded down to a multiple of 256
+  (all ``T`` when it is at least ``T``). Unless a size is requested, the block is the
+  multiple of 128 between half the budget for ``[chunk, block]`` and the budget (at most
+  ``LINEAR_KERNEL_MAX_BLOCK``) with the least ``_kernel_block_cost`` on ``num_cores`` SMs
+  for a hidden dim ``depth``; else :func:`linear_tiles`' block, rounded down to a multiple
+  of 128 (at least that, at most the array).
   """
   step = mosaic_head.TILE_N
   cap = min(LINEAR_KERNEL_GRAD_BYTES // (2 * num_tokens), LINEAR_KERNEL_MAX_BLOCK, num_columns)
@@ -249,10 +253,15 @@ def linear_kernel_tiles(num_tokens: int, num_columns: int, requested_chunk: int 
            and cap >= min(LINEAR_KERNEL_MIN_BLOCK, num_columns))
   chunk, block = linear_tiles(num_tokens, num_columns, requested_chunk, requested_block,
                               platform)
-  if planned and num_tokens > num_columns:  # (token chunks outer: the largest block's tile)
+  if whole:
+    chunk = num_tokens
+  elif planned and num_tokens > num_columns:  # (token chunks outer: the largest block's tile)
     chunk = _kernel_chunk(num_tokens, LINEAR_KERNEL_GRAD_BYTES // (2 * min(
         LINEAR_KERNEL_MAX_BLOCK, num_columns)))
-  chunk = _multiple(num_tokens if whole else chunk, mosaic_head.MIN_ROWS, num_tokens)
+  elif planned:  # (vocab blocks outer, several chunks: linear_tiles' budget)
+    chunk = _kernel_chunk(num_tokens, LINEAR_TILE_BYTES[budget_platform(platform)] // (4 * block))
+  elif chunk < num_tokens:
+    chunk = _multiple(chunk, mosaic_head.MIN_ROWS, num_tokens)
   if planned:
     cap = min(LINEAR_KERNEL_GRAD_BYTES // (2 * chunk), LINEAR_KERNEL_MAX_BLOCK, num_columns)
     blocks = range(max(step, cap // 2 - cap // 2 % step), max(step, cap - cap % step) + 1, step)
@@ -262,12 +271,16 @@ def linear_kernel_tiles(num_tokens: int, num_columns: int, requested_chunk: int 
 
 
 def _kernel_chunk(num_tokens: int, cap: int) -> int:
-  """The multiple of 256 rows in ``[cap / 2, cap]`` (at most ``T``) whose chunks cover
-  ``T`` with the fewest rows (a clamped last chunk's overlap is work done twice)."""
+  """Tokens per chunk of the Mosaic kernels' calls: all ``T`` when they are at most
+  ``cap``, else the least multiple of 256 rows (the kernels' row block) that covers ``T``
+  in as few chunks as ``cap`` allows (at most ``cap`` rounded down to 256; at least 256).
+  The chunks are walked exactly (``linear.row_chunks``), the last taking the rows left."""
+  if num_tokens <= cap:
+    return num_tokens
   step = mosaic_head.MIN_ROWS
-  cap = max(step, min(cap, num_tokens) - min(cap, num_tokens) % step)
-  sizes = range(max(step, cap // 2 - cap // 2 % step), cap + 1, step)
-  return min(sizes, key=lambda c: (-(-num_tokens // c) * c, -c))
+  cap = max(step, cap - cap % step)
+  count = -(-num_tokens // cap)
+  return min(-(-num_tokens // (count * step)) * step, cap)
 
 
 def _kernel_block_cost(num_tokens: int, num_columns: int, depth: int, block: int,
@@ -447,8 +460,8 @@ def make(operation: str, *, target: Target, implementation: str | None, num_toke
         num_tokens, num_columns, chunk, platform, jnp.dtype(jnp.result_type(*dtypes)).itemsize)
     plan = Plan(chunk=chunk, grad_chunk=grad_chunk, **common)
   else:
-    if chosen == "mosaic":  # (fewer tokens than a CTA's rows are padded to them)
-      num_tokens = max(num_tokens, mosaic_head.MIN_ROWS)
+    if chosen == "mosaic":  # (padded to the kernels' multiple of 8 rows, at least 256)
+      num_tokens = mosaic_head.padded_rows(num_tokens)
       chunk, block = linear_kernel_tiles(num_tokens, num_columns, chunk_size, vocab_block_size,
                                          platform, depth=depth or 1, num_cores=target.num_cores)
     else:

@@ -215,22 +215,24 @@ def test_default_tile_plan(monkeypatch):
 
 def test_mosaic_backward_tile_plan():
   """The Mosaic backward: all T tokens in one chunk while their [T, block] d logits fit the
-  budget (vocab order), else linear_tiles' chunk; with token chunks outer, the chunk of
-  the budget's tile covering T with the fewest rows; the block of least modelled
+  budget (vocab order), else the fewest, most even multiples of 256 rows in linear_tiles'
+  budget; with token chunks outer, likewise in the budget's tile; the block of least modelled
   time, which on an H100's 132 SMs at V = 151936, D = 4096 is the measured best, 8448
   (bench/NOTES.md, entry 25); requested sizes as given, on the kernel's multiples."""
   tiles = functools.partial(jaxce.plan.linear_kernel_tiles, platform="gpu", depth=4096,
                             num_cores=132)
   assert tiles(32768, 151936) == (32768, 8448)
   assert tiles(8192, 151936) == (8192, 8448)
-  assert tiles(1000, 151936)[0] == 768  # the kernel's multiple of 256 rows
+  assert tiles(8184, 151936) == (8184, 8448)  # ragged T: all of it, one chunk
+  assert tiles(1000, 151936)[0] == 1000
   assert tiles(65536, 151936) == (65536, 4224)  # the budget halves the block
   assert tiles(131072, 151936) == (8192, 8448)  # below LINEAR_KERNEL_MIN_BLOCK: chunks
-  assert tiles(1048576, 151936) == (32768, 8448)  # token order: the budget's chunk
-  assert tiles(200000, 151936) == (22272, 8448)  # 9 chunks, 448 rows done twice
+  assert tiles(100000, 151936) == (7936, 8448)  # 13 even chunks of the budget's 8192
+  assert tiles(1048576, 151936) == (35072, 8448)  # token order: 30 chunks of the budget
+  assert tiles(200000, 151936) == (33536, 8448)  # 6 even chunks (the rows left: 32320)
   assert tiles(32768, 151936, 8192) == (8192, 8192)  # requested: linear_tiles' plan
   assert tiles(32768, 151936, None, 5000) == (8192, 4992)
-  assert tiles(300, 1024) == (256, 1024)  # a small vocabulary: one block
+  assert tiles(304, 1024) == (304, 1024)  # a small vocabulary: one block
   cost = functools.partial(jaxce.plan._kernel_block_cost, 32768, 151936, 4096, num_cores=132)
   # The model's order of the blocks measured at T = 32768 (the fastest first).
   assert cost(block=8448) < cost(block=8960) < cost(block=4224)

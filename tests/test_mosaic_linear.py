@@ -59,6 +59,8 @@ def _merged(tiles):
     (512, 128, 384, 1, None),   # two row blocks, three vocab tiles
     (768, 192, 256, 0, None),   # [V, D] weight, three row blocks
     (512, 128, 384, 0, 30.0),   # softcap
+    (264, 64, 128, 1, None),    # ragged rows: the last row block moved back by 248 rows
+    (520, 128, 384, 0, 30.0),   # ragged rows: three row blocks, the last moved back
 ])
 def test_tile_statistics_match_float64(tokens, dim, num_columns, vocab_dim, softcap):
   rng, hidden, weight = _inputs(tokens + num_columns, tokens, dim, num_columns, vocab_dim)
@@ -84,21 +86,22 @@ def test_tile_statistics_match_float64(tokens, dim, num_columns, vocab_dim, soft
                  name)
 
 
-@pytest.mark.parametrize("vocab_dim,softcap,first_kept,limit", [
-    (1, None, 0, 384), (0, 30.0, 100, 300)])
-def test_logits_grad_tile_matches_float64(vocab_dim, softcap, first_kept, limit):
+@pytest.mark.parametrize("vocab_dim,softcap,first_kept,limit,tokens", [
+    (1, None, 0, 384, 512), (0, 30.0, 100, 300, 512), (1, 30.0, 0, 300, 392)])
+def test_logits_grad_tile_matches_float64(vocab_dim, softcap, first_kept, limit, tokens):
   """The backward's tile: d logits from the saved statistics, per-row cotangents and
   temperature; a clamped block's overlap (columns below ``first_kept``) and padded
-  columns (from ``limit``) get 0, dropped rows get 0 even with NaN hidden states."""
+  columns (from ``limit``) get 0, dropped rows get 0 even with NaN hidden states; 392
+  rows: the last row block moved back inside (its shared rows written by both)."""
   from jaxce._kernels import head, softmax
-  rng, hidden, weight = _inputs(11, 512, 128, 384, vocab_dim)
-  keep = rng.random(512) < 0.9
+  rng, hidden, weight = _inputs(11, tokens, 128, 384, vocab_dim)
+  keep = rng.random(tokens) < 0.9
   hidden = hidden.at[np.flatnonzero(~keep)[:3]].set(jnp.nan)
   hidden = jnp.where(keep[:, None], hidden, 0)  # as the backward hands it over
-  label_column = rng.integers(-2, 400, 512)
+  label_column = rng.integers(-2, 400, tokens)
   label_column = jnp.asarray(np.where(label_column < first_kept, -1, label_column), jnp.int32)
   inv_temp, g_logp, g_entropy = (jnp.asarray(a, jnp.float32) for a in (
-      rng.uniform(0.5, 2.0, 512), rng.normal(size=512), rng.normal(size=512)))
+      rng.uniform(0.5, 2.0, tokens), rng.normal(size=tokens), rng.normal(size=tokens)))
   # The statistics the forward saved, from the float64 logits (kept columns only).
   h64, w64 = np.asarray(hidden, np.float64), np.asarray(weight, np.float64)
   x = h64 @ (w64 if vocab_dim else w64.T)
@@ -237,8 +240,9 @@ def test_unsupported_calls_say_why(change, message):
 
 def test_each_tokens_bits_do_not_depend_on_the_call():
   """Batch invariance by construction: a token's logp and entropy are the same bits alone
-  (T = 1, padded to the kernel's 256 rows), among 7, 300 and 600 tokens at random
-  positions (one the last row; 300 and 600 run clamped chunks), with another chunk_size,
+  (T = 1, padded to the kernel's 256 rows), among 7, 300, 520 and 600 tokens at random
+  positions (one the last row; from 300, a last row block moved back inside), with
+  another chunk_size (two calls: 256 rows, then the 344 left),
   inside ``jit(value_and_grad)`` with the temperature closed over (a constant) or passed
   as an argument, and forward only; per-token temperature, softcap, a padded vocabulary,
   ignored neighbours. The planner says so (``invariant_to``)."""
@@ -266,7 +270,7 @@ def test_each_tokens_bits_do_not_depend_on_the_call():
   bits = lambda out, at: tuple(np.asarray(o)[at].view(np.uint32) for o in out)
   want = [bits(call(np.array([p])), 0) for p in probes]
   want = tuple(np.stack(w) for w in zip(*want))
-  for tokens, extra in ((7, {}), (300, {}), (600, {}), (600, dict(chunk_size=256)),
+  for tokens, extra in ((7, {}), (300, {}), (600, {}), (520, {}), (600, dict(chunk_size=256)),
                         (600, dict(differentiate=True, constant=True)),
                         (600, dict(differentiate=True))):
     others = rng.permutation(np.arange(5, 600))[:tokens - len(probes)]
@@ -282,6 +286,64 @@ def test_each_tokens_bits_do_not_depend_on_the_call():
                                    f"{w.view(np.float32)}"
   plan = jaxce.plan.of(jaxce.linear_logprobs_and_entropy, hidden, weight, labels, **kw)
   assert plan.invariant_to == ("tokens", "chunking", "differentiation", "constants")
+
+
+def _kernel_rows(jaxpr, dim, times=1):
+  """``{"forward": rows, "backward": rows x columns}``: the matmul work of the fused
+  head's Mosaic kernels a traced program runs (each call's rows rounded up to its row
+  blocks, ``mosaic_head.row_blocks``), scans' trip counts included. A head kernel is a
+  Pallas call whose first operand is ``hidden``'s ``[C, dim]`` rows; the forward's
+  (``[tiles, 4, C]`` statistics out) covers every column in one call, each backward one
+  (``[C, Vb]`` d logits out) its ``Vb`` columns."""
+  rows = {"forward": 0, "backward": 0}
+  for eqn in getattr(jaxpr, "jaxpr", jaxpr).eqns:
+    first = eqn.invars[0].aval if eqn.invars else None
+    if (eqn.primitive.name in ("pallas_call", "mpmd_map") and first.ndim == 2
+        and first.shape[1] == dim and first.dtype == jnp.bfloat16):
+      out = eqn.outvars[0].aval.shape
+      kind, columns = ("forward", 1) if len(out) == 3 else ("backward", out[1])
+      rows[kind] += times * mosaic_head.row_blocks(first.shape[0]) * mosaic_head.MIN_ROWS \
+          * columns
+      continue
+    inner_times = times * eqn.params.get("length", 1) if eqn.primitive.name == "scan" else times
+    for param in eqn.params.values():
+      for sub in (param if isinstance(param, (tuple, list)) else (param,)):
+        if hasattr(getattr(sub, "jaxpr", sub), "eqns"):
+          for kind, n in _kernel_rows(sub, dim, inner_times).items():
+            rows[kind] += n
+  return rows
+
+
+@pytest.mark.parametrize("columns,block", [(151936, None), (2048, 512)])
+def test_ragged_tokens_cost_their_rows_rounded_up_to_a_row_block(columns, block, monkeypatch):
+  """No work done twice: the Mosaic kernels of a fused fwd+bwd planned for a Hopper GPU
+  (traced on abstract shapes, nothing run) process each token's row once, up to the rows
+  that round ``T`` up to the kernels' 256-row block: forward and backward, ragged and
+  round ``T``, vocab blocks outer (151936 columns) and token chunks outer (2048), with
+  the planned and with a requested chunk. (Planned for T = 8184 before, the kernels ran
+  15872 rows, a second chunk clamped back over the first.)"""
+  monkeypatch.setattr(jaxce.plan, "target", lambda *a, mesh=None: jaxce.plan.Target(
+      "gpu", "9.0", 132))
+  dim = 64
+  weight = jax.ShapeDtypeStruct((dim, columns), jnp.bfloat16)
+  cases = [(8184, None), (8192, None), (16192, None), (24000, None), (32760, None),
+           (1000, None), (777, None), (8184, 2048), (5000, 1000)]
+  for tokens, chunk in cases:
+    if columns < 151936 and tokens > 8192:
+      continue  # (the token-order cases: chunks of the small vocabulary's plan)
+    hidden = jax.ShapeDtypeStruct((tokens, dim), jnp.bfloat16)
+    labels = jax.ShapeDtypeStruct((tokens,), jnp.int32)
+    kw = dict(chunk_size=chunk, vocab_block_size=block)
+    plan = jaxce.plan.of(jaxce.linear_logprobs_and_entropy, hidden, weight, labels, **kw)
+    assert plan.backend == "mosaic", plan
+    assert plan.backward_order == ("vocab" if tokens <= columns else "token"), plan
+    loss = lambda h, w: sum(jnp.sum(o) for o in jaxce.linear_logprobs_and_entropy(
+        h, w, jnp.zeros(tokens, jnp.int32), **kw))
+    rows = _kernel_rows(jax.make_jaxpr(jax.grad(loss, (0, 1)))(hidden, weight), dim)
+    rounded = -(-tokens // mosaic_head.MIN_ROWS) * mosaic_head.MIN_ROWS
+    vocab_passes = -(-columns // plan.block)
+    assert rows["forward"] == rounded, (tokens, chunk, plan, rows)
+    assert rows["backward"] == rounded * vocab_passes * plan.block, (tokens, chunk, plan, rows)
 
 
 def test_head_profile_kernel_section_runs():

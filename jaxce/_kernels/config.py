@@ -70,12 +70,14 @@ class Plan(NamedTuple):
     reason: why this backend (a sentence, for ``jaxce.plan.of``).
     chunk: tokens per step, or ``None`` where no loop over tokens runs. Logits path: the
       XLA forward's scan and the in-place backward's loop; fused per-token path: the
-      tile's rows (a multiple of 256 with ``"mosaic"``); objective paths: the rows whose
+      tile's rows (with ``"mosaic"``, all ``T`` or a multiple of 256: the backward walks
+      equal chunks, then the rows left in one call); objective paths: the rows whose
       full vocabulary is held at once.
     block: vocabulary columns per tile of the fused per-token path (else ``None``).
     grad_chunk: the fused objective path's tokens per pair of gradient matmuls, a
       multiple of ``chunk`` (else ``None``).
-    kernel_chunk: tokens per call of the Mosaic forward kernel (else ``None``).
+    kernel_chunk: tokens per call of the Mosaic forward kernel, all ``T`` or a multiple
+      of 256 (the rows left take one call of their own), else ``None``.
     backward_order: the fused per-token backward's outer loop, ``"vocab"`` or
       ``"token"`` (else ``None``).
     interpret: run the Pallas kernels in JAX's interpreter (the call runs off GPUs).

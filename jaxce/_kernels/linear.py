@@ -28,8 +28,14 @@ matmuls (``head.invariant_logits``) and their exact statistics
 (``logits_rows.statistics``), so each token's outputs are the same bits whatever the
 call around it.
 
-No ``[T, V]`` (or ``[T, V_local]``) buffer exists at any time. A ragged last chunk or
-block is clamped back inside the array; its overlap is masked so nothing counts twice.
+No ``[T, V]`` (or ``[T, V_local]``) buffer exists at any time. The forward's XLA and
+Triton loops clamp a ragged last chunk or block back inside the array (its overlap masked
+so nothing counts twice; the planner picks chunks that divide ``T`` where it can). The
+backward, and the Mosaic forward, walk exact token chunks (``row_chunks``): equal chunks,
+then one call on the rows left, so no row is computed twice whatever ``T``. The Mosaic
+kernels take any count of rows that is a multiple of 8, at least 256 (``mosaic_head.
+padded_rows``: other calls are padded with ignored rows), covering it with 256-row blocks
+whose last is moved back inside: a call's work is its rows rounded up to 256.
 """
 
 from __future__ import annotations
@@ -56,16 +62,27 @@ def logprobs_entropy(hidden, weight, bias, tokens: Tokens, config: Config):
   (``token_outer``) an f32 accumulator like the weight and an f32 ``[chunk, D]`` one.
   """
   num_tokens = hidden.shape[0]
-  if config.plan.backend == "mosaic" and num_tokens < mosaic_head.MIN_ROWS:
-    hidden = chunking.pad_rows(hidden, mosaic_head.MIN_ROWS)  # ignored rows
-    out = _jitted_linear_logprobs_entropy(hidden, weight, bias,
-                                          tokens.padded(mosaic_head.MIN_ROWS), config=config)
+  padded = mosaic_head.padded_rows(num_tokens)
+  if config.plan.backend == "mosaic" and num_tokens < padded:
+    # Ignored rows up to the kernels' multiple of 8 rows (a copy of hidden, which the
+    # backward keeps in place of the original): fewer than 8, or up to 256 for a short call.
+    hidden = chunking.pad_rows(hidden, padded)
+    out = _jitted_linear_logprobs_entropy(hidden, weight, bias, tokens.padded(padded),
+                                          config=config)
     return tuple(o[:num_tokens] for o in out)
   return _jitted_linear_logprobs_entropy(hidden, weight, bias, tokens, config=config)
 
 
+def row_chunks(num_tokens: int, chunk: int, backend: str) -> chunking.RowChunks:
+  """The token chunks of the backward's loops and the Mosaic forward's kernel calls: equal
+  chunks of ``chunk`` rows, then the rows left (with ``"mosaic"``, at least its kernels'
+  ``MIN_ROWS``), every row in one chunk."""
+  min_last = mosaic_head.MIN_ROWS if backend == "mosaic" else 1
+  return chunking.exact_chunks(num_tokens, chunk, min(min_last, num_tokens))
+
+
 def _grid(num_tokens, num_columns, chunk, block):
-  """``(vocab blocks, token chunks)``: the static trip counts of the two loops."""
+  """``(vocab blocks, token chunks)``: the static trip counts of the forward's two loops."""
   return chunking.num_chunks(num_columns, block), chunking.num_chunks(num_tokens, chunk)
 
 
@@ -158,16 +175,15 @@ def _invariant_forward(hidden, weight, bias, tokens, config):
 
 def _mosaic_statistics(hidden, weight, tokens, shard_start, config):
   """``(logp, m, log s, entropy or None)`` ``[T]`` (before masking) by the Mosaic GPU
-  kernel, one call per chunk of the plan's ``kernel_chunk`` tokens, and ``mosaic_merge``
-  (``logits_rows.merge_tiles``): each token's tiles merged in the columns' order, every shard's
-  tiles gathered in rank order first. Each token's bits depend on its own inputs alone."""
+  kernel, one call per chunk of ``row_chunks`` of the plan's ``kernel_chunk`` tokens, and
+  ``mosaic_merge`` (``logits_rows.merge_tiles``): each token's tiles merged in the columns'
+  order, every shard's tiles gathered in rank order first. Each token's bits depend on its
+  own inputs alone."""
   num_tokens, num_columns = hidden.shape[0], weight.shape[config.vocab_dim]
-  chunk = config.plan.kernel_chunk
   limit = softmax.column_limit(config.mask_vocab, shard_start, num_columns)
 
-  def chunk_step(_, i):
-    start = chunking.chunk_start(i, num_tokens, chunk)
-    h, chunk_tokens = chunking.take_rows((hidden, tokens), start, chunk)
+  def chunk_step(_, start, size):
+    h, chunk_tokens = chunking.take_rows((hidden, tokens), start, size)
     tiles = mosaic_head.statistics(
         h, weight, chunk_tokens.labels, chunk_tokens.inv_temp, limit, chunk_tokens.kept,
         column_start=shard_start,
@@ -175,8 +191,8 @@ def _mosaic_statistics(hidden, weight, tokens, shard_start, config):
         interpret=config.plan.interpret, num_cores=config.plan.num_cores)
     return None, logits_rows.merge_tiles(tiles, config)
 
-  _, stacked = lax.scan(chunk_step, None, jnp.arange(chunking.num_chunks(num_tokens, chunk)))
-  return tuple(None if s is None else chunking.unchunk(s, num_tokens) for s in stacked)
+  chunks = row_chunks(num_tokens, config.plan.kernel_chunk, "mosaic")
+  return chunking.scan_chunks(chunk_step, None, chunks)[1]
 
 
 def _tile_kept(tokens, col, block, shard_start):
@@ -218,20 +234,20 @@ def _linear_logprobs_entropy_bwd(config, residuals, cotangents):
             None if bias is None else jnp.zeros_like(primals[2]), None)
 
   num_tokens, num_columns = hidden.shape[0], weight.shape[config.vocab_dim]
-  chunk, block = config.plan.chunk, config.plan.block
-  n_blocks, n_chunks = _grid(num_tokens, num_columns, chunk, block)
+  block = config.plan.block
+  n_blocks = chunking.num_chunks(num_columns, block)
+  chunks = row_chunks(num_tokens, config.plan.chunk, config.plan.backend)
   shard_start = softmax.shard_column_start(num_columns, config.vocab_axis)
   operand_dtype, dtype = head.dtypes(hidden, weight)
   vocab_dim = config.vocab_dim
 
-  def chunk_rows(i):
-    """Chunk ``i``'s rows: ``hidden`` (ignored rows zeroed: their NaN must not reach
-    ``d W``), tokens, saved statistics, cotangents and the row mask (valid, not an
-    earlier chunk's), once per chunk for all its tiles."""
-    start = chunking.chunk_start(i, num_tokens, chunk)
+  def chunk_rows(start, size):
+    """The rows ``[start, start + size)``: ``hidden`` (ignored rows zeroed: their NaN must
+    not reach ``d W``), tokens, saved statistics, cotangents and the row mask (valid),
+    once per chunk for all its tiles."""
     h, chunk_tokens, chunk_saved, chunk_cotangents = chunking.take_rows(
-        (hidden, tokens, saved, cotangents), start, chunk)
-    row_mask = chunk_tokens.valid & chunking.fresh_rows(i, start, chunk)
+        (hidden, tokens, saved, cotangents), start, size)
+    row_mask = chunk_tokens.valid
     return (jnp.where(row_mask[:, None], h, 0), chunk_tokens, chunk_saved, chunk_cotangents,
             row_mask)
 
@@ -273,11 +289,10 @@ def _linear_logprobs_entropy_bwd(config, residuals, cotangents):
 
   if config.plan.backward_order == "token":
     return _token_outer_grads(tile_grads, chunk_rows, block_slices, hidden, weight, bias,
-                              primals, config, n_chunks, n_blocks, shard_start, dtype)
+                              primals, config, chunks, n_blocks, shard_start, dtype)
 
-  def add_rows(d_hidden, dh_rows, i):
-    start = chunking.chunk_start(i, num_tokens, chunk)
-    old_rows = lax.dynamic_slice_in_dim(d_hidden, start, chunk, 0)
+  def add_rows(d_hidden, dh_rows, start):
+    old_rows = lax.dynamic_slice_in_dim(d_hidden, start, dh_rows.shape[0], 0)
     return lax.dynamic_update_slice_in_dim(d_hidden, (old_rows + dh_rows).astype(old_rows.dtype),
                                            start, 0)
 
@@ -289,19 +304,19 @@ def _linear_logprobs_entropy_bwd(config, residuals, cotangents):
     d_hidden, d_weight, d_bias = carry
     j = (k + n_blocks - 1) % n_blocks if ragged else k
     col, w_cols, b_cols, first_column = block_slices(j)
-    step = lambda i: tile_grads(chunk_rows(i), w_cols, b_cols, col, first_column)
+    step = lambda start, size: tile_grads(chunk_rows(start, size), w_cols, b_cols, col,
+                                          first_column)
 
-    def chunk_step(carry, i):
+    def chunk_step(carry, start, size):
       d_hidden, dw_block, db_block = carry
-      dh_rows, dw_tile, db_tile = step(i)
-      return (add_rows(d_hidden, dh_rows, i), dw_block + dw_tile,
+      dh_rows, dw_tile, db_tile = step(start, size)
+      return (add_rows(d_hidden, dh_rows, start), dw_block + dw_tile,
               None if db_block is None else db_block + db_tile), None
 
     # The first tile starts the block's f32 sums (no zero-filled accumulator to add to).
-    dh_rows, dw_block, db_block = step(0)
-    (d_hidden, dw_block, db_block), _ = lax.scan(
-        chunk_step, (add_rows(d_hidden, dh_rows, 0), dw_block, db_block),
-        jnp.arange(1, n_chunks))
+    dh_rows, dw_block, db_block = step(0, chunks.sizes[0])
+    (d_hidden, dw_block, db_block), _ = chunking.scan_chunks(
+        chunk_step, (add_rows(d_hidden, dh_rows, 0), dw_block, db_block), chunks, first=1)
     d_weight = lax.dynamic_update_slice_in_dim(d_weight, dw_block.astype(weight.dtype), col,
                                                vocab_dim)
     if bias is not None:
@@ -328,7 +343,7 @@ MAX_UNROLLED_BLOCKS = 64
 
 
 def _token_outer_grads(tile_grads, chunk_rows, block_slices, hidden, weight, bias, primals,
-                       config, n_chunks, n_blocks, shard_start, dtype):
+                       config, chunks, n_blocks, shard_start, dtype):
   """The backward with token chunks outer and vocab blocks inner: each chunk's ``d hidden``
   rows are summed over the blocks in an f32 ``[chunk, D]`` carry (all-reduced over the
   vocab axis) and written once; ``d W`` (and ``d bias``) sum over the chunks in f32.
@@ -340,9 +355,8 @@ def _token_outer_grads(tile_grads, chunk_rows, block_slices, hidden, weight, bia
   added into one sum like the weight (a clamped block's overlap adds exact zeros).
 
   Memory beyond the outputs: the sums (like the weight) and one chunk's tiles, whatever
-  T. A clamped chunk's repeated rows add exact zeros; only the chunk's fresh
-  rows are written."""
-  num_tokens, chunk, block = hidden.shape[0], config.plan.chunk, config.plan.block
+  T. The token chunks are ``chunks`` (``row_chunks``): each row once."""
+  block = config.plan.block
   vocab_dim, num_columns = config.vocab_dim, weight.shape[config.vocab_dim]
   unrolled = config.plan.backend == "mosaic" and n_blocks <= MAX_UNROLLED_BLOCKS
   starts = range(0, num_columns, block) if unrolled else (0,)
@@ -379,20 +393,19 @@ def _token_outer_grads(tile_grads, chunk_rows, block_slices, hidden, weight, bia
       return (dh_rows + dh_tile, add(d_weight, dw_tile, vocab_dim),
               None if d_bias is None else add(d_bias, db_tile, 0)), None
 
-    dh_rows = jnp.zeros_like(hidden[:chunk], dtype)  # (zeros_like: the varying type too)
+    dh_rows = jnp.zeros_like(rows[0], dtype)  # (zeros_like: the varying type too)
     (dh_rows, d_weight, d_bias), _ = lax.scan(block_step, (dh_rows, *dw_sums, *db_sums),
                                               jnp.arange(n_blocks))
     return dh_rows, (d_weight,), (d_bias,)
 
-  def chunk_step(carry, i):
+  def chunk_step(carry, start, size):
     d_hidden, dw_sums, db_sums = carry
     blocks = unrolled_blocks if unrolled else scanned_blocks
-    dh_rows, dw_sums, db_sums = blocks(chunk_rows(i), dw_sums, db_sums)
+    dh_rows, dw_sums, db_sums = blocks(chunk_rows(start, size), dw_sums, db_sums)
     if config.vocab_axis is not None:
       dh_rows = lax.psum(dh_rows, config.vocab_axis)  # partial sums over vocab shards
-    start = chunking.chunk_start(i, num_tokens, chunk)
-    d_hidden = chunking.write_fresh(d_hidden, dh_rows, start,
-                                    chunking.fresh_rows(i, start, chunk))
+    d_hidden = lax.dynamic_update_slice_in_dim(d_hidden, dh_rows.astype(d_hidden.dtype),
+                                               start, 0)
     return (d_hidden, dw_sums, db_sums), None
 
   # d hidden's rows are all-reduced as they are written: the sum has hidden's own type.
@@ -402,7 +415,7 @@ def _token_outer_grads(tile_grads, chunk_rows, block_slices, hidden, weight, bia
                  for col, width in zip(starts, widths)),
            tuple(None if bias is None else jnp.zeros_like(columns(bias, col, width, 0), dtype)
                  for col, width in zip(starts, widths)))
-  (d_hidden, dw_sums, db_sums), _ = lax.scan(chunk_step, carry, jnp.arange(n_chunks))
+  (d_hidden, dw_sums, db_sums), _ = chunking.scan_chunks(chunk_step, carry, chunks)
 
   def assemble(sums, like, dim):
     """The sums written into one array like ``like`` in its dtype, each cast as it is

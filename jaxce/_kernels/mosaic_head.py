@@ -28,9 +28,12 @@ an f32 ``[vocab tiles, 4, C]`` array, which ``mosaic_merge`` merges over the til
 the columns' order: 16 bytes per row per 128 columns (about 0.5% of the logits' bytes in
 bf16, written and read once).
 
-Every copy starts at a multiple of its tile (TMA into swizzled shared memory needs it):
-``C`` is a multiple of 256 (the caller clamps a ragged last chunk of tokens back inside
-the array) and ``V_local`` a multiple of 128.
+Any ``C >= 256`` rows that is a multiple of 8 (TMA reads rows in tiles of 8; callers pad
+other counts, ``padded_rows``) is covered by ``ceil(C / 256)`` row blocks, the last one
+moved back inside the array: a ragged ``C`` costs the rows of its last block, never a
+chunk done twice. The rows two blocks share get the same numbers from both (a row's
+results depend on its own inputs alone) and are written twice, with the same bits.
+``V_local`` is a multiple of 128.
 
 Off GPUs the kernel runs in Pallas' GPU interpreter (tests only).
 """
@@ -54,6 +57,7 @@ TILE_K = 64  # hidden dims per pipeline step
 STAGES = 4  # pipeline depth: 4 x 48 KiB of shared memory
 GRAD_STAGES = 3  # 3 x 48 KiB, next to the two 32 KiB d logits tiles being stored
 MIN_ROWS = 2 * TILE_M  # rows per CTA: the least a call takes (fewer are padded)
+ROW_TILE = 8  # TMA reads rows in tiles of 8: a call's rows are a multiple of it
 # The operations whose outputs these kernels make batch-invariant (all they run: fixed
 # tiles, no split-K, tiles merged in the columns' order by ``mosaic_merge``).
 INVARIANT_OPERATIONS = ("linear_logprobs_and_entropy",)
@@ -86,6 +90,19 @@ def unsupported(*, platform, capability, hidden_dtype, weight_dtype, has_bias, d
   return None
 
 
+def padded_rows(num_rows: int) -> int:
+  """The rows a call of ``num_rows`` tokens runs the kernels on: ``num_rows`` rounded up
+  to a multiple of ``ROW_TILE``, at least ``MIN_ROWS`` (the caller pads with ignored
+  rows)."""
+  return max(-(-num_rows // ROW_TILE) * ROW_TILE, MIN_ROWS)
+
+
+def row_blocks(num_rows: int) -> int:
+  """The CTA row blocks of a kernel call on ``num_rows`` rows (``MIN_ROWS`` each, the last
+  moved back inside): ``row_blocks(C) * MIN_ROWS`` rows of matmul work."""
+  return -(-num_rows // MIN_ROWS)
+
+
 def _tiles(hidden, weight, row_inputs, words, *, vocab_dim, stages, epilogue, out_type,
            scratch, store, interpret, num_cores):
   """The kernel skeleton: every ``[TILE_M, TILE_N]`` tile of ``hidden @ weight`` (f32
@@ -103,11 +120,11 @@ def _tiles(hidden, weight, row_inputs, words, *, vocab_dim, stages, epilogue, ou
   """
   num_rows, depth = hidden.shape
   num_columns = weight.shape[vocab_dim]
-  cta_rows = 2 * TILE_M
-  if num_rows % cta_rows or num_columns % TILE_N:
-    raise ValueError(f"{num_rows} rows, {num_columns} columns: multiples of {cta_rows} and "
-                     f"{TILE_N} expected")
-  m_iters, n_iters = num_rows // cta_rows, num_columns // TILE_N
+  cta_rows = MIN_ROWS
+  if num_rows < cta_rows or num_rows % ROW_TILE or num_columns % TILE_N:
+    raise ValueError(f"{num_rows} rows, {num_columns} columns: at least {cta_rows} rows, a "
+                     f"multiple of {ROW_TILE}, and a multiple of {TILE_N} columns expected")
+  m_iters, n_iters = row_blocks(num_rows), num_columns // TILE_N
   k_iters = depth // TILE_K
   stages = min(stages, k_iters)
   num_row_inputs = row_inputs.shape[0]
@@ -158,10 +175,12 @@ def _tiles(hidden, weight, row_inputs, words, *, vocab_dim, stages, epilogue, ou
       def _tile_loop(loop_info):
         (index,) = loop_info.index
         m_idx, n_idx = plgpu.planar_snake(index, (m_iters, n_iters), 0, SNAKE_WIDTH)
-        cta_row = pl.multiple_of(m_idx * cta_rows, cta_rows)
+        # (the last row block moved back inside the array: its rows shared with the block
+        # before get the same numbers from both)
+        cta_row = pl.multiple_of(jnp.minimum(m_idx * cta_rows, num_rows - cta_rows), ROW_TILE)
         column = pl.multiple_of(n_idx * TILE_N, TILE_N)
         wg_row = pl.multiple_of(wg * TILE_M, TILE_M)
-        row_slice = pl.ds(pl.multiple_of(cta_row + wg_row, TILE_M), TILE_M)
+        row_slice = pl.ds(pl.multiple_of(cta_row + wg_row, ROW_TILE), TILE_M)
 
         def compute_context(eval_pipeline):
           plgpu.copy_gmem_to_smem(rows_gmem.at[:, row_slice], rows_smem.at[wg],
@@ -327,7 +346,7 @@ def statistics(hidden, weight, labels, inv_temp, limit, kept=None, *, column_sta
   columns' order.
 
   Args:
-    hidden: ``[C, D]`` bf16 or f16, ``C`` a multiple of 256, ``D`` of 64.
+    hidden: ``[C, D]`` bf16 or f16, ``C >= 256`` a multiple of 8, ``D`` of 64.
     weight: ``[D, V_local]`` (``vocab_dim`` 1) or ``[V_local, D]`` (0), hidden's dtype,
       ``V_local`` a multiple of 128.
     labels: int32 ``[C]`` global label ids; ``column_start`` is this weight's first id.
@@ -372,7 +391,7 @@ def logits_grad(hidden, weight, label_column, inv_temp, saved, cotangents, row_m
   gradient matmuls): no f32 tile reaches device memory.
 
   Args:
-    hidden: ``[C, D]`` bf16 or f16, ``C`` a multiple of 256, ``D`` of 64.
+    hidden: ``[C, D]`` bf16 or f16, ``C >= 256`` a multiple of 8, ``D`` of 64.
     weight: the block's ``[D, Vb]`` (``vocab_dim`` 1) or ``[Vb, D]`` (0), ``Vb`` a
       multiple of 128.
     label_column: int32 ``[C]``: the label's column in this block, -1 when the label is

@@ -22,8 +22,10 @@ One CTA (one warpgroup, a token per thread) per ``ROWS`` tokens and group of up 
 than ``GROUP``, a stage merges each group into its ``(m, s, q, picked)`` and the next
 stage merges the groups in their order (still one order, fixed by the number of tiles).
 The last group's copy is moved back to end at the last tile (no copy leaves the array);
-the tiles it shares with the group before are skipped. Off GPUs it runs in JAX's GPU
-interpreter (tests).
+the tiles it shares with the group before are skipped. Likewise, when ``C`` is not a
+multiple of ``ROWS`` (but of 8, at least ``ROWS``), the last CTA's tokens are moved back
+to end at the last token: the tokens it shares with the CTA before get the same numbers
+from both, written twice. Off GPUs it runs in JAX's GPU interpreter (tests).
 """
 
 from __future__ import annotations
@@ -39,12 +41,14 @@ from jaxce._kernels import plumbing
 plgpu = plumbing.lazy_module("jax.experimental.pallas.mosaic_gpu")
 
 ROWS = 128  # tokens per CTA: one per thread of a warpgroup
+ROW_TILE = 8  # a moved-back CTA starts at a multiple of 8 tokens (32-byte aligned copies)
 GROUP = 64  # tiles per CTA: 4 x 64 x 128 f32, 128 KiB of shared memory
 _FLOOR = float(jnp.finfo(jnp.float32).min)
 
 
 def _stage(tiles, *, group, with_entropy, finish, interpret):
-  """One kernel over ``tiles [G, 4, C]`` (``C`` a multiple of ``ROWS``, ``group <= G``):
+  """One kernel over ``tiles [G, 4, C]`` (``C >= ROWS`` a multiple of ``ROW_TILE``,
+  ``group <= G``):
   each group's ``(m, s, q, picked)``, ``[ceil(G / group), 4, C]``, or with ``finish``
   (``group == G``) ``(logp before masking, m, log s, entropy)``, ``[4, C]``."""
   num_tiles, _, num_rows = tiles.shape
@@ -53,7 +57,8 @@ def _stage(tiles, *, group, with_entropy, finish, interpret):
 
   def kernel(tiles_gmem, out_gmem):
     group_index = lax.axis_index("groups")
-    row_slice = pl.ds(pl.multiple_of(lax.axis_index("rows") * ROWS, ROWS), ROWS)
+    first_row = jnp.minimum(lax.axis_index("rows") * ROWS, num_rows - ROWS)  # (the last, moved back)
+    row_slice = pl.ds(pl.multiple_of(first_row, ROW_TILE), ROWS)
     first = group_index * group
     start = jnp.minimum(first, num_tiles - group)  # the last group's copy, moved back
 
@@ -93,7 +98,7 @@ def _stage(tiles, *, group, with_entropy, finish, interpret):
   return plgpu.kernel(
       kernel,
       out_type=plumbing.shape_dtype_like(tiles, out_shape, jnp.float32),
-      grid=(num_rows // ROWS, num_groups),
+      grid=(-(-num_rows // ROWS), num_groups),
       grid_names=("rows", "groups"),
       interpret=plgpu.InterpretGPUParams() if interpret else None,
   )(tiles)
@@ -112,11 +117,13 @@ def merge(tiles, *, with_entropy, interpret):
     ``(logp, m, log s, entropy or None)``, ``[C]`` float32 each: the log-prob before
     ignored tokens and labels beyond the vocabulary are masked (``softmax.finish_outputs``),
     and the backward's residuals. Memory: the outputs, ``[G / GROUP, 4, C]`` partial sums
-    per extra stage (and, when ``C`` is not a multiple of ``ROWS``, one padded copy of
-    ``tiles``).
+    per extra stage (and, when ``C`` is not a multiple of 8 or is below ``ROWS``, one
+    padded copy of ``tiles``).
   """
   num_rows = tiles.shape[2]
-  padded = -(-num_rows // ROWS) * ROWS
+  padded = num_rows
+  if num_rows < ROWS or num_rows % ROW_TILE:
+    padded = max(-(-num_rows // ROW_TILE) * ROW_TILE, ROWS)
   tiles = tiles.astype(jnp.float32)
   if padded != num_rows:
     tiles = jnp.pad(tiles, [(0, 0), (0, 0), (0, padded - num_rows)])

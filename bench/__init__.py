@@ -8,4 +8,5 @@ Modules:
   impls_torch: the PyTorch implementations (eager, Liger-Kernel, Cut Cross-Entropy).
   runner:  one configuration in one fresh process: ``python -m bench.runner --json CONFIG``.
   report:  the JSON results file, its markdown table and the memory plot.
+  grpo_step: the GRPO training step of examples/ at named sizes: ``python -m bench.grpo_step``.
 """

@@ -4,7 +4,10 @@ step time and peak memory per device, jaxce against the plain-JAX loss.
     python -m examples.gpu_run --out gpu_run.json
     python -m examples.gpu_run --out small.json --vocab 4096 --d-model 64 --seq-len 64  # CPU
 
-Each path (``--paths``) runs in a fresh process (so ``peak_bytes_in_use`` is its own, with
+Each path (``--paths``, default all of :data:`PATHS`: ``objective``, the whole GRPO loss
+through ``jaxce.linear_token_loss``; ``linear``, jaxce's fused log-probs and entropies and
+autodiff; ``plain``, ``jax.nn.log_softmax``; ``logits``, jaxce on materialized logits; see
+:mod:`examples.loss`) runs in a fresh process (so ``peak_bytes_in_use`` is its own, with
 ``XLA_PYTHON_CLIENT_PREALLOCATE=false``): a ``1 x n`` (data x vocab) mesh over the ``n``
 visible devices, the :mod:`examples.model` LM with bf16 activations and float32 parameters
 (Adam), one batch of ``--sequences x --seq-len`` tokens (V = 151936 by default, as Qwen),
@@ -13,7 +16,7 @@ visible devices, the :mod:`examples.model` LM with bf16 activations and float32 
 reference log-probs), compile time, and per device the bytes in use before the first step
 (parameters, optimizer state, batch) and the peak (of the whole run: scoring passes
 included). The JSON goes to ``--out``; the whole run stops after ``--timeout`` seconds.
-"""
+``python -m bench.grpo_step`` runs this at named sizes and tabulates it against ``plain``."""
 
 from __future__ import annotations
 
@@ -29,7 +32,7 @@ import numpy as np
 
 from examples.multihost import subprocess_env
 
-PATHS = ("linear", "plain", "logits")
+PATHS = ("objective", "linear", "plain", "logits")
 
 
 def parse_args(argv=None):
@@ -149,7 +152,7 @@ def main(argv=None):
     import jax
     result = measure(args, args.child)
     result.update(device=jax.devices()[0].device_kind, num_devices=jax.device_count(),
-                  jax=jax.__version__, flax=flax.__version__)
+                  platform=jax.default_backend(), jax=jax.__version__, flax=flax.__version__)
     with open(args.out, "w") as f:
       json.dump(result, f)
     return
@@ -160,11 +163,11 @@ def main(argv=None):
     result = run_child(args, path, args.timeout - (time.perf_counter() - start))
     report["results"].append(result)
     if "error" in result:
-      print(f"{path:7s} FAILED: {result['error'][-2000:]}", flush=True)
+      print(f"{path:9s} FAILED: {result['error'][-2000:]}", flush=True)
       continue
-    for key in ("device", "num_devices", "jax", "flax"):
+    for key in ("device", "num_devices", "platform", "jax", "flax"):
       report[key] = result[key]
-    print(f"{path:7s} step {result['step_ms_median']:8.1f} ms  score "
+    print(f"{path:9s} step {result['step_ms_median']:8.1f} ms  score "
           f"{result['score_ms_median']:7.1f} ms  first step {result['first_step_s']:5.1f} s  "
           f"peak GiB/device {[gib(b) for b in result['peak_bytes_in_use']]} (before steps "
           f"{[gib(b) for b in result['bytes_in_use_before_steps']]})  losses "

@@ -552,3 +552,65 @@ def test_torch_peers_are_timed_after_their_compiling_call():
   assert len(times) == 5 and max(times) < 100  # the compiling call is not among them
   assert len(calls) == 7  # compile, warm-up, 5 timed
   assert events[:2] == ["after", "between"] and events.count("between") == 1
+
+
+def test_grpo_step_suite_tiny(tmp_path):
+  """``python -m bench.grpo_step --tiny``: the GRPO step of a tiny flax model on CPU, every
+  path in its own process (about 40 s on 2 cores); a row per path, the table against plain."""
+  from examples.gpu_run import PATHS
+  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
+  proc = subprocess.run([sys.executable, "-m", "bench.grpo_step", "--tiny", "--sizes", "small",
+                         "--out", str(tmp_path)], cwd=ROOT, env=env, capture_output=True,
+                        text=True, timeout=240)
+  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+  results = json.loads((tmp_path / "cpu-grpo_step.json").read_text())
+  assert PATHS == ("objective", "linear", "plain", "logits")
+  assert [(r["size"], r["path"]) for r in results["rows"]] == [("small", p) for p in PATHS]
+  for r in results["rows"]:
+    assert r["error"] is None and r["step_ms_median"] > 0 and r["score_ms_median"] > 0, r
+    assert r["tokens_per_step"] == 4 * 63 and r["first_step_s"] > 0, r
+  assert results["device"] == "cpu" and results["vocab"] == 4096 and results["jax"]
+  md = (tmp_path / "cpu-grpo_step.md").read_text()
+  assert "| path | step ms | × plain JAX step |" in md and "| plain | " in md
+  assert md.strip() in proc.stdout
+
+
+def test_grpo_step_largest_batch_doubles_until_out_of_memory(monkeypatch):
+  """Each try doubles the sequences: stops at the first out-of-memory size, at 8 x, or at the
+  deadline; a plain row that failed leaves the ratios "–" and says why under the table."""
+  from bench import grpo_step
+  tries = []
+
+  def fake_gpu_run(size, paths, timeout):
+    tries.append(size["sequences"])
+    oom = size["sequences"] > limit
+    return dict(results=[dict(path=paths[0], error="exit 1: RESOURCE_EXHAUSTED: Out of memory"
+                              if oom else None)])
+
+  monkeypatch.setattr(grpo_step, "gpu_run", fake_gpu_run)
+  size, row, later = dict(sequences=8), dict(path="plain", error=None), time.monotonic() + 99
+  limit = 16
+  assert grpo_step.largest_batch(size, row, later) == dict(
+      largest_sequences_ok=16, first_sequences_failed=32, largest_batch_stop="oom")
+  assert tries == [16, 32]
+  tries.clear()
+  limit = 1000
+  assert grpo_step.largest_batch(size, row, later)["largest_sequences_ok"] == 64  # 8 x: cap
+  assert tries == [16, 32, 64]
+  tries.clear()
+  failed = dict(row, error="RESOURCE_EXHAUSTED: Out of memory")
+  assert grpo_step.largest_batch(size, failed, later) == dict(
+      largest_sequences_ok=None, first_sequences_failed=8, largest_batch_stop="oom")
+  assert grpo_step.largest_batch(size, row, time.monotonic())["largest_batch_stop"] == \
+      "time budget" and tries == []
+  # A failed plain row: the other rows' ratios are "–".
+  rows = [dict(size="small", path=p, d_model=1, layers=1, heads=1, sequences=8, seq_len=2,
+               tokens_per_step=8, step_ms_median=1.0, score_ms_median=1.0,
+               peak_bytes_in_use=2**30, peak_minus_before=2**29, error=None)
+          for p in ("objective", "plain")]
+  rows[1].update(step_ms_median=None, score_ms_median=None, peak_bytes_in_use=None,
+                 peak_minus_before=None, error=failed["error"])
+  md = grpo_step.markdown(dict(num_devices=1, device="d", jax="0", flax="0", commit="",
+                               date="", vocab=8, rows=rows))
+  assert "| objective | 1.0 | – | 1.0 | – | 1.00 | – | 0.50 | – |" in md
+  assert "plain failed: out of memory" in md

@@ -1,0 +1,230 @@
+"""``python -m bench.grpo_step``: the GRPO training step at named model sizes, every loss
+path, written to bench/out/<device>-grpo_step.json (.md).
+
+    python -m bench.grpo_step                                # small and medium, V = 151936
+    python -m bench.grpo_step --sizes small --largest-batch  # and each path's largest batch
+    python -m bench.grpo_step --tiny --sizes small           # CPU smoke (tests/test_bench.py)
+    python -m bench.grpo_step --reports small=a.json,medium=b.json  # tabulate gpu_run's reports
+
+Each size is one ``python -m examples.gpu_run`` (each path in its own fresh process: median
+step time, median scoring time, peak device memory; see examples/gpu_run.py), given
+``--timeout`` seconds. The JSON holds one row per (size, path) and the raw gpu_run reports;
+the ``.md`` beside it (also printed) one table per size, each path against the ``plain``
+(``jax.nn.log_softmax``) row of the same size and run. With ``--largest-batch``, each path's
+batch is then doubled, one fresh gpu_run per try, until it runs out of memory, reaches 8 x
+the size's sequences, or its share of a second ``--timeout`` seconds per size is spent
+(the paths share it evenly; time one leaves goes to the next). ``--reports`` tabulates
+reports ``python -m examples.gpu_run`` already wrote at the sizes named (each run with the
+size's flags and ``--paths`` of this suite's), so a run made in pieces on a lent machine
+gets the same JSON and tables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+from bench.__main__ import OUT, RESULTS, ROOT, child_env, device_slug, git
+from examples.gpu_run import PATHS
+
+SIZES = {"small": dict(d_model=1024, layers=2, heads=8, sequences=8, seq_len=1024),
+         "medium": dict(d_model=2048, layers=2, heads=16, sequences=16, seq_len=2048)}
+TINY = dict(vocab=4096, d_model=64, layers=1, heads=2, sequences=4, seq_len=64, warmup=1,
+            steps=2)
+LARGEST_FACTOR = 8  # --largest-batch tries up to this many times a size's sequences
+
+
+def parse_args(argv=None):
+  """The options; ``args.out`` is the destination directory."""
+  p = argparse.ArgumentParser(prog="python -m bench.grpo_step",
+                              description=__doc__.splitlines()[0])
+  p.add_argument("--sizes", default=",".join(SIZES), help=f"comma list of {tuple(SIZES)}")
+  p.add_argument("--paths", default=",".join(PATHS), help=f"comma list of {PATHS}")
+  p.add_argument("--vocab", type=int, default=151936)
+  p.add_argument("--timeout", type=float, default=280.0, help="seconds per size")
+  p.add_argument("--largest-batch", action="store_true",
+                 help="double each path's sequences until out of memory (8 x at most)")
+  p.add_argument("--tiny", action="store_true", help=f"every size becomes {TINY} (CPU)")
+  p.add_argument("--reports", help="comma list of SIZE=FILE: tabulate these gpu_run reports "
+                 "(the sizes' flags, JAXCE_COMMIT the commit they ran) instead of running")
+  p.add_argument("--out", help="results directory (default bench/out, ignored by git)")
+  p.add_argument("--save-results", action="store_true",
+                 help="write into bench/results/, the committed results (not with --out)")
+  args = p.parse_args(argv)
+  if args.reports:
+    args.reports = dict(item.split("=", 1) for item in args.reports.split(","))
+    args.sizes = ",".join(args.reports)
+  unknown = [s for s in args.sizes.split(",") if s not in SIZES]
+  unknown += [s for s in args.paths.split(",") if s not in PATHS]
+  if unknown:
+    p.error(f"unknown sizes or paths {unknown}")
+  if args.save_results and args.out:
+    p.error("--save-results writes into bench/results; --out names another directory")
+  args.out = RESULTS if args.save_results else (args.out or OUT)
+  return args
+
+
+def gpu_run(size: dict, paths, timeout: float) -> dict:
+  """The report of ``python -m examples.gpu_run`` at ``size`` (its flags) for ``paths``,
+  or ``{"error": ...}`` when it wrote none."""
+  flags = [x for k, v in size.items() for x in (f"--{k.replace('_', '-')}", str(v))]
+  with tempfile.TemporaryDirectory() as tmp:
+    out = os.path.join(tmp, "gpu_run.json")
+    cmd = [sys.executable, "-m", "examples.gpu_run", *flags, "--paths", ",".join(paths),
+           "--timeout", str(timeout), "--out", out]
+    try:  # (its own --timeout ends it; the margin is for its start)
+      proc = subprocess.run(cmd, cwd=ROOT, env=child_env(1), stderr=subprocess.PIPE,
+                            text=True, timeout=timeout + 60)
+    except subprocess.TimeoutExpired:
+      return dict(error=f"timed out after {timeout + 60:.0f} s")
+    if not os.path.exists(out):
+      return dict(error=f"exit {proc.returncode}: {proc.stderr[-3000:]}")
+    with open(out) as f:
+      return json.load(f)
+
+
+def is_oom(error) -> bool:
+  """Whether an error text is an out-of-memory failure."""
+  return error is not None and ("RESOURCE_EXHAUSTED" in error or
+                                "out of memory" in error.lower())
+
+
+def make_row(name: str, size: dict, path: str, result: dict) -> dict:
+  """One (size, path) row from gpu_run's result for the path (device 0's bytes)."""
+  first = lambda key: (result.get(key) or [None])[0]
+  return dict(size=name, path=path, d_model=size["d_model"], layers=size["layers"],
+              heads=size["heads"], sequences=size["sequences"], seq_len=size["seq_len"],
+              tokens_per_step=size["sequences"] * (size["seq_len"] - 1),
+              step_ms_median=result.get("step_ms_median"),
+              score_ms_median=result.get("score_ms_median"),
+              peak_bytes_in_use=first("peak_bytes_in_use"),
+              bytes_in_use_before_steps=first("bytes_in_use_before_steps"),
+              peak_minus_before=first("peak_minus_before"),
+              first_step_s=result.get("first_step_s"), error=result.get("error"))
+
+
+def largest_batch(size: dict, row: dict, deadline: float) -> dict:
+  """``largest_sequences_ok``, ``first_sequences_failed`` (None if none failed) and
+  ``largest_batch_stop`` (oom, cap, time budget or error, then ``largest_batch_error``) for
+  the path of ``row``, whose sizes double from the size's ``sequences`` until ``deadline``."""
+  ok, n, error = size["sequences"], 2 * size["sequences"], row["error"]
+  if error:
+    ok, n = None, size["sequences"]
+  while not error and n <= LARGEST_FACTOR * size["sequences"]:
+    left = deadline - time.monotonic()
+    if left < 10:
+      break
+    print(f"largest batch: {row['path']} at {n} sequences", flush=True)
+    report = gpu_run(dict(size, sequences=n), [row["path"]], left)
+    error = report.get("error") or report["results"][0].get("error")
+    ok, n = (ok, n) if error else (n, 2 * n)
+  if (not error and n <= LARGEST_FACTOR * size["sequences"]) or (
+      error and ("timed out" in error or "budget is spent" in error)):
+    return dict(largest_sequences_ok=ok, first_sequences_failed=None,
+                largest_batch_stop="time budget")
+  stop = "cap" if not error else "oom" if is_oom(error) else "error"
+  return dict(largest_sequences_ok=ok, first_sequences_failed=n if error else None,
+              largest_batch_stop=stop, **({"largest_batch_error": error[-1000:]}
+                                          if stop == "error" else {}))
+
+
+def ratio(value, plain) -> str:
+  """``value / plain`` to two decimals; "–" when either is missing (a failed row)."""
+  return "–" if value is None or not plain else f"{value / plain:.2f}"
+
+
+def markdown(results: dict) -> str:
+  """The report: a header, then one table per size, each path against ``plain``."""
+  lines = [f"# GRPO step: {results['num_devices']} × {results['device']}",
+           "", f"JAX {results['jax']}, flax {results['flax']}, commit "
+           f"{results['commit'][:7]}, {results['date']}; python -m bench.grpo_step "
+           "(examples/gpu_run.py). Ratios: this path / the plain-JAX path "
+           "(`jax.nn.log_softmax`) of the same size and run. Peak: device 0's peak bytes in "
+           "use over the run (scoring passes included); before steps: parameters, Adam "
+           "state and the batch."]
+  columns = ["path", "step ms", "× plain JAX step", "scoring ms", "× plain scoring",
+             "peak GiB", "× plain peak", "peak − before steps GiB", "× plain"]
+  for name in dict.fromkeys(r["size"] for r in results["rows"]):
+    rows = [r for r in results["rows"] if r["size"] == name]
+    plain = next((r for r in rows if r["path"] == "plain" and not r["error"]), {})
+    batch = ["largest batch"] if any("largest_batch_stop" in r for r in rows) else []
+    r0 = rows[0]
+    lines += ["", f"## {name}: D = {r0['d_model']}, {r0['layers']} layer(s), {r0['heads']} "
+              f"heads, {r0['sequences']} × {r0['seq_len']} tokens ({r0['tokens_per_step']} "
+              f"a step), V = {results['vocab']}", "",
+              "| " + " | ".join(columns + batch) + " |", "|---" * len(columns + batch) + "|"]
+    for r in rows:
+      cells = [r["path"]]
+      for key, scale, fmt in (("step_ms_median", 1, "{:.1f}"), ("score_ms_median", 1, "{:.1f}"),
+                              ("peak_bytes_in_use", 2**30, "{:.2f}"),
+                              ("peak_minus_before", 2**30, "{:.2f}")):
+        value = "–" if r[key] is None else fmt.format(r[key] / scale)
+        cells += [value, ratio(r[key], plain.get(key))]
+      if batch:
+        stop, failed = r.get("largest_batch_stop"), r.get("first_sequences_failed")
+        cells.append("–" if stop is None else f"{r['largest_sequences_ok'] or '–'} ("
+                     + (f"{stop} at {failed}" if failed else stop) + ")")
+      lines.append("| " + " | ".join(cells) + " |")
+    for r in rows:
+      if r["error"]:
+        text = "out of memory" if is_oom(r["error"]) else r["error"].strip()[-300:]
+        lines.append(f"\n{r['path']} failed: {text}")
+  return "\n".join(lines) + "\n"
+
+
+def main(argv=None):
+  """Run the sizes, write the JSON and the markdown; exit status 1 when no row ran."""
+  start, args = time.monotonic(), parse_args(argv)
+  overrides = TINY if args.tiny else dict(vocab=args.vocab)
+  rows, runs, facts = [], {}, {}
+  for name in args.sizes.split(","):
+    size = dict(SIZES[name], **overrides)
+    if args.reports:
+      with open(args.reports[name]) as f:
+        runs[name] = report = json.load(f)
+      if any(report["config"][key] != value for key, value in size.items()):
+        raise SystemExit(f"{args.reports[name]} ran {report['config']}, not {name}: {size}")
+    else:
+      print(f"{name}: python -m examples.gpu_run {size}", flush=True)
+      runs[name] = report = gpu_run(size, args.paths.split(","), args.timeout)
+    facts.update({k: report[k] for k in ("device", "num_devices", "platform", "jax", "flax")
+                  if k in report and k not in facts})
+    facts.setdefault("platform", "cpu" if report.get("device") == "cpu" else "gpu")
+    by_path = {r["path"]: r for r in report.get("results", [])}
+    size_rows = [make_row(name, size, path, by_path.get(path, dict(error=report.get("error"))))
+                 for path in args.paths.split(",")]
+    deadline = time.monotonic() + args.timeout
+    for i, row in enumerate(size_rows if args.largest_batch else []):
+      share = (deadline - time.monotonic()) / (len(size_rows) - i)  # what is left, shared
+      row.update(largest_batch(size, row, time.monotonic() + share))
+    rows += size_rows
+  slug = device_slug(dict(facts, n_devices=facts.get("num_devices"))) if facts else "unknown"
+  results = dict(device=facts.get("device"), num_devices=facts.get("num_devices"),
+                 platform=facts.get("platform"), jax=facts.get("jax"), flax=facts.get("flax"),
+                 commit=os.environ.get("JAXCE_COMMIT") or git("rev-parse", "HEAD"),
+                 date=datetime.datetime.now(datetime.timezone.utc).strftime(
+                     "%Y-%m-%d %H:%M UTC"),
+                 vocab=overrides["vocab"], tiny=args.tiny,
+                 sizes={n: dict(SIZES[n], **overrides) for n in args.sizes.split(",")},
+                 wall_s=time.monotonic() - start, rows=rows, gpu_run=runs)
+  os.makedirs(args.out, exist_ok=True)
+  path = os.path.join(args.out, f"{slug}-grpo_step")
+  with open(path + ".json", "w") as f:
+    json.dump(results, f, indent=1)
+  text = markdown(results)
+  with open(path + ".md", "w") as f:
+    f.write(text)
+  print("\n" + text)
+  shown = os.path.relpath(path) if path.startswith(ROOT + os.sep) else path
+  print(f"{results['wall_s']:.0f} s; wrote {shown}.json, .md")
+  return 0 if any(not r["error"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -428,6 +428,23 @@ def test_readme_tables_come_from_the_committed_results():
     assert "\n".join(table) == expected, f"README table of {path} is stale: regenerate it"
 
 
+def test_readme_headline_comes_from_the_committed_results():
+  """README's headline blocks (``<!-- headline-shapes|headline-grpo PATH -->`` ...
+  ``<!-- /headline -->``) are exactly what ``python -m bench.headline`` makes of the
+  committed shape sweep and GRPO-step rows, and the chart they cite is committed."""
+  from bench import headline
+  with open(os.path.join(ROOT, "README.md")) as f:
+    readme = f.read()
+  found = headline.blocks(readme)
+  assert len(found) == 2, "README's headline blocks are missing"
+  lines = readme.splitlines()
+  for start, end, text in found:
+    assert "\n".join(lines[start:end]) == text, "README's headline is stale: python -m " \
+        "bench.headline --write"
+  assert os.path.exists(os.path.join(ROOT, headline.CHART))
+  assert headline.CHART in readme
+
+
 def test_gpu_only_code_compiles_and_imports_on_cpu():
   """Every GPU-only path is at least compiled and imported here: the session script, the
   floors, the accuracy rows, the PyTorch peers and the Mosaic check script they reuse."""

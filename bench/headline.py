@@ -1,0 +1,159 @@
+"""``python -m bench.headline``: README's headline, made from the committed results: the
+fused path at the shapes users run (``python -m bench --suite shapes``: jaxce, Liger's FLSCE
+and plain JAX in one machine session) as a table and one chart, and the GRPO step
+(``python -m bench.grpo_step``).
+
+    python -m bench.headline            # print the blocks
+    python -m bench.headline --write    # rewrite README's marked blocks and the chart
+
+README marks each block with ``<!-- headline-shapes PATH -->`` or ``<!-- headline-grpo
+PATH -->`` on the line before it and ``<!-- /headline -->`` on the line after it;
+tests/test_bench.py checks that every marked block is what this module prints.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+
+from bench import grpo_step
+from bench.__main__ import ROOT
+
+SHAPES = "bench/results/nvidia-h100-x1-shapes.json"
+GRPO = "bench/results/nvidia-h100-x1-grpo_step.json"
+CHART = "bench/results/nvidia-h100-x1-shapes_headline.png"
+PEERS = (("jaxce", "jaxce"), ("liger_flsce", "FLSCE"), ("jax_plain", "plain JAX"))
+ROW_BLOCK = 256  # the Mosaic kernels' rows per CTA: a T that divides by it is "round"
+
+
+def _rows(results, impl, mode):
+  """``{(V, D, T): row}`` of the ``ok`` rows of ``impl`` in ``mode``."""
+  return {(r["V"], r["D"], r["T"]): r for r in results["rows"]
+          if r["impl"] == impl and r["variant"] == "default" and r["mode"] == mode
+          and r["status"] == "ok"}
+
+
+def _per_token_vs_round(rows, key) -> str:
+  """The time per token of ``rows[key]`` over that of the round T (a multiple of
+  ``ROW_BLOCK``) nearest it in ratio, of the same V and D: "round" for a round T, "–"
+  when no round T of that V and D was measured."""
+  V, D, T = key
+  if T % ROW_BLOCK == 0:
+    return "round"
+  rounds = [k for k in rows if k[:2] == (V, D) and k[2] % ROW_BLOCK == 0]
+  if not rounds:
+    return "–"
+  near = min(rounds, key=lambda k: abs(math.log(k[2] / T)))
+  return f"{(rows[key]['ms'] / T) / (rows[near]['ms'] / near[2]):.3f} (of {near[2]})"
+
+
+def shapes_table(results: dict) -> str:
+  """The fused path, fwd+bwd (with entropy, bf16) and forward, one line per (V, D, T)."""
+  bwd = {impl: _rows(results, impl, "fwd_bwd") for impl, _ in PEERS}
+  fwd = {impl: _rows(results, impl, "fwd") for impl, _ in PEERS}
+  ms = lambda row: "–" if row is None else f"{row['ms']:.1f}"
+  gib = lambda row: "–" if row is None else f"{row['peak_extra_bytes'] / 2**30:.2f}"
+  lines = ["| V | D | T | jaxce fwd+bwd ms | FLSCE ms | jaxce / FLSCE | jaxce per token / "
+           "round T's | plain JAX ms | jaxce fwd ms | FLSCE fwd ms | extra GiB: jaxce / FLSCE "
+           "/ plain JAX |", "|---" * 11 + "|"]
+  for key in sorted(bwd["jaxce"]):
+    ours, peer, plain = (bwd[impl].get(key) for impl, _ in PEERS)
+    lines.append("| " + " | ".join([
+        str(key[0]), str(key[1]), str(key[2]), ms(ours), ms(peer),
+        "–" if peer is None else f"{ours['ms'] / peer['ms']:.3f}",
+        _per_token_vs_round(bwd["jaxce"], key), ms(plain),
+        ms(fwd["jaxce"].get(key)), ms(fwd["liger_flsce"].get(key)),
+        " / ".join(gib(r) for r in (ours, peer, plain))]) + " |")
+  return "\n".join(lines)
+
+
+def grpo_tables(results: dict) -> str:
+  """``bench.grpo_step``'s tables (one per model size, each under its size as a bold
+  line, then the paths that failed), without its title paragraph."""
+  body = grpo_step.markdown(results).split("\n## ", 1)[1]
+  return "\n".join(f"**{line[3:]}**" if line.startswith("## ") else line
+                   for line in ("## " + body).strip().splitlines())
+
+
+def chart(results: dict, path: str) -> None:
+  """Time per 1000 tokens and extra memory of the fused fwd+bwd against T (V = 151936),
+  jaxce, FLSCE and plain JAX at each D: one figure, two panels (a flat time line: no
+  shape costs more per token than its neighbours)."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  import matplotlib.ticker
+  fig, (time_ax, memory_ax) = plt.subplots(1, 2, figsize=(11, 4.2))
+  colors = dict(jaxce="tab:blue", liger_flsce="tab:orange", jax_plain="tab:gray")
+  styles = {1024: ":", 2048: "--", 4096: "-"}
+  for impl, label in PEERS:
+    rows = _rows(results, impl, "fwd_bwd")
+    for D, style in styles.items():
+      keys = sorted(k for k in rows if k[0] == 151936 and k[1] == D)
+      if not keys:
+        continue
+      T = [k[2] for k in keys]
+      kw = dict(color=colors[impl], linestyle=style, marker="o", markersize=3,
+                label=f"{label}, D = {D}")
+      time_ax.plot(T, [1000 * rows[k]["ms"] / k[2] for k in keys], **kw)
+      memory_ax.plot(T, [rows[k]["peak_extra_bytes"] / 2**30 for k in keys], **kw)
+  time_ax.set(xlabel="tokens T (ragged and round)", ylabel="fwd+bwd ms per 1000 tokens",
+              ylim=(0, None))
+  memory_ax.set(xlabel="tokens T (ragged and round)", ylabel="extra device memory, GiB",
+                yscale="log")
+  memory_ax.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda y, _: f"{y:g}"))
+  for ax in (time_ax, memory_ax):
+    ax.grid(True, which="both", alpha=0.3)
+  memory_ax.legend(fontsize=7, ncol=2)
+  fig.suptitle(f"fused LM head, V = 151936, bf16, fwd+bwd with entropy: {results['device']}, "
+               f"JAX {results['jax']}, jaxce {results['commit'][:7]}, Liger-Kernel "
+               f"{results['versions'].get('liger-kernel')}", fontsize=9)
+  fig.tight_layout()
+  fig.savefig(path, dpi=100)
+  plt.close(fig)
+
+
+BLOCKS = {"headline-shapes": shapes_table, "headline-grpo": grpo_tables}
+
+
+def blocks(readme: str) -> list[tuple[int, int, str]]:
+  """``(first line, end line, generated text)`` of each marked block of ``readme``: the
+  lines between its marker and the next ``<!-- /headline -->``."""
+  lines, out = readme.splitlines(), []
+  for i, line in enumerate(lines):
+    found = re.match(r"<!-- (headline-\w+) (\S+) -->$", line)
+    if not found:
+      continue
+    with open(os.path.join(ROOT, found[2])) as f:
+      text = BLOCKS[found[1]](json.load(f))
+    out.append((i + 1, lines.index("<!-- /headline -->", i), text))
+  return out
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser(prog="python -m bench.headline",
+                              description=__doc__.splitlines()[0])
+  p.add_argument("--write", action="store_true", help="rewrite README's blocks and the chart")
+  args = p.parse_args(argv)
+  readme_path = os.path.join(ROOT, "README.md")
+  with open(readme_path) as f:
+    readme = f.read()
+  if not args.write:
+    for _, _, text in blocks(readme):
+      print(text + "\n")
+    return
+  lines = readme.splitlines()
+  for start, end, text in reversed(blocks(readme)):
+    lines[start:end] = text.splitlines()
+  with open(readme_path, "w") as f:
+    f.write("\n".join(lines) + "\n")
+  with open(os.path.join(ROOT, SHAPES)) as f:
+    chart(json.load(f), os.path.join(ROOT, CHART))
+  print(f"wrote README.md and {CHART}")
+
+
+if __name__ == "__main__":
+  main()

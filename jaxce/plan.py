@@ -153,7 +153,9 @@ def chunk_size(num_tokens: int, num_columns: int, requested: int | None,
                tile_bytes: int) -> int:
   """Tokens per step: ``min(requested, T)``, or the largest chunk whose f32
   ``[chunk, num_columns]`` tile fits ``tile_bytes``, moved down to a divisor of T if one
-  lies within a factor 2 (so no ragged last chunk), and T itself when all of it fits."""
+  lies within a factor 2 (so no ragged last chunk), else to the least multiple of 8 that
+  covers T in as few steps (a clamped last chunk then repeats fewer than 8 rows a step),
+  and T itself when all of it fits."""
   if requested is not None:
     return min(requested, num_tokens)
   cap = max(1, min(num_tokens, tile_bytes // (4 * max(num_columns, 1))))
@@ -161,16 +163,20 @@ def chunk_size(num_tokens: int, num_columns: int, requested: int | None,
     return cap  # one chunk: rounding it down would only add a step
   if cap >= 8:
     cap -= cap % 8
-  return _divisor_near(num_tokens, cap)
+  return _divisor_near(num_tokens, cap, 8 if cap >= 8 else 1)
 
 
-def _divisor_near(total: int, cap: int) -> int:
-  """The largest divisor of ``total`` in ``[cap / 2, cap]``, else ``cap``: steps of that
-  size cover ``total`` with no ragged last step when one lies within a factor 2."""
+def _divisor_near(total: int, cap: int, multiple: int = 1) -> int:
+  """The largest divisor of ``total`` in ``[cap / 2, cap]``, else the least multiple of
+  ``multiple`` (``cap`` is one) that covers ``total`` in ``ceil(total / cap)`` steps: steps
+  of that size cover ``total`` with no ragged last step when a divisor lies within a
+  factor 2, and otherwise overlap by fewer than ``multiple`` items a step (``cap``
+  itself could overlap by almost a whole step)."""
   for size in range(cap, max(cap // 2, 1) - 1, -1):
     if total % size == 0:
       return size
-  return cap
+  even = -(-total // -(-total // cap))
+  return -(-even // multiple) * multiple
 
 
 def logits_chunk(num_tokens: int, num_columns: int, requested: int | None = None,

@@ -243,7 +243,10 @@ def test_chunk_plan_keeps_one_chunk_when_everything_fits():
   chunk_size = jaxce.plan.chunk_size
   assert chunk_size(100, 10, None, 2**20) == 100  # not 2 x 50
   assert chunk_size(1000, 1000, None, 4 * 1000 * 300) == 250  # a divisor
-  assert chunk_size(1001, 1000, None, 4 * 1000 * 300) == 296  # none: ragged
+  # None: the fewest even steps (4 of 256 rows; 296 would clamp back 183 of 1001)
+  assert chunk_size(1001, 1000, None, 4 * 1000 * 300) == 256
+  # A T just past the budget with no divisor near it: two even steps, not 8192 twice
+  assert chunk_size(8209, 8192, None, 4 * 8192 * 8192) == 4112
 
 
 @pytest.mark.parametrize("hidden_dtype,weight_dtype", [

@@ -242,9 +242,9 @@ def linear_kernel_tiles(num_tokens: int, num_columns: int, requested_chunk: int 
   (``LINEAR_KERNEL_GRAD_BYTES`` for the ``[T, block]`` d logits in the operand dtype):
   each block's ``d hidden`` then adds into its f32 sum inside the GEMM, with no row
   slices and no partial ``d W`` sums; when it does not, the fewest, most even chunks
-  within :func:`linear_tiles`' budget (``_kernel_chunk``). With token chunks outer, the fewest,
-  most even chunks whose tile with the largest block fits that budget: fewer, larger
-  chunks add each block's ``d W`` sum fewer times. A requested chunk (or
+  within :func:`linear_tiles`' budget (``_kernel_chunk``). With token chunks outer, the
+  fewest, most even chunks whose tile with the largest block fits that budget: fewer,
+  larger chunks add each block's ``d W`` sum fewer times. A requested chunk (or
   :func:`linear_tiles`' chunk for a requested block) is rounded down to a multiple of 256
   (all ``T`` when it is at least ``T``). Unless a size is requested, the block is the
   multiple of 128 between half the budget for ``[chunk, block]`` and the budget (at most

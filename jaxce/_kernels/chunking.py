@@ -75,7 +75,6 @@ def unchunk(stacked, total: int):
   return jnp.concatenate([flat[: (n - 1) * size], stacked[n - 1, size - tail:]])
 
 
-
 class RowChunks(NamedTuple):
   """``total`` rows as ``count`` chunks of ``size`` rows from row 0, then (when ``last``
   is not 0) one chunk of the ``last`` rows left: every row in one chunk, none twice."""

@@ -72,8 +72,8 @@ def unsupported(*, platform, capability, hidden_dtype, weight_dtype, has_bias, d
   Args:
     platform, capability: the call's platform and its GPUs' compute capability.
     hidden_dtype, weight_dtype, has_bias: the operands.
-    depth, num_columns: ``D`` and this device's ``V_local``. (Calls with fewer than
-      ``MIN_ROWS`` tokens are padded to it by the caller.)
+    depth, num_columns: ``D`` and this device's ``V_local``. (Any number of tokens runs:
+      the caller pads it to ``padded_rows``.)
   """
   platform_reason = plumbing.mosaic_gpu_unsupported(plgpu, platform, capability)
   if platform_reason:

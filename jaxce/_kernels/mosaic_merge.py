@@ -57,7 +57,8 @@ def _stage(tiles, *, group, with_entropy, finish, interpret):
 
   def kernel(tiles_gmem, out_gmem):
     group_index = lax.axis_index("groups")
-    first_row = jnp.minimum(lax.axis_index("rows") * ROWS, num_rows - ROWS)  # (the last, moved back)
+    # (the last CTA's tokens moved back to end at the last token)
+    first_row = jnp.minimum(lax.axis_index("rows") * ROWS, num_rows - ROWS)
     row_slice = pl.ds(pl.multiple_of(first_row, ROW_TILE), ROWS)
     first = group_index * group
     start = jnp.minimum(first, num_tiles - group)  # the last group's copy, moved back

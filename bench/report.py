@@ -1,7 +1,7 @@
 """Results files: merge rows into ``<slug>.json``, write the ``.md`` table and the plot.
 
     python -m bench.report bench/results/cpu.json     # rewrite cpu.md and cpu_memory.png
-    python -m bench.report bench/results/cpu.json --readme-T 4096   # README's table
+    python -m bench.report bench/results/cpu.json --readme-T 4096   # a docs/benchmarks.md table
     python -m bench.report OUT/main/nvidia-h200-x1.json --merge-into bench/results/nvidia-h200-x1.json
 
 JSON schema (issue 4; extra keys are documented in bench/README.md)::
@@ -118,8 +118,9 @@ def table(rows, accuracy=None) -> str:
 
 
 def summary_table(results: dict, T: int, chunks: bool = False) -> str:
-  """README's table: the rows at ``T`` tokens with the default chunk size, one line each;
-  with ``chunks``, also the rows of a given chunk size (named ``impl (chunk N)``)."""
+  """A table of the benchmarks page (docs/benchmarks.md): the rows at ``T`` tokens with the
+  default chunk size, one line each; with ``chunks``, also the rows of a given chunk size
+  (named ``impl (chunk N)``)."""
   head = ("| impl | input | mode | T | GPUs | extra memory (per GPU) | × logits bytes | time "
           "| × floor |")
   lines = [head, "|" + "---|" * head.count(" | ") + "---|"]

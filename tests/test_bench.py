@@ -406,14 +406,14 @@ def test_sweep_summary_compares_default_with_best_chunk():
   assert "| 512 | 11.00 | 256 | 10.00 | 1.100 |" in lines[0]
 
 
-def test_readme_tables_come_from_the_committed_results():
-  """Each README table marked ``<!-- bench-table PATH T=N [chunks] -->`` is exactly what
-  ``python -m bench.report PATH --readme-T N [--chunks]`` prints: no number in it is typed
-  by hand."""
-  with open(os.path.join(ROOT, "README.md")) as f:
+def test_benchmark_tables_come_from_the_committed_results():
+  """Each table of the benchmarks page (docs/benchmarks.md) marked ``<!-- bench-table
+  PATH T=N [chunks] -->`` is exactly what ``python -m bench.report PATH --readme-T N
+  [--chunks]`` prints: no number in it is typed by hand."""
+  with open(os.path.join(ROOT, "docs", "benchmarks.md")) as f:
     lines = f.read().splitlines()
   marked = [i for i, line in enumerate(lines) if line.startswith("<!-- bench-table ")]
-  assert marked, "README has no generated bench table"
+  assert marked, "the benchmarks page has no generated bench table"
   for i in marked:
     path, t_field, *chunks = lines[i].removeprefix("<!-- bench-table ").removesuffix(
         " -->").split()
@@ -425,7 +425,7 @@ def test_readme_tables_come_from_the_committed_results():
       if not line.startswith("|"):
         break
       table.append(line)
-    assert "\n".join(table) == expected, f"README table of {path} is stale: regenerate it"
+    assert "\n".join(table) == expected, f"the table of {path} is stale: regenerate it"
 
 
 def test_readme_headline_comes_from_the_committed_results():

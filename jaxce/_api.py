@@ -58,11 +58,11 @@ def logprobs_and_entropy(logits: ArrayLike, labels: ArrayLike, *, temperature=1.
     vocab_size: logical vocabulary when the columns are padded; global column ids
       ``>= vocab_size`` are excluded from the softmax. A kept label ``>= vocab_size`` is a
       ``ValueError`` for concrete inputs and a NaN log-prob under ``jit``.
-    chunk_size: tokens per step of the XLA forward's scan and of the
+    chunk_size: tokens per step of the XLA forward's scan and of the XLA
       ``backward_in_place`` loop; ``None`` plans one (``jaxce.plan.logits_chunk``);
-      ``>= T`` runs a single pass. The Triton forward (the GPU default) reads every row in
-      one pass and the default backward is one pass: there it is not used (and a new
-      value does not recompile).
+      ``>= T`` runs a single pass. The one-pass kernels (Mosaic on Hopper, the default
+      there; Triton when asked for) read every row in one pass, as does the default
+      backward: there it is not used (and a new value does not recompile).
     vocab_axis: mesh axis name (or tuple) the last dim is split over, when called inside
       ``shard_map`` / ``pmap``. Shard k holds ids ``[k * V_local, (k + 1) * V_local)``.
     return_entropy: when False the entropy is neither computed nor returned (``None``).
@@ -200,7 +200,8 @@ def linear_logprobs_and_entropy(hidden: ArrayLike, weight: ArrayLike, labels: Ar
     chunk_size: tokens per tile; ``None`` plans it (``jaxce.plan.linear_tiles``: an f32
       tile budget per platform). With the Mosaic kernels (``jaxce.plan.linear_kernel_tiles``)
       the plan takes all T tokens as one chunk (up to the token count whose d logits fit
-      a budget, then chunks of that budget's size) and sizes the vocab block by a model
+      a budget, then the fewest even chunks of that budget; the rows left take one call
+      of their own, so any T costs its own rows) and sizes the vocab block by a model
       of the kernels' waves on the GPU's SMs, for time: a given ``chunk_size`` (rounded
       down to a multiple of 256) holds less memory.
     vocab_block_size: vocab columns per tile; ``None``: ``min(V, 8192)`` (with the Mosaic
@@ -216,8 +217,9 @@ def linear_logprobs_and_entropy(hidden: ArrayLike, weight: ArrayLike, labels: Ar
       Mosaic GPU kernel (Hopper, sm90) that folds each tile of the matmul into the
       statistics in registers, so no f32 tile reaches device memory; for 16-bit
       ``hidden`` and ``weight`` of one dtype, no bias, ``D`` a multiple of 64, a
-      vocabulary per device that is a multiple of 128 and at least 256 tokens (a
-      ``ValueError`` says which is missing). Off GPUs the kernels run interpreted (tests).
+      vocabulary per device that is a multiple of 128 (a ``ValueError`` says which is
+      missing; any number of tokens, padded with up to 7 ignored rows to a multiple of
+      8, or to 256). Off GPUs the kernels run interpreted (tests).
       ``None``: ``"mosaic"`` on a Hopper GPU where it can run, else ``"xla"``, the same
       for every way of calling it (``jaxce.plan.of`` tells which a call takes, and why).
     hidden_grad_accumulation: where the backward sums ``d hidden`` over the vocab blocks

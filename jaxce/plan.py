@@ -326,7 +326,8 @@ def _multiple(size: int, multiple: int, total: int) -> int:
 # (fixed tiles, no split-K, one program), its tiles are merged in the columns' order by
 # ``mosaic_merge`` or ``triton_merge``, as the backend (vocab shards gathered in rank
 # order) and ``1 / temperature`` is computed on the device (``mosaic_reciprocal`` on
-# Hopper, else ``triton_reciprocal``). What each plan's bits do not depend on
+# Hopper, else XLA's division behind an optimization barrier). What each plan's bits do
+# not depend on
 # (``Plan.invariant_to``):
 INVARIANCES = ("tokens", "chunking", "differentiation", "constants", "shards")
 KERNEL_INVARIANCES = {

@@ -614,6 +614,19 @@ def test_from_csr_matches_numpy(num_tokens, num_columns):
   np.testing.assert_array_equal(shard, jaxce.keep.pack(mask[:, 32:64]))
 
 
+def test_from_csr_with_the_buffer_exactly_full():
+  """A sampler's fixed-capacity buffer filled to its last entry (``offsets[-1] ==
+  len(token_ids)``): the last token keeps its last id, eagerly and under ``jit``; a token
+  with no ids between two others keeps nothing."""
+  token_ids = np.array([3, 7, 1, 4, 9, 30], np.int32)
+  offsets = np.array([0, 2, 2, 6], np.int32)
+  want = np.zeros((3, 40), bool)
+  want[0, [3, 7]] = want[2, [1, 4, 9, 30]] = True
+  convert = lambda f, o: jaxce.keep.pack_ids(jaxce.keep.from_csr(f, o), 40, shape=(3,))
+  for fn in (convert, jax.jit(convert)):
+    np.testing.assert_array_equal(fn(token_ids, offsets), jaxce.keep.pack(want))
+
+
 def test_from_csr_without_ids():
   kept = jaxce.keep.from_csr(np.zeros(0, np.int32), np.zeros(3, np.int32))
   np.testing.assert_array_equal(jaxce.keep.pack_ids(kept, 40, shape=(2,)), np.zeros((2, 2)))

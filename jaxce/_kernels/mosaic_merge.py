@@ -1,5 +1,6 @@
 """Per-token outputs from per-tile softmax statistics, merged in one fixed order, as a
-Pallas Mosaic GPU kernel (the fused path's ``mosaic_head`` forward hands it its tiles).
+Pallas Mosaic GPU kernel (the fused path's ``mosaic_head`` forward and the logits path's
+``mosaic_rows`` hand it their tiles, through ``logits_rows.merge_tiles``).
 
 The kernels that form logits reduce each tile of columns to per-token statistics
 ``(m, s, q, picked)``: the tile's max ``m``, ``s = Σ exp(z - m)``, ``q = Σ exp(z - m)(z -

@@ -3,9 +3,10 @@
 XLA decides per program where ``1 / t`` is computed: a temperature array that a user's
 ``jit`` closes over is folded on the host at compile time, the same array passed as an
 argument is divided on the device, and the two need not give the same bits. Every kernel
-that scales logits by ``1 / t`` takes it from here (or, on GPUs without Mosaic, from
-``triton_reciprocal``), so a token's scale (and so its outputs) is the same whichever way
-the temperature arrives. A Pallas kernel is one program wherever it is called; XLA never
+that scales logits by ``1 / t`` takes it from here (on GPUs without Mosaic, from XLA's
+division behind an optimization barrier, which constant folding does not cross:
+``_dispatch._inverse_temperature``), so a token's scale (and so its outputs) is the same
+whichever way the temperature arrives. A Pallas kernel is one program wherever it is called; XLA never
 folds it.
 """
 

@@ -132,31 +132,38 @@ def test_logits_grad_tile_matches_float64(vocab_dim, softcap, first_kept, limit,
   assert_close(got, want, 2 ** -8 * float(np.max(np.abs(want))), "d logits")
 
 
-@pytest.mark.parametrize("weight_layout,tokens,max_unrolled", [
-    ("dv", 300, 64), ("vd", 300, 64), ("dv", 700, 64), ("vd", 700, 2)])
-def test_matches_xla_path_and_reference(weight_layout, tokens, max_unrolled, monkeypatch):
+@pytest.mark.parametrize("weight_layout,tokens,max_unrolled,chunk,columns", [
+    ("dv", 300, 64, None, 384), ("vd", 300, 64, None, 384), ("dv", 700, 64, None, 384),
+    ("vd", 700, 2, None, 384), ("vd", 700, 64, 256, 384), ("dv", 600, 64, 256, 640)])
+def test_matches_xla_path_and_reference(weight_layout, tokens, max_unrolled, chunk, columns,
+                                        monkeypatch):
   """bf16 inputs, ragged tokens and vocabulary, padded vocabulary, per-token temperature,
   softcap, ignored and masked tokens; random cotangents for both outputs. The Mosaic
   forward must be as exact as the XLA path's (both accumulate in f32). 700 tokens over
   384 columns: the backward walks token chunks outer, its three blocks of 128 unrolled,
-  or (past ``MAX_UNROLLED_BLOCKS``) scanned."""
+  or (past ``MAX_UNROLLED_BLOCKS``) scanned. With ``chunk_size=256`` the backward runs a
+  chunk of 256 rows, then one call on the rows left (448 of 700 in token order; 344 of
+  600 with vocab blocks outer over 640 columns)."""
   from jaxce._kernels import linear  # pylint: disable=import-outside-toplevel
   monkeypatch.setattr(linear, "MAX_UNROLLED_BLOCKS", max_unrolled)
   vocab_dim = 1 if weight_layout == "dv" else 0
-  rng, hidden, weight = _inputs(7, tokens, 128, 384, vocab_dim)  # chunks of 256 overlap
+  rng, hidden, weight = _inputs(7, tokens, 128, columns, vocab_dim)
   plan = jaxce.plan.of(jaxce.linear_logprobs_and_entropy, hidden, weight,
                        np.zeros(tokens, np.int32), implementation="mosaic",
-                       weight_layout=weight_layout)
-  assert plan.backward_order == ("token" if tokens > 384 else "vocab"), plan
+                       weight_layout=weight_layout, chunk_size=chunk)
+  assert plan.backward_order == ("token" if tokens > columns else "vocab"), plan
+  assert linear.row_chunks(mosaic_head.padded_rows(tokens), plan.chunk, "mosaic").sizes == (
+      (256, mosaic_head.padded_rows(tokens) - 256) if chunk else
+      (mosaic_head.padded_rows(tokens),)), plan
   labels = rng.integers(0, 250, tokens)
   labels[rng.random(tokens) < 0.1] = -100
   loss_kw = dict(labels=labels, cot_logp=rng.normal(size=tokens),
                  cot_entropy=rng.normal(size=tokens))
   kw = dict(temperature=rng.uniform(0.6, 1.5, tokens), logit_softcap=20.0, vocab_size=250,
             where=rng.random(tokens) < 0.9, weight_layout=weight_layout)
-  block = 128 if tokens > 384 else None
+  block = 128 if tokens > columns else None
   f = lambda h, w, labels, **k: jaxce.linear_logprobs_and_entropy(
-      h, w, labels, vocab_block_size=block, **k)
+      h, w, labels, vocab_block_size=block, chunk_size=chunk, **k)
   fr = lambda h, w, labels, **k: reference.linear_logprobs_and_entropy(h, w, labels, **k)
   mosaic = value_and_grads(f, (hidden, weight), (0, 1), implementation="mosaic", **loss_kw, **kw)
   xla = value_and_grads(f, (hidden, weight), (0, 1), implementation="xla", **loss_kw, **kw)

@@ -212,7 +212,8 @@ def linear_objective_grad_chunk(num_tokens: int, num_columns: int, chunk: int,
   ``chunk`` whose ``[grad_chunk, num_columns]`` d logits (``itemsize`` bytes each) fit
   ``LINEAR_OBJECTIVE_GRAD_BYTES`` of ``platform``, at most the whole chunks in ``T``, moved
   down to a count of chunks that divides ``T``'s when one lies within a factor 2 (so no
-  group is clamped back over the one before)."""
+  group is clamped back over the one before), else to the fewest even groups (the clamped
+  last group repeats the fewest chunks)."""
   whole_chunks = max(1, num_tokens // chunk)
   budget = LINEAR_OBJECTIVE_GRAD_BYTES[budget_platform(platform)]
   cap = max(1, min(whole_chunks, budget // (itemsize * chunk * max(num_columns, 1))))

@@ -100,14 +100,18 @@ def test_fused_objective_gradient_groups(chunk_size, grad_chunk, monkeypatch):
 
 def test_objective_grad_chunk_plan():
   """Whole chunks within the budget and T, a count dividing T's chunks when one is within
-  a factor 2; the chunk itself when one chunk's d logits are over the budget."""
+  a factor 2, else the fewest even groups (a clamped last group repeats the fewest
+  chunks); the chunk itself when one chunk's d logits are over the budget."""
   budget = jaxce.plan.LINEAR_OBJECTIVE_GRAD_BYTES["gpu"]
   grad_chunk = lambda t, v, c: jaxce.plan.linear_objective_grad_chunk(t, v, c, "gpu")
   columns = budget // (2 * 1024 * 6)  # 6 chunks of 1024 fit
   assert grad_chunk(32768, columns, 1024) == 4096  # 32 chunks: 4 divides, 6 and 5 do not
   assert grad_chunk(6 * 1024, columns, 1024) == 6144
-  assert grad_chunk(7 * 1024, columns, 1024) == 6144  # no count in [3, 6] divides 7
-  assert grad_chunk(4 * 1024 + 10, columns, 1024) == 4096  # whole chunks in T only
+  # No count in [3, 6] divides 7: two groups of 4 (one chunk done twice), not two of 6
+  # (the second clamped back over five)
+  assert grad_chunk(7 * 1024, columns, 1024) == 4096
+  # Whole chunks in T only (4 of the 5), and no count in [2, 4] divides 5: two groups of 3
+  assert grad_chunk(4 * 1024 + 10, columns, 1024) == 3072
   assert grad_chunk(5 * 1024 + 10, columns, 1024) == 3072  # 3 divides 6 chunks
   assert grad_chunk(512, columns, 1024) == 1024  # (a padded, batch-invariant chunk)
   assert grad_chunk(32768, budget, 1024) == 1024

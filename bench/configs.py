@@ -309,7 +309,7 @@ _SHAPE_D = (1024, 2048, 4096)
 
 def _shape_groups():
   """jaxce and FLSCE at every shape (both modes); plain JAX while its logits fit (it
-  holds several f32 ``[T, V]`` arrays); a second vocabulary (Qwen3.5's 248320) at D =
+  holds several f32 ``[T, V]`` arrays); a second vocabulary (248320 columns) at D =
   4096."""
   return ([Group("linear", ("jaxce", "liger_flsce"), _SHAPE_T, _GPU_V, d) for d in _SHAPE_D]
           + [Group("linear", ("jax_plain",), _SHAPE_T[:4], _GPU_V, d) for d in _SHAPE_D]

@@ -74,6 +74,10 @@ LINEAR_OBJECTIVE_ROWS_BYTES = {"gpu": 2**30, "cpu": 16 * 2**20}
 # one pair of gradient matmuls, so the f32 d W sum is read and written once per group
 # (bench/NOTES.md, entry 26: groups of 4096 tokens at V = 151936).
 LINEAR_OBJECTIVE_GRAD_BYTES = {"gpu": 5 * 2**28, "cpu": 4 * 2**20}
+# ... and, where the fused head's forward kernel writes the rows, what one more group
+# costs against the kernel's rows: a pass over the f32 d W sum (4 D V bytes read and
+# written) takes about as long as the kernel on 3 row blocks of 256 (2 D V flop each).
+LINEAR_OBJECTIVE_GROUP_ROWS = 3 * 256
 # Fused path, Mosaic GPU forward: bytes of one chunk's f32 [V_local / 128, 4, chunk] tile
 # statistics (1/32 of its f32 [chunk, V_local] logits).
 LINEAR_KERNEL_STATS_BYTES = 256 * 2**20
@@ -220,6 +224,46 @@ def linear_objective_grad_chunk(num_tokens: int, num_columns: int, chunk: int,
   return chunk * _divisor_near(-(-num_tokens // chunk), cap)
 
 
+def linear_objective_kernel_tiles(num_tokens: int, num_columns: int,
+                                  requested: int | None = None, platform: str | None = None,
+                                  itemsize: int = 2) -> tuple[int, int]:
+  """``(chunk, grad_chunk)`` of the fused objective path when the fused head's forward
+  kernel writes its rows (``mosaic_head``: calls of a multiple of 8 rows, at least 256;
+  each costs its rows rounded up to 256). A requested chunk is rounded up to that, its
+  groups as :func:`linear_objective_grad_chunk` plans them. Else: all ``T`` (rounded up
+  to the kernel's rows) when its f32 rows fit ``LINEAR_OBJECTIVE_ROWS_BYTES``; otherwise
+  the fewest groups that the d logits' budget (``LINEAR_OBJECTIVE_GRAD_BYTES``) allows,
+  each of ``k`` equal chunks within the rows' budget, ``k`` the count (of the four
+  smallest that fit) whose chunks waste the fewest kernel rows. The groups then cover
+  ``T`` with fewer than 8 rows to spare a chunk: the last group is clamped back over that
+  many rows (or ``T`` padded up to one group)."""
+  rows_of = lambda n: max(-(-n // mosaic_head.ROW_TILE) * mosaic_head.ROW_TILE,
+                          mosaic_head.MIN_ROWS)
+  if requested is not None:
+    chunk = rows_of(requested)
+    return chunk, linear_objective_grad_chunk(max(num_tokens, chunk), num_columns, chunk,
+                                              platform, itemsize)
+  platform = budget_platform(platform)
+  rows_cap = rows_of(LINEAR_OBJECTIVE_ROWS_BYTES[platform] // (4 * max(num_columns, 1)) - 7)
+  group_cap = LINEAR_OBJECTIVE_GRAD_BYTES[platform] // (itemsize * max(num_columns, 1))
+  tokens = rows_of(num_tokens)
+  if tokens <= rows_cap:
+    return tokens, tokens
+  block = mosaic_head.MIN_ROWS
+  fewest_groups = -(-tokens // max(group_cap, rows_cap))
+
+  def cost(groups, count):  # (kernel rows, then a d W pass as LINEAR_OBJECTIVE_GROUP_ROWS)
+    chunk = rows_of(-(-tokens // (groups * count)))
+    return groups * count * -(-chunk // block) * block + groups * LINEAR_OBJECTIVE_GROUP_ROWS
+
+  fewest_chunks = lambda groups: -(-tokens // (groups * rows_cap))  # (a group's)
+  candidates = [(groups, count) for groups in range(fewest_groups, fewest_groups + 4)
+                for count in range(fewest_chunks(groups), fewest_chunks(groups) + 4)]
+  groups, count = min(candidates, key=lambda c: (cost(*c), c))
+  chunk = rows_of(-(-tokens // (groups * count)))
+  return chunk, chunk * count
+
+
 def linear_kernel_chunk(num_tokens: int, num_columns: int) -> int:
   """Tokens per call of the fused path's Mosaic GPU forward kernel: its tile statistics
   take 1/32 of the bytes of the chunk's f32 logits, planned to
@@ -360,10 +404,12 @@ def _unsupported(backend, *, operation, target, dtypes, has_bias, has_keep, dept
   if backend == "triton":
     return triton_rows.unsupported(operation=operation, dtypes=dtypes, has_keep=has_keep,
                                    batch_invariant=batch_invariant)
-  if backend == "mosaic" and operation == "linear_logprobs_and_entropy":
-    return mosaic_head.unsupported(
-        platform=target.platform, capability=target.capability, hidden_dtype=dtypes[0],
-        weight_dtype=dtypes[1], has_bias=has_bias, depth=depth, num_columns=num_columns)
+  if backend == "mosaic" and operation.startswith("linear"):
+    # (the fused head's kernels; the objective path's rows from them, or else from XLA's
+    # matmul with their statistics by the logits rows' kernel)
+    head_reason = _head_unsupported(target, dtypes, has_bias, depth, num_columns)
+    if operation == "linear_logprobs_and_entropy" or head_reason is None:
+      return head_reason
   if backend == "mosaic":  # (the statistics of logits rows; the fused objective's are f32)
     rows_dtype = jnp.float32 if operation == "linear_token_loss" else dtypes[0]
     return mosaic_rows.unsupported(
@@ -371,6 +417,13 @@ def _unsupported(backend, *, operation, target, dtypes, has_bias, has_keep, dept
         dtypes=(*dtypes, rows_dtype), num_columns=num_columns,
         batch_invariant=batch_invariant)
   return None
+
+
+def _head_unsupported(target, dtypes, has_bias, depth, num_columns):
+  """Why the fused head's kernels (``mosaic_head``) cannot run a fused call, or None."""
+  return mosaic_head.unsupported(
+      platform=target.platform, capability=target.capability, hidden_dtype=dtypes[0],
+      weight_dtype=dtypes[1], has_bias=has_bias, depth=depth or 1, num_columns=num_columns)
 
 
 def _backend(operation, requested, **call):
@@ -462,11 +515,22 @@ def make(operation: str, *, target: Target, implementation: str | None, num_toke
     chunk = None if one_pass else logits_chunk(num_tokens, num_columns, chunk_size, platform)
     plan = Plan(chunk=chunk, **common)
   elif operation == "linear_token_loss":  # (exact sums: the matmul's rows a chunk, a group)
-    chunk = (matmul_tile[0] if exact else
-             linear_objective_chunk(num_tokens, num_columns, chunk_size, platform))
-    grad_chunk = chunk if exact else linear_objective_grad_chunk(
-        num_tokens, num_columns, chunk, platform, jnp.dtype(jnp.result_type(*dtypes)).itemsize)
-    plan = Plan(chunk=chunk, grad_chunk=grad_chunk, **common)
+    itemsize = jnp.dtype(jnp.result_type(*dtypes)).itemsize
+    head_reason = (_head_unsupported(target, dtypes, has_bias, depth, num_columns)
+                   if chosen == "mosaic" else "")
+    if head_reason is None:  # the rows and their statistics from the fused head's kernel
+      chunk, grad_chunk = linear_objective_kernel_tiles(num_tokens, num_columns, chunk_size,
+                                                        platform, itemsize)
+      plan = Plan(chunk=chunk, grad_chunk=grad_chunk, kernel_chunk=chunk, **common)
+    else:
+      if head_reason:
+        common.update(reason=f"{reason}; the rows from XLA's matmul: {head_reason}",
+                      invariant_to=())
+      chunk = (matmul_tile[0] if exact else
+               linear_objective_chunk(num_tokens, num_columns, chunk_size, platform))
+      grad_chunk = chunk if exact else linear_objective_grad_chunk(
+          num_tokens, num_columns, chunk, platform, itemsize)
+      plan = Plan(chunk=chunk, grad_chunk=grad_chunk, **common)
   else:
     if chosen == "mosaic":  # (padded to the kernels' multiple of 8 rows, at least 256)
       num_tokens = mosaic_head.padded_rows(num_tokens)

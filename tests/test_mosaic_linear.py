@@ -68,10 +68,20 @@ def test_tile_statistics_match_float64(tokens, dim, num_columns, vocab_dim, soft
   labels = jnp.asarray(rng.integers(0, num_columns + 30, tokens), jnp.int32)
   inv_temp = jnp.asarray(rng.uniform(0.5, 2.0, tokens), jnp.float32)
   limit = num_columns - 9  # padded columns at the end
-  tiles = mosaic_head.statistics(hidden, weight, labels, inv_temp, limit,
-                                 column_start=column_start, vocab_dim=vocab_dim,
-                                 softcap=softcap, with_entropy=True, **kernel_device())
+  kw = dict(column_start=column_start, vocab_dim=vocab_dim, softcap=softcap,
+            with_entropy=True, **kernel_device())
+  tiles = mosaic_head.statistics(hidden, weight, labels, inv_temp, limit, **kw)
   assert tiles.shape == (num_columns // 128, 4, tokens)
+  # With the logits (the fused objective path's rows): the same statistics' bits, and the
+  # numbers they were formed from: every column's softcap(hidden @ weight) in f32.
+  same_tiles, logits = mosaic_head.statistics(hidden, weight, labels, inv_temp, limit, **kw,
+                                              with_logits=True)
+  assert np.array_equal(np.asarray(same_tiles).view(np.uint32),
+                        np.asarray(tiles).view(np.uint32))
+  x = np.asarray(hidden, np.float64) @ np.asarray(weight if vocab_dim else weight.T, np.float64)
+  x = x if softcap is None else softcap * np.tanh(x / softcap)
+  assert logits.shape == (tokens, num_columns) and logits.dtype == jnp.float32
+  assert_close(np.asarray(logits), x, 2e-6 * np.max(np.abs(x)), "logits")
   got = _merged(tiles)
   want = _statistics_f64(hidden, weight, labels, inv_temp, limit, column_start, vocab_dim,
                          softcap)

@@ -76,8 +76,10 @@ class Plan(NamedTuple):
     block: vocabulary columns per tile of the fused per-token path (else ``None``).
     grad_chunk: the fused objective path's tokens per pair of gradient matmuls, a
       multiple of ``chunk`` (else ``None``).
-    kernel_chunk: tokens per call of the Mosaic forward kernel, all ``T`` or a multiple
-      of 256 (the rows left take one call of their own), else ``None``.
+    kernel_chunk: tokens per call of the Mosaic forward kernel (``mosaic_head``), else
+      ``None``. Fused per-token path: all ``T`` or a multiple of 256 (the rows left take
+      one call of their own); fused objective path: its ``chunk``, whose f32 rows the
+      kernel writes with their statistics.
     backward_order: the fused per-token backward's outer loop, ``"vocab"`` or
       ``"token"`` (else ``None``).
     interpret: run the Pallas kernels in JAX's interpreter (the call runs off GPUs).

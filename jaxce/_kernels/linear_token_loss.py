@@ -5,7 +5,9 @@ forward pass with three matmuls.
 One scan over groups of tokens (token-outer), each walked in chunks (the plan's
 ``grad_chunk`` and ``chunk``). Per chunk: ``x = hidden_chunk @ weight``, the chunk's full
 ``[C, V_local]`` rows in f32 (matmul 1), kept until the chunk is done; its statistics
-(shards combine them with one pmax + one psum) and per-token loss terms; then, when
+(shards combine them with one pmax + one psum; on Hopper the fused head's forward kernel
+writes the rows and their statistics together, so each token's ``logp`` and ``entropy``
+are the per-token path's bits) and per-token loss terms; then, when
 differentiating, the cotangents the objective gives each token and ``d logits`` of the
 rows, in the operand dtype, into the group's ``[G, V_local]``. Per group: ``d
 hidden_group = d @ weightᵀ`` (matmul 2, all-reduced over the vocab axis in f32 and
@@ -24,7 +26,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxce._kernels import chunking, head, logits_rows, loss_terms, plumbing, softmax
+from jaxce._kernels import chunking, head, logits_rows, loss_terms, mosaic_head, plumbing
+from jaxce._kernels import softmax
 from jaxce._kernels.config import Config, Tokens
 
 
@@ -51,7 +54,8 @@ def _run(objective, hidden, weight, bias, tokens, token_args, config, with_grads
   operand_dtype, dtype = head.dtypes(hidden, weight)
   column_start = softmax.shard_column_start(num_columns, config.vocab_axis)
   primals = (hidden, weight, bias)
-  # (fewer tokens than a group: batch-invariant plans only, the matmul keeps its rows)
+  # (fewer tokens than a group: the batch-invariant matmul keeps its rows, the kernel
+  # takes at least its 256 and a multiple of 8)
   hidden, tokens = chunking.pad_rows(hidden, group), tokens.padded(group)
   token_args = tuple(chunking.pad_rows(a, group) for a in token_args)
   padded = hidden.shape[0]
@@ -61,13 +65,8 @@ def _run(objective, hidden, weight, bias, tokens, token_args, config, with_grads
     written into the group's (the operand dtype) and the running ``d bias`` sum."""
     h, chunk_tokens, chunk_args, fresh = chunking.take_rows(group_rows, i * chunk, chunk)
     labels, inv_temp, valid, kept = chunk_tokens
-    if not config.plan.exact_sums:
-      x = head.tile_logits(h, weight, bias, config.softcap, vocab_dim)
-    else:  # batch-invariant: matmuls of one shape (chunk = the tile's rows), no softcap yet
-      x = head.invariant_logits(h, weight, bias, vocab_dim, config.plan.matmul_tile[1])
-    logp, shift, log_sum, entropy = logits_rows.statistics(x, chunk_tokens, column_start, config)
-    if config.plan.exact_sums:  # (the exact statistics applied it themselves)
-      x = head.cap(x, config.softcap)
+    x, (logp, shift, log_sum, entropy) = _rows(h, weight, bias, chunk_tokens, column_start,
+                                               config)
     row_mask = valid & fresh  # a clamped group's overlap counts once
     loss, g_logp, g_entropy = loss_terms.terms_and_cotangents(
         objective, logp, entropy, list(chunk_args), row_mask, with_grads)
@@ -130,6 +129,32 @@ def _run(objective, hidden, weight, bias, tokens, token_args, config, with_grads
   # sums the scaled gradients over the axes the primal does not vary over.
   witnesses = tuple(None if p is None else p.reshape(-1)[:0] for p in primals)
   return out, (grads, witnesses)
+
+
+def _rows(hidden, weight, bias, tokens, column_start, config):
+  """``(x, (logp, m, log s, entropy or None))``: a chunk's f32 logits ``x [C, V_local]``
+  after the softcap, and their statistics as ``logits_rows.statistics`` returns them.
+  With the plan's ``kernel_chunk`` both come from the fused head's forward kernel
+  (``mosaic_head.statistics`` with the logits, merged by ``mosaic_merge``): the per-token
+  path's bits, formed in the matmul's epilogue. Else XLA's matmul, then the statistics'
+  own pass over the rows."""
+  if config.plan.kernel_chunk is not None:
+    limit = softmax.column_limit(config.mask_vocab, column_start,
+                                 weight.shape[config.vocab_dim])
+    tiles, x = mosaic_head.statistics(
+        hidden, weight, tokens.labels, tokens.inv_temp, limit, tokens.kept,
+        column_start=column_start, vocab_dim=config.vocab_dim, softcap=config.softcap,
+        with_entropy=config.with_entropy, interpret=config.plan.interpret,
+        num_cores=config.plan.num_cores, with_logits=True)
+    return x, logits_rows.tile_outputs(tiles, tokens, config)
+  if not config.plan.exact_sums:
+    x = head.tile_logits(hidden, weight, bias, config.softcap, config.vocab_dim)
+    return x, logits_rows.statistics(x, tokens, column_start, config)
+  # batch-invariant: matmuls of one shape (chunk = the tile's rows), no softcap yet (the
+  # exact statistics apply it themselves)
+  x = head.invariant_logits(hidden, weight, bias, config.vocab_dim, config.plan.matmul_tile[1])
+  statistics = logits_rows.statistics(x, tokens, column_start, config)
+  return head.cap(x, config.softcap), statistics
 
 
 def _fwd(objective, hidden, weight, bias, tokens, token_args, config):

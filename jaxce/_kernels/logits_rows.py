@@ -39,9 +39,7 @@ def statistics(x, tokens: Tokens, column_start, config):
       m, s, q = triton_rows.row_statistics(x, inv_temp, limit, config.with_entropy,
                                            interpret=interpret)
       tiles = jnp.stack([m, s, q, picked])[None]  # this shard's columns: one tile
-    logp, m, log_s, entropy = merge_tiles(tiles, config)
-    logp, entropy_out = softmax.finish_outputs(logp, entropy, labels, valid, config.vocab_size)
-    return logp, m, log_s, entropy_out
+    return tile_outputs(tiles, tokens, config)
   if config.plan.exact_sums:
     return softmax.exact_statistics(x, labels, inv_temp, valid, column_start,
                                     config.vocab_size, config.mask_vocab, config.vocab_axis,
@@ -49,6 +47,16 @@ def statistics(x, tokens: Tokens, column_start, config):
   return softmax.chunk_statistics(x, labels, inv_temp, valid, column_start, config.vocab_size,
                                   config.mask_vocab, config.vocab_axis, config.with_entropy,
                                   kept)
+
+
+def tile_outputs(tiles, tokens: Tokens, config):
+  """``(logp, m, log s, entropy or None)``, ``[C]`` each as :func:`statistics` returns
+  them, from this shard's tiles' statistics ``[G, 4, C]`` of the rows of ``tokens``
+  (``merge_tiles``, then ``softmax.finish_outputs``)."""
+  logp, m, log_s, entropy = merge_tiles(tiles, config)
+  logp, entropy_out = softmax.finish_outputs(logp, entropy, tokens.labels, tokens.valid,
+                                             config.vocab_size)
+  return logp, m, log_s, entropy_out
 
 
 def merge_tiles(tiles, config):

@@ -1,6 +1,6 @@
 """The fused LM-head path's tiles as a Pallas Mosaic GPU kernel (sm90), with two epilogues:
-the forward's softmax statistics (``statistics``) and the backward's ``d logits``
-(``logits_grad``).
+the forward's softmax statistics (``statistics``; for the fused objective path, with the
+f32 logits they were formed from) and the backward's ``d logits`` (``logits_grad``).
 
 ``hidden @ weight`` is computed tile by tile on the tensor cores (wgmma, bf16/f16
 operands, f32 accumulation) and each ``[256, 128]`` tile is finished in registers before
@@ -15,7 +15,9 @@ warpgroups):
   (forward epilogue) apply the softcap and the per-row temperature, mask columns outside
   ``[tile start, limit)``, and reduce the tile to per-row ``(m, s, q, picked)``: its max,
   ``Σ exp(z - m)``, ``Σ exp(z - m)(z - m)`` and the label's ``z`` (0 when the label is
-  not in the tile); or (backward epilogue) ``softmax.logit_grad`` and the softcap's and
+  not in the tile), the tile itself stored from registers when the caller keeps the
+  logits (the fused objective path's rows: its per-token outputs are then the per-token
+  path's bits); or (backward epilogue) ``softmax.logit_grad`` and the softcap's and
   temperature's factors, stored through shared memory with TMA. With kept sets, each
   warpgroup's ``[4, 128]`` block of the transposed words comes in by TMA beside its row
   inputs (the label's bit set in XLA: ``mosaic_rows.kept_words``), and columns outside a
@@ -56,11 +58,12 @@ TILE_N = 128  # vocabulary columns per tile
 TILE_K = 64  # hidden dims per pipeline step
 STAGES = 4  # pipeline depth: 4 x 48 KiB of shared memory
 GRAD_STAGES = 3  # 3 x 48 KiB, next to the two 32 KiB d logits tiles being stored
+LOGITS_STAGES = 3  # the forward that also stores its f32 logits (fastest measured)
 MIN_ROWS = 2 * TILE_M  # rows per CTA: the least a call takes (fewer are padded)
 ROW_TILE = 8  # TMA reads rows in tiles of 8: a call's rows are a multiple of it
 # The operations whose outputs these kernels make batch-invariant (all they run: fixed
 # tiles, no split-K, tiles merged in the columns' order by ``mosaic_merge``).
-INVARIANT_OPERATIONS = ("linear_logprobs_and_entropy",)
+INVARIANT_OPERATIONS = ("linear_logprobs_and_entropy", "linear_token_loss")
 SNAKE_WIDTH = 8  # row blocks walked together (L2 reuse of the hidden blocks)
 _LOG2_E = 1.4426950408889634
 
@@ -103,20 +106,21 @@ def row_blocks(num_rows: int) -> int:
   return -(-num_rows // MIN_ROWS)
 
 
-def _tiles(hidden, weight, row_inputs, words, *, vocab_dim, stages, epilogue, out_type,
-           scratch, store, interpret, num_cores):
+def _tiles(hidden, weight, row_inputs, words, *, vocab_dim, stages, finish, out_type,
+           scratch, interpret, num_cores):
   """The kernel skeleton: every ``[TILE_M, TILE_N]`` tile of ``hidden @ weight`` (f32
-  accumulation) handed to ``epilogue`` in registers, and its result to ``store``.
+  accumulation) handed to ``finish`` in registers, which writes what it makes of it.
 
   ``hidden [C, D]``, ``weight [D, V]`` (``vocab_dim`` 1) or ``[V, D]`` (0), 16-bit;
   ``row_inputs [R, C]`` f32: R numbers per row (the label's column second), handed to
-  ``epilogue`` as ``[TILE_M]`` vectors; ``words``: uint32 ``[V / 32, C]`` kept sets, a
-  row per word, or None. ``epilogue(x, rows, column, kept)`` (``column``: the tile's
-  first column; ``kept``: its kept columns, ``mosaic_rows.kept_columns``, or None) returns
-  what ``store(scratch_ref, out_ref, result, n_idx, rows, column)`` writes, through
-  ``scratch`` (this warpgroup's part of a shared-memory buffer of type ``scratch``,
-  leading dim 2) into the output of type ``out_type``. ``interpret``: run in JAX's GPU
-  interpreter; ``num_cores``: the persistent grid's size (one CTA per SM).
+  ``finish`` as ``[TILE_M]`` vectors; ``words``: uint32 ``[V / 32, C]`` kept sets, a
+  row per word, or None. ``finish(x, rows, column, kept, scratch, outs, n_idx,
+  row_slice)`` (``column``: the tile's first column; ``kept``: its kept columns,
+  ``mosaic_rows.kept_columns``, or None) writes into ``outs``, the outputs (of the tuple
+  of types ``out_type``), directly or with TMA through ``scratch``, this warpgroup's part
+  of a shared-memory buffer of type ``scratch`` (leading dim 2), once the warpgroup's
+  last copy has read it (``_copy_out``). ``interpret``: run in JAX's GPU interpreter;
+  ``num_cores``: the persistent grid's size (one CTA per SM).
   """
   num_rows, depth = hidden.shape
   num_columns = weight.shape[vocab_dim]
@@ -152,7 +156,7 @@ def _tiles(hidden, weight, row_inputs, words, *, vocab_dim, stages, epilogue, ou
     )
 
   def kernel(hidden_gmem, weight_gmem, rows_gmem, *refs):
-    *words_gmem, out_gmem = refs
+    words_gmem, out_gmems = refs[:has_words], refs[has_words:]
     ignore = lambda *_, **__: None
     words_scratch = dict(
         words_smem=plgpu.SMEM((2, words_per_tile, TILE_M), jnp.uint32),
@@ -203,9 +207,7 @@ def _tiles(hidden, weight, row_inputs, words, *, vocab_dim, stages, epilogue, ou
             if has_words:
               plgpu.barrier_wait(words_barrier.at[wg])
               kept = mosaic_rows.kept_columns(words_smem.at[wg])
-            result = epilogue(x, row_values, column, kept)
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # out_smem is free again
-            store(out_smem.at[wg], out_gmem, result, n_idx, row_slice, column)
+            finish(x, row_values, column, kept, out_smem.at[wg], out_gmems, n_idx, row_slice)
 
         def mma_body(_, hidden_smem, weight_smem, acc_ref):
           rhs = weight_smem if vocab_dim else weight_smem.transpose((1, 0))
@@ -242,28 +244,42 @@ def _transforms(minor_dim, dtype):
           plgpu.SwizzleTransform(swizzle))
 
 
+def _copy_out(scratch, value, out_slice):
+  """Writes ``value`` (an array, or a tuple of ``scratch``'s rows) to the device-memory
+  ``out_slice`` through ``scratch`` with TMA, once the warpgroup's last copy has read
+  ``scratch``."""
+  plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+  if isinstance(value, tuple):
+    for i, row in enumerate(value):
+      scratch[i] = row
+  else:
+    scratch[...] = value
+  plgpu.commit_smem()
+  plgpu.copy_smem_to_gmem(scratch, out_slice)
+
+
 def _tile_statistics(hidden, weight, row_inputs, words, *, vocab_dim, softcap, with_entropy,
-                     interpret, num_cores):
-  """``[vocab tiles, 4, C]`` f32: ``(m, s, q, picked)`` of every ``[row, tile]``;
-  ``row_inputs [3, C]``: the inverse temperature, the label's column in this weight (-1
-  when not here) and the first excluded column, per row; ``words`` as ``_tiles``."""
-  num_rows = hidden.shape[0]
-  n_iters = weight.shape[vocab_dim] // TILE_N
+                     with_logits, interpret, num_cores):
+  """``[vocab tiles, 4, C]`` f32: ``(m, s, q, picked)`` of every ``[row, tile]``, and with
+  ``with_logits`` the ``[C, V]`` f32 logits after the softcap, stored from registers (the
+  f32 tile is too large for shared memory beside the pipeline); ``row_inputs [3, C]``: the
+  inverse temperature, the label's column in this weight (-1 when not here) and the first
+  excluded column, per row; ``words`` as ``_tiles``."""
+  num_rows, num_columns = hidden.shape[0], weight.shape[vocab_dim]
 
-  def epilogue(x, row_values, column, kept):
-    return _epilogue(x, *row_values, column, kept, softcap, with_entropy)
+  def finish(x, row_values, column, kept, scratch, outs, n_idx, row_slice):
+    x = _cap(x, softcap)
+    if with_logits:
+      outs[1].at[row_slice, pl.ds(column, TILE_N)][...] = x
+    stats = _epilogue(x, *row_values, column, kept, with_entropy)
+    _copy_out(scratch, stats, outs[0].at[n_idx, :, row_slice])
 
-  def store(scratch, out_gmem, stats, n_idx, row_slice, column):
-    del column
-    for i, stat in enumerate(stats):
-      scratch[i] = stat
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(scratch, out_gmem.at[n_idx, :, row_slice])
-
-  return _tiles(hidden, weight, row_inputs, words, vocab_dim=vocab_dim, stages=STAGES,
-                epilogue=epilogue,
-                out_type=jax.ShapeDtypeStruct((n_iters, 4, num_rows), jnp.float32),
-                scratch=plgpu.SMEM((2, 4, TILE_M), jnp.float32), store=store,
+  stats_type = jax.ShapeDtypeStruct((num_columns // TILE_N, 4, num_rows), jnp.float32)
+  logits_type = jax.ShapeDtypeStruct((num_rows, num_columns), jnp.float32)
+  return _tiles(hidden, weight, row_inputs, words, vocab_dim=vocab_dim,
+                stages=LOGITS_STAGES if with_logits else STAGES, finish=finish,
+                out_type=(stats_type,) + ((logits_type,) if with_logits else ()),
+                scratch=plgpu.SMEM((2, 4, TILE_M), jnp.float32),
                 interpret=interpret, num_cores=num_cores)
 
 
@@ -273,21 +289,22 @@ def _tile_logits_grad(hidden, weight, row_inputs, words, *, vocab_dim, softcap, 
   as ``_grad_epilogue`` takes them; ``words`` as ``_tiles``."""
   num_rows, dtype = hidden.shape[0], hidden.dtype
 
-  def epilogue(x, row_values, column, kept):
-    return _grad_epilogue(x, *row_values, column, kept, softcap).astype(dtype)
-
-  def store(scratch, out_gmem, d, n_idx, row_slice, column):
+  def finish(x, row_values, column, kept, scratch, outs, n_idx, row_slice):
     del n_idx
-    scratch[...] = d
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(scratch, out_gmem.at[row_slice, pl.ds(column, TILE_N)])
+    d = _grad_epilogue(x, *row_values, column, kept, softcap).astype(dtype)
+    _copy_out(scratch, d, outs[0].at[row_slice, pl.ds(column, TILE_N)])
 
   return _tiles(hidden, weight, row_inputs, words, vocab_dim=vocab_dim, stages=GRAD_STAGES,
-                epilogue=epilogue,
-                out_type=jax.ShapeDtypeStruct((num_rows, weight.shape[vocab_dim]), dtype),
+                finish=finish,
+                out_type=(jax.ShapeDtypeStruct((num_rows, weight.shape[vocab_dim]), dtype),),
                 scratch=plgpu.SMEM((2, TILE_M, TILE_N), dtype,
                                    transforms=_transforms(TILE_N, dtype)),
-                store=store, interpret=interpret, num_cores=num_cores)
+                interpret=interpret, num_cores=num_cores)[0]
+
+
+def _cap(x, softcap):
+  """``softcap * tanh(x / softcap)``, or ``x`` without a softcap."""
+  return x if softcap is None else softcap * jnp.tanh(x / softcap)
 
 
 def _grad_epilogue(x, inv_temp, label, limit, first_kept, shift, log_sum, entropy, g_logp,
@@ -298,7 +315,7 @@ def _grad_epilogue(x, inv_temp, label, limit, first_kept, shift, log_sum, entrop
   (``row_mask``: 1 or 0)."""
   shape = x.shape
   per_row = lambda v: lax.broadcast_in_dim(v, shape, [0])
-  capped = softcap * jnp.tanh(x / softcap) if softcap is not None else x
+  capped = _cap(x, softcap)
   local = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
   global_column = (local + column).astype(jnp.float32)  # exact below 2**24
   kept = (global_column >= per_row(first_kept)) & (global_column < per_row(limit))
@@ -316,14 +333,12 @@ def _grad_epilogue(x, inv_temp, label, limit, first_kept, shift, log_sum, entrop
   return jnp.where(per_row(row_mask) > 0, dx, 0.0)  # after every factor: a dropped row's NaN
 
 
-def _epilogue(x, inv_temp, label, limit, column, kept_set, softcap, with_entropy):
-  """``(m, s, q, picked)`` ``[TILE_M]`` f32 of one accumulator tile ``x [TILE_M,
-  TILE_N]`` (WGMMA layout) whose first column is ``column``; ``kept_set``: the tile's kept
-  columns or None."""
+def _epilogue(x, inv_temp, label, limit, column, kept_set, with_entropy):
+  """``(m, s, q, picked)`` ``[TILE_M]`` f32 of one tile of logits ``x [TILE_M, TILE_N]``
+  (after the softcap; WGMMA layout) whose first column is ``column``; ``kept_set``: the
+  tile's kept columns or None."""
   shape = x.shape
   per_row = lambda v: lax.broadcast_in_dim(v, shape, [0])
-  if softcap is not None:
-    x = softcap * jnp.tanh(x / softcap)
   local = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
   global_column = (local + column).astype(jnp.float32)  # exact below 2**24
   kept = global_column < per_row(limit)
@@ -340,10 +355,11 @@ def _epilogue(x, inv_temp, label, limit, column, kept_set, softcap, with_entropy
 
 
 def statistics(hidden, weight, labels, inv_temp, limit, kept=None, *, column_start,
-               vocab_dim, softcap, with_entropy, interpret, num_cores):
+               vocab_dim, softcap, with_entropy, interpret, num_cores, with_logits=False):
   """Per-tile ``(m, s, q, picked)`` of ``z = softcap(hidden @ weight) * inv_temp`` over
   this weight's columns below ``limit``, for ``mosaic_merge.merge`` to merge in the
-  columns' order.
+  columns' order; with ``with_logits`` also the f32 logits the statistics were formed
+  from (the fused objective path's rows).
 
   Args:
     hidden: ``[C, D]`` bf16 or f16, ``C >= 256`` a multiple of 8, ``D`` of 64.
@@ -356,23 +372,28 @@ def statistics(hidden, weight, labels, inv_temp, limit, kept=None, *, column_sta
       read with the tiles (the label's column always kept); or None.
     with_entropy: compute ``q`` (else zeros).
     interpret, num_cores: as the plan says (``_tiles``).
+    with_logits: also return the logits.
 
   Returns:
     ``[V_local / 128, 4, C]`` float32: ``(m, s, q, picked)`` of each row over each tile of
     128 columns, in the columns' order. A row's numbers depend on its own hidden state,
     label, temperature and the tile's columns alone (one wgmma sequence over the whole
     hidden dim, no split-K; the epilogue's instructions are the same for every row).
-    Memory: that array, 1/32 of the bytes of the chunk's f32 logits; with ``kept``, its
-    ``mosaic_rows.kept_words`` copy.
+    With ``with_logits``, ``(that array, x)``: ``x [C, V_local]`` float32, every column's
+    ``softcap(hidden @ weight)`` (before the temperature and any mask), the numbers the
+    statistics were formed from; the statistics' bits are the same either way.
+    Memory: that array, 1/32 of the bytes of the chunk's f32 logits (and ``x``); with
+    ``kept``, its ``mosaic_rows.kept_words`` copy.
   """
   num_columns = weight.shape[vocab_dim]
   label_column = labels - column_start
   label_column = jnp.where((label_column >= 0) & (label_column < num_columns), label_column, -1)
   row_inputs = jnp.stack([inv_temp.astype(jnp.float32), label_column.astype(jnp.float32),
                           jnp.broadcast_to(jnp.asarray(limit, jnp.float32), inv_temp.shape)])
-  return _tile_statistics(hidden, weight, row_inputs, _words(kept, label_column, num_columns),
-                          vocab_dim=vocab_dim, softcap=softcap, with_entropy=with_entropy,
-                          interpret=interpret, num_cores=num_cores)
+  out = _tile_statistics(hidden, weight, row_inputs, _words(kept, label_column, num_columns),
+                         vocab_dim=vocab_dim, softcap=softcap, with_entropy=with_entropy,
+                         with_logits=with_logits, interpret=interpret, num_cores=num_cores)
+  return out if with_logits else out[0]
 
 
 def _words(kept, label_column, num_columns):

@@ -1,0 +1,83 @@
+"""The first on-policy step of GRPO, as a user writes it: the scoring pass
+(``linear_logprobs_and_entropy``, no gradient) gives the old log-probs, then
+``linear_token_loss`` on the same batch and parameters. The policy is the old policy, so
+each token's ratio ``exp(logp - old_logp)`` is exactly 1 and nothing is clipped: the
+objective path's ``logp`` is the scoring pass's bits.
+
+Where that is promised: with the fused head's kernels (Hopper's default; off GPUs in JAX's
+GPU interpreter, which needs JAX >= 0.11) and with ``batch_invariant=True`` everywhere. On
+GPUs the calls run at a real shape (T = 8 x 1023 tokens, D = 1024, V = 151936, bf16);
+off GPUs at a small ragged one."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from helpers import jaxce
+
+ON_GPU = jax.default_backend() == "gpu"
+# (batch, sequence, D, columns, vocab_size): a shifted-label batch, the vocabulary padded
+SHAPE = (8, 1023, 1024, 151936, 151665) if ON_GPU else (4, 75, 64, 384, 380)
+EPSILON_LOW, EPSILON_HIGH = 0.2, 0.28
+CASES = {
+    "default": dict(),  # the plan's kernels: on GPUs the default, off GPUs XLA (no promise)
+    "batch_invariant": dict(batch_invariant=True),
+    "mosaic": dict(implementation="mosaic"),  # what Hopper runs by default
+}
+
+
+def _batch(seed=0):
+  batch, length, depth, columns, vocab = SHAPE
+  rng = np.random.default_rng(seed)
+  hidden = jnp.asarray(rng.normal(size=(batch, length, depth)), jnp.bfloat16)
+  weight = rng.normal(size=(depth, columns)) * 1.5 / np.sqrt(depth)
+  weight[:, rng.integers(0, vocab, 8)] *= 6  # a few peaked columns
+  weight = jnp.asarray(weight, jnp.bfloat16)
+  labels = rng.integers(0, vocab, (batch, length))
+  mask = rng.random((batch, length)) < 0.9
+  advantages = np.repeat(rng.normal(size=(batch, 1)), length, axis=1)
+  ref_logp = -rng.uniform(0.1, 8.0, (batch, length))
+  return hidden, weight, labels, mask, advantages, ref_logp
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_first_on_policy_step_has_ratio_exactly_one(case):
+  options = CASES[case]
+  if case == "default" and not ON_GPU:
+    pytest.skip("off GPUs the default plan runs XLA's sums, which promise no bits across "
+                "paths (the 'mosaic' case runs Hopper's default in the interpreter)")
+  if case == "mosaic" and not ON_GPU and not hasattr(plgpu, "InterpretGPUParams"):
+    pytest.skip(f"the Mosaic GPU interpreter needs JAX >= 0.11 (this is {jax.__version__})")
+  hidden, weight, labels, mask, advantages, ref_logp = _batch()
+  vocab_size = SHAPE[4]
+  common = dict(temperature=0.9, where=mask, vocab_size=vocab_size, **options)
+
+  @jax.jit
+  def score(params, hidden):  # the rollout's scoring pass
+    return jaxce.linear_logprobs_and_entropy(hidden, params, labels, **common)[0]
+
+  objective = jaxce.objectives.grpo(EPSILON_LOW, EPSILON_HIGH, beta=0.04, entropy_coef=0.01)
+  weights = jaxce.objectives.token_weights(mask)
+
+  @jax.jit
+  def train_step(params, hidden, old_logp):
+    def loss_fn(params):
+      return jaxce.linear_token_loss(objective, hidden, params, labels, advantages, old_logp,
+                                     ref_logp, weights, **common)
+    return jax.value_and_grad(loss_fn, has_aux=True)(params)
+
+  old_logp = score(weight, hidden)
+  (loss, (logp, entropy)), grad = train_step(weight, hidden, old_logp)
+  ratio = jnp.exp(logp - old_logp)
+  clipped = (ratio < 1 - EPSILON_LOW) | (ratio > 1 + EPSILON_HIGH)
+  kept = np.asarray(mask)
+  differing = np.asarray(logp)[kept].view(np.uint32) != np.asarray(old_logp)[kept].view(
+      np.uint32)
+  assert not differing.any(), (
+      f"{case}: {differing.sum()} of {kept.sum()} tokens' log-probs differ from the scoring "
+      f"pass's, up to {float(jnp.max(jnp.abs(logp - old_logp))):.3g}")
+  assert np.all(np.asarray(ratio)[kept] == 1.0) and not np.asarray(clipped)[kept].any()
+  assert np.isfinite(float(loss)) and np.isfinite(np.asarray(grad, np.float32)).all()
+  assert entropy is not None and np.all(np.asarray(entropy)[kept] > 0)

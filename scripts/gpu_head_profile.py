@@ -63,22 +63,15 @@ def _skeleton(hidden, weight, **device):
   rows = jnp.ones((3, hidden.shape[0]), jnp.float32)
   n_tiles = weight.shape[1] // mh.TILE_N
 
-  def epilogue(x, row_values, column, kept):
+  def finish(x, row_values, column, kept, scratch, outs, n_idx, row_slice):
     del row_values, column, kept
     m = jnp.max(x, axis=1)
-    return m, m, m, m
-
-  def store(scratch, out_gmem, stats, n_idx, row_slice, column):
-    del column
-    for i, stat in enumerate(stats):
-      scratch[i] = stat
-    mh.plgpu.commit_smem()
-    mh.plgpu.copy_smem_to_gmem(scratch, out_gmem.at[n_idx, :, row_slice])
+    mh._copy_out(scratch, (m, m, m, m), outs[0].at[n_idx, :, row_slice])  # pylint: disable=protected-access
 
   return mh._tiles(  # pylint: disable=protected-access
-      hidden, weight, rows, None, vocab_dim=1, stages=mh.STAGES, epilogue=epilogue,
-      out_type=jax.ShapeDtypeStruct((n_tiles, 4, hidden.shape[0]), jnp.float32),
-      scratch=mh.plgpu.SMEM((2, 4, mh.TILE_M), jnp.float32), store=store, **device)
+      hidden, weight, rows, None, vocab_dim=1, stages=mh.STAGES, finish=finish,
+      out_type=(jax.ShapeDtypeStruct((n_tiles, 4, hidden.shape[0]), jnp.float32),),
+      scratch=mh.plgpu.SMEM((2, 4, mh.TILE_M), jnp.float32), **device)[0]
 
 
 def kernels(chunk, dim, columns, block, repeats):

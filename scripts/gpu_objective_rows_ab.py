@@ -13,6 +13,7 @@ same inputs), in the default mode and with ``batch_invariant=True``.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import statistics
@@ -34,13 +35,20 @@ if os.environ.get("AB_SMOKE"):  # (a CPU run of the script itself)
 VARIANTS = ("kernel_rows", "xla_rows")
 
 
-def _xla_rows(variant):
-  """Plans the objective path's rows as before (XLA's matmul) for ``"xla_rows"``."""
-  original = planner._head_unsupported  # pylint: disable=protected-access
-  if variant == "kernel_rows":
-    return original
-  return lambda *a, **k: "the A/B's other variant" if original(*a, **k) is None else original(
-      *a, **k)
+_HEAD_UNSUPPORTED = planner._head_unsupported  # pylint: disable=protected-access
+
+
+@contextlib.contextmanager
+def _planned_as(variant):
+  """Calls traced inside plan the objective path's rows as ``variant`` says: ``"xla_rows"``
+  as before (XLA's matmul; the fused head's kernels reported unable to run them)."""
+  if variant == "xla_rows":
+    planner._head_unsupported = lambda *a, **k: (  # pylint: disable=protected-access
+        _HEAD_UNSUPPORTED(*a, **k) or "the A/B's other variant")
+  try:
+    yield
+  finally:
+    planner._head_unsupported = _HEAD_UNSUPPORTED  # pylint: disable=protected-access
 
 
 def _problem(depth, tokens, seed=0):
@@ -79,39 +87,34 @@ def main():
        commit=os.environ.get("JAXCE_COMMIT", "unknown"))
   for depth, tokens in SHAPES:
     hidden, weight, labels, mask, args = _problem(depth, tokens)
+    kept = np.asarray(mask)
+    modes = {"default": {}}
+    if tokens <= 8192:
+      modes["batch_invariant"] = dict(batch_invariant=True)
+    scored = {mode: jax.jit(lambda h, w, o=options: jaxce.linear_logprobs_and_entropy(
+        h, w, labels, where=mask, **o))(hidden, weight) for mode, options in modes.items()}
     calls = {}
     for variant in VARIANTS:
-      planner._head_unsupported = _xla_rows(variant)  # pylint: disable=protected-access
-      try:
-        step, loss = _step(variant, labels, mask, args)
-        plan = jaxce.plan.of(loss, hidden, weight)
-        jax.block_until_ready(step(hidden, weight))  # compiles under this plan
-        modes = (("default", {}),) + ((("batch_invariant", dict(batch_invariant=True)),)
-                                      if tokens <= 8192 else ())
-        for mode, options in modes:
-          scored = jax.jit(lambda h, w, o=options: jaxce.linear_logprobs_and_entropy(
-              h, w, labels, where=mask, **o))(hidden, weight)
-          if mode == "default":
-            got = step(hidden, weight)[0][1]
-          else:
-            got = _step(variant, labels, mask, args, batch_invariant=True)[0](hidden, weight)[0][1]
-          kept = np.asarray(mask)
+      with _planned_as(variant):
+        for mode, options in modes.items():  # (traced, so planned, inside)
+          step, loss = _step(variant, labels, mask, args, **options)
+          got = step(hidden, weight)[0][1]
           differ = {name: int(np.sum(np.asarray(g)[kept].view(np.uint32)
                                      != np.asarray(s)[kept].view(np.uint32)))
-                    for name, g, s in zip(("logp", "entropy"), got, scored)}
+                    for name, g, s in zip(("logp", "entropy"), got, scored[mode])}
           emit(kind="bits", variant=variant, mode=mode, D=depth, T=tokens,
                tokens_compared=int(kept.sum()), differing=differ,
-               max_abs_logp=float(jnp.max(jnp.abs(got[0] - scored[0]))))
-      finally:
-        planner._head_unsupported = _xla_rows("kernel_rows")  # pylint: disable=protected-access
-      calls[variant] = (step, plan)
-      emit(kind="plan", variant=variant, D=depth, T=tokens, backend=plan.backend,
-           chunk=plan.chunk, grad_chunk=plan.grad_chunk, kernel_chunk=plan.kernel_chunk,
-           reason=plan.reason)
+               max_abs_logp=float(jnp.max(jnp.abs(got[0] - scored[mode][0]))))
+          if mode == "default":
+            calls[variant] = step
+            plan = jaxce.plan.of(loss, hidden, weight)
+            emit(kind="plan", variant=variant, D=depth, T=tokens, backend=plan.backend,
+                 chunk=plan.chunk, grad_chunk=plan.grad_chunk, kernel_chunk=plan.kernel_chunk,
+                 reason=plan.reason)
     medians = {v: [] for v in VARIANTS}
     for round_ in range(ROUNDS):
       for variant in VARIANTS:
-        step = calls[variant][0]
+        step = calls[variant]
         settle = time.perf_counter()
         while time.perf_counter() - settle < SETTLE_S:
           jax.block_until_ready(step(hidden, weight))

@@ -173,7 +173,8 @@ def linear_logprobs_and_entropy(hidden: ArrayLike, weight: ArrayLike, labels: Ar
                                 return_entropy=True, vocab_block_size=None,
                                 weight_layout="dv", implementation=None,
                                 hidden_grad_accumulation="float32", keep=None,
-                                batch_invariant=False) -> tuple[Array, Array | None]:
+                                batch_invariant=False,
+                                precision=None) -> tuple[Array, Array | None]:
   """Per-token log-prob and entropy of ``softmax(softcap(hidden @ weight + bias) / T)``.
 
   :func:`jaxce.logprobs_and_entropy`'s maths on ``logits = softcap(hidden @ weight +
@@ -230,6 +231,12 @@ def linear_logprobs_and_entropy(hidden: ArrayLike, weight: ArrayLike, labels: Ar
       their number), at the price of one rounding per vocab block of each shard and one
       per shard in the all-reduce (bench/NOTES.md, entry 18, has the measured error). The
       same as ``"float32"`` for float32 ``hidden``.
+    precision: the matmuls' precision, as ``jnp.dot``'s argument: ``None`` follows JAX's
+      ``jax_default_matmul_precision`` where the call is traced, as ``hidden @ weight``
+      would (on GPUs JAX's default runs float32 operands in TF32: about 1e-3 relative
+      error in the logits); ``"highest"`` runs them in full float32. 16-bit operands
+      multiply exactly with float32 accumulation either way. ``jaxce.plan.of`` says which
+      precision a call uses.
 
   Returns:
     ``(logp, entropy)`` float32 of ``labels.shape`` (entropy ``None`` when
@@ -357,14 +364,15 @@ def linear_token_loss(objective: Callable[..., Array], hidden: ArrayLike, weight
                       logit_softcap=None, temperature=1.0, where=None, vocab_size=None,
                       chunk_size=None, vocab_axis=None, return_entropy=None,
                       weight_layout="dv", implementation=None, keep=None,
-                      batch_invariant=False) -> tuple[Array, tuple[Array, Array | None]]:
+                      batch_invariant=False,
+                      precision=None) -> tuple[Array, tuple[Array, Array | None]]:
   """:func:`jaxce.token_loss` of ``softcap(hidden @ weight + bias)``, three matmuls for
   the loss and all its gradients.
 
   Args:
     objective, token_args, return_entropy: as in :func:`jaxce.token_loss`.
     hidden, weight, labels, bias, logit_softcap, temperature, where, vocab_size,
-      vocab_axis, weight_layout, keep, batch_invariant: as in
+      vocab_axis, weight_layout, keep, batch_invariant, precision: as in
       :func:`jaxce.linear_logprobs_and_entropy` (batch-invariant: ``chunk_size`` is the
       matmul's rows, and ``logp``, ``entropy`` the same bits as its own).
     chunk_size: tokens per step, whose full ``[chunk, V]`` f32 rows are held at once;
@@ -372,8 +380,13 @@ def linear_token_loss(objective: Callable[..., Array], hidden: ArrayLike, weight
       (in the operand dtype) gather into groups of whole steps for the two gradient
       matmuls, planned by ``jaxce.plan.linear_objective_grad_chunk``.
     implementation: the statistics of each chunk's rows by ``"xla"``, ``"mosaic"`` or
-      ``"triton"``, as in :func:`jaxce.logprobs_and_entropy` (``batch_invariant=True``
-      takes XLA's exact sums here: the rows come from XLA's matmuls).
+      ``"triton"``, as in :func:`jaxce.logprobs_and_entropy`. Where the fused head's
+      kernels run (``"mosaic"`` on Hopper, with the operands
+      :func:`jaxce.linear_logprobs_and_entropy` takes there) one kernel writes each
+      chunk's f32 rows and their statistics, so ``logp`` and ``entropy`` are the
+      per-token path's bits in either mode: the first on-policy step's ratio is exactly 1.
+      Elsewhere ``"mosaic"`` reads XLA's rows, and ``batch_invariant=True`` takes XLA's
+      exact sums.
 
   Returns:
     ``(loss, (logp, entropy))`` as :func:`jaxce.token_loss`.

@@ -199,6 +199,20 @@ def check_bias(bias, num_columns):
   return bias
 
 
+def check_precision(precision):
+  """``precision`` (``None``, a ``jax.lax.Precision`` or a name it takes, as ``jnp.dot``'s
+  argument) as the name of a ``jax.lax.Precision``, or None."""
+  if precision is None:
+    return None
+  try:
+    return lax.Precision(precision).name.lower()
+  except (ValueError, TypeError):
+    raise ValueError(
+        "precision must be None (JAX's jax_default_matmul_precision), a jax.lax.Precision or "
+        "one of 'default', 'high', 'highest' (or 'bfloat16', 'tensorfloat32', 'float32'), "
+        f"as jnp.dot takes it; got {precision!r}") from None
+
+
 def check_softcap(logit_softcap):
   if logit_softcap is not None and not (isinstance(logit_softcap, (int, float))
                                         and logit_softcap > 0):

@@ -175,7 +175,7 @@ def _shard(op, options, objective, operands, labels, temperature, where, keep, t
       vocab_block_size=options.vocab_block_size,
       hidden_grad_accumulation=options.hidden_grad_accumulation,
       backward_in_place=options.backward_in_place,
-      batch_invariant=bool(options.batch_invariant),
+      batch_invariant=bool(options.batch_invariant), precision=options.precision,
       num_kept_ids=keep.ids.shape[0] if isinstance(keep, KeptIds) else None)
   mask_vocab = (options.vocab_size if options.vocab_size < num_columns * options.vocab_shards
                 else None)

@@ -39,6 +39,7 @@ class Request:
   vocab_block_size: int | None = None
   weight_layout: str = "dv"
   hidden_grad_accumulation: str = "float32"
+  precision: Any = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,6 +61,9 @@ class Options:
     hidden_grad_accumulation: the fused per-token backward's ``d hidden`` sum.
     has_keep: the call has kept sets (``keep=``).
     batch_invariant: each token's outputs depend on its own inputs only (``True``).
+    precision: the fused paths' matmul precision as ``jax.lax.Precision``'s name
+      (``"default"``, ``"high"`` or ``"highest"``), or ``None``: JAX's
+      ``jax_default_matmul_precision`` when the call is traced.
   """
   vocab_size: int
   vocab_shards: int
@@ -74,6 +78,7 @@ class Options:
   hidden_grad_accumulation: str = "float32"
   has_keep: bool = False
   batch_invariant: bool = False
+  precision: str | None = None
 
 
 def check(operation, operands, labels, request: Request, *, vocab_axis, mesh=None,
@@ -122,6 +127,7 @@ def check(operation, operands, labels, request: Request, *, vocab_axis, mesh=Non
       extra.update(vocab_block_size=request.vocab_block_size,
                    hidden_grad_accumulation=request.hidden_grad_accumulation)
     _checks.check_softcap(request.logit_softcap)
+    extra.update(precision=_checks.check_precision(request.precision))
     bias = _checks.check_bias(request.bias, num_columns)
     operands = (hidden, weight, bias)
     extra.update(vocab_dim=vocab_dim, logit_softcap=(None if request.logit_softcap is None

@@ -461,7 +461,7 @@ def make(operation: str, *, target: Target, implementation: str | None, num_toke
          has_keep: bool = False, chunk_size: int | None = None,
          vocab_block_size: int | None = None, hidden_grad_accumulation: str = "float32",
          backward_in_place: bool = False, batch_invariant: bool = False,
-         num_kept_ids: int | None = None) -> Plan:
+         num_kept_ids: int | None = None, precision: str | None = None) -> Plan:
   """The :class:`Plan` of one shard's call.
 
   Args:
@@ -476,12 +476,16 @@ def make(operation: str, *, target: Target, implementation: str | None, num_toke
     chunk_size, vocab_block_size, hidden_grad_accumulation, backward_in_place,
       batch_invariant: the public options of the same names.
     num_kept_ids: with kept ids (``jaxce.keep.from_csr``), their number ``N``.
+    precision: the fused paths' ``precision=`` (a ``jax.lax.Precision`` name), or None:
+      JAX's ``jax_default_matmul_precision`` now (the call is being traced).
 
   Raises:
     ValueError: the requested implementation cannot run the call (the message says why).
   """
   if implementation is not None:
     implementation = ALIASES.get(implementation, implementation)
+  if operation.startswith("linear"):
+    precision = matmul_precision(precision)
   packed_ids = ""  # (kept ids packed into words: why)
   if num_kept_ids is not None:
     packed_ids = (kept_ids_unsupported(operation, num_tokens, num_columns, num_kept_ids,
@@ -492,7 +496,7 @@ def make(operation: str, *, target: Target, implementation: str | None, num_toke
       return _recorded_plan(Plan(
           backend="xla", reason=f"kept ids: {num_kept_ids} entries for {num_tokens} tokens, "
           "only their columns' logits", interpret=target.platform != "gpu",
-          num_cores=target.num_cores, kept_ids=True))
+          num_cores=target.num_cores, kept_ids=True, precision=precision))
     packed_ids = f"; kept ids packed into words: {packed_ids}"
   chosen, reason = _backend(operation, implementation, target=target, dtypes=dtypes,
                              has_bias=has_bias, has_keep=has_keep, depth=depth,
@@ -503,7 +507,7 @@ def make(operation: str, *, target: Target, implementation: str | None, num_toke
   matmul_tile = None
   if exact and operation.startswith("linear"):
     matmul_tile = INVARIANT_MATMUL_TILE[budget_platform(platform)]
-  common = dict(backend=chosen, reason=reason, interpret=platform != "gpu",
+  common = dict(backend=chosen, reason=reason, interpret=platform != "gpu", precision=precision,
                 num_cores=target.num_cores, exact_sums=exact, matmul_tile=matmul_tile,
                 invariant_to=invariances(operation, chosen, batch_invariant))
   one_pass = chosen in ("mosaic", "triton")  # (the logits path's kernels read every row)
@@ -545,6 +549,19 @@ def make(operation: str, *, target: Target, implementation: str | None, num_toke
                 backward_order=linear_backward_order(num_tokens, num_columns,
                                                      hidden_grad_accumulation), **common)
   return _recorded_plan(plan)
+
+
+def matmul_precision(precision: str | None = None) -> str:
+  """The matmul precision a fused call uses, as ``jax.lax.Precision``'s lower-case name:
+  ``precision`` when given, else JAX's ``jax_default_matmul_precision`` where the call is
+  traced (``"default"`` when unset), as ``jnp.dot`` would; a setting that names no
+  ``Precision`` (an algorithm) is kept as written."""
+  if precision is None:
+    precision = jax.config.jax_default_matmul_precision or "default"
+  try:
+    return jax.lax.Precision(precision).name.lower()
+  except ValueError:
+    return str(precision)
 
 
 def kept_ids_unsupported(operation: str, num_tokens: int, num_columns: int, num_kept_ids: int,

@@ -382,3 +382,44 @@ def test_head_profile_kernel_section_runs():
   rows = gpu_head_profile.kernels(256, 64, 256, 128, 1)
   assert len(rows) == (9 if jax.default_backend() == "gpu" else 7)
   assert [(r["piece"], r["error"]) for r in rows if r.get("error")] == []
+
+
+@pytest.mark.parametrize("capability", ["9.0", "8.0"])
+def test_gpu_calls_take_an_array_temperatures_reciprocal_on_the_device(capability, monkeypatch):
+  """Planned for a GPU (traced on CPU, nothing runs), an array temperature's reciprocal is
+  computed on the device, whether the user's ``jit`` passes it or closes over it: on Hopper
+  by the reciprocal kernel (``mosaic_reciprocal``), elsewhere by XLA's division behind an
+  optimization barrier. XLA folds a constant's reciprocal on the host, which need not
+  round as the device does, so without this a token's bits would depend on how the
+  temperature reached the call. (A GPU run alone saw this before.)"""
+  monkeypatch.setattr(jaxce.plan, "target", lambda *a, mesh=None: jaxce.plan.Target(
+      "gpu", capability, 132))
+  tokens, dim = 300, 64
+  hidden = jax.ShapeDtypeStruct((tokens, dim), jnp.bfloat16)
+  weight = jax.ShapeDtypeStruct((dim, 384), jnp.bfloat16)
+  labels = jnp.zeros(tokens, jnp.int32)
+  temperature = jnp.linspace(0.5, 1.5, tokens)
+
+  def reciprocals(jaxpr):
+    """Kernel calls on one 1-D float32 operand (the temperatures, padded to the kernel's
+    block), and optimization barriers."""
+    found = [0, 0]
+    for eqn in getattr(jaxpr, "jaxpr", jaxpr).eqns:
+      avals = [v.aval for v in eqn.invars]
+      if (eqn.primitive.name in ("pallas_call", "mpmd_map") and len(avals) == 1
+          and avals[0].ndim == 1 and avals[0].dtype == jnp.float32):
+        found[0] += 1
+      found[1] += eqn.primitive.name == "optimization_barrier"
+      for param in eqn.params.values():
+        for sub in (param if isinstance(param, (tuple, list)) else (param,)):
+          if hasattr(getattr(sub, "jaxpr", sub), "eqns"):
+            found = [a + b for a, b in zip(found, reciprocals(sub))]
+    return found
+
+  closed = lambda h, w: jaxce.linear_logprobs_and_entropy(h, w, labels, temperature=temperature)
+  passed = lambda h, w, t: jaxce.linear_logprobs_and_entropy(h, w, labels, temperature=t)
+  for jaxpr in (jax.make_jaxpr(closed)(hidden, weight),
+                jax.make_jaxpr(passed)(hidden, weight, temperature)):
+    kernels, barriers = reciprocals(jaxpr)
+    assert (kernels, barriers > 0) == ((1, False) if capability == "9.0" else (0, True)), (
+        kernels, barriers)

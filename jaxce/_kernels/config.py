@@ -94,6 +94,11 @@ class Plan(NamedTuple):
     invariant_to: what the call's per-token bits do not depend on (``jaxce.plan.
       invariances``): some of ``"tokens"``, ``"chunking"``, ``"differentiation"``,
       ``"constants"``, ``"shards"``; empty where nothing is promised.
+    precision: the fused paths' matmul precision, a ``jax.lax.Precision`` name
+      (``"default"``, ``"high"``, ``"highest"``): the call's ``precision=``, else JAX's
+      ``jax_default_matmul_precision`` when it was traced (``"default"`` when unset; on
+      GPUs TF32 for float32 operands). The Mosaic kernels multiply 16-bit operands, for
+      which every precision is exact; ``None`` on the logits paths.
     kept_ids: the call computes only the kept columns' logits (``linear_kept_ids``,
       ``logits_kept_ids``; an objective through them under autodiff); else kept ids, if
       any, are packed into words first.
@@ -111,6 +116,7 @@ class Plan(NamedTuple):
   matmul_tile: tuple[int, int] | None = None
   invariant_to: tuple[str, ...] = ()
   kept_ids: bool = False
+  precision: str | None = None
 
 
 class Config(NamedTuple):

@@ -1,6 +1,9 @@
 """The LM head's tile, shared by the fused kernels: ``hidden @ weight`` in the operands'
 common dtype with f32 accumulation, the bias and softcap on the way in, and the factors and
-matmuls of the way back (``d logits`` to ``d hidden`` and ``d weight``). XLA ops only."""
+matmuls of the way back (``d logits`` to ``d hidden`` and ``d weight``). XLA ops only.
+Every matmul takes the plan's ``precision`` (``Plan.precision``, a ``jax.lax.Precision``
+name; a name of none, such as an algorithm set in ``jax_default_matmul_precision``, leaves
+it to JAX's setting)."""
 
 from __future__ import annotations
 
@@ -18,18 +21,27 @@ def dtypes(hidden, weight):
   return operand_dtype, softmax.compute_dtype(operand_dtype)
 
 
-def contract(a, b, a_dim, b_dim):
+def lax_precision(precision):
+  """``jax.lax.Precision`` of the plan's ``precision`` name, or None (JAX's setting)."""
+  try:
+    return None if precision is None else lax.Precision(precision)
+  except ValueError:
+    return None
+
+
+def contract(a, b, a_dim, b_dim, precision=None):
   """``a`` and ``b`` contracted over one dimension each, in their common dtype with f32
-  (f64) accumulation."""
+  (f64) accumulation, at ``precision`` (the plan's)."""
   operand_dtype, dtype = dtypes(a, b)
   return lax.dot_general(a.astype(operand_dtype), b.astype(operand_dtype),
-                         (((a_dim,), (b_dim,)), ((), ())), preferred_element_type=dtype)
+                         (((a_dim,), (b_dim,)), ((), ())), preferred_element_type=dtype,
+                         precision=lax_precision(precision))
 
 
-def tile_logits(hidden_rows, weight_cols, bias_cols, softcap, vocab_dim):
-  """``[C, Vb]`` f32 logits of one tile (f32 accumulation)."""
+def tile_logits(hidden_rows, weight_cols, bias_cols, softcap, vocab_dim, precision=None):
+  """``[C, Vb]`` f32 logits of one tile (f32 accumulation, at ``precision``)."""
   dtype = dtypes(hidden_rows, weight_cols)[1]
-  x = contract(hidden_rows, weight_cols, 1, 1 - vocab_dim)
+  x = contract(hidden_rows, weight_cols, 1, 1 - vocab_dim, precision)
   if bias_cols is not None:
     x = x + bias_cols.astype(dtype)
   return cap(x, softcap)
@@ -40,7 +52,7 @@ def cap(x, softcap):
   return x if softcap is None else softcap * jnp.tanh(x / softcap)
 
 
-def invariant_logits(hidden_rows, weight, bias, vocab_dim, block):
+def invariant_logits(hidden_rows, weight, bias, vocab_dim, block, precision=None):
   """``[C, V_local]`` f32 logits (before any softcap) of all of this shard's columns, by
   ``[C, D] @ [D, block]`` matmuls of one shape whatever ``V_local`` (a scan over the
   blocks; a ragged last block clamped back, a weight narrower than ``block`` padded with
@@ -58,7 +70,8 @@ def invariant_logits(hidden_rows, weight, bias, vocab_dim, block):
   def write(out, j):
     col = jnp.minimum(j * block, width - block)
     cols = lambda a, dim: None if a is None else lax.dynamic_slice_in_dim(a, col, block, dim)
-    tile = tile_logits(hidden_rows, cols(weight, vocab_dim), cols(bias, 0), None, vocab_dim)
+    tile = tile_logits(hidden_rows, cols(weight, vocab_dim), cols(bias, 0), None, vocab_dim,
+                       precision)
     return lax.dynamic_update_slice_in_dim(out, tile, col, 1)
 
   # The first block is written outside the loop: the carry then has the operands' type
@@ -81,7 +94,7 @@ def logits_input_grad(dz, inv_temp, x, softcap, row_mask):
   return jnp.where(row_mask[:, None], dx, 0)
 
 
-def weight_grad(h, d, vocab_dim):
+def weight_grad(h, d, vocab_dim, precision=None):
   """A tile's ``d W`` columns in the weight's layout: ``[D, Vb] = hᵀ d``, or
-  ``[Vb, D] = dᵀ h`` (f32 accumulation)."""
-  return contract(h, d, 0, 0) if vocab_dim else contract(d, h, 0, 0)
+  ``[Vb, D] = dᵀ h`` (f32 accumulation, at ``precision``)."""
+  return contract(h, d, 0, 0, precision) if vocab_dim else contract(d, h, 0, 0, precision)

@@ -123,7 +123,8 @@ def _forward(hidden, weight, bias, tokens, config):
       start = chunking.chunk_start(i, num_tokens, chunk)
       h, chunk_tokens, (m, s, q, picked) = chunking.take_rows(
           (hidden, tokens, carry), start, chunk)
-      x = head.tile_logits(h, w_cols, b_cols, config.softcap, config.vocab_dim)
+      x = head.tile_logits(h, w_cols, b_cols, config.softcap, config.vocab_dim,
+                           config.plan.precision)
       if config.plan.backend == "triton":  # the tile's columns: ids in [first_column, mask_vocab)
         tile_start = shard_start + col
         limit = softmax.column_limit(config.mask_vocab, tile_start, block)
@@ -163,7 +164,7 @@ def _invariant_forward(hidden, weight, bias, tokens, config):
   def step(_, i):
     start = chunking.chunk_start(i, padded, chunk)
     x = head.invariant_logits(chunking.take_rows(hidden, start, chunk), weight, bias,
-                              config.vocab_dim, block)
+                              config.vocab_dim, block, config.plan.precision)
     return None, logits_rows.statistics(x, tokens.rows(start, chunk), shard_start, config)
 
   _, stacked = lax.scan(step, None, jnp.arange(chunking.num_chunks(padded, chunk)))
@@ -269,15 +270,15 @@ def _linear_logprobs_entropy_bwd(config, residuals, cotangents):
           softcap=config.softcap, interpret=config.plan.interpret,
           num_cores=config.plan.num_cores)
     else:
-      x = head.tile_logits(h, w_cols, b_cols, config.softcap, vocab_dim)
+      x = head.tile_logits(h, w_cols, b_cols, config.softcap, vocab_dim, config.plan.precision)
       kept_tile = _tile_kept(chunk_tokens, col, width, shard_start)
       z = softmax.scaled_logits(x, inv_temp, shard_start + col, config.mask_vocab,
                                 first_column, kept_tile)
       dz = softmax.logit_grad(z, label_column, *chunk_saved, *chunk_cotangents, row_mask)
       dx = head.logits_input_grad(dz, inv_temp, x, config.softcap, row_mask)
       d = dx.astype(operand_dtype)
-    dw_tile = head.weight_grad(h, d, vocab_dim)
-    dh_rows = head.contract(d, w_cols, 1, vocab_dim)
+    dw_tile = head.weight_grad(h, d, vocab_dim, config.plan.precision)
+    dh_rows = head.contract(d, w_cols, 1, vocab_dim, config.plan.precision)
     return dh_rows, dw_tile, (None if bias is None else jnp.sum(dx, axis=0))
 
   def block_slices(j):

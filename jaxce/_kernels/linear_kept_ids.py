@@ -79,7 +79,8 @@ def _logits(hidden, weight_rows, bias, tokens, entries, config):
     column, token = arrays
     h = jnp.take(hidden, token, axis=0).astype(operand_dtype)
     w = jnp.take(weight_rows, column, axis=0, mode="clip").astype(operand_dtype)
-    x = jnp.einsum("nd,nd->n", h, w, preferred_element_type=dtype)
+    x = jnp.einsum("nd,nd->n", h, w, preferred_element_type=dtype,
+                   precision=head.lax_precision(config.plan.precision))
     if bias is not None:
       x = x + jnp.take(bias, column, mode="clip").astype(dtype)
     return None, head.cap(x, config.softcap)

@@ -99,11 +99,12 @@ def _run(objective, hidden, weight, bias, tokens, token_args, config, with_grads
       return carry, outputs
     row_mask = group_tokens.valid & fresh
     h = jnp.where(row_mask[:, None], h, 0)  # an ignored row's NaN must not reach d W as 0 * NaN
-    dh_rows = head.contract(d, weight, 1, vocab_dim)
+    dh_rows = head.contract(d, weight, 1, vocab_dim, config.plan.precision)
     if config.vocab_axis is not None:
       dh_rows = lax.psum(dh_rows, config.vocab_axis)  # partial sums over vocab shards
     d_hidden = chunking.write_fresh(d_hidden, dh_rows, start, fresh)
-    return (d_hidden, d_weight + head.weight_grad(h, d, vocab_dim), d_bias, d), outputs
+    return (d_hidden, d_weight + head.weight_grad(h, d, vocab_dim, config.plan.precision), d_bias,
+            d), outputs
 
   carry = None
   if with_grads:
@@ -148,11 +149,13 @@ def _rows(hidden, weight, bias, tokens, column_start, config):
         num_cores=config.plan.num_cores, with_logits=True)
     return x, logits_rows.tile_outputs(tiles, tokens, config)
   if not config.plan.exact_sums:
-    x = head.tile_logits(hidden, weight, bias, config.softcap, config.vocab_dim)
+    x = head.tile_logits(hidden, weight, bias, config.softcap, config.vocab_dim,
+                         config.plan.precision)
     return x, logits_rows.statistics(x, tokens, column_start, config)
   # batch-invariant: matmuls of one shape (chunk = the tile's rows), no softcap yet (the
   # exact statistics apply it themselves)
-  x = head.invariant_logits(hidden, weight, bias, config.vocab_dim, config.plan.matmul_tile[1])
+  x = head.invariant_logits(hidden, weight, bias, config.vocab_dim, config.plan.matmul_tile[1],
+                            config.plan.precision)
   statistics = logits_rows.statistics(x, tokens, column_start, config)
   return head.cap(x, config.softcap), statistics
 

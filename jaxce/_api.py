@@ -376,7 +376,9 @@ def linear_token_loss(objective: Callable[..., Array], hidden: ArrayLike, weight
       :func:`jaxce.linear_logprobs_and_entropy` (batch-invariant: ``chunk_size`` is the
       matmul's rows, and ``logp``, ``entropy`` the same bits as its own).
     chunk_size: tokens per step, whose full ``[chunk, V]`` f32 rows are held at once;
-      ``None`` plans it (``jaxce.plan.linear_objective_chunk``). The steps' ``d logits``
+      ``None`` plans it (``jaxce.plan.linear_objective_chunk``; where the fused head's
+      kernel writes the rows, ``jaxce.plan.linear_objective_kernel_tiles``: a multiple of
+      8 tokens, at least 256, a given size rounded up to that). The steps' ``d logits``
       (in the operand dtype) gather into groups of whole steps for the two gradient
       matmuls, planned by ``jaxce.plan.linear_objective_grad_chunk``.
     implementation: the statistics of each chunk's rows by ``"xla"``, ``"mosaic"`` or

@@ -53,8 +53,8 @@ __all__ = [
     "IMPLEMENTATIONS", "INVARIANCES", "Plan", "Target", "budget_platform", "chunk_size",
     "invariances", "kept_ids_unsupported", "linear_backward_order",
     "linear_kernel_chunk", "linear_kernel_tiles", "linear_objective_chunk",
-    "linear_objective_grad_chunk", "linear_tiles",
-    "logits_chunk", "make", "of", "target",
+    "linear_objective_grad_chunk", "linear_objective_kernel_tiles", "linear_tiles",
+    "logits_chunk", "make", "matmul_precision", "of", "target",
 ]
 
 # Logits path: bytes of one f32 [chunk, V_local] tile of the XLA forward (fused into the

@@ -69,5 +69,20 @@ def main():
     json.dump(rows, f, indent=1)
 
 
+def table(rows) -> str:
+  """The markdown table of a run's rows (``precision.json``), as docs/benchmarks.md shows
+  it."""
+  run = rows[0]
+  lines = [f"| path | `precision=` | runs at | logp | entropy | d hidden | d W |",
+           "|---|---|---|---|---|---|---|"]
+  for row in rows[1:]:
+    argument = "None" if row["precision_argument"] is None else f'"{row["precision_argument"]}"'
+    lines.append(f"| {row['path']} | {argument} | {row['plan_precision']} | "
+                 + " | ".join(f"{row[k]:.1e}" for k in ("logp", "entropy", "d_hidden", "d_W"))
+                 + " |")
+  return (f"float32 operands, one {run['device']}, JAX {run['jax']}, T = {run['T']}, "
+          f"V = {run['V']}, D = {run['D']}:\n\n" + "\n".join(lines) + "\n")
+
+
 if __name__ == "__main__":
   main()

@@ -634,3 +634,17 @@ def test_grpo_step_largest_batch_doubles_until_out_of_memory(monkeypatch):
                                date="", vocab=8, rows=rows))
   assert "| objective | 1.0 | – | 1.0 | – | 1.00 | – | 0.50 | – |" in md
   assert "plain failed: out of memory" in md
+
+
+def test_precision_table_comes_from_the_committed_results():
+  """The benchmarks page's float32 precision table (``<!-- precision-table PATH -->``) is
+  exactly what ``scripts.gpu_precision.table`` makes of the committed run."""
+  from scripts import gpu_precision
+  with open(os.path.join(ROOT, "docs", "benchmarks.md")) as f:
+    page = f.read()
+  marker = "<!-- precision-table "
+  assert marker in page, "the benchmarks page has no precision table"
+  path = page.split(marker, 1)[1].split(" -->", 1)[0]
+  with open(os.path.join(ROOT, path)) as f:
+    expected = gpu_precision.table(json.load(f))
+  assert page.split(f"{marker}{path} -->\n", 1)[1].startswith(expected), "stale: regenerate it"

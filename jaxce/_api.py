@@ -233,8 +233,8 @@ def linear_logprobs_and_entropy(hidden: ArrayLike, weight: ArrayLike, labels: Ar
       same as ``"float32"`` for float32 ``hidden``.
     precision: the matmuls' precision, as ``jnp.dot``'s argument: ``None`` follows JAX's
       ``jax_default_matmul_precision`` where the call is traced, as ``hidden @ weight``
-      would (on GPUs JAX's default runs float32 operands in TF32: about 1e-3 relative
-      error in the logits); ``"highest"`` runs them in full float32. 16-bit operands
+      would (on GPUs JAX's default runs float32 operands in TF32, a 10-bit mantissa);
+      ``"highest"`` runs them in full float32. 16-bit operands
       multiply exactly with float32 accumulation either way. ``jaxce.plan.of`` says which
       precision a call uses.
 

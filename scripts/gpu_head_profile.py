@@ -66,7 +66,8 @@ def _skeleton(hidden, weight, **device):
   def finish(x, row_values, column, kept, scratch, outs, n_idx, row_slice):
     del row_values, column, kept
     m = jnp.max(x, axis=1)
-    mh._copy_out(scratch, (m, m, m, m), outs[0].at[n_idx, :, row_slice])  # pylint: disable=protected-access
+    copy_out = mh._copy_out  # pylint: disable=protected-access
+    copy_out(scratch, (m, m, m, m), outs[0].at[n_idx, :, row_slice])
 
   return mh._tiles(  # pylint: disable=protected-access
       hidden, weight, rows, None, vocab_dim=1, stages=mh.STAGES, finish=finish,

@@ -103,8 +103,8 @@ def _run(objective, hidden, weight, bias, tokens, token_args, config, with_grads
     if config.vocab_axis is not None:
       dh_rows = lax.psum(dh_rows, config.vocab_axis)  # partial sums over vocab shards
     d_hidden = chunking.write_fresh(d_hidden, dh_rows, start, fresh)
-    return (d_hidden, d_weight + head.weight_grad(h, d, vocab_dim, config.plan.precision), d_bias,
-            d), outputs
+    d_weight = d_weight + head.weight_grad(h, d, vocab_dim, config.plan.precision)
+    return (d_hidden, d_weight, d_bias, d), outputs
 
   carry = None
   if with_grads:

@@ -64,9 +64,7 @@ def parse_args(argv=None):
   p.add_argument("--repeats", type=int, default=5, help="timed calls at most (default 5)")
   p.add_argument("--repeat-seconds", type=float,
                  help="seconds of timed calls per config, at most (default 2)")
-  p.add_argument("--out", help="results directory (default bench/out, ignored by git)")
-  p.add_argument("--save-results", action="store_true",
-                 help="write into bench/results/, the committed results (not with --out)")
+  add_destination(p)
   p.add_argument("--merge", action="store_true",
                  help="keep the destination file's rows that this run does not redo (the "
                  "table then names each row's commit)")
@@ -92,10 +90,23 @@ def parse_args(argv=None):
   unknown = [s for s in args.suite.split(",") if s not in configs.SUITES]
   if unknown:
     p.error(f"unknown suite {unknown}; choose from {sorted(configs.SUITES)}")
+  resolve_destination(p, args)
+  return args
+
+
+def add_destination(p):
+  """``--out`` and ``--save-results``: where a run writes its results."""
+  p.add_argument("--out", help="results directory (default bench/out, ignored by git)")
+  p.add_argument("--save-results", action="store_true",
+                 help="write into bench/results/, the committed results (not with --out)")
+
+
+def resolve_destination(p, args):
+  """``args.out`` set to the directory ``add_destination``'s options name (bench/results
+  with ``--save-results``, else ``--out`` or bench/out); both together are an error."""
   if args.save_results and args.out:
     p.error("--save-results writes into bench/results; --out names another directory")
   args.out = RESULTS if args.save_results else (args.out or OUT)
-  return args
 
 
 def child_env(n_devices: int) -> dict:

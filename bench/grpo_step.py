@@ -30,7 +30,8 @@ import sys
 import tempfile
 import time
 
-from bench.__main__ import OUT, RESULTS, ROOT, child_env, device_slug, git
+from bench.__main__ import ROOT, add_destination, child_env, device_slug, git
+from bench.__main__ import resolve_destination
 from examples.gpu_run import PATHS
 
 SIZES = {"small": dict(d_model=1024, layers=2, heads=8, sequences=8, seq_len=1024),
@@ -53,9 +54,7 @@ def parse_args(argv=None):
   p.add_argument("--tiny", action="store_true", help=f"every size becomes {TINY} (CPU)")
   p.add_argument("--reports", help="comma list of SIZE=FILE: tabulate these gpu_run reports "
                  "(the sizes' flags, JAXCE_COMMIT the commit they ran) instead of running")
-  p.add_argument("--out", help="results directory (default bench/out, ignored by git)")
-  p.add_argument("--save-results", action="store_true",
-                 help="write into bench/results/, the committed results (not with --out)")
+  add_destination(p)
   args = p.parse_args(argv)
   if args.reports:
     args.reports = dict(item.split("=", 1) for item in args.reports.split(","))
@@ -64,9 +63,7 @@ def parse_args(argv=None):
   unknown += [s for s in args.paths.split(",") if s not in PATHS]
   if unknown:
     p.error(f"unknown sizes or paths {unknown}")
-  if args.save_results and args.out:
-    p.error("--save-results writes into bench/results; --out names another directory")
-  args.out = RESULTS if args.save_results else (args.out or OUT)
+  resolve_destination(p, args)
   return args
 
 

@@ -237,8 +237,7 @@ def linear_objective_kernel_tiles(num_tokens: int, num_columns: int,
   smallest that fit) whose chunks waste the fewest kernel rows. The groups then cover
   ``T`` with fewer than 8 rows to spare a chunk: the last group is clamped back over that
   many rows (or ``T`` padded up to one group)."""
-  rows_of = lambda n: max(-(-n // mosaic_head.ROW_TILE) * mosaic_head.ROW_TILE,
-                          mosaic_head.MIN_ROWS)
+  rows_of = mosaic_head.padded_rows  # (a call's rows: a multiple of 8, at least 256)
   if requested is not None:
     chunk = rows_of(requested)
     return chunk, linear_objective_grad_chunk(max(num_tokens, chunk), num_columns, chunk,

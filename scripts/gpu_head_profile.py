@@ -1,6 +1,6 @@
 """Where the fused path's time goes on a Hopper GPU, piece by piece, in one run.
 
-1. ``kernels``: at one kernel call's shape (``--chunk`` tokens, V = 151936, D = 4096, bf16,
+1. ``kernels``: at one kernel call's shape (``--chunk`` tokens, V = 151936, ``--dim`` D (4096), bf16,
    ``weight [D, V]``), XLA's ``h @ W`` (cuBLAS), JAX's plain Mosaic GPU matmul at jaxce's
    tiling (``bench.machine_floors.mosaic_config``), jaxce's kernel skeleton with a
    one-operation epilogue (each row's max), and jaxce's forward-statistics and d-logits
@@ -256,8 +256,9 @@ def main():
                       "32768:2048:2500", help="T:rows MiB:grad MiB for section 5 (0: planned)")
   parser.add_argument("--sections", default="kernels,gemms,plans,trace")
   parser.add_argument("--repeats", type=int, default=5)
+  parser.add_argument("--dim", type=int, default=D, help="the hidden size D")
   args = parser.parse_args()
-  dim, columns = (128, 1024) if args.tiny else (D, V)
+  dim, columns = (128, 1024) if args.tiny else (args.dim, V)
   if args.tiny:
     args.chunk, args.block, args.tokens, args.plans, args.repeats = (256, 512, 512,
                                                                      "512:0:0,512:256:256", 1)

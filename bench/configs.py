@@ -304,7 +304,7 @@ def _objective_groups(Ts):
 # padding removal the real count, OpenRLHF's budget 16192, verl's examples 24000) beside
 # the round T next to them, at the hidden sizes RL users train most, fused path.
 _SHAPE_T = (8184, 8192, 16192, 16384, 24000, 24576, 32760, 32768)
-_SHAPE_D = (1024, 2048, 4096)
+_SHAPE_D = (1024, 2048, 2560, 4096, 5120)
 
 
 def _shape_groups():

@@ -5,6 +5,7 @@ path, written to bench/out/<device>-grpo_step.json (.md).
     python -m bench.grpo_step --sizes small --largest-batch  # and each path's largest batch
     python -m bench.grpo_step --tiny --sizes small           # CPU smoke (tests/test_bench.py)
     python -m bench.grpo_step --reports small=a.json,medium=b.json  # tabulate gpu_run's reports
+    python -m bench.grpo_step --sizes medium --merge         # add a size to the file there
 
 Each size is one ``python -m examples.gpu_run`` (each path in its own fresh process: median
 step time, median scoring time, peak device memory; see examples/gpu_run.py), given
@@ -54,6 +55,8 @@ def parse_args(argv=None):
   p.add_argument("--tiny", action="store_true", help=f"every size becomes {TINY} (CPU)")
   p.add_argument("--reports", help="comma list of SIZE=FILE: tabulate these gpu_run reports "
                  "(the sizes' flags, JAXCE_COMMIT the commit they ran) instead of running")
+  p.add_argument("--merge", action="store_true", help="keep the destination file's sizes "
+                 "that this run does not redo (a run made one size per call)")
   add_destination(p)
   args = p.parse_args(argv)
   if args.reports:
@@ -92,10 +95,11 @@ def is_oom(error) -> bool:
                                 "out of memory" in error.lower())
 
 
-def make_row(name: str, size: dict, path: str, result: dict) -> dict:
-  """One (size, path) row from gpu_run's result for the path (device 0's bytes)."""
+def make_row(name: str, size: dict, path: str, result: dict, commit: str = "") -> dict:
+  """One (size, path) row from gpu_run's result for the path (device 0's bytes), run at
+  ``commit``."""
   first = lambda key: (result.get(key) or [None])[0]
-  return dict(size=name, path=path, d_model=size["d_model"], layers=size["layers"],
+  return dict(size=name, path=path, commit=commit, d_model=size["d_model"], layers=size["layers"],
               heads=size["heads"], sequences=size["sequences"], seq_len=size["seq_len"],
               tokens_per_step=size["sequences"] * (size["seq_len"] - 1),
               step_ms_median=result.get("step_ms_median"),
@@ -154,7 +158,9 @@ def markdown(results: dict) -> str:
     r0 = rows[0]
     lines += ["", f"## {name}: D = {r0['d_model']}, {r0['layers']} layer(s), {r0['heads']} "
               f"heads, {r0['sequences']} × {r0['seq_len']} tokens ({r0['tokens_per_step']} "
-              f"a step), V = {results['vocab']}", "",
+              f"a step), V = {results['vocab']}"
+              + (f" (commit {r0['commit'][:7]})" if r0.get("commit", results["commit"])
+                 != results["commit"] else ""), "",
               "| " + " | ".join(columns + batch) + " |", "|---" * len(columns + batch) + "|"]
     for r in rows:
       cells = [r["path"]]
@@ -175,10 +181,28 @@ def markdown(results: dict) -> str:
   return "\n".join(lines) + "\n"
 
 
+def merged(previous: dict, results: dict) -> dict:
+  """``results`` with ``previous``'s sizes that it does not have put first (their rows keep
+  the commit they ran at); both must come from the same device and vocabulary."""
+  for key in ("device", "num_devices", "jax", "vocab", "tiny"):
+    if previous.get(key) != results.get(key):
+      raise SystemExit(f"--merge: the destination ran {key}={previous.get(key)!r}, this run "
+                       f"{results.get(key)!r}")
+  kept = [name for name in previous["sizes"] if name not in results["sizes"]]
+  for row in previous["rows"]:
+    row.setdefault("commit", previous["commit"])
+  return dict(results,
+              sizes={**{n: previous["sizes"][n] for n in kept}, **results["sizes"]},
+              rows=[r for r in previous["rows"] if r["size"] in kept] + results["rows"],
+              gpu_run={**{n: previous["gpu_run"][n] for n in kept if n in previous["gpu_run"]},
+                       **results["gpu_run"]})
+
+
 def main(argv=None):
   """Run the sizes, write the JSON and the markdown; exit status 1 when no row ran."""
   start, args = time.monotonic(), parse_args(argv)
   overrides = TINY if args.tiny else dict(vocab=args.vocab)
+  commit = os.environ.get("JAXCE_COMMIT") or git("rev-parse", "HEAD")
   rows, runs, facts = [], {}, {}
   for name in args.sizes.split(","):
     size = dict(SIZES[name], **overrides)
@@ -194,8 +218,8 @@ def main(argv=None):
                   if k in report and k not in facts})
     facts.setdefault("platform", "cpu" if report.get("device") == "cpu" else "gpu")
     by_path = {r["path"]: r for r in report.get("results", [])}
-    size_rows = [make_row(name, size, path, by_path.get(path, dict(error=report.get("error"))))
-                 for path in args.paths.split(",")]
+    size_rows = [make_row(name, size, path, by_path.get(path, dict(error=report.get("error"))),
+                          commit) for path in args.paths.split(",")]
     deadline = time.monotonic() + args.timeout
     for i, row in enumerate(size_rows if args.largest_batch else []):
       share = (deadline - time.monotonic()) / (len(size_rows) - i)  # what is left, shared
@@ -204,14 +228,16 @@ def main(argv=None):
   slug = device_slug(dict(facts, n_devices=facts.get("num_devices"))) if facts else "unknown"
   results = dict(device=facts.get("device"), num_devices=facts.get("num_devices"),
                  platform=facts.get("platform"), jax=facts.get("jax"), flax=facts.get("flax"),
-                 commit=os.environ.get("JAXCE_COMMIT") or git("rev-parse", "HEAD"),
-                 date=datetime.datetime.now(datetime.timezone.utc).strftime(
+                 commit=commit, date=datetime.datetime.now(datetime.timezone.utc).strftime(
                      "%Y-%m-%d %H:%M UTC"),
                  vocab=overrides["vocab"], tiny=args.tiny,
                  sizes={n: dict(SIZES[n], **overrides) for n in args.sizes.split(",")},
                  wall_s=time.monotonic() - start, rows=rows, gpu_run=runs)
   os.makedirs(args.out, exist_ok=True)
   path = os.path.join(args.out, f"{slug}-grpo_step")
+  if args.merge and os.path.exists(path + ".json"):
+    with open(path + ".json") as f:
+      results = merged(json.load(f), results)
   with open(path + ".json", "w") as f:
     json.dump(results, f, indent=1)
   text = markdown(results)

@@ -638,6 +638,31 @@ def test_grpo_step_largest_batch_doubles_until_out_of_memory(monkeypatch):
   assert "plain failed: out of memory" in md
 
 
+def test_grpo_step_merge_keeps_the_sizes_not_rerun():
+  """``--merge``: the destination's other sizes come first, each row with the commit it ran
+  at (the table names a size's commit when it is not the file's); another device or
+  vocabulary is refused."""
+  from bench import grpo_step
+  facts = dict(device="d", num_devices=1, jax="0", flax="0", vocab=8, tiny=False, date="")
+  row = lambda size, path, commit=None: dict(
+      size=size, path=path, d_model=1, layers=1, heads=1, sequences=8, seq_len=2,
+      tokens_per_step=8, step_ms_median=1.0, score_ms_median=1.0, peak_bytes_in_use=2**30,
+      peak_minus_before=2**29, error=None, **({} if commit is None else dict(commit=commit)))
+  old = dict(facts, commit="aaaaaaaa", sizes=dict(small={}, medium={}),
+             rows=[row("small", "plain"), row("medium", "plain")], gpu_run=dict(small={}, medium={}))
+  new = dict(facts, commit="bbbbbbbb", sizes=dict(medium={"x": 1}),
+             rows=[row("medium", "plain", "bbbbbbbb")], gpu_run=dict(medium={"x": 1}))
+  got = grpo_step.merged(old, new)
+  assert list(got["sizes"]) == ["small", "medium"] and got["sizes"]["medium"] == {"x": 1}
+  assert [(r["size"], r["commit"]) for r in got["rows"]] == [("small", "aaaaaaaa"),
+                                                             ("medium", "bbbbbbbb")]
+  assert got["commit"] == "bbbbbbbb" and list(got["gpu_run"]) == ["small", "medium"]
+  md = grpo_step.markdown(got)
+  assert "V = 8 (commit aaaaaaa)" in md and "V = 8 (commit bbbbbbb)" not in md
+  with pytest.raises(SystemExit, match="device"):
+    grpo_step.merged(dict(old, device="other"), new)
+
+
 def test_precision_table_comes_from_the_committed_results():
   """The benchmarks page's float32 precision table (``<!-- precision-table PATH -->``) is
   exactly what ``scripts.gpu_precision.table`` makes of the committed run."""

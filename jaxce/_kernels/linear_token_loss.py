@@ -111,9 +111,11 @@ def _run(objective, hidden, weight, bias, tokens, token_args, config, with_grads
     # d hidden's rows arrive summed over the vocab shards, so it varies like hidden; the
     # d weight and d bias sums vary like every input together (reduced at the end).
     # (the group's d varies like them too)
+    # (the group's d is left unwritten: its chunks write every row before the matmuls read
+    # it, so filling it with zeros would only cost a pass over [G, V_local])
     d_weight, d_bias, d_group = plumbing.unify_varying(
         (jnp.zeros(weight.shape, dtype), None if bias is None else jnp.zeros(bias.shape, dtype),
-         jnp.zeros((group, num_columns), operand_dtype), hidden, weight, *tokens[:3]),
+         lax.empty((group, num_columns), operand_dtype), hidden, weight, *tokens[:3]),
         config.vocab_axis)[:3]
     carry = (jnp.zeros_like(hidden), d_weight, d_bias, d_group)
   n_groups = chunking.num_chunks(padded, group)

@@ -182,8 +182,9 @@ def markdown(results: dict) -> str:
 
 
 def merged(previous: dict, results: dict) -> dict:
-  """``results`` with ``previous``'s sizes that it does not have put first (their rows keep
-  the commit they ran at); both must come from the same device and vocabulary."""
+  """``results`` with ``previous``'s sizes that it does not have (their rows keep the commit
+  they ran at), the sizes in :data:`SIZES`' order; both must come from the same device and
+  vocabulary."""
   for key in ("device", "num_devices", "jax", "vocab", "tiny"):
     if previous.get(key) != results.get(key):
       raise SystemExit(f"--merge: the destination ran {key}={previous.get(key)!r}, this run "
@@ -191,11 +192,14 @@ def merged(previous: dict, results: dict) -> dict:
   kept = [name for name in previous["sizes"] if name not in results["sizes"]]
   for row in previous["rows"]:
     row.setdefault("commit", previous["commit"])
-  return dict(results,
-              sizes={**{n: previous["sizes"][n] for n in kept}, **results["sizes"]},
-              rows=[r for r in previous["rows"] if r["size"] in kept] + results["rows"],
-              gpu_run={**{n: previous["gpu_run"][n] for n in kept if n in previous["gpu_run"]},
-                       **results["gpu_run"]})
+  order = lambda names: sorted(names, key=list(SIZES).index)  # (small, then medium)
+  sizes = {**{n: previous["sizes"][n] for n in kept}, **results["sizes"]}
+  rows = [r for r in previous["rows"] if r["size"] in kept] + results["rows"]
+  runs = {**{n: previous["gpu_run"][n] for n in kept if n in previous["gpu_run"]},
+          **results["gpu_run"]}
+  return dict(results, sizes={n: sizes[n] for n in order(sizes)},
+              rows=[r for n in order(sizes) for r in rows if r["size"] == n],
+              gpu_run={n: runs[n] for n in order(runs)})
 
 
 def main(argv=None):

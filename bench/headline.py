@@ -80,8 +80,9 @@ def grpo_tables(results: dict) -> str:
 
 def chart(results: dict, path: str) -> None:
   """Time per 1000 tokens and extra memory of the fused fwd+bwd against T (V = 151936),
-  jaxce, FLSCE and plain JAX at each D: one figure, two panels (a flat time line: no
-  shape costs more per token than its neighbours)."""
+  jaxce, FLSCE and plain JAX at D = 1024, 2048 and 4096 (the table has every D): one
+  figure, two panels (a flat time line: no shape costs more per token than its
+  neighbours); the title names the commits of the jaxce rows drawn."""
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
@@ -89,6 +90,9 @@ def chart(results: dict, path: str) -> None:
   fig, (time_ax, memory_ax) = plt.subplots(1, 2, figsize=(11, 4.2))
   colors = dict(jaxce="tab:blue", liger_flsce="tab:orange", jax_plain="tab:gray")
   styles = {1024: ":", 2048: "--", 4096: "-"}
+  drawn = {k: r for k, r in _rows(results, "jaxce", "fwd_bwd").items()
+           if k[0] == 151936 and k[1] in styles}
+  commits = ", ".join(sorted({r.get("commit", results["commit"])[:7] for r in drawn.values()}))
   for impl, label in PEERS:
     rows = _rows(results, impl, "fwd_bwd")
     for D, style in styles.items():
@@ -109,7 +113,7 @@ def chart(results: dict, path: str) -> None:
     ax.grid(True, which="both", alpha=0.3)
   memory_ax.legend(fontsize=7, ncol=2)
   fig.suptitle(f"fused LM head, V = 151936, bf16, fwd+bwd with entropy: {results['device']}, "
-               f"JAX {results['jax']}, jaxce {results['commit'][:7]}, Liger-Kernel "
+               f"JAX {results['jax']}, jaxce {commits}, Liger-Kernel "
                f"{results['versions'].get('liger-kernel')}", fontsize=9)
   fig.tight_layout()
   fig.savefig(path, dpi=100)

@@ -1,10 +1,11 @@
 """Where the fused path's time goes on a Hopper GPU, piece by piece, in one run.
 
-1. ``kernels``: at one kernel call's shape (``--chunk`` tokens, V = 151936, ``--dim`` D (4096), bf16,
-   ``weight [D, V]``), XLA's ``h @ W`` (cuBLAS), JAX's plain Mosaic GPU matmul at jaxce's
-   tiling (``bench.machine_floors.mosaic_config``), jaxce's kernel skeleton with a
-   one-operation epilogue (each row's max), and jaxce's forward-statistics and d-logits
-   kernels; TFLOP/s and the ratio to the plain Mosaic matmul on the same shape.
+1. ``kernels``: at one kernel call's shape (``--chunk`` tokens, V = 151936, D = ``--dim``
+   (4096), bf16, ``weight [D, V]``), XLA's ``h @ W`` (cuBLAS), JAX's plain Mosaic GPU
+   matmul at jaxce's tiling (``bench.machine_floors.mosaic_config``), jaxce's kernel
+   skeleton with a one-operation epilogue (each row's max), and jaxce's forward-statistics
+   and d-logits kernels; TFLOP/s and the ratio to the plain Mosaic matmul on the same
+   shape.
 2. ``gemms``: the backward's two XLA GEMMs on one ``[chunk, block]`` tile, alone and with
    their f32 sums (does XLA fold the addend into the GEMM?).
 3. ``plans``: fwd+bwd of ``linear_logprobs_and_entropy`` for each ``T:chunk:block`` of

@@ -649,7 +649,8 @@ def test_grpo_step_merge_keeps_the_sizes_not_rerun():
       tokens_per_step=8, step_ms_median=1.0, score_ms_median=1.0, peak_bytes_in_use=2**30,
       peak_minus_before=2**29, error=None, **({} if commit is None else dict(commit=commit)))
   old = dict(facts, commit="aaaaaaaa", sizes=dict(small={}, medium={}),
-             rows=[row("small", "plain"), row("medium", "plain")], gpu_run=dict(small={}, medium={}))
+             rows=[row("small", "plain"), row("medium", "plain")],
+             gpu_run=dict(small={}, medium={}))
   new = dict(facts, commit="bbbbbbbb", sizes=dict(medium={"x": 1}),
              rows=[row("medium", "plain", "bbbbbbbb")], gpu_run=dict(medium={"x": 1}))
   got = grpo_step.merged(old, new)

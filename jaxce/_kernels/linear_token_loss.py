@@ -103,23 +103,31 @@ def _run(objective, hidden, weight, bias, tokens, token_args, config, with_grads
     if config.vocab_axis is not None:
       dh_rows = lax.psum(dh_rows, config.vocab_axis)  # partial sums over vocab shards
     d_hidden = chunking.write_fresh(d_hidden, dh_rows, start, fresh)
-    d_weight = d_weight + head.weight_grad(h, d, vocab_dim, config.plan.precision)
+    d_weight_group = head.weight_grad(h, d, vocab_dim, config.plan.precision)
+    # (None before the first group, which writes the sum without reading zeros)
+    d_weight = d_weight_group if d_weight is None else d_weight + d_weight_group
     return (d_hidden, d_weight, d_bias, d), outputs
 
-  carry = None
+  n_groups = chunking.num_chunks(padded, group)
   if with_grads:
     # d hidden's rows arrive summed over the vocab shards, so it varies like hidden; the
-    # d weight and d bias sums vary like every input together (reduced at the end).
-    # (the group's d varies like them too)
-    # (the group's d is left unwritten: its chunks write every row before the matmuls read
-    # it, so filling it with zeros would only cost a pass over [G, V_local])
-    d_weight, d_bias, d_group = plumbing.unify_varying(
-        (jnp.zeros(weight.shape, dtype), None if bias is None else jnp.zeros(bias.shape, dtype),
+    # d bias sum and the group's d vary like every input together (the d weight sum too:
+    # reduced at the end). The group's d is left unwritten: its chunks write every row
+    # before the matmuls read it, so filling it with zeros would only cost a pass over
+    # [G, V_local]. The first group runs outside the scan and starts the f32 d weight sum
+    # with its matmul: no zeros written, none read (the group's body compiles twice).
+    d_bias, d_group = plumbing.unify_varying(
+        (None if bias is None else jnp.zeros(bias.shape, dtype),
          lax.empty((group, num_columns), operand_dtype), hidden, weight, *tokens[:3]),
-        config.vocab_axis)[:3]
-    carry = (jnp.zeros_like(hidden), d_weight, d_bias, d_group)
-  n_groups = chunking.num_chunks(padded, group)
-  carry, (loss, logp, *entropy) = lax.scan(group_step, carry, jnp.arange(n_groups))
+        config.vocab_axis)[:2]
+    carry, first = group_step((jnp.zeros_like(hidden), None, d_bias, d_group), 0)
+    rest = None
+    if n_groups > 1:
+      carry, rest = lax.scan(group_step, carry, jnp.arange(1, n_groups))
+    stack = lambda a, *b: a[None] if not b else jnp.concatenate([a[None], b[0]])
+    loss, logp, *entropy = jax.tree.map(stack, first, *(() if rest is None else (rest,)))
+  else:
+    _, (loss, logp, *entropy) = lax.scan(group_step, None, jnp.arange(n_groups))
   logp = chunking.unchunk(logp, padded)[:num_tokens]
   entropy = chunking.unchunk(entropy[0], padded)[:num_tokens] if entropy else None
   out = (jnp.sum(loss), (logp, entropy))

@@ -10,6 +10,11 @@ through ``sharded_*`` and on arrays split over explicit mesh axes, with the opti
 change the program. A fingerprint is the SHA-256 of the StableHLO text with its function
 symbols renamed in order of appearance (``@f0``, ``@f1``...), so renaming a private Python
 function does not count as a change; the raw text's hash is kept beside it.
+
+With JAX >= 0.11 the Hopper kernels' calls (``mosaic/...``) are added, and each also gets
+the hash of its outputs' bits, run where the script runs (their StableHLO holds a
+callback, not the kernels' arithmetic). On a Hopper GPU, ``--only-mosaic`` runs just those,
+compiled: run it in the old tree and the new one on the same machine and compare.
 """
 
 from __future__ import annotations
@@ -52,8 +57,12 @@ def _weighted(fn, cot):
   return loss
 
 
-def programs():
-  """``{name: (function, args)}``: the calls whose lowering is fingerprinted."""
+def programs(only_mosaic=False):
+  """``{name: (function, args)}``: the calls whose lowering is fingerprinted (only the
+  Hopper kernels' with ``only_mosaic``: one device is enough)."""
+  objective = jaxce.objectives.grpo(0.2, 0.28, beta=0.04, entropy_coef=0.01)
+  if only_mosaic:
+    return _mosaic_programs(objective)
   logits, hidden, weight, labels, cot = _arrays()
   where = labels % 5 != 0
   temp = jnp.linspace(0.7, 1.3, labels.size).reshape(labels.shape)
@@ -108,7 +117,6 @@ def programs():
                                                              vocab_axis="v", batch_axis="b")
   out["linear/sharded/grad"] = (jax.grad(_weighted(f, cot), (0, 1)), (hidden, weight))
 
-  objective = jaxce.objectives.grpo(0.2, 0.28, beta=0.04, entropy_coef=0.01)
   token_args = (cot[0], cot[1] - 3, cot[1] - 2, jnp.full(labels.shape, 0.1))
   f = lambda x: jaxce.token_loss(objective, x, labels, *token_args, where=where)[0]
   out["token_loss/default/grad"] = (jax.grad(f), (logits,))
@@ -125,6 +133,9 @@ def programs():
                                                    batch_axis="b")[0]
   out["linear_token_loss/sharded/grad"] = (jax.grad(f, (0, 1)), (hidden, weight))
 
+  if _MOSAIC_INTERPRETER:
+    out.update(_mosaic_programs(objective))
+
   explicit = jax.make_mesh((2,), ("v",), axis_types=(jax.sharding.AxisType.Explicit,),
                            devices=jax.devices()[:2])
   with jax.set_mesh(explicit):
@@ -132,6 +143,45 @@ def programs():
     f = lambda h, w: jaxce.linear_logprobs_and_entropy(h, w, labels)
     out["linear/explicit/grad"] = (jax.grad(_weighted(f, cot), (0, 1)), (hidden, split_w),
                                    explicit)
+  return out
+
+
+# The Hopper kernels (``implementation="mosaic"``): off GPUs JAX's Mosaic GPU interpreter
+# (JAX >= 0.11) runs them from a host callback, so their StableHLO does not hold the
+# kernels' arithmetic; their outputs are fingerprinted as well (the bits of every output,
+# run where the script runs: the interpreter on CPUs, the kernels on a Hopper GPU).
+_MOSAIC_INTERPRETER = tuple(int(p) for p in jax.__version__.split(".")[:2]) >= (0, 11)
+
+
+def _mosaic_programs(objective):
+  """The Hopper kernels' programs (``implementation="mosaic"``, interpreted) at shapes they
+  take: ``T = 36`` (ragged), ``V = 256``, ``D = 64``, bf16."""
+  rng = np.random.default_rng(1)
+  t, v, d = 36, 256, 64
+  logits = jnp.asarray(rng.normal(size=(t, v)) * 3, jnp.bfloat16)
+  hidden = jnp.asarray(rng.normal(size=(t, d)), jnp.bfloat16)
+  weight = jnp.asarray(rng.normal(size=(d, v)) / 8, jnp.bfloat16)
+  labels = jnp.asarray(rng.integers(0, 250, (t,)), jnp.int32)
+  cot = jnp.asarray(rng.normal(size=(2, t)), jnp.float32)
+  temp = jnp.linspace(0.7, 1.3, t)
+  keep = jaxce.keep.from_logits(logits, top_k=40)
+  args = (cot[0], cot[1] - 3, cot[1] - 2, jnp.full((t,), 0.1))  # (GRPO's token arguments)
+  out = {}
+  options = {"default": {}, "temp_vocab": dict(temperature=temp, vocab_size=250),
+             "keep": dict(keep=keep), "softcap": dict(logit_softcap=5.0)}
+  for name, kw in options.items():
+    kw = dict(kw, implementation="mosaic")
+    if name != "softcap":
+      f = lambda x, kw=kw: jaxce.logprobs_and_entropy(x, labels, **kw)
+      out[f"mosaic/logits/{name}/grad"] = (jax.grad(_weighted(f, cot)), (logits,))
+    f = lambda h, w, kw=kw: jaxce.linear_logprobs_and_entropy(h, w, labels, **kw)
+    out[f"mosaic/linear/{name}/fwd"] = (f, (hidden, weight))
+    out[f"mosaic/linear/{name}/grad"] = (jax.grad(_weighted(f, cot), (0, 1)), (hidden, weight))
+    f = lambda h, w, kw=kw: jaxce.linear_token_loss(objective, h, w, labels, *args, **kw)[0]
+    out[f"mosaic/linear_token_loss/{name}/grad"] = (jax.grad(f, (0, 1)), (hidden, weight))
+  f = lambda x: jaxce.logprobs_and_entropy(x, labels, implementation="mosaic",
+                                           backward_in_place=True)
+  out["mosaic/logits/in_place/grad"] = (jax.grad(_weighted(f, cot)), (logits,))
   return out
 
 
@@ -143,19 +193,31 @@ def fingerprint(text):
           "raw": hashlib.sha256(text.encode()).hexdigest()[:16]}
 
 
+def output_bits(fn, arrays):
+  """SHA-256 of the bits of every output of ``jax.jit(fn)(*arrays)``, in order."""
+  digest = hashlib.sha256()
+  for leaf in jax.tree.leaves(jax.jit(fn)(*arrays)):
+    digest.update(np.asarray(leaf).tobytes())
+  return digest.hexdigest()[:16]
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--compare", help="a JSON file written by this script")
   parser.add_argument("--dump", help="a folder to write each program's StableHLO to")
+  parser.add_argument("--only-mosaic", action="store_true",
+                      help="only the Hopper kernels' programs (runs on one GPU)")
   args = parser.parse_args()
   result = {}
-  for name, (fn, arrays, *mesh) in programs().items():
+  for name, (fn, arrays, *mesh) in programs(args.only_mosaic).items():
     if mesh:
       with jax.set_mesh(mesh[0]):
         text = jax.jit(fn).lower(*arrays).as_text()
     else:
       text = jax.jit(fn).lower(*arrays).as_text()
     result[name] = fingerprint(text)
+    if name.startswith("mosaic/"):
+      result[name]["outputs"] = output_bits(fn, arrays)
     if args.dump:
       os.makedirs(args.dump, exist_ok=True)
       with open(os.path.join(args.dump, name.replace("/", "_") + ".mlir"), "w") as f:
@@ -166,8 +228,8 @@ def main():
     return
   with open(args.compare) as f:
     before = json.load(f)
-  changed = [n for n in result if n in before
-             and result[n]["normalized"] != before[n]["normalized"]]
+  key = lambda r: (r["normalized"], r.get("outputs"))
+  changed = [n for n in result if n in before and key(result[n]) != key(before[n])]
   for name in sorted(set(result) | set(before)):
     state = ("new" if name not in before else "gone" if name not in result
              else "CHANGED" if name in changed else "same")

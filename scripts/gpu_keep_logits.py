@@ -2,7 +2,7 @@
 without, in one process, each row printed as it is measured (JSON lines; also
 ``$OUT/keep_logits.jsonl``): ``_fused_rows.fwd_bwd_row``'s backend, median time and
 temporary memory. With ``--parts``, also where the kept set's time goes: the forward
-alone, the kept words' preparation (``mosaic_rows.kept_words``) alone, the forward kernel
+alone, the kept words' preparation (``mosaic_tile.kept_words``) alone, the forward kernel
 alone on prepared words, the gradient's pass alone (XLA's and ``mosaic_rows_grad``'s, with
 and without the kept set), and the compiled fwd+bwd program's HLO
 (``$OUT/keep_fwd_bwd.hlo.txt``). The logits, labels and kept sets are the jitted
@@ -24,7 +24,7 @@ import numpy as np
 
 import jaxce
 from bench.timing import time_ms
-from jaxce._kernels import logits_rows, mosaic_rows, mosaic_rows_grad
+from jaxce._kernels import logits_rows, mosaic_rows, mosaic_rows_grad, mosaic_tile
 from jaxce._kernels.config import Tokens
 from scripts import _fused_rows
 
@@ -79,7 +79,7 @@ def parts(row, logits, labels, keep, cot, repeats, out):
   forward = jax.jit(lambda x, lab, k: jaxce.logprobs_and_entropy(x, lab, keep=k))
   row("fwd_default", {"fwd_ms": time_ms(forward, (logits, labels, None), repeats)})
   row("fwd_keep", {"fwd_ms": time_ms(forward, (logits, labels, keep), repeats)})
-  prepare = jax.jit(lambda k, lab: mosaic_rows.kept_words(k, lab, t))
+  prepare = jax.jit(lambda k, lab: mosaic_tile.kept_words(k, lab, t))
   row("kept_words", {"ms": time_ms(prepare, (keep, labels), repeats)})
   words = prepare(keep, labels)
   block_rows = mosaic_rows.block_rows(t)

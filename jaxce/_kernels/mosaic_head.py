@@ -20,8 +20,8 @@ warpgroups):
   path's bits); or (backward epilogue) ``softmax.logit_grad`` and the softcap's and
   temperature's factors, stored through shared memory with TMA. With kept sets, each
   warpgroup's ``[4, 128]`` block of the transposed words comes in by TMA beside its row
-  inputs (the label's bit set in XLA: ``mosaic_rows.kept_words``), and columns outside a
-  row's kept set are masked too (``mosaic_rows.kept_columns``).
+  inputs (the label's bit set in XLA: ``mosaic_tile.kept_words``), and columns outside a
+  row's kept set are masked too (``mosaic_tile.kept_columns``).
 
 The grid is persistent (one CTA per SM) over (row blocks × vocab tiles), walked in
 ``planar_snake`` order 8 row blocks wide, so that the CTAs running together share 8
@@ -49,12 +49,12 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from jaxce._kernels import mosaic_rows, plumbing
+from jaxce._kernels import mosaic_tile, plumbing
 
 plgpu = plumbing.lazy_module("jax.experimental.pallas.mosaic_gpu")
 
 TILE_M = 128  # rows per compute warpgroup; a CTA holds two
-TILE_N = 128  # vocabulary columns per tile
+TILE_N = mosaic_tile.TILE  # vocabulary columns per tile
 TILE_K = 64  # hidden dims per pipeline step
 STAGES = 4  # pipeline depth: 4 x 48 KiB of shared memory
 GRAD_STAGES = 3  # 3 x 48 KiB, next to the two 32 KiB d logits tiles being stored
@@ -65,7 +65,6 @@ ROW_TILE = 8  # TMA reads rows in tiles of 8: a call's rows are a multiple of it
 # tiles, no split-K, tiles merged in the columns' order by ``mosaic_merge``).
 INVARIANT_OPERATIONS = ("linear_logprobs_and_entropy", "linear_token_loss")
 SNAKE_WIDTH = 8  # row blocks walked together (L2 reuse of the hidden blocks)
-_LOG2_E = 1.4426950408889634
 
 
 def unsupported(*, platform, capability, hidden_dtype, weight_dtype, has_bias, depth,
@@ -106,17 +105,17 @@ def row_blocks(num_rows: int) -> int:
   return -(-num_rows // MIN_ROWS)
 
 
-def _tiles(hidden, weight, row_inputs, words, *, vocab_dim, stages, finish, out_type,
-           scratch, interpret, num_cores):
+def _tiles(hidden, weight, row_inputs, words, *, inputs_type, vocab_dim, stages, finish,
+           out_type, scratch, interpret, num_cores):
   """The kernel skeleton: every ``[TILE_M, TILE_N]`` tile of ``hidden @ weight`` (f32
   accumulation) handed to ``finish`` in registers, which writes what it makes of it.
 
   ``hidden [C, D]``, ``weight [D, V]`` (``vocab_dim`` 1) or ``[V, D]`` (0), 16-bit;
-  ``row_inputs [R, C]`` f32: R numbers per row (the label's column second), handed to
-  ``finish`` as ``[TILE_M]`` vectors; ``words``: uint32 ``[V / 32, C]`` kept sets, a
-  row per word, or None. ``finish(x, rows, column, kept, scratch, outs, n_idx,
-  row_slice)`` (``column``: the tile's first column; ``kept``: its kept columns,
-  ``mosaic_rows.kept_columns``, or None) writes into ``outs``, the outputs (of the tuple
+  ``row_inputs [R, C]`` f32: the rows' record of ``inputs_type`` (``mosaic_tile.stack``),
+  handed to ``finish`` as that record of ``[TILE_M]`` vectors; ``words``: uint32 ``[V /
+  32, C]`` kept sets, a row per word, or None. ``finish(x, inputs, column, kept, scratch,
+  outs, n_idx, row_slice)`` (``column``: the tile's first column; ``kept``: its kept
+  columns, ``mosaic_tile.kept_columns``, or None) writes into ``outs``, the outputs (of the tuple
   of types ``out_type``), directly or with TMA through ``scratch``, this warpgroup's part
   of a shared-memory buffer of type ``scratch`` (leading dim 2), once the warpgroup's
   last copy has read it (``_copy_out``). ``interpret``: run in JAX's GPU interpreter;
@@ -134,7 +133,7 @@ def _tiles(hidden, weight, row_inputs, words, *, vocab_dim, stages, finish, out_
   num_row_inputs = row_inputs.shape[0]
   has_words = words is not None
   words_per_tile = TILE_N // 32
-  transforms = _transforms(TILE_K, hidden.dtype)
+  transforms = mosaic_tile.swizzle(TILE_K, hidden.dtype)
   if vocab_dim:
     weight_spec = plgpu.BlockSpec((TILE_K, TILE_N), lambda k: (k, 0), transforms=transforms,
                                   memory_space=plgpu.SMEM)
@@ -200,14 +199,12 @@ def _tiles(hidden, weight, row_inputs, words, *, vocab_dim, stages, finish, out_
             eval_pipeline(acc_ref)
             x = acc_ref[...]
             plgpu.barrier_wait(rows_barrier.at[wg])
-            row_layout = plgpu.Layout.WGMMA.reduce(1)  # one number per row of the tile
-            row_values = tuple(plgpu.load(rows_smem.at[wg, i], layout=row_layout)
-                               for i in range(num_row_inputs))
+            inputs = mosaic_tile.load(inputs_type, rows_smem, wg)
             kept = None
             if has_words:
               plgpu.barrier_wait(words_barrier.at[wg])
-              kept = mosaic_rows.kept_columns(words_smem.at[wg])
-            finish(x, row_values, column, kept, out_smem.at[wg], out_gmems, n_idx, row_slice)
+              kept = mosaic_tile.kept_columns(words_smem.at[wg])
+            finish(x, inputs, column, kept, out_smem.at[wg], out_gmems, n_idx, row_slice)
 
         def mma_body(_, hidden_smem, weight_smem, acc_ref):
           rhs = weight_smem if vocab_dim else weight_smem.transpose((1, 0))
@@ -236,14 +233,6 @@ def _tiles(hidden, weight, row_inputs, words, *, vocab_dim, stages, finish, out_
   return call(hidden, weight, row_inputs, *([words] if has_words else []))
 
 
-def _transforms(minor_dim, dtype):
-  """Shared-memory tiling and swizzle of a tile whose minor dim holds ``minor_dim``
-  elements of ``dtype`` (what wgmma and TMA expect)."""
-  swizzle = plgpu.find_swizzle(minor_dim * jnp.dtype(dtype).itemsize * 8)
-  return (plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)),
-          plgpu.SwizzleTransform(swizzle))
-
-
 def _copy_out(scratch, value, out_slice):
   """Writes ``value`` (an array, or a tuple of ``scratch``'s rows) to the device-memory
   ``out_slice`` through ``scratch`` with TMA, once the warpgroup's last copy has read
@@ -263,20 +252,20 @@ def _tile_statistics(hidden, weight, row_inputs, words, *, vocab_dim, softcap, w
   """``[vocab tiles, 4, C]`` f32: ``(m, s, q, picked)`` of every ``[row, tile]``, and with
   ``with_logits`` the ``[C, V]`` f32 logits after the softcap, stored from registers (the
   f32 tile is too large for shared memory beside the pipeline); ``row_inputs [3, C]``: the
-  inverse temperature, the label's column in this weight (-1 when not here) and the first
-  excluded column, per row; ``words`` as ``_tiles``."""
+  rows' ``mosaic_tile.HeadStatisticsInputs``, stacked; ``words`` as ``_tiles``."""
   num_rows, num_columns = hidden.shape[0], weight.shape[vocab_dim]
 
-  def finish(x, row_values, column, kept, scratch, outs, n_idx, row_slice):
-    x = _cap(x, softcap)
+  def finish(x, inputs, column, kept, scratch, outs, n_idx, row_slice):
+    x = mosaic_tile.cap(x, softcap)
     if with_logits:
       outs[1].at[row_slice, pl.ds(column, TILE_N)][...] = x
-    stats = _epilogue(x, *row_values, column, kept, with_entropy)
+    stats = mosaic_tile.tile_statistics(x, inputs, column, kept, with_entropy)
     _copy_out(scratch, stats, outs[0].at[n_idx, :, row_slice])
 
   stats_type = jax.ShapeDtypeStruct((num_columns // TILE_N, 4, num_rows), jnp.float32)
   logits_type = jax.ShapeDtypeStruct((num_rows, num_columns), jnp.float32)
-  return _tiles(hidden, weight, row_inputs, words, vocab_dim=vocab_dim,
+  return _tiles(hidden, weight, row_inputs, words,
+                inputs_type=mosaic_tile.HeadStatisticsInputs, vocab_dim=vocab_dim,
                 stages=LOGITS_STAGES if with_logits else STAGES, finish=finish,
                 out_type=(stats_type,) + ((logits_type,) if with_logits else ()),
                 scratch=plgpu.SMEM((2, 4, TILE_M), jnp.float32),
@@ -285,73 +274,22 @@ def _tile_statistics(hidden, weight, row_inputs, words, *, vocab_dim, softcap, w
 
 def _tile_logits_grad(hidden, weight, row_inputs, words, *, vocab_dim, softcap, interpret,
                       num_cores):
-  """``[C, V]`` ``d loss / d (hidden @ weight)`` in hidden's dtype; ``row_inputs [10, C]``
-  as ``_grad_epilogue`` takes them; ``words`` as ``_tiles``."""
+  """``[C, V]`` ``d loss / d (hidden @ weight)`` in hidden's dtype; ``row_inputs [10, C]``:
+  the rows' ``mosaic_tile.HeadGradientInputs``, stacked; ``words`` as ``_tiles``."""
   num_rows, dtype = hidden.shape[0], hidden.dtype
 
-  def finish(x, row_values, column, kept, scratch, outs, n_idx, row_slice):
+  def finish(x, inputs, column, kept, scratch, outs, n_idx, row_slice):
     del n_idx
-    d = _grad_epilogue(x, *row_values, column, kept, softcap).astype(dtype)
+    d = mosaic_tile.head_gradient(x, inputs, column, kept, softcap).astype(dtype)
     _copy_out(scratch, d, outs[0].at[row_slice, pl.ds(column, TILE_N)])
 
-  return _tiles(hidden, weight, row_inputs, words, vocab_dim=vocab_dim, stages=GRAD_STAGES,
-                finish=finish,
+  return _tiles(hidden, weight, row_inputs, words,
+                inputs_type=mosaic_tile.HeadGradientInputs, vocab_dim=vocab_dim,
+                stages=GRAD_STAGES, finish=finish,
                 out_type=(jax.ShapeDtypeStruct((num_rows, weight.shape[vocab_dim]), dtype),),
                 scratch=plgpu.SMEM((2, TILE_M, TILE_N), dtype,
-                                   transforms=_transforms(TILE_N, dtype)),
+                                   transforms=mosaic_tile.swizzle(TILE_N, dtype)),
                 interpret=interpret, num_cores=num_cores)[0]
-
-
-def _cap(x, softcap):
-  """``softcap * tanh(x / softcap)``, or ``x`` without a softcap."""
-  return x if softcap is None else softcap * jnp.tanh(x / softcap)
-
-
-def _grad_epilogue(x, inv_temp, label, limit, first_kept, shift, log_sum, entropy, g_logp,
-                   g_entropy, row_mask, column, kept_set, softcap):
-  """``softmax.logit_grad`` then ``head.logits_input_grad`` of one accumulator tile
-  ``x [TILE_M, TILE_N]`` (WGMMA layout) whose first column is ``column``; ``kept_set``:
-  the tile's kept columns or None; every other argument is a ``[TILE_M]`` f32 vector
-  (``row_mask``: 1 or 0)."""
-  shape = x.shape
-  per_row = lambda v: lax.broadcast_in_dim(v, shape, [0])
-  capped = _cap(x, softcap)
-  local = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
-  global_column = (local + column).astype(jnp.float32)  # exact below 2**24
-  kept = (global_column >= per_row(first_kept)) & (global_column < per_row(limit))
-  if kept_set is not None:
-    kept = kept & kept_set
-  z = jnp.where(kept, capped * per_row(inv_temp), -jnp.inf)
-  log_p = (z - per_row(shift)) - per_row(log_sum)
-  p = jnp.exp(log_p)
-  coef = per_row(g_logp) + per_row(g_entropy) * (jnp.where(p > 0, log_p, 0.0)
-                                                 + per_row(entropy))
-  dz = jnp.where(global_column == per_row(label), per_row(g_logp), 0.0) - p * coef
-  dx = dz * per_row(inv_temp)
-  if softcap is not None:
-    dx = dx * (1 - jnp.square(capped / softcap))
-  return jnp.where(per_row(row_mask) > 0, dx, 0.0)  # after every factor: a dropped row's NaN
-
-
-def _epilogue(x, inv_temp, label, limit, column, kept_set, with_entropy):
-  """``(m, s, q, picked)`` ``[TILE_M]`` f32 of one tile of logits ``x [TILE_M, TILE_N]``
-  (after the softcap; WGMMA layout) whose first column is ``column``; ``kept_set``: the
-  tile's kept columns or None."""
-  shape = x.shape
-  per_row = lambda v: lax.broadcast_in_dim(v, shape, [0])
-  local = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
-  global_column = (local + column).astype(jnp.float32)  # exact below 2**24
-  kept = global_column < per_row(limit)
-  if kept_set is not None:
-    kept = kept & kept_set
-  z = jnp.where(kept, x * per_row(inv_temp), -jnp.inf)
-  m = jnp.maximum(jnp.max(z, axis=1), jnp.finfo(jnp.float32).min)
-  shifted = z - per_row(m)
-  e = jnp.exp2(shifted * _LOG2_E)
-  s = jnp.sum(e, axis=1)
-  q = jnp.sum(jnp.where(e > 0, e * shifted, 0.0), axis=1) if with_entropy else s * 0
-  picked = jnp.sum(jnp.where(kept & (global_column == per_row(label)), z, 0.0), axis=1)
-  return m, s, q, picked
 
 
 def statistics(hidden, weight, labels, inv_temp, limit, kept=None, *, column_start,
@@ -383,13 +321,14 @@ def statistics(hidden, weight, labels, inv_temp, limit, kept=None, *, column_sta
     ``softcap(hidden @ weight)`` (before the temperature and any mask), the numbers the
     statistics were formed from; the statistics' bits are the same either way.
     Memory: that array, 1/32 of the bytes of the chunk's f32 logits (and ``x``); with
-    ``kept``, its ``mosaic_rows.kept_words`` copy.
+    ``kept``, its ``mosaic_tile.kept_words`` copy.
   """
   num_columns = weight.shape[vocab_dim]
   label_column = labels - column_start
   label_column = jnp.where((label_column >= 0) & (label_column < num_columns), label_column, -1)
-  row_inputs = jnp.stack([inv_temp.astype(jnp.float32), label_column.astype(jnp.float32),
-                          jnp.broadcast_to(jnp.asarray(limit, jnp.float32), inv_temp.shape)])
+  row_inputs = mosaic_tile.stack(mosaic_tile.HeadStatisticsInputs(
+      inv_temp=inv_temp.astype(jnp.float32), label=label_column.astype(jnp.float32),
+      limit=jnp.broadcast_to(jnp.asarray(limit, jnp.float32), inv_temp.shape)))
   out = _tile_statistics(hidden, weight, row_inputs, _words(kept, label_column, num_columns),
                          vocab_dim=vocab_dim, softcap=softcap, with_entropy=with_entropy,
                          with_logits=with_logits, interpret=interpret, num_cores=num_cores)
@@ -399,10 +338,10 @@ def statistics(hidden, weight, labels, inv_temp, limit, kept=None, *, column_sta
 def _words(kept, label_column, num_columns):
   """uint32 ``[num_columns / 32, C]``: the kept sets ``[C, >= num_columns / 32]``'s words
   of the first ``num_columns`` columns with each row's label column's bit set, a row per
-  word (``mosaic_rows.kept_words``, read by ``_tiles``); or None."""
+  word (``mosaic_tile.kept_words``, read by ``_tiles``); or None."""
   if kept is None:
     return None
-  return mosaic_rows.kept_words(kept[:, :num_columns // 32], label_column, kept.shape[0])
+  return mosaic_tile.kept_words(kept[:, :num_columns // 32], label_column, kept.shape[0])
 
 
 def logits_grad(hidden, weight, label_column, inv_temp, saved, cotangents, row_mask,
@@ -434,9 +373,12 @@ def logits_grad(hidden, weight, label_column, inv_temp, saved, cotangents, row_m
   as_row = lambda v: jnp.zeros_like(inv_temp, jnp.float32) if v is None else v.astype(
       jnp.float32)
   scalar = lambda v: jnp.broadcast_to(jnp.asarray(v, jnp.float32), inv_temp.shape)
-  row_inputs = jnp.stack([as_row(inv_temp), label_column.astype(jnp.float32), scalar(limit),
-                          scalar(first_kept), *map(as_row, saved), *map(as_row, cotangents),
-                          row_mask.astype(jnp.float32)])
+  (shift, log_sum, entropy), (g_logp, g_entropy) = saved, cotangents
+  row_inputs = mosaic_tile.stack(mosaic_tile.HeadGradientInputs(
+      inv_temp=as_row(inv_temp), label=label_column.astype(jnp.float32), limit=scalar(limit),
+      first_kept=scalar(first_kept), shift=as_row(shift), log_sum=as_row(log_sum),
+      entropy=as_row(entropy), g_logp=as_row(g_logp), g_entropy=as_row(g_entropy),
+      row_mask=row_mask.astype(jnp.float32)))
   return _tile_logits_grad(hidden, weight, row_inputs,
                            _words(kept, label_column, weight.shape[vocab_dim]),
                            vocab_dim=vocab_dim,

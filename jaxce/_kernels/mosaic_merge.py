@@ -2,21 +2,7 @@
 Pallas Mosaic GPU kernel (the fused path's ``mosaic_head`` forward and the logits path's
 ``mosaic_rows`` hand it their tiles, through ``logits_rows.merge_tiles``).
 
-The kernels that form logits reduce each tile of columns to per-token statistics
-``(m, s, q, picked)``: the tile's max ``m``, ``s = Σ exp(z - m)``, ``q = Σ exp(z - m)(z -
-m)`` and the label's ``z`` (0 when the label is not in the tile). This kernel merges a
-token's tiles in the order they are given (the columns' order: tile 0 first; over vocab
-shards, gathered in rank order) and finishes its log-prob and entropy, with the same
-instructions whatever the call around it:
-
-    m = max_g m_g                           (pass 1)
-    s = Σ_g s_g e_g,  e_g = exp(m_g - m)    (pass 2, g = 0, 1, ... in order)
-    q = Σ_g e_g (q_g + (m_g - m) s_g)
-    log s = log(s);  entropy = log s - q / s;  logp = (Σ_g picked_g - m) - log s
-
-So a token's outputs depend on its own tiles alone: not on the number of tokens, their
-chunking or the program around the call (XLA decides per program how it fuses and
-contracts the same maths; a Pallas kernel is one program wherever it is called).
+It keeps the merge contract (``merge``: the maths, the order, the outputs).
 
 One CTA (one warpgroup, a token per thread) per ``ROWS`` tokens and group of up to
 ``GROUP`` consecutive tiles, copied into shared memory with one TMA copy. With more tiles
@@ -37,14 +23,14 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from jaxce._kernels import plumbing
+from jaxce._kernels import merge as merge_contract
+from jaxce._kernels import plumbing, softmax
 
 plgpu = plumbing.lazy_module("jax.experimental.pallas.mosaic_gpu")
 
 ROWS = 128  # tokens per CTA: one per thread of a warpgroup
 ROW_TILE = 8  # a moved-back CTA starts at a multiple of 8 tokens (32-byte aligned copies)
 GROUP = 64  # tiles per CTA: 4 x 64 x 128 f32, 128 KiB of shared memory
-_FLOOR = float(jnp.finfo(jnp.float32).min)
 
 
 def _stage(tiles, *, group, with_entropy, finish, interpret):
@@ -72,7 +58,7 @@ def _stage(tiles, *, group, with_entropy, finish, interpret):
       plgpu.barrier_wait(barrier)
       skip = first - start  # tiles of the group before (the last group only)
       m = lax.fori_loop(skip, group, lambda k, m: jnp.maximum(m, tiles_smem[k, 0]),
-                        jnp.full((ROWS,), _FLOOR, jnp.float32))
+                        jnp.full((ROWS,), softmax.FLOOR, jnp.float32))
 
       def fold(k, carry):  # tile k into the sums, in the tiles' order
         s, q, picked = carry
@@ -107,28 +93,14 @@ def _stage(tiles, *, group, with_entropy, finish, interpret):
 
 
 def merge(tiles, *, with_entropy, interpret):
-  """A token's log-prob and entropy from its tiles' statistics, in the tiles' order.
-
-  Args:
-    tiles: ``[G, 4, C]`` float32: ``(m, s, q, picked)`` of each token's ``G`` tiles of
-      columns, in the columns' order (``q`` unused without ``with_entropy``).
-    with_entropy: compute the entropy (else it is returned as None).
-    interpret: run in JAX's GPU interpreter (off GPUs: tests).
-
-  Returns:
-    ``(logp, m, log s, entropy or None)``, ``[C]`` float32 each: the log-prob before
-    ignored tokens and labels beyond the vocabulary are masked (``softmax.finish_outputs``),
-    and the backward's residuals. Memory: the outputs, ``[G / GROUP, 4, C]`` partial sums
+  """A token's log-prob and entropy from its tiles' statistics ``[G, 4, C]``, in the
+  tiles' order, as the contract says (``merge``); ``interpret``: run in JAX's GPU
+  interpreter (off GPUs: tests). Memory: the outputs, ``[G / GROUP, 4, C]`` partial sums
     per extra stage (and, when ``C`` is not a multiple of 8 or is below ``ROWS``, one
     padded copy of ``tiles``).
   """
   num_rows = tiles.shape[2]
-  padded = num_rows
-  if num_rows < ROWS or num_rows % ROW_TILE:
-    padded = max(-(-num_rows // ROW_TILE) * ROW_TILE, ROWS)
-  tiles = tiles.astype(jnp.float32)
-  if padded != num_rows:
-    tiles = jnp.pad(tiles, [(0, 0), (0, 0), (0, padded - num_rows)])
+  tiles = merge_contract.padded_tiles(tiles, ROW_TILE, ROWS)
   while tiles.shape[0] > GROUP:
     tiles = _stage(tiles, group=GROUP, with_entropy=with_entropy, finish=False,
                    interpret=interpret)

@@ -4,15 +4,12 @@ kernel (Hopper): the logits path's forward (``logits_rows``), merged by ``mosaic
 Each CTA (one warpgroup) takes ``ROWS`` rows and one group of ``tiles_per_group(V_local)``
 consecutive ``[ROWS, TILE]`` tiles of columns, streamed into shared memory by TMA,
 ``stages`` tiles ahead (``plgpu.emit_pipeline``). Each tile is folded in registers into
-its rows' running statistics, in the columns' order:
-
-    m' = max(m, max_v z_v)              z = x * inv_temp (-inf beyond the vocabulary)
-    s' = s e + Σ_v exp(z_v - m'),       e = exp(m - m')
-    q' = e (q + (m - m') s) + Σ_v exp(z_v - m') (z_v - m')
+its rows' running statistics, in the columns' order (``mosaic_tile.fold``: an online
+softmax).
 
 Kept sets (``keep=``) are read with the tiles: each tile's ``[WORDS, ROWS]`` block of
 the packed words (transposed to a row per word, so a word is a per-row vector, with the
-label's bit set on the way: ``kept_words``) sets the columns outside the row's kept set
+label's bit set on the way: ``mosaic_tile.kept_words``) sets the columns outside the row's kept set
 to -inf before the fold.
 
 The group's ``(m, s, q, picked)`` is written to an f32 ``[groups, 4, T]`` array
@@ -38,20 +35,17 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from jaxce._kernels import chunking, mosaic_merge, plumbing
+from jaxce._kernels import chunking, mosaic_merge, mosaic_tile, plumbing
 
 plgpu = plumbing.lazy_module("jax.experimental.pallas.mosaic_gpu")
 
 ROWS = 64  # rows per CTA (one warpgroup)
-TILE = 128  # columns per pipeline step
-WORDS = TILE // 32  # kept-set words per tile row
+TILE, WORDS = mosaic_tile.TILE, mosaic_tile.WORDS  # columns per pipeline step, their words
 MIN_TILES_PER_GROUP = 8
 STAGE_BYTES = 96 * 2**10  # shared memory of the pipeline's buffers, per CTA
 # The operations whose outputs this kernel makes batch-invariant: those that read whole
 # rows of logits (``linear_token_loss``'s rows come from XLA's matmuls).
 INVARIANT_OPERATIONS = ("logprobs_and_entropy", "token_loss")
-_LOG2_E = 1.4426950408889634
-_FLOOR = float(jnp.finfo(jnp.float32).min)
 
 
 def tiles_per_group(num_columns: int) -> int:
@@ -62,84 +56,24 @@ def tiles_per_group(num_columns: int) -> int:
   return min(num_tiles, max(MIN_TILES_PER_GROUP, -(-num_tiles // mosaic_merge.GROUP)))
 
 
-def tile_transforms(dtype):
-  """Shared-memory tiling and swizzle of a ``[ROWS, TILE]`` tile of ``dtype`` (128-byte
-  swizzle: conflict-free loads into the WGMMA register layout)."""
-  itemsize = jnp.dtype(dtype).itemsize
-  swizzle = plgpu.find_swizzle(TILE * itemsize * 8)
-  return plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle)
-
-
 def tile_specs(first_tile, dtype, has_words):
   """The pipeline's ``in_specs`` over a group's tiles from ``first_tile``: step ``k``'s
   ``[ROWS, TILE]`` tile of ``dtype`` and, with ``has_words``, its ``[WORDS, ROWS]`` block
   of the transposed kept-set words."""
   specs = [plgpu.BlockSpec((ROWS, TILE), lambda k: (0, first_tile + k),
-                           transforms=tile_transforms(dtype))]
+                           transforms=mosaic_tile.swizzle(TILE, dtype))]
   if has_words:
     specs.append(plgpu.BlockSpec((WORDS, ROWS), lambda k: (first_tile + k, 0)))
   return specs
-
-
-def kept_words(kept, label_column, num_rows):
-  """uint32 ``[V_local / 32, num_rows]``: the kept sets ``kept [T, V_local / 32]`` (bit
-  ``v % 32`` of word ``v // 32``) with each row's label column's bit set (``label_column
-  [T]`` int; none outside ``[0, V_local)``: the label lies elsewhere), zero rows past
-  ``T``, transposed so that a word is a per-row vector (``kept_columns``). One XLA
-  fusion; memory: ``num_rows * V_local / 8`` bytes."""
-  words = kept.astype(jnp.uint32)
-  label_column = label_column.astype(jnp.int32)[:, None]
-  label_bit = jnp.left_shift(jnp.uint32(1), (label_column % 32).astype(jnp.uint32))
-  index = lax.broadcasted_iota(jnp.int32, words.shape, 1)
-  words = jnp.where(index == label_column // 32, words | label_bit, words)
-  return chunking.pad_rows(words, num_rows).T
-
-
-def kept_columns(words_smem):
-  """``bool [R, TILE]`` (WGMMA layout): the kept columns of a tile of ``R`` rows, from
-  its rows' words (``words_smem``, ``[WORDS, R]`` uint32 of ``kept_words``: bit ``v % 32``
-  of word ``v // 32`` for the tile's column ``v``). Shared by the fused head's kernel."""
-  shape = (words_smem.shape[1], TILE)
-  row_layout = plgpu.Layout.WGMMA.reduce(1)
-  words = [plgpu.load(words_smem.at[j], layout=row_layout, optimized=False)
-           for j in range(WORDS)]
-  per_row = lambda v: lax.broadcast_in_dim(v, shape, [0])
-  local = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
-  low, high = (jnp.where(local < 32 * (2 * i + 1), per_row(words[2 * i]),
-                         per_row(words[2 * i + 1])) for i in range(2))
-  word = jnp.where(local < 64, low, high)
-  return ((word >> (local & 31).astype(jnp.uint32)) & jnp.uint32(1)) == 1
-
-
-def _fold(x, carry, inv_temp, limit, column, kept, *, masked, with_entropy):
-  """``(m, s, q)`` ``[ROWS]`` f32 with the tile ``x [ROWS, TILE]`` (WGMMA layout), whose
-  first column is ``column``, folded in; ``inv_temp`` and ``limit`` are ``[ROWS]`` f32;
-  ``kept``: the tile's kept columns (``kept_columns``) or None."""
-  m, s, q = carry
-  per_row = lambda v: lax.broadcast_in_dim(v, x.shape, [0])
-  z = x.astype(jnp.float32) * per_row(inv_temp)
-  if masked:
-    local = plgpu.broadcasted_iota(jnp.int32, x.shape, 1, layout=plgpu.Layout.WGMMA)
-    z = jnp.where((local + column).astype(jnp.float32) < per_row(limit), z, -jnp.inf)
-  if kept is not None:
-    z = jnp.where(kept, z, -jnp.inf)
-  m_new = jnp.maximum(m, jnp.max(z, axis=1))  # m starts at the floor: never -inf
-  shifted = z - per_row(m_new)
-  e = jnp.exp2(shifted * _LOG2_E)
-  step = m - m_new
-  rescale = jnp.exp2(step * _LOG2_E)
-  if with_entropy:  # (max: an excluded column's 0 * -inf is 0 * floor)
-    q = rescale * (q + step * s) + jnp.sum(e * jnp.maximum(shifted, _FLOOR), axis=1)
-  return m_new, s * rescale + jnp.sum(e, axis=1), q
 
 
 def _statistics(x, row_inputs, words, *, masked, with_entropy, stages, interpret):
   """``[groups, row blocks, 4, ROWS]`` f32 group statistics of each block of rows of ``x
   [T, V_local]`` (``T >= ROWS``, a multiple of 8: TMA's row tiling; the last block moved
   back inside);
-  ``row_inputs [row blocks, 3, ROWS]`` f32: inverse temperature, label ``z`` and first
-  excluded column of each block's rows (``block_rows``); ``words``: uint32 ``[V_local /
-  32, T]`` kept sets of ``kept_words`` (read with the tiles), or None."""
+  ``row_inputs [row blocks, 3, ROWS]`` f32: each block's rows' (``block_rows``)
+  ``mosaic_tile.RowsStatisticsInputs``; ``words``: uint32 ``[V_local / 32, T]`` kept sets
+  of ``mosaic_tile.kept_words`` (read with the tiles), or None."""
   num_rows, num_columns = x.shape
   num_tiles = num_columns // TILE
   group = tiles_per_group(num_columns)
@@ -152,10 +86,8 @@ def _statistics(x, row_inputs, words, *, masked, with_entropy, stages, interpret
     block, group_index = lax.axis_index("rows"), lax.axis_index("groups")
     first_row = pl.multiple_of(jnp.minimum(block * ROWS, num_rows - ROWS), 8)
     rows = pl.ds(first_row, ROWS)
-    row_layout = plgpu.Layout.WGMMA.reduce(1)
-    inv_temp, picked, limit = (
-        plgpu.load(rows_gmem.at[block, i], layout=row_layout, optimized=False)
-        for i in range(3))
+    inputs = mosaic_tile.load(mosaic_tile.RowsStatisticsInputs, rows_gmem, block,
+                              optimized=False)
     first_tile = group_index * group
     count = jnp.minimum(group, num_tiles - first_tile)
 
@@ -163,12 +95,12 @@ def _statistics(x, row_inputs, words, *, masked, with_entropy, stages, interpret
       (k,) = indices
       *words_smem, carry = smem
       column = (first_tile + k) * TILE
-      kept = kept_columns(words_smem[0]) if has_words else None
-      return _fold(plgpu.load(x_smem, layout=plgpu.Layout.WGMMA), carry, inv_temp, limit,
-                   column, kept, masked=masked, with_entropy=with_entropy)
+      kept = mosaic_tile.kept_columns(words_smem[0]) if has_words else None
+      return mosaic_tile.fold(plgpu.load(x_smem, layout=plgpu.Layout.WGMMA), carry, inputs,
+                              column, kept, masked=masked, with_entropy=with_entropy)
 
     zero = jnp.zeros((ROWS,), jnp.float32)
-    init = (jnp.full((ROWS,), _FLOOR, jnp.float32), zero, zero)
+    init = (jnp.full((ROWS,), mosaic_tile.FLOOR, jnp.float32), zero, zero)
     pipeline = plgpu.emit_pipeline(body, grid=(count,),
                                    in_specs=tile_specs(first_tile, x.dtype, has_words),
                                    max_concurrent_steps=stages, init_carry=init)
@@ -182,7 +114,7 @@ def _statistics(x, row_inputs, words, *, masked, with_entropy, stages, interpret
 
       @pl.when(group_index == 0)
       def _label():
-        out_smem[3] = picked
+        out_smem[3] = inputs.picked
 
       plgpu.commit_smem()
       plgpu.copy_smem_to_gmem(out_smem, out_gmem.at[group_index, block])
@@ -229,7 +161,7 @@ def statistics(x, inv_temp, picked, limit, kept=None, label_column=None, *, with
   Returns:
     ``[groups, 4, T]`` float32 ``(m, s, q, picked)`` per group of
     ``tiles_per_group(V_local)`` tiles. Memory: that array (16 bytes per row per group)
-    and its blocked form; with ``kept``, its ``kept_words`` copy (``T * V_local / 8``
+    and its blocked form; with ``kept``, its ``mosaic_tile.kept_words`` copy (``T * V_local / 8``
     bytes). TMA reads rows in tiles of 8: when ``T`` is not a multiple of 8, the kernel
     reads the first ``T - T % 8`` rows (XLA's slice) and then a padded copy of the last
     ``T % 8`` (``ROWS`` rows); below ``ROWS`` rows, a padded copy of ``x``.
@@ -263,10 +195,11 @@ def _part_statistics(x, inv_temp, picked, kept, label_column, *, bound, masked,
   padded = max(-(-num_rows // 8) * 8, ROWS)  # (TMA reads rows in tiles of 8)
   x = chunking.pad_rows(x, padded)  # (a copy when padded)
   if kept is not None:
-    kept = kept_words(kept, label_column, padded)
+    kept = mosaic_tile.kept_words(kept, label_column, padded)
   pad = lambda v, fill: chunking.pad_rows(v.astype(jnp.float32), padded, fill)
-  row_inputs = jnp.stack([pad(inv_temp, 1.0), pad(picked, 0.0),
-                          jnp.broadcast_to(bound, (padded,))])
+  row_inputs = mosaic_tile.stack(mosaic_tile.RowsStatisticsInputs(
+      inv_temp=pad(inv_temp, 1.0), picked=pad(picked, 0.0),
+      limit=jnp.broadcast_to(bound, (padded,))))
   row_inputs = row_inputs[:, block_rows(padded)].transpose(1, 0, 2)
   tiles = _statistics(x, row_inputs, kept, masked=masked, with_entropy=with_entropy,
                       stages=stages, interpret=interpret)

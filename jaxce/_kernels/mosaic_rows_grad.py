@@ -10,11 +10,8 @@ an intermediate of a jitted training step), and otherwise copies them first. Eac
 (one warpgroup) takes ``ROWS`` rows and a group of ``[ROWS, TILE]`` tiles, as
 ``mosaic_rows``; TMA streams each tile in and its gradient back out, and every tile is
 read before it is overwritten, by the CTA that owns it. Per element, with the row's
-statistics and cotangents folded into per-row coefficients (``_row_inputs``)::
-
-    z = x * inv_temp     (-inf beyond the vocabulary or outside the row's kept set)
-    log p = max(z - (m + log s), f32 min)             p = exp(log p)
-    d x = inv_temp * (-p (g_logp + g_entropy (log p + H)) + g_logp [v == label])
+statistics and cotangents folded into per-row coefficients (``_row_inputs``), its
+``mosaic_tile.rows_gradient``.
 
 In place, rows are taken in whole blocks of ``ROWS`` (a moved-back block would read rows
 that its neighbour has overwritten): the last ``T % ROWS`` rows are written by XLA in
@@ -32,51 +29,27 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from jaxce._kernels import chunking, mosaic_rows, plumbing
+from jaxce._kernels import chunking, mosaic_rows, mosaic_tile, plumbing
 from jaxce._kernels.config import Tokens
 
 plgpu = plumbing.lazy_module("jax.experimental.pallas.mosaic_gpu")
 
 ROWS, TILE, WORDS = mosaic_rows.ROWS, mosaic_rows.TILE, mosaic_rows.WORDS
-# Row inputs, in this order: inverse temperature, m + log s (+inf: no gradient), the
-# coefficient g_logp + g_entropy H, g_entropy, g_logp, the label's column, the first
-# excluded column.
-NUM_ROW_INPUTS = 7
-_LOG2_E = 1.4426950408889634
-_FLOOR = float(jnp.finfo(jnp.float32).min)
-
-
-def _tile_gradient(x, row_values, column, kept, *, masked):
-  """``d x`` ``[ROWS, TILE]`` f32 (WGMMA layout) of the tile ``x`` whose first column is
-  ``column``, from its rows' ``NUM_ROW_INPUTS`` ``[ROWS]`` f32 values; ``kept``: the
-  tile's kept columns (``mosaic_rows.kept_columns``) or None."""
-  inv_temp, log_norm, coef, g_entropy, g_logp, label_column, limit = (
-      lax.broadcast_in_dim(v, x.shape, [0]) for v in row_values)
-  z = x.astype(jnp.float32) * inv_temp
-  local = plgpu.broadcasted_iota(jnp.int32, x.shape, 1, layout=plgpu.Layout.WGMMA)
-  columns = (local + column).astype(jnp.float32)
-  if masked:
-    z = jnp.where(columns < limit, z, -jnp.inf)
-  if kept is not None:
-    z = jnp.where(kept, z, -jnp.inf)
-  log_p = jnp.maximum(z - log_norm, _FLOOR)  # (an excluded column: p = 0, finite log p)
-  p = jnp.exp2(log_p * _LOG2_E)
-  dz = -(p * coef + (p * log_p) * g_entropy)  # (p log p: 0 there, never 0 * inf)
-  dz = jnp.where(columns == label_column, dz + g_logp, dz)
-  return dz * inv_temp
+NUM_ROW_INPUTS = len(mosaic_tile.RowsGradientInputs._fields)
 
 
 def _kernel(x, row_inputs, words, *, in_place, masked, stages, interpret):
   """The gradient of ``x [R, V_local]`` (``R`` a multiple of 8, at least ``ROWS``): over
   the first ``row blocks * ROWS`` rows of ``x`` (``in_place``; the rest left as they
   were) or into a new array (the last row block moved back inside, as in
-  ``mosaic_rows``); ``row_inputs [row blocks, NUM_ROW_INPUTS, ROWS]`` f32; ``words``:
-  uint32 ``[V_local / 32, R]`` kept sets of ``mosaic_rows.kept_words``, or None."""
+  ``mosaic_rows``); ``row_inputs [row blocks, NUM_ROW_INPUTS, ROWS]`` f32: each block's
+  rows' ``mosaic_tile.RowsGradientInputs``; ``words``: uint32 ``[V_local / 32, R]`` kept
+  sets of ``mosaic_tile.kept_words``, or None."""
   num_rows, num_columns = x.shape
   num_tiles = num_columns // TILE
   group = mosaic_rows.tiles_per_group(num_columns)
   num_groups = -(-num_tiles // group)
-  transforms = mosaic_rows.tile_transforms(x.dtype)
+  transforms = mosaic_tile.swizzle(TILE, x.dtype)
   has_words = words is not None
 
   def kernel(x_gmem, rows_gmem, *refs):
@@ -88,9 +61,8 @@ def _kernel(x, row_inputs, words, *, in_place, masked, stages, interpret):
       *words_gmem, out_gmem = refs
       first_row = pl.multiple_of(jnp.minimum(block * ROWS, num_rows - ROWS), 8)
     rows = pl.ds(first_row, ROWS)
-    row_layout = plgpu.Layout.WGMMA.reduce(1)
-    row_values = [plgpu.load(rows_gmem.at[block, i], layout=row_layout, optimized=False)
-                  for i in range(NUM_ROW_INPUTS)]
+    inputs = mosaic_tile.load(mosaic_tile.RowsGradientInputs, rows_gmem, block,
+                              optimized=False)
     first_tile = group_index * group
 
     @functools.partial(pl.run_scoped,
@@ -99,9 +71,9 @@ def _kernel(x, row_inputs, words, *, in_place, masked, stages, interpret):
       def body(indices, x_smem, *words_smem):
         (k,) = indices
         column = (first_tile + k) * TILE
-        kept = mosaic_rows.kept_columns(words_smem[0]) if has_words else None
-        grad = _tile_gradient(plgpu.load(x_smem, layout=plgpu.Layout.WGMMA), row_values,
-                              column, kept, masked=masked)
+        kept = mosaic_tile.kept_columns(words_smem[0]) if has_words else None
+        grad = mosaic_tile.rows_gradient(plgpu.load(x_smem, layout=plgpu.Layout.WGMMA),
+                                         inputs, column, kept, masked=masked)
         # The store of tile k - 2 out of this slot has read it: reuse it.
         plgpu.wait_smem_to_gmem(1, wait_read_only=True)
         slot = out_smem.at[k % 2]
@@ -132,8 +104,8 @@ def _kernel(x, row_inputs, words, *, in_place, masked, stages, interpret):
 
 
 def _row_inputs(tokens: Tokens, saved, cotangents, column_start, limit):
-  """``[NUM_ROW_INPUTS, T]`` f32: the per-row values of ``_tile_gradient`` (an ignored row,
-  or one with no cotangent, gets exactly zero gradient)."""
+  """``[NUM_ROW_INPUTS, T]`` f32: the rows' ``mosaic_tile.RowsGradientInputs``, stacked
+  (an ignored row, or one with no cotangent, gets exactly zero gradient)."""
   (shift, log_sum, entropy), (g_logp, g_entropy) = saved, cotangents
   zeros = jnp.zeros_like(shift, jnp.float32)
   g_logp = zeros if g_logp is None else g_logp.astype(jnp.float32)
@@ -141,10 +113,11 @@ def _row_inputs(tokens: Tokens, saved, cotangents, column_start, limit):
   coef = g_logp + (zeros if entropy is None else g_entropy * entropy.astype(jnp.float32))
   valid = tokens.valid
   masked = lambda v: jnp.where(valid, v, 0)
-  values = [tokens.inv_temp, jnp.where(valid, shift + log_sum, jnp.inf), masked(coef),
-            masked(g_entropy), masked(g_logp), tokens.labels - column_start,
-            jnp.broadcast_to(limit, shift.shape)]
-  return jnp.stack([v.astype(jnp.float32) for v in values])
+  return mosaic_tile.stack(mosaic_tile.RowsGradientInputs(
+      inv_temp=tokens.inv_temp, log_norm=jnp.where(valid, shift + log_sum, jnp.inf),
+      coef=masked(coef), g_entropy=masked(g_entropy), g_logp=masked(g_logp),
+      label_column=tokens.labels - column_start,
+      limit=jnp.broadcast_to(limit, shift.shape)))
 
 
 def overwrite(x, tokens: Tokens, saved, cotangents, column_start, limit, tail_gradient, *,
@@ -169,7 +142,7 @@ def overwrite(x, tokens: Tokens, saved, cotangents, column_start, limit, tail_gr
 
   Returns:
     the gradient, in ``x``'s buffer when ``x`` is dead. Memory: ``NUM_ROW_INPUTS``
-    floats per row and, with kept sets, the words' ``mosaic_rows.kept_words`` copy
+    floats per row and, with kept sets, the words' ``mosaic_tile.kept_words`` copy
     (``T * V_local / 8`` bytes); XLA's copy of ``x`` first when ``x`` is still live.
   """
   num_rows, num_columns = x.shape
@@ -180,7 +153,7 @@ def overwrite(x, tokens: Tokens, saved, cotangents, column_start, limit, tail_gr
     bound = num_columns if limit is None else limit
     rows = _row_inputs(tokens, saved, cotangents, column_start, bound)[:, :whole]
     rows = rows.reshape(NUM_ROW_INPUTS, whole // ROWS, ROWS).transpose(1, 0, 2)
-    words = None if tokens.kept is None else mosaic_rows.kept_words(
+    words = None if tokens.kept is None else mosaic_tile.kept_words(
         tokens.kept[:whole], tokens.labels[:whole] - column_start, whole)
     x = _kernel(x, rows, words, in_place=True, masked=limit is not None, stages=stages,
                 interpret=interpret)
@@ -197,7 +170,7 @@ def gradient(x, tokens: Tokens, saved, cotangents, column_start, limit, *, inter
   """``d loss / d x`` of ``x [T, V_local]`` into a new array like ``x``: as ``overwrite``
   (the same arguments, and ``T`` a multiple of 8), the last block of ``ROWS`` rows moved
   back inside (below ``ROWS`` rows, a padded copy of ``x``). Memory: the gradient,
-  ``NUM_ROW_INPUTS`` floats per row and, with kept sets, their ``mosaic_rows.kept_words``
+  ``NUM_ROW_INPUTS`` floats per row and, with kept sets, their ``mosaic_tile.kept_words``
   copy (``T * V_local / 8`` bytes)."""
   num_rows, num_columns = x.shape
   _check_shape(x)
@@ -207,7 +180,7 @@ def gradient(x, tokens: Tokens, saved, cotangents, column_start, limit, *, inter
   bound = num_columns if limit is None else limit
   rows = _row_inputs(tokens, saved, cotangents, column_start, bound)
   rows = chunking.pad_rows(rows.T, padded, 0).T[:, blocks].transpose(1, 0, 2)
-  words = None if tokens.kept is None else mosaic_rows.kept_words(
+  words = None if tokens.kept is None else mosaic_tile.kept_words(
       tokens.kept, tokens.labels - column_start, padded)
   grad = _kernel(chunking.pad_rows(x, padded), rows, words, in_place=False,
                  masked=limit is not None, stages=stages, interpret=interpret)

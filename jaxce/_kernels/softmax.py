@@ -118,6 +118,12 @@ def tile_sums(z, m, with_entropy):
   return sums
 
 
+# The kernels' constants: exp(x) is taken as exp2(x * LOG2_E) (one MUFU instruction on GPUs);
+# FLOOR stands for -inf where a finite number is needed (a running max's start, a log p
+# whose p is 0).
+LOG2_E = 1.4426950408889634
+FLOOR = float(jnp.finfo(jnp.float32).min)
+
 # Bits per int32 limb of the exact sums: every limb of a term is < 2^(LIMB_BITS + 1), so
 # 2^(30 - LIMB_BITS) = 2^20 columns (the whole vocabulary, all shards) sum without overflow.
 LIMB_BITS = 10

@@ -1,21 +1,7 @@
 """Per-token outputs from per-tile softmax statistics, merged in one fixed order, as a
 Pallas (Triton) kernel on GPUs.
 
-The kernels that read logits (or form them, on the fused path) reduce each tile of
-columns to per-token statistics ``(m, s, q, picked)``: the tile's max ``m``, ``s = Σ
-exp(z - m)``, ``q = Σ exp(z - m)(z - m)`` and the label's ``z`` (0 when the label is not
-in the tile). This kernel merges a token's tiles in the order they are given (the
-columns' order: tile 0 first; over vocab shards, gathered in rank order) and finishes
-its log-prob and entropy, with the same instructions whatever the call around it:
-
-    m = max_g m_g                           (pass 1)
-    s = Σ_g s_g e_g,  e_g = exp(m_g - m)    (pass 2, g = 0, 1, ... in order)
-    q = Σ_g e_g (q_g + (m_g - m) s_g)
-    log s = log(s);  entropy = log s - q / s;  logp = (Σ_g picked_g - m) - log s
-
-So a token's outputs depend on its own tiles alone: not on the number of tokens, their
-chunking or the program around the call (XLA decides per program how it fuses and
-contracts the same maths; a Pallas kernel is one program wherever it is called).
+It keeps the merge contract (``merge``: the maths, the order, the outputs).
 
 One program per ``ROWS`` tokens (one lane each) and, with many tiles, per group of
 ``GROUP`` consecutive tiles, whose partial sums a second call merges in the groups' order
@@ -31,7 +17,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from jaxce._kernels import plumbing
+from jaxce._kernels import merge as merge_contract
+from jaxce._kernels import plumbing, softmax
 
 plgpu = plumbing.lazy_module("jax.experimental.pallas.triton")
 
@@ -39,7 +26,6 @@ ROWS = 128  # tokens per program
 GROUP = 64  # tiles per program of the first of two stages (more tiles than this)
 UNROLL = 8  # tiles loaded per loop step
 NUM_WARPS = 4
-_FLOOR = float(jnp.finfo(jnp.float32).min)
 
 
 def _merge_kernel(tiles_ref, *out_refs, num_tiles, group, with_entropy, finish):
@@ -56,7 +42,7 @@ def _merge_kernel(tiles_ref, *out_refs, num_tiles, group, with_entropy, finish):
     value = tiles_ref[jnp.minimum(g, num_tiles - 1) if ragged else g, j, :]
     if not ragged:
       return value
-    return jnp.where(g < num_tiles, value, _FLOOR if j == 0 else 0.0)
+    return jnp.where(g < num_tiles, value, softmax.FLOOR if j == 0 else 0.0)
 
   steps, rest = divmod(group, UNROLL)
 
@@ -65,7 +51,7 @@ def _merge_kernel(tiles_ref, *out_refs, num_tiles, group, with_entropy, finish):
       m = jnp.maximum(m, m_g)
     return m
 
-  m = jnp.full((ROWS,), _FLOOR, jnp.float32)
+  m = jnp.full((ROWS,), softmax.FLOOR, jnp.float32)
   m = lax.fori_loop(0, steps, lambda i, m: max_of(i * UNROLL, UNROLL, m), m)
   m = max_of(steps * UNROLL, rest, m)
 
@@ -125,27 +111,15 @@ def _stage(tiles, *, group, with_entropy, finish, interpret):
 
 
 def merge(tiles, *, with_entropy, interpret):
-  """A token's log-prob and entropy from its tiles' statistics, in the tiles' order.
-
-  Args:
-    tiles: ``[G, 4, C]`` float32: ``(m, s, q, picked)`` of each token's ``G`` tiles of
-      columns, in the columns' order (``q`` unused without ``with_entropy``).
-    with_entropy: compute the entropy (else it is returned as None).
-    interpret: run in Pallas' interpreter (off GPUs: tests).
-
-  Returns:
-    ``(logp, m, log s, entropy or None)``, ``[C]`` float32 each: the log-prob before
-    ignored tokens and labels beyond the vocabulary are masked (``softmax.finish_outputs``),
-    and the backward's residuals. With more than ``GROUP`` tiles, two stages: groups of
+  """A token's log-prob and entropy from its tiles' statistics ``[G, 4, C]``, in the
+  tiles' order, as the contract says (``merge``); ``interpret``: run in Pallas'
+  interpreter (off GPUs: tests). With more than ``GROUP`` tiles, two stages: groups of
     ``GROUP`` consecutive tiles in parallel, then the groups in order (an order fixed by
     ``G`` alone). Memory: the outputs, ``[G / GROUP, 4, C]`` partial sums (and, when ``C``
     is not a multiple of ``ROWS``, one padded copy of ``tiles``).
   """
   num_tiles, _, num_rows = tiles.shape
-  padded = -(-num_rows // ROWS) * ROWS
-  tiles = tiles.astype(jnp.float32)
-  if padded != num_rows:
-    tiles = jnp.pad(tiles, [(0, 0), (0, 0), (0, padded - num_rows)])
+  tiles = merge_contract.padded_tiles(tiles, ROWS)
   if num_tiles > GROUP:
     tiles = jnp.stack(_stage(tiles, group=GROUP, with_entropy=with_entropy, finish=False,
                              interpret=interpret), axis=1)

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from jaxce._kernels import plumbing
+from jaxce._kernels import plumbing, softmax
 
 plgpu = plumbing.lazy_module("jax.experimental.pallas.triton")
 
@@ -30,7 +30,6 @@ MAX_BLOCK = 2048
 # blocks' statistics in XLA and its objective path's logits come from XLA's matmuls.
 INVARIANT_OPERATIONS = ("logprobs_and_entropy", "token_loss")
 NUM_WARPS = 4
-_LOG2_E = 1.4426950408889634
 
 
 def _row_kernel(x_ref, inv_temp_ref, start_ref, limit_ref, m_ref, s_ref, q_ref, *, block,
@@ -63,9 +62,9 @@ def _row_kernel(x_ref, inv_temp_ref, start_ref, limit_ref, m_ref, s_ref, q_ref, 
     """Fold one block ``z [block]`` (scaled logits, -inf where excluded) into carry."""
     m, s, q = carry
     m_new = jnp.maximum(m, jnp.max(z))  # m starts at floor: never -inf
-    rescale = jnp.exp2((m - m_new) * _LOG2_E)
+    rescale = jnp.exp2((m - m_new) * softmax.LOG2_E)
     shifted = z - m_new
-    e = jnp.exp2(shifted * _LOG2_E)
+    e = jnp.exp2(shifted * softmax.LOG2_E)
     if with_entropy:
       q = rescale * (q + (m - m_new) * s) + jnp.where(e > 0, e * shifted, 0.0)
     return m_new, s * rescale + e, q

@@ -1,0 +1,242 @@
+"""The tile maths of the Hopper (Pallas Mosaic GPU) kernels, in one place: what each
+kernel does to a ``[rows, 128]`` tile held in registers (WGMMA layout), the tile's
+shared-memory swizzle, the kept-set words, and the records of per-row inputs.
+
+The kernels only move data (``mosaic_rows``: statistics of logits rows; ``mosaic_rows_grad``:
+their gradient; ``mosaic_head``: the fused head's matmul tiles, finished in registers);
+what they compute on a tile is here:
+
+* ``fold``: a tile folded into its rows' running statistics (an online softmax over the
+  tiles of a group, ``mosaic_rows``);
+* ``tile_statistics``: a tile's own ``(m, s, q, picked)`` (``mosaic_head``'s forward;
+  ``mosaic_merge`` merges them over the tiles);
+* ``rows_gradient`` and ``head_gradient``: the tile's ``d logits``. Both are
+  ``softmax.logit_grad``'s maths; they guard ``log p`` of an excluded column in two ways
+  (a floor, a select) and take ``exp`` in two ways (``exp2`` of a product, ``exp``), and
+  each path's gradients keep the bits they were released with.
+
+Per-row inputs reach a kernel as one f32 ``[fields, rows]`` array, stacked from a record
+by its fields' order (``stack``) and loaded back into the same record (``load``), so a
+kernel reads them by name.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax.numpy as jnp
+from jax import lax
+
+from jaxce._kernels import chunking, plumbing, softmax
+
+plgpu = plumbing.lazy_module("jax.experimental.pallas.mosaic_gpu")
+
+TILE = 128  # columns of a tile
+WORDS = TILE // 32  # kept-set words per tile row
+LOG2_E, FLOOR = softmax.LOG2_E, softmax.FLOOR
+
+
+def swizzle(minor_dim: int, dtype):
+  """Shared-memory tiling and swizzle of a tile whose minor dim holds ``minor_dim``
+  elements of ``dtype`` (the widest swizzle that fits, up to 128 bytes: what wgmma and
+  TMA expect, and conflict-free loads into the WGMMA register layout)."""
+  itemsize = jnp.dtype(dtype).itemsize
+  width = plgpu.find_swizzle(minor_dim * itemsize * 8)
+  return plgpu.TilingTransform((8, width // itemsize)), plgpu.SwizzleTransform(width)
+
+
+def stack(record) -> jnp.ndarray:
+  """``[fields, rows]`` f32: a record of ``[rows]`` per-row inputs, in its fields' order."""
+  return jnp.stack([jnp.asarray(v).astype(jnp.float32) for v in record])
+
+
+def load(record_type, ref, index, **load_options):
+  """The record ``record_type`` of ``[rows]`` f32 vectors (WGMMA row layout) loaded from
+  ``ref.at[index, field]``, a ``[rows]`` slice of what ``stack`` made per field."""
+  layout = plgpu.Layout.WGMMA.reduce(1)  # one number per row of a tile
+  return record_type(*(plgpu.load(ref.at[index, i], layout=layout, **load_options)
+                       for i in range(len(record_type._fields))))
+
+
+def _per_row(v, shape):
+  return lax.broadcast_in_dim(v, shape, [0])
+
+
+def _columns(shape, column):
+  """f32 ``shape``: each element's column, the tile's first being ``column`` (exact below
+  2**24)."""
+  local = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
+  return (local + column).astype(jnp.float32)
+
+
+def kept_words(kept, label_column, num_rows):
+  """uint32 ``[V_local / 32, num_rows]``: the kept sets ``kept [T, V_local / 32]`` (bit
+  ``v % 32`` of word ``v // 32``) with each row's label column's bit set (``label_column
+  [T]`` int; none outside ``[0, V_local)``: the label lies elsewhere), zero rows past
+  ``T``, transposed so that a word is a per-row vector (``kept_columns``). One XLA
+  fusion; memory: ``num_rows * V_local / 8`` bytes."""
+  words = kept.astype(jnp.uint32)
+  label_column = label_column.astype(jnp.int32)[:, None]
+  label_bit = jnp.left_shift(jnp.uint32(1), (label_column % 32).astype(jnp.uint32))
+  index = lax.broadcasted_iota(jnp.int32, words.shape, 1)
+  words = jnp.where(index == label_column // 32, words | label_bit, words)
+  return chunking.pad_rows(words, num_rows).T
+
+
+def kept_columns(words_smem):
+  """``bool [R, TILE]`` (WGMMA layout): the kept columns of a tile of ``R`` rows, from
+  its rows' words (``words_smem``, ``[WORDS, R]`` uint32 of ``kept_words``: bit ``v % 32``
+  of word ``v // 32`` for the tile's column ``v``)."""
+  shape = (words_smem.shape[1], TILE)
+  row_layout = plgpu.Layout.WGMMA.reduce(1)
+  words = [plgpu.load(words_smem.at[j], layout=row_layout, optimized=False)
+           for j in range(WORDS)]
+  per_row = lambda v: _per_row(v, shape)
+  local = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
+  low, high = (jnp.where(local < 32 * (2 * i + 1), per_row(words[2 * i]),
+                         per_row(words[2 * i + 1])) for i in range(2))
+  word = jnp.where(local < 64, low, high)
+  return ((word >> (local & 31).astype(jnp.uint32)) & jnp.uint32(1)) == 1
+
+
+def cap(x, softcap):
+  """``softcap * tanh(x / softcap)``, or ``x`` without a softcap."""
+  return x if softcap is None else softcap * jnp.tanh(x / softcap)
+
+
+# -- logits rows (mosaic_rows, mosaic_rows_grad) ------------------------------------------
+
+class RowsStatisticsInputs(NamedTuple):
+  """Per-row inputs of ``mosaic_rows``' statistics."""
+  inv_temp: jnp.ndarray
+  picked: jnp.ndarray  # the label's z (0 where this shard does not own the label)
+  limit: jnp.ndarray  # the first excluded column
+
+
+def fold(x, carry, inputs: RowsStatisticsInputs, column, kept, *, masked, with_entropy):
+  """``(m, s, q)`` ``[R]`` f32 with the tile ``x [R, TILE]`` (WGMMA layout), whose first
+  column is ``column``, folded in (``mosaic_rows``' online softmax)::
+
+      m' = max(m, max_v z_v)              z = x * inv_temp (-inf beyond ``limit``)
+      s' = s e + Σ_v exp(z_v - m'),       e = exp(m - m')
+      q' = e (q + (m - m') s) + Σ_v exp(z_v - m') (z_v - m')
+
+  ``masked``: apply ``limit``; ``kept``: the tile's kept columns (``kept_columns``) or
+  None."""
+  m, s, q = carry
+  per_row = lambda v: _per_row(v, x.shape)
+  z = x.astype(jnp.float32) * per_row(inputs.inv_temp)
+  if masked:
+    z = jnp.where(_columns(x.shape, column) < per_row(inputs.limit), z, -jnp.inf)
+  if kept is not None:
+    z = jnp.where(kept, z, -jnp.inf)
+  m_new = jnp.maximum(m, jnp.max(z, axis=1))  # m starts at the floor: never -inf
+  shifted = z - per_row(m_new)
+  e = jnp.exp2(shifted * LOG2_E)
+  step = m - m_new
+  rescale = jnp.exp2(step * LOG2_E)
+  if with_entropy:  # (max: an excluded column's 0 * -inf is 0 * floor)
+    q = rescale * (q + step * s) + jnp.sum(e * jnp.maximum(shifted, FLOOR), axis=1)
+  return m_new, s * rescale + jnp.sum(e, axis=1), q
+
+
+class RowsGradientInputs(NamedTuple):
+  """Per-row inputs of ``mosaic_rows_grad``'s kernel (``rows_gradient``)."""
+  inv_temp: jnp.ndarray
+  log_norm: jnp.ndarray  # m + log s (+inf: no gradient)
+  coef: jnp.ndarray  # g_logp + g_entropy H
+  g_entropy: jnp.ndarray
+  g_logp: jnp.ndarray
+  label_column: jnp.ndarray
+  limit: jnp.ndarray  # the first excluded column
+
+
+def rows_gradient(x, inputs: RowsGradientInputs, column, kept, *, masked):
+  """``d x`` ``[R, TILE]`` f32 (WGMMA layout) of the tile ``x`` whose first column is
+  ``column``::
+
+      z = x * inv_temp     (-inf beyond the vocabulary or outside the row's kept set)
+      log p = max(z - (m + log s), f32 min)             p = exp(log p)
+      d x = inv_temp * (-p (g_logp + g_entropy (log p + H)) + g_logp [v == label])
+
+  ``kept``: the tile's kept columns (``kept_columns``) or None."""
+  inv_temp, log_norm, coef, g_entropy, g_logp, label_column, limit = (
+      _per_row(v, x.shape) for v in inputs)
+  z = x.astype(jnp.float32) * inv_temp
+  columns = _columns(x.shape, column)
+  if masked:
+    z = jnp.where(columns < limit, z, -jnp.inf)
+  if kept is not None:
+    z = jnp.where(kept, z, -jnp.inf)
+  log_p = jnp.maximum(z - log_norm, FLOOR)  # (an excluded column: p = 0, finite log p)
+  p = jnp.exp2(log_p * LOG2_E)
+  dz = -(p * coef + (p * log_p) * g_entropy)  # (p log p: 0 there, never 0 * inf)
+  dz = jnp.where(columns == label_column, dz + g_logp, dz)
+  return dz * inv_temp
+
+
+# -- the fused head's tiles (mosaic_head) -------------------------------------------------
+
+class HeadStatisticsInputs(NamedTuple):
+  """Per-row inputs of ``mosaic_head``'s forward epilogue (``tile_statistics``)."""
+  inv_temp: jnp.ndarray
+  label: jnp.ndarray  # the label's column in this weight (-1: not here)
+  limit: jnp.ndarray  # the first excluded column
+
+
+def tile_statistics(x, inputs: HeadStatisticsInputs, column, kept_set, with_entropy):
+  """``(m, s, q, picked)`` ``[R]`` f32 of one tile of logits ``x [R, TILE]`` (after the
+  softcap; WGMMA layout) whose first column is ``column``: its max, ``Σ exp(z - m)``,
+  ``Σ exp(z - m)(z - m)`` (zeros without ``with_entropy``) and the label's ``z`` (0 when
+  the label is not in the tile); ``kept_set``: the tile's kept columns or None."""
+  per_row = lambda v: _per_row(v, x.shape)
+  global_column = _columns(x.shape, column)
+  kept = global_column < per_row(inputs.limit)
+  if kept_set is not None:
+    kept = kept & kept_set
+  z = jnp.where(kept, x * per_row(inputs.inv_temp), -jnp.inf)
+  m = jnp.maximum(jnp.max(z, axis=1), FLOOR)
+  shifted = z - per_row(m)
+  e = jnp.exp2(shifted * LOG2_E)
+  s = jnp.sum(e, axis=1)
+  q = jnp.sum(jnp.where(e > 0, e * shifted, 0.0), axis=1) if with_entropy else s * 0
+  picked = jnp.sum(jnp.where(kept & (global_column == per_row(inputs.label)), z, 0.0), axis=1)
+  return m, s, q, picked
+
+
+class HeadGradientInputs(NamedTuple):
+  """Per-row inputs of ``mosaic_head``'s backward epilogue (``head_gradient``)."""
+  inv_temp: jnp.ndarray
+  label: jnp.ndarray  # the label's column in this block (-1: not here)
+  limit: jnp.ndarray  # columns outside [first_kept, limit) are excluded
+  first_kept: jnp.ndarray
+  shift: jnp.ndarray  # the forward's m
+  log_sum: jnp.ndarray  # and log s
+  entropy: jnp.ndarray
+  g_logp: jnp.ndarray
+  g_entropy: jnp.ndarray
+  row_mask: jnp.ndarray  # 1 or 0
+
+
+def head_gradient(x, inputs: HeadGradientInputs, column, kept_set, softcap):
+  """``softmax.logit_grad`` then ``head.logits_input_grad`` of one accumulator tile
+  ``x [R, TILE]`` (WGMMA layout, before the softcap) whose first column is ``column``;
+  ``kept_set``: the tile's kept columns or None."""
+  per_row = lambda v: _per_row(v, x.shape)
+  capped = cap(x, softcap)
+  global_column = _columns(x.shape, column)
+  kept = ((global_column >= per_row(inputs.first_kept))
+          & (global_column < per_row(inputs.limit)))
+  if kept_set is not None:
+    kept = kept & kept_set
+  z = jnp.where(kept, capped * per_row(inputs.inv_temp), -jnp.inf)
+  log_p = (z - per_row(inputs.shift)) - per_row(inputs.log_sum)
+  p = jnp.exp(log_p)
+  coef = per_row(inputs.g_logp) + per_row(inputs.g_entropy) * (
+      jnp.where(p > 0, log_p, 0.0) + per_row(inputs.entropy))
+  dz = jnp.where(global_column == per_row(inputs.label), per_row(inputs.g_logp), 0.0) - p * coef
+  dx = dz * per_row(inputs.inv_temp)
+  if softcap is not None:
+    dx = dx * (1 - jnp.square(capped / softcap))
+  # (after every factor: a dropped row's NaN)
+  return jnp.where(per_row(inputs.row_mask) > 0, dx, 0.0)

@@ -41,6 +41,7 @@ import jaxce
 from bench import impls, machine_floors
 from bench.timing import time_ms
 from jaxce._kernels import mosaic_head as mh
+from jaxce._kernels import mosaic_tile
 
 V, D = 151936, 4096
 
@@ -64,14 +65,15 @@ def _skeleton(hidden, weight, **device):
   rows = jnp.ones((3, hidden.shape[0]), jnp.float32)
   n_tiles = weight.shape[1] // mh.TILE_N
 
-  def finish(x, row_values, column, kept, scratch, outs, n_idx, row_slice):
-    del row_values, column, kept
+  def finish(x, inputs, column, kept, scratch, outs, n_idx, row_slice):
+    del inputs, column, kept
     m = jnp.max(x, axis=1)
     copy_out = mh._copy_out  # pylint: disable=protected-access
     copy_out(scratch, (m, m, m, m), outs[0].at[n_idx, :, row_slice])
 
   return mh._tiles(  # pylint: disable=protected-access
-      hidden, weight, rows, None, vocab_dim=1, stages=mh.STAGES, finish=finish,
+      hidden, weight, rows, None, inputs_type=mosaic_tile.HeadStatisticsInputs, vocab_dim=1,
+      stages=mh.STAGES, finish=finish,
       out_type=(jax.ShapeDtypeStruct((n_tiles, 4, hidden.shape[0]), jnp.float32),),
       scratch=mh.plgpu.SMEM((2, 4, mh.TILE_M), jnp.float32), **device)[0]
 

@@ -44,7 +44,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxce._kernels import chunking, head, logits_rows, merge, mosaic_head, plumbing, softmax
+from jaxce._kernels import chunking, head, logits_rows, mosaic_head, plumbing, softmax
 from jaxce._kernels import triton_rows
 from jaxce._kernels.config import Config, Tokens
 
@@ -177,7 +177,7 @@ def _invariant_forward(hidden, weight, bias, tokens, config):
 def _mosaic_statistics(hidden, weight, tokens, shard_start, config):
   """``(logp, m, log s, entropy or None)`` ``[T]`` (before masking) by the Mosaic GPU
   kernel, one call per chunk of ``row_chunks`` of the plan's ``kernel_chunk`` tokens, and
-  ``mosaic_merge`` (``merge.merge_tiles``): each token's tiles merged in the columns'
+  ``mosaic_merge`` (``logits_rows.merge_tiles``): each token's tiles merged in the columns'
   order, every shard's tiles gathered in rank order first. Each token's bits depend on its
   own inputs alone."""
   num_tokens, num_columns = hidden.shape[0], weight.shape[config.vocab_dim]
@@ -190,7 +190,7 @@ def _mosaic_statistics(hidden, weight, tokens, shard_start, config):
         column_start=shard_start,
         vocab_dim=config.vocab_dim, softcap=config.softcap, with_entropy=config.with_entropy,
         interpret=config.plan.interpret, num_cores=config.plan.num_cores)
-    return None, merge.merge_tiles(tiles, config)
+    return None, logits_rows.merge_tiles(tiles, config)
 
   chunks = row_chunks(num_tokens, config.plan.kernel_chunk, "mosaic")
   return chunking.scan_chunks(chunk_step, None, chunks)[1]

@@ -10,7 +10,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
-from jaxce._kernels import chunking, merge, mosaic_rows, mosaic_rows_grad, softmax, triton_rows
+from jaxce._kernels import chunking, mosaic_merge, mosaic_rows, mosaic_rows_grad, softmax
+from jaxce._kernels import triton_merge, triton_rows
 from jaxce._kernels.config import Tokens
 
 
@@ -51,11 +52,26 @@ def statistics(x, tokens: Tokens, column_start, config):
 def tile_outputs(tiles, tokens: Tokens, config):
   """``(logp, m, log s, entropy or None)``, ``[C]`` each as :func:`statistics` returns
   them, from this shard's tiles' statistics ``[G, 4, C]`` of the rows of ``tokens``
-  (``merge.merge_tiles``, then ``softmax.finish_outputs``)."""
-  logp, m, log_s, entropy = merge.merge_tiles(tiles, config)
+  (``merge_tiles``, then ``softmax.finish_outputs``)."""
+  logp, m, log_s, entropy = merge_tiles(tiles, config)
   logp, entropy_out = softmax.finish_outputs(logp, entropy, tokens.labels, tokens.valid,
                                              config.vocab_size)
   return logp, m, log_s, entropy_out
+
+
+def merge_tiles(tiles, config):
+  """``(logp before masking, m, log s, entropy or None)`` ``[C]`` of this shard's tiles'
+  statistics ``[G, 4, C]`` (by the plan's backend: ``mosaic_merge`` or ``triton_merge``),
+  every shard's tiles gathered in rank order first: the same bits on every shard, typed as
+  such (a ``pmax`` of equal values, exact)."""
+  if config.vocab_axis is not None:
+    tiles = lax.all_gather(tiles, config.vocab_axis, axis=0, tiled=True)
+  kernel = mosaic_merge if config.plan.backend == "mosaic" else triton_merge
+  merged = kernel.merge(tiles, with_entropy=config.with_entropy,
+                        interpret=config.plan.interpret)
+  if config.vocab_axis is None:
+    return merged
+  return tuple(None if a is None else lax.pmax(a, config.vocab_axis) for a in merged)
 
 
 def forward(x, tokens: Tokens, config):

@@ -1,6 +1,7 @@
 """The merge contract: per-token outputs from per-tile softmax statistics, merged in one
 fixed order by a kernel (``mosaic_merge`` on the Mosaic GPU backend, ``triton_merge`` on
-the Triton one; the stages of each are there).
+the Triton one; the stages of each are there; ``logits_rows.merge_tiles`` chooses, and
+gathers the vocab shards' tiles first).
 
 The kernels that read or form logits (``mosaic_rows``, ``mosaic_head``, ``triton_rows``)
 reduce each tile of columns to per-token statistics ``(m, s, q, picked)``: the tile's max
@@ -29,23 +30,6 @@ backward's residuals.
 from __future__ import annotations
 
 import jax.numpy as jnp
-from jax import lax
-
-
-def merge_tiles(tiles, config):
-  """``(logp before masking, m, log s, entropy or None)`` ``[C]`` of this shard's tiles'
-  statistics ``[G, 4, C]`` (by the plan's backend: ``mosaic_merge`` or ``triton_merge``),
-  every shard's tiles gathered in rank order first: the same bits on every shard, typed as
-  such (a ``pmax`` of equal values, exact)."""
-  from jaxce._kernels import mosaic_merge, triton_merge  # (they import this module)
-  if config.vocab_axis is not None:
-    tiles = lax.all_gather(tiles, config.vocab_axis, axis=0, tiled=True)
-  kernel = mosaic_merge if config.plan.backend == "mosaic" else triton_merge
-  merged = kernel.merge(tiles, with_entropy=config.with_entropy,
-                        interpret=config.plan.interpret)
-  if config.vocab_axis is None:
-    return merged
-  return tuple(None if a is None else lax.pmax(a, config.vocab_axis) for a in merged)
 
 
 def padded_tiles(tiles, multiple: int, minimum: int = 0):

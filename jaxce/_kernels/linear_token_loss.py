@@ -121,11 +121,11 @@ def _run(objective, hidden, weight, bias, tokens, token_args, config, with_grads
          lax.empty((group, num_columns), operand_dtype), hidden, weight, *tokens[:3]),
         config.vocab_axis)[:2]
     carry, first = group_step((jnp.zeros_like(hidden), None, d_bias, d_group), 0)
-    rest = None
+    outputs = jax.tree.map(lambda a: a[None], first)  # [1, ...]: as the scan stacks them
     if n_groups > 1:
       carry, rest = lax.scan(group_step, carry, jnp.arange(1, n_groups))
-    stack = lambda a, *b: a[None] if not b else jnp.concatenate([a[None], b[0]])
-    loss, logp, *entropy = jax.tree.map(stack, first, *(() if rest is None else (rest,)))
+      outputs = jax.tree.map(lambda a, b: jnp.concatenate([a, b]), outputs, rest)
+    loss, logp, *entropy = outputs
   else:
     _, (loss, logp, *entropy) = lax.scan(group_step, None, jnp.arange(n_groups))
   logp = chunking.unchunk(logp, padded)[:num_tokens]

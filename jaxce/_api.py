@@ -13,15 +13,6 @@ from jax.typing import ArrayLike
 from jaxce import _dispatch
 from jaxce._options import Request
 
-# Arguments of the public functions that are not keyword options.
-_POSITIONAL = ("objective", "logits", "hidden", "weight", "labels", "token_args", "vocab_axis")
-
-
-def _keywords(arguments) -> Request:
-  """A public function's keyword options from its ``locals()``, as one record."""
-  return Request(**{k: v for k, v in arguments.items() if k not in _POSITIONAL})
-
-
 def _keywords_of(function, kw) -> Request:
   """The keyword options of ``function`` with ``kw`` applied, as one record: a TypeError
   names an unknown one (the ``sharded_*`` functions take them as ``**kw``)."""
@@ -129,7 +120,11 @@ def logprobs_and_entropy(logits: ArrayLike, labels: ArrayLike, *, temperature=1.
     >>> print(logp)                              # softmax(logits / 2); label -100 is ignored
     [-0.8814  0.    ]
   """
-  return _dispatch.run(_dispatch.LOGPROBS, (logits,), labels, _keywords(locals()),
+  request = Request(temperature=temperature, where=where, vocab_size=vocab_size,
+                    chunk_size=chunk_size, return_entropy=return_entropy,
+                    implementation=implementation, backward_in_place=backward_in_place,
+                    keep=keep, batch_invariant=batch_invariant)
+  return _dispatch.run(_dispatch.LOGPROBS, (logits,), labels, request,
                        vocab_axis=vocab_axis)
 
 
@@ -269,8 +264,14 @@ def linear_logprobs_and_entropy(hidden: ArrayLike, weight: ArrayLike, labels: Ar
     >>> print(ent)
     [1.0397 0.8018]
   """
-  return _dispatch.run(_dispatch.LINEAR_LOGPROBS, (hidden, weight), labels,
-                       _keywords(locals()), vocab_axis=vocab_axis)
+  request = Request(bias=bias, logit_softcap=logit_softcap, temperature=temperature,
+                    where=where, vocab_size=vocab_size, chunk_size=chunk_size,
+                    return_entropy=return_entropy, vocab_block_size=vocab_block_size,
+                    weight_layout=weight_layout, implementation=implementation,
+                    hidden_grad_accumulation=hidden_grad_accumulation, keep=keep,
+                    batch_invariant=batch_invariant, precision=precision)
+  return _dispatch.run(_dispatch.LINEAR_LOGPROBS, (hidden, weight), labels, request,
+                       vocab_axis=vocab_axis)
 
 
 def sharded_linear_logprobs_and_entropy(hidden: ArrayLike, weight: ArrayLike,
@@ -355,7 +356,11 @@ def token_loss(objective: Callable[..., Array], logits: ArrayLike, labels: Array
     [[-0.5   0.25  0.25]
      [-0.1  -0.2   0.3 ]]
   """
-  return _dispatch.run(_dispatch.TOKEN_LOSS, (logits,), labels, _keywords(locals()),
+  request = Request(temperature=temperature, where=where, vocab_size=vocab_size,
+                    chunk_size=chunk_size, return_entropy=return_entropy,
+                    implementation=implementation, keep=keep,
+                    batch_invariant=batch_invariant)
+  return _dispatch.run(_dispatch.TOKEN_LOSS, (logits,), labels, request,
                        objective=objective, token_args=token_args, vocab_axis=vocab_axis)
 
 
@@ -419,9 +424,13 @@ def linear_token_loss(objective: Callable[..., Array], hidden: ArrayLike, weight
     >>> d_weight.shape
     (2, 3)
   """
-  return _dispatch.run(_dispatch.LINEAR_TOKEN_LOSS, (hidden, weight), labels,
-                       _keywords(locals()), objective=objective, token_args=token_args,
-                       vocab_axis=vocab_axis)
+  request = Request(bias=bias, logit_softcap=logit_softcap, temperature=temperature,
+                    where=where, vocab_size=vocab_size, chunk_size=chunk_size,
+                    return_entropy=return_entropy, weight_layout=weight_layout,
+                    implementation=implementation, keep=keep,
+                    batch_invariant=batch_invariant, precision=precision)
+  return _dispatch.run(_dispatch.LINEAR_TOKEN_LOSS, (hidden, weight), labels, request,
+                       objective=objective, token_args=token_args, vocab_axis=vocab_axis)
 
 
 def sharded_token_loss(objective: Callable[..., Array], logits: ArrayLike, labels: ArrayLike,

@@ -207,3 +207,23 @@ def test_a_jax_without_pallas_backends_runs_on_xla(operation, monkeypatch):
   with pytest.raises(ValueError, match="has no Pallas Triton backend"):
     plan.of(_call, operation, local_fn, operands, inputs["labels"], inputs["adv"],
             implementation="triton")
+
+
+@pytest.mark.parametrize("operation", list(OPERATIONS))
+def test_every_keyword_reaches_the_request(operation, monkeypatch):
+  """Each keyword option of a public function (``vocab_axis`` apart, which goes to the
+  dispatcher on its own) arrives in the dispatcher's ``Request`` under its own name, from
+  the local function and through its ``sharded_*`` twin alike."""
+  from jaxce import _dispatch  # pylint: disable=import-outside-toplevel
+  local, sharded, names = OPERATIONS[operation]
+  received = []
+  monkeypatch.setattr(_dispatch, "run", lambda *a, **k: received.append(a[3]))
+  keywords = [k for k in local.__kwdefaults__ if k != "vocab_axis"]
+  sentinels = {k: object() for k in keywords}
+  positional = [OBJECTIVE] if "loss" in operation else []
+  positional += [f"<{n}>" for n in names] + ["<labels>"]
+  local(*positional, **sentinels)
+  sharded(*positional, mesh=None, vocab_axis="v", **sentinels)
+  for request in received:
+    for name, sentinel in sentinels.items():
+      assert getattr(request, name) is sentinel, f"{local.__name__}: {name} is lost"

@@ -40,6 +40,8 @@ whose last is moved back inside: a call's work is its rows rounded up to 256.
 
 from __future__ import annotations
 
+from typing import Any, NamedTuple
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -220,119 +222,156 @@ def _linear_logprobs_entropy_fwd(hidden, weight, bias, tokens, config):
   return out, (hidden, weight, bias, tokens, saved)
 
 
+class _Backward(NamedTuple):
+  """What every piece of the fused backward reads: the primals as passed (the gradients
+  take their types), the arrays after ``unify_varying`` (``hidden [T, D]``, ``weight``,
+  ``bias`` or None, the ``tokens``, the forward's ``saved`` ``(m, log s, entropy)`` and
+  the ``cotangents`` ``(g_logp, g_entropy)``, each ``[T]`` or None), the row chunks, the
+  shard's first column and the call's ``config``."""
+  primals: tuple
+  hidden: Any
+  weight: Any
+  bias: Any
+  tokens: Tokens
+  saved: tuple
+  cotangents: tuple
+  chunks: chunking.RowChunks
+  shard_start: Any
+  config: Config
+
+  @property
+  def num_blocks(self) -> int:
+    return chunking.num_chunks(self.weight.shape[self.config.vocab_dim], self.config.plan.block)
+
+
 def _linear_logprobs_entropy_bwd(config, residuals, cotangents):
   primals = residuals[:3]
   hidden, weight, bias, tokens, saved = residuals
   hidden, weight, bias, *arrays = plumbing.unify_varying(
       (hidden, weight, bias, *tokens, *saved), config.vocab_axis)
-  tokens, saved = Tokens(*arrays[:4]), tuple(arrays[4:])
   g_logp = plumbing.symbolic_zero_to_none(cotangents[0])
   g_entropy = plumbing.symbolic_zero_to_none(cotangents[1]) if config.with_entropy else None
-  cotangents = (g_logp, g_entropy)
-  no_bias_grad = None if bias is None else jnp.zeros_like(bias)
   if g_logp is None and g_entropy is None:
     return (jnp.zeros_like(primals[0]), jnp.zeros_like(primals[1]),
             None if bias is None else jnp.zeros_like(primals[2]), None)
+  num_columns = weight.shape[config.vocab_dim]
+  bwd = _Backward(primals, hidden, weight, bias, Tokens(*arrays[:4]), tuple(arrays[4:]),
+                  (g_logp, g_entropy),
+                  row_chunks(hidden.shape[0], config.plan.chunk, config.plan.backend),
+                  softmax.shard_column_start(num_columns, config.vocab_axis), config)
+  grads = (_token_outer_grads if config.plan.backward_order == "token" else
+           _vocab_outer_grads)(bwd)
+  grads = tuple(None if g is None else plumbing.reduce_to_varying(g, p)
+                for g, p in zip(grads, primals))
+  return grads + (None,)
 
-  num_tokens, num_columns = hidden.shape[0], weight.shape[config.vocab_dim]
-  block = config.plan.block
-  n_blocks = chunking.num_chunks(num_columns, block)
-  chunks = row_chunks(num_tokens, config.plan.chunk, config.plan.backend)
-  shard_start = softmax.shard_column_start(num_columns, config.vocab_axis)
-  operand_dtype, dtype = head.dtypes(hidden, weight)
-  vocab_dim = config.vocab_dim
 
-  def chunk_rows(start, size):
-    """The rows ``[start, start + size)``: ``hidden`` (ignored rows zeroed: their NaN must
-    not reach ``d W``), tokens, saved statistics, cotangents and the row mask (valid),
-    once per chunk for all its tiles."""
-    h, chunk_tokens, chunk_saved, chunk_cotangents = chunking.take_rows(
-        (hidden, tokens, saved, cotangents), start, size)
-    row_mask = chunk_tokens.valid
-    return (jnp.where(row_mask[:, None], h, 0), chunk_tokens, chunk_saved, chunk_cotangents,
-            row_mask)
+def _chunk_rows(bwd: _Backward, start, size):
+  """The rows ``[start, start + size)``: ``hidden`` (ignored rows zeroed: their NaN must
+  not reach ``d W``), tokens, saved statistics, cotangents and the row mask (valid),
+  taken once per chunk for all its tiles."""
+  h, chunk_tokens, chunk_saved, chunk_cotangents = chunking.take_rows(
+      (bwd.hidden, bwd.tokens, bwd.saved, bwd.cotangents), start, size)
+  row_mask = chunk_tokens.valid
+  return (jnp.where(row_mask[:, None], h, 0), chunk_tokens, chunk_saved, chunk_cotangents,
+          row_mask)
 
-  def tile_grads(rows, w_cols, b_cols, col, first_column, width=block):
-    """The tile of a chunk's ``rows`` (``chunk_rows``) and ``width`` columns from local
-    column ``col``: its f32 ``d hidden`` rows ``[chunk, D]`` and ``d W`` and ``d bias``
-    columns (exactly 0 in a clamped block's overlap and at ignored rows)."""
-    h, chunk_tokens, chunk_saved, chunk_cotangents, row_mask = rows
-    labels, inv_temp, _, _ = chunk_tokens
-    label_column = labels - (shard_start + col)
-    label_column = jnp.where(labels >= first_column, label_column, -1)
-    if config.plan.backend == "mosaic":  # d formed in the matmul's epilogue (no bias here)
-      kept_words = None if chunk_tokens.kept is None else lax.dynamic_slice_in_dim(
-          chunk_tokens.kept, col // 32, width // 32, axis=1)  # (col: a multiple of 128)
-      d = mosaic_head.logits_grad(
-          h, w_cols, label_column, inv_temp, chunk_saved, chunk_cotangents, row_mask,
-          kept_words, limit=softmax.column_limit(config.mask_vocab, shard_start + col, width),
-          first_kept=first_column - (shard_start + col), vocab_dim=vocab_dim,
-          softcap=config.softcap, interpret=config.plan.interpret,
-          num_cores=config.plan.num_cores)
-    else:
-      x = head.tile_logits(h, w_cols, b_cols, config.softcap, vocab_dim, config.plan.precision)
-      kept_tile = _tile_kept(chunk_tokens, col, width, shard_start)
-      z = softmax.scaled_logits(x, inv_temp, shard_start + col, config.mask_vocab,
-                                first_column, kept_tile)
-      dz = softmax.logit_grad(z, label_column, *chunk_saved, *chunk_cotangents, row_mask)
-      dx = head.logits_input_grad(dz, inv_temp, x, config.softcap, row_mask)
-      d = dx.astype(operand_dtype)
-    dw_tile = head.weight_grad(h, d, vocab_dim, config.plan.precision)
-    dh_rows = head.contract(d, w_cols, 1, vocab_dim, config.plan.precision)
-    return dh_rows, dw_tile, (None if bias is None else jnp.sum(dx, axis=0))
 
-  def block_slices(j):
-    """Block ``j``'s first local column, weight and bias columns, first global id."""
-    col = chunking.chunk_start(j, num_columns, block)
-    w_cols = lax.dynamic_slice_in_dim(weight, col, block, vocab_dim)
-    b_cols = None if bias is None else lax.dynamic_slice_in_dim(bias, col, block, 0)
-    return col, w_cols, b_cols, shard_start + j * block
+def _tile_grads(bwd: _Backward, rows, w_cols, b_cols, col, first_column, width=None):
+  """The tile of a chunk's ``rows`` (``_chunk_rows``) and ``width`` columns (the plan's
+  block unless given) from local column ``col``: its f32 ``d hidden`` rows ``[chunk, D]``,
+  its ``d W`` columns and its ``d bias`` columns (None without a bias), exactly 0 in a
+  clamped block's overlap and at ignored rows."""
+  config = bwd.config
+  width = config.plan.block if width is None else width
+  h, chunk_tokens, chunk_saved, chunk_cotangents, row_mask = rows
+  labels, inv_temp, _, _ = chunk_tokens
+  shard_start, vocab_dim = bwd.shard_start, config.vocab_dim
+  label_column = labels - (shard_start + col)
+  label_column = jnp.where(labels >= first_column, label_column, -1)
+  d_bias = None
+  if config.plan.backend == "mosaic":  # d formed in the matmul's epilogue (no bias here)
+    kept_words = None if chunk_tokens.kept is None else lax.dynamic_slice_in_dim(
+        chunk_tokens.kept, col // 32, width // 32, axis=1)  # (col: a multiple of 128)
+    d = mosaic_head.logits_grad(
+        h, w_cols, label_column, inv_temp, chunk_saved, chunk_cotangents, row_mask,
+        kept_words, limit=softmax.column_limit(config.mask_vocab, shard_start + col, width),
+        first_kept=first_column - (shard_start + col), vocab_dim=vocab_dim,
+        softcap=config.softcap, interpret=config.plan.interpret,
+        num_cores=config.plan.num_cores)
+  else:
+    x = head.tile_logits(h, w_cols, b_cols, config.softcap, vocab_dim, config.plan.precision)
+    kept_tile = _tile_kept(chunk_tokens, col, width, shard_start)
+    z = softmax.scaled_logits(x, inv_temp, shard_start + col, config.mask_vocab,
+                              first_column, kept_tile)
+    dz = softmax.logit_grad(z, label_column, *chunk_saved, *chunk_cotangents, row_mask)
+    dx = head.logits_input_grad(dz, inv_temp, x, config.softcap, row_mask)
+    d = dx.astype(head.dtypes(bwd.hidden, bwd.weight)[0])
+    d_bias = None if bwd.bias is None else jnp.sum(dx, axis=0)
+  dw_tile = head.weight_grad(h, d, vocab_dim, config.plan.precision)
+  dh_rows = head.contract(d, w_cols, 1, vocab_dim, config.plan.precision)
+  return dh_rows, dw_tile, d_bias
 
-  if config.plan.backward_order == "token":
-    return _token_outer_grads(tile_grads, chunk_rows, block_slices, hidden, weight, bias,
-                              primals, config, chunks, n_blocks, shard_start, dtype)
 
-  def add_rows(d_hidden, dh_rows, start):
-    old_rows = lax.dynamic_slice_in_dim(d_hidden, start, dh_rows.shape[0], 0)
-    return lax.dynamic_update_slice_in_dim(d_hidden, (old_rows + dh_rows).astype(old_rows.dtype),
-                                           start, 0)
+def _block_slices(bwd: _Backward, j):
+  """Block ``j``'s first local column, weight and bias columns, first global id."""
+  block, vocab_dim = bwd.config.plan.block, bwd.config.vocab_dim
+  col = chunking.chunk_start(j, bwd.weight.shape[vocab_dim], block)
+  w_cols = lax.dynamic_slice_in_dim(bwd.weight, col, block, vocab_dim)
+  b_cols = None if bwd.bias is None else lax.dynamic_slice_in_dim(bwd.bias, col, block, 0)
+  return col, w_cols, b_cols, bwd.shard_start + j * block
 
+
+def _add_rows(d_hidden, dh_rows, start):
+  """``d_hidden`` with ``dh_rows`` added to its rows from ``start``, in its dtype."""
+  old_rows = lax.dynamic_slice_in_dim(d_hidden, start, dh_rows.shape[0], 0)
+  return lax.dynamic_update_slice_in_dim(d_hidden, (old_rows + dh_rows).astype(old_rows.dtype),
+                                         start, 0)
+
+
+def _vocab_outer_grads(bwd: _Backward):
+  """The backward with vocab blocks outer and token chunks inner: ``(d hidden, d weight, d
+  bias or None)``, not yet reduced to the primals' varying types. Each block's ``d W``
+  (and ``d bias``) columns sum over the chunks in f32 and are written once; ``d hidden``
+  sums over the blocks in an f32 ``[T, D]`` array (in hidden's dtype with
+  ``hidden_grad_in_output``), all-reduced over the vocab axis at the end."""
+  config, hidden, weight, bias, chunks = bwd.config, bwd.hidden, bwd.weight, bwd.bias, bwd.chunks
+  n_blocks, vocab_dim = bwd.num_blocks, config.vocab_dim
   # A ragged vocabulary's clamped last block runs first: its overlap with the block before
   # it gets exact zeros, which that block's own columns then overwrite (no read-back).
-  ragged = num_columns % block != 0
+  ragged = weight.shape[vocab_dim] % config.plan.block != 0
 
   def block_step(carry, k):
     d_hidden, d_weight, d_bias = carry
     j = (k + n_blocks - 1) % n_blocks if ragged else k
-    col, w_cols, b_cols, first_column = block_slices(j)
-    step = lambda start, size: tile_grads(chunk_rows(start, size), w_cols, b_cols, col,
-                                          first_column)
+    col, w_cols, b_cols, first_column = _block_slices(bwd, j)
+    step = lambda start, size: _tile_grads(bwd, _chunk_rows(bwd, start, size), w_cols, b_cols,
+                                           col, first_column)
 
     def chunk_step(carry, start, size):
       d_hidden, dw_block, db_block = carry
       dh_rows, dw_tile, db_tile = step(start, size)
-      return (add_rows(d_hidden, dh_rows, start), dw_block + dw_tile,
+      return (_add_rows(d_hidden, dh_rows, start), dw_block + dw_tile,
               None if db_block is None else db_block + db_tile), None
 
     # The first tile starts the block's f32 sums (no zero-filled accumulator to add to).
     dh_rows, dw_block, db_block = step(0, chunks.sizes[0])
     (d_hidden, dw_block, db_block), _ = chunking.scan_chunks(
-        chunk_step, (add_rows(d_hidden, dh_rows, 0), dw_block, db_block), chunks, first=1)
+        chunk_step, (_add_rows(d_hidden, dh_rows, 0), dw_block, db_block), chunks, first=1)
     d_weight = lax.dynamic_update_slice_in_dim(d_weight, dw_block.astype(weight.dtype), col,
                                                vocab_dim)
     if bias is not None:
       d_bias = lax.dynamic_update_slice_in_dim(d_bias, db_block.astype(bias.dtype), col, 0)
     return (d_hidden, d_weight, d_bias), None
 
+  dtype = head.dtypes(hidden, weight)[1]
   accumulator_dtype = hidden.dtype if config.hidden_grad_in_output else dtype
-  carry = (jnp.zeros_like(hidden, accumulator_dtype), jnp.zeros_like(weight), no_bias_grad)
+  carry = (jnp.zeros_like(hidden, accumulator_dtype), jnp.zeros_like(weight),
+           None if bias is None else jnp.zeros_like(bias))
   (d_hidden, d_weight, d_bias), _ = lax.scan(block_step, carry, jnp.arange(n_blocks))
   if config.vocab_axis is not None:
     d_hidden = lax.psum(d_hidden, config.vocab_axis)  # partial sums over vocab shards
-  grads = (d_hidden.astype(hidden.dtype), d_weight, d_bias)
-  grads = tuple(None if g is None else plumbing.reduce_to_varying(g, p)
-                for g, p in zip(grads, primals))
-  return grads + (None,)
+  return d_hidden.astype(hidden.dtype), d_weight, d_bias
 
 
 # Token chunks outer with the Mosaic kernels: up to this many vocab blocks are unrolled,
@@ -343,11 +382,12 @@ def _linear_logprobs_entropy_bwd(config, residuals, cotangents):
 MAX_UNROLLED_BLOCKS = 64
 
 
-def _token_outer_grads(tile_grads, chunk_rows, block_slices, hidden, weight, bias, primals,
-                       config, chunks, n_blocks, shard_start, dtype):
-  """The backward with token chunks outer and vocab blocks inner: each chunk's ``d hidden``
-  rows are summed over the blocks in an f32 ``[chunk, D]`` carry (all-reduced over the
-  vocab axis) and written once; ``d W`` (and ``d bias``) sum over the chunks in f32.
+def _token_outer_grads(bwd: _Backward):
+  """The backward with token chunks outer and vocab blocks inner: ``(d hidden, d weight, d
+  bias or None)``, not yet reduced to the primals' varying types. Each chunk's ``d
+  hidden`` rows are summed over the blocks in an f32 ``[chunk, D]`` carry (all-reduced
+  over the vocab axis) and written once; ``d W`` (and ``d bias``) sum over the chunks in
+  f32.
 
   With the Mosaic kernels, up to ``MAX_UNROLLED_BLOCKS`` blocks are unrolled, the last one
   as wide as the columns left (no clamped overlap), each with its own sum, so the sum is
@@ -356,8 +396,9 @@ def _token_outer_grads(tile_grads, chunk_rows, block_slices, hidden, weight, bia
   added into one sum like the weight (a clamped block's overlap adds exact zeros).
 
   Memory beyond the outputs: the sums (like the weight) and one chunk's tiles, whatever
-  T. The token chunks are ``chunks`` (``row_chunks``): each row once."""
-  block = config.plan.block
+  T. The token chunks are ``bwd.chunks`` (``row_chunks``): each row once."""
+  config, weight, bias = bwd.config, bwd.weight, bwd.bias
+  block, n_blocks, dtype = config.plan.block, bwd.num_blocks, head.dtypes(bwd.hidden, weight)[1]
   vocab_dim, num_columns = config.vocab_dim, weight.shape[config.vocab_dim]
   unrolled = config.plan.backend == "mosaic" and n_blocks <= MAX_UNROLLED_BLOCKS
   starts = range(0, num_columns, block) if unrolled else (0,)
@@ -377,8 +418,8 @@ def _token_outer_grads(tile_grads, chunk_rows, block_slices, hidden, weight, bia
                                                                      new_dw[-1]))
       w_cols = columns(weight_here, col, width, vocab_dim)
       b_cols = None if bias is None else columns(bias, col, width, 0)
-      dh_tile, dw_tile, db_tile = tile_grads(rows, w_cols, b_cols, col, shard_start + col,
-                                             width)
+      dh_tile, dw_tile, db_tile = _tile_grads(bwd, rows, w_cols, b_cols, col,
+                                              bwd.shard_start + col, width)
       dh_rows = dh_tile if dh_rows is None else dh_rows + dh_tile
       new_dw.append(dw_sum + dw_tile)
       new_db.append(None if db_sum is None else db_sum + db_tile)
@@ -387,8 +428,8 @@ def _token_outer_grads(tile_grads, chunk_rows, block_slices, hidden, weight, bia
   def scanned_blocks(rows, dw_sums, db_sums):
     def block_step(carry, j):
       dh_rows, d_weight, d_bias = carry
-      col, w_cols, b_cols, first_column = block_slices(j)
-      dh_tile, dw_tile, db_tile = tile_grads(rows, w_cols, b_cols, col, first_column)
+      col, w_cols, b_cols, first_column = _block_slices(bwd, j)
+      dh_tile, dw_tile, db_tile = _tile_grads(bwd, rows, w_cols, b_cols, col, first_column)
       add = lambda a, t, dim: lax.dynamic_update_slice_in_dim(
           a, lax.dynamic_slice_in_dim(a, col, t.shape[dim], dim) + t, col, dim)
       return (dh_rows + dh_tile, add(d_weight, dw_tile, vocab_dim),
@@ -402,7 +443,7 @@ def _token_outer_grads(tile_grads, chunk_rows, block_slices, hidden, weight, bia
   def chunk_step(carry, start, size):
     d_hidden, dw_sums, db_sums = carry
     blocks = unrolled_blocks if unrolled else scanned_blocks
-    dh_rows, dw_sums, db_sums = blocks(chunk_rows(start, size), dw_sums, db_sums)
+    dh_rows, dw_sums, db_sums = blocks(_chunk_rows(bwd, start, size), dw_sums, db_sums)
     if config.vocab_axis is not None:
       dh_rows = lax.psum(dh_rows, config.vocab_axis)  # partial sums over vocab shards
     d_hidden = lax.dynamic_update_slice_in_dim(d_hidden, dh_rows.astype(d_hidden.dtype),
@@ -411,12 +452,12 @@ def _token_outer_grads(tile_grads, chunk_rows, block_slices, hidden, weight, bia
 
   # d hidden's rows are all-reduced as they are written: the sum has hidden's own type.
   # (zeros_like: the sums take the weight's varying type too)
-  carry = (jnp.zeros_like(primals[0]),
+  carry = (jnp.zeros_like(bwd.primals[0]),
            tuple(jnp.zeros_like(columns(weight, col, width, vocab_dim), dtype)
                  for col, width in zip(starts, widths)),
            tuple(None if bias is None else jnp.zeros_like(columns(bias, col, width, 0), dtype)
                  for col, width in zip(starts, widths)))
-  (d_hidden, dw_sums, db_sums), _ = chunking.scan_chunks(chunk_step, carry, chunks)
+  (d_hidden, dw_sums, db_sums), _ = chunking.scan_chunks(chunk_step, carry, bwd.chunks)
 
   def assemble(sums, like, dim):
     """The sums written into one array like ``like`` in its dtype, each cast as it is
@@ -426,11 +467,8 @@ def _token_outer_grads(tile_grads, chunk_rows, block_slices, hidden, weight, bia
       out = lax.dynamic_update_slice_in_dim(out, piece.astype(like.dtype), col, dim)
     return out
 
-  grads = (d_hidden, assemble(dw_sums, weight, vocab_dim),
-           None if bias is None else assemble(db_sums, bias, 0))
-  grads = tuple(None if g is None else plumbing.reduce_to_varying(g, p)
-                for g, p in zip(grads, primals))
-  return grads + (None,)
+  return (d_hidden, assemble(dw_sums, weight, vocab_dim),
+          None if bias is None else assemble(db_sums, bias, 0))
 
 
 _linear_logprobs_entropy.defvjp(_linear_logprobs_entropy_fwd, _linear_logprobs_entropy_bwd,

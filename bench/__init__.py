@@ -9,4 +9,9 @@ Modules:
   runner:  one configuration in one fresh process: ``python -m bench.runner --json CONFIG``.
   report:  the JSON results file, its markdown table and the memory plot.
   grpo_step: the GRPO training step of examples/ at named sizes: ``python -m bench.grpo_step``.
+  machine_floors, kernel_pieces: the fused path's GEMMs at the machine's best, and jaxce's
+           kernels one at a time beside them.
+  head_profile, precision, batch_invariant, invariant_cost: GPU measurements outside the
+           suites (the fused path piece by piece, float32 precision, batch invariance and
+           its cost), each ``python -m bench.<module>``.
 """

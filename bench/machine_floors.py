@@ -15,11 +15,11 @@ timed in cuBLAS (``torch.matmul``), XLA (``jnp.dot``) and JAX's Pallas Mosaic GP
 (``jax.experimental.pallas.ops.gpu.hopper_matmul_mgpu``) at jaxce's kernel tiling (128 x 128
 per warpgroup, two warpgroups along M, 64-deep K steps, 4 stages, a planar snake 8 row blocks
 wide); the floor of a shape is the fastest. Beside them, jaxce's own kernels on their shapes
-(``scripts/gpu_check_mosaic_linear.py --profile``'s pieces) and the plain Mosaic matmul's
-rate on the same shape. The logits path's floor: the fastest of an XLA copy and PyTorch's
-device-to-device ``y.copy_(x)`` of a ``[T, V]`` bf16 array. Median ms of ``--repeats`` calls
-(bench.timing); TFLOP/s = ``2 M N K`` / time; ``x peak`` = rate / the datasheet's dense bf16
-peak (H100 SXM and H200: 989.4 TFLOP/s).
+(``bench.kernel_pieces``) and the plain Mosaic matmul's rate on the same shape. The logits
+path's floor: the fastest of an XLA copy and PyTorch's device-to-device ``y.copy_(x)`` of a
+``[T, V]`` bf16 array. Median ms of ``--repeats`` calls (bench.timing); TFLOP/s =
+``2 M N K`` / time; ``x peak`` = rate / the datasheet's dense bf16 peak (H100 SXM and H200:
+989.4 TFLOP/s).
 """
 
 from __future__ import annotations
@@ -143,10 +143,9 @@ def _piece_shape(piece: str):
 
 
 def ours(t, v, d, repeats, tiny=False) -> list[dict]:
-  """jaxce's fused-path pieces, timed by scripts/gpu_check_mosaic_linear.py's profile."""
-  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-  from scripts import gpu_check_mosaic_linear  # pylint: disable=import-outside-toplevel
-  rows = gpu_check_mosaic_linear.profile(t, d, v, 2 if tiny else repeats)
+  """jaxce's fused-path pieces, timed by ``bench.kernel_pieces.profile``."""
+  from bench import kernel_pieces  # pylint: disable=import-outside-toplevel
+  rows = kernel_pieces.profile(t, d, v, 2 if tiny else repeats)
   return [dict(T=t, piece=r["piece"], shape=_piece_shape(r["piece"]), ms=r["ms"]) for r in rows]
 
 

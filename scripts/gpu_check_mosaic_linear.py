@@ -13,7 +13,8 @@
     python -m scripts.gpu_check_mosaic_linear --tiny     # anywhere: small shapes, smoke test
     python -m scripts.gpu_check_mosaic_linear --profile 32768   # the time, piece by piece
 
-Exits 1 when a check fails. Prints a table last.
+Exits 1 when a check fails. Prints a table last. ``--profile`` checks nothing: it prints
+``bench.kernel_pieces.profile``'s rows and writes them to ``$OUT/mosaic_profile.json``.
 """
 
 import argparse
@@ -29,6 +30,7 @@ import numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
 
 import jaxce
+from bench import kernel_pieces
 from bench.timing import time_ms
 from jaxce import reference
 
@@ -108,17 +110,8 @@ def no_deprecation_warning(tokens, dim, columns):
   return [str(w.message)[:120] for w in caught if issubclass(w.category, DeprecationWarning)]
 
 
-def _problem(tokens, dim, columns, seed=0):
-  keys = jax.random.split(jax.random.key(seed), 4)
-  hidden = jax.random.normal(keys[0], (tokens, dim), jnp.bfloat16)
-  weight = (jax.random.normal(keys[1], (dim, columns), jnp.float32) * 0.02).astype(jnp.bfloat16)
-  labels = jax.random.randint(keys[2], (tokens,), 0, columns)
-  cot = jax.random.normal(keys[3], (2, tokens), jnp.float32)
-  return hidden, weight, labels, cot
-
-
 def timing(tokens, dim, columns, repeats, implementations):
-  hidden, weight, labels, cot = _problem(tokens, dim, columns)
+  hidden, weight, labels, cot = kernel_pieces.problem(tokens, dim, columns)
   rows = []
   for name in implementations:
     forward = jax.jit(lambda h, w, n=name: jaxce.linear_logprobs_and_entropy(
@@ -135,43 +128,9 @@ def timing(tokens, dim, columns, repeats, implementations):
   return rows
 
 
-def profile(tokens, dim, columns, repeats):
-  """Where the Mosaic path's fwd+bwd time goes, one whole-array piece at a time: the
-  forward kernel, the backward's d-logits kernel over all tiles at once, and the two
-  gradient GEMMs (XLA); plus the forward kernel with other L2 walk widths and depths."""
-  from jaxce._kernels import mosaic_head as ml  # pylint: disable=import-outside-toplevel
-  hidden, weight, labels, cot = _problem(tokens, dim, columns)
-  ones = jnp.ones((tokens,), jnp.float32)
-  device = dict(interpret=jax.default_backend() != "gpu",
-                num_cores=jaxce.plan.target().num_cores)
-  flops = 2 * tokens * dim * columns
-  rows = []
-
-  def add(name, fn, *args):
-    ms, best = time_ms(jax.jit(fn), args, repeats, with_min=True)
-    rows.append(dict(piece=name, tokens=tokens, ms=ms, tflops=flops / best / 1e9))
-    print(json.dumps(rows[-1]), flush=True)
-
-  for width, stages in ((8, 4), (4, 4), (16, 4), (8, 3)):
-    ml.SNAKE_WIDTH, ml.STAGES = width, stages
-    add(f"forward kernel, snake {width}, {stages} stages", lambda h, w: ml.statistics(
-        h, w, labels, ones, columns, column_start=0, vocab_dim=1, softcap=None,
-        with_entropy=True, **device), hidden, weight)
-  ml.SNAKE_WIDTH, ml.STAGES = 8, 4
-  grad = lambda h, w: ml.logits_grad(h, w, labels, ones, columns, 0, ones, ones, ones, cot[0],
-                                     cot[1], ones > 0, vocab_dim=1, softcap=None, **device)
-  add("d logits kernel, all tiles", grad, hidden, weight)
-  d = jax.block_until_ready(jax.jit(grad)(hidden, weight))
-  add("d W = h^T d (XLA)", lambda h, d: jnp.einsum("td,tv->dv", h, d,
-                                                  preferred_element_type=jnp.float32), hidden, d)
-  add("d h = d W^T (XLA)", lambda d, w: jnp.einsum("tv,dv->td", d, w,
-                                                  preferred_element_type=jnp.float32), d, weight)
-  return rows
-
-
 def peak_memory(name, tokens, dim, columns):
   """Peak device bytes of one jitted forward + backward (run in a fresh process)."""
-  hidden, weight, labels, cot = _problem(tokens, dim, columns)
+  hidden, weight, labels, cot = kernel_pieces.problem(tokens, dim, columns)
   loss = weighted(jaxce.linear_logprobs_and_entropy, labels, cot, implementation=name)
   stats = jax.devices()[0].memory_stats()
   base = stats["bytes_in_use"]
@@ -189,8 +148,8 @@ def main():
   parser.add_argument("--profile", type=int, metavar="TOKENS", help="only the profile")
   args = parser.parse_args()
   if args.profile:
-    rows = profile(args.profile, D, V, args.repeats) if not args.tiny else profile(
-        512, 128, 1024, 2)
+    rows = kernel_pieces.profile(args.profile, D, V, args.repeats) if not args.tiny else (
+        kernel_pieces.profile(512, 128, 1024, 2))
     with open(os.path.join(os.environ.get("OUT", "."), "mosaic_profile.json"), "w") as f:
       json.dump(dict(device=str(jax.devices()[0].device_kind), jax=jax.__version__,
                      commit=os.environ.get("JAXCE_COMMIT", "unknown"), rows=rows), f, indent=1)

@@ -449,7 +449,8 @@ def test_readme_headline_comes_from_the_committed_results():
 
 def test_gpu_only_code_compiles_and_imports_on_cpu():
   """Every GPU-only path is at least compiled and imported here: the session script, the
-  floors, the accuracy rows, the PyTorch peers and the Mosaic check script they reuse."""
+  floors, the accuracy rows, the PyTorch peers, the kernel pieces the floors time and the
+  Mosaic check script that prints them too, and bench's other GPU measurements."""
   import importlib  # pylint: disable=reimported
   import py_compile
   for folder in ("bench", "scripts"):
@@ -460,10 +461,33 @@ def test_gpu_only_code_compiles_and_imports_on_cpu():
                         capture_output=True, text=True)
   assert bash.returncode == 0, bash.stderr
   for module in ("bench.machine_floors", "bench.accuracy", "bench.impls_torch",
-                 "scripts.gpu_check_mosaic_linear"):
+                 "bench.kernel_pieces", "bench.batch_invariant", "bench.invariant_cost",
+                 "bench.precision", "scripts.gpu_check_mosaic_linear"):
     importlib.import_module(module)
   from bench import impls_torch
   assert callable(impls_torch.flsce(True)) if importlib.util.find_spec("liger_kernel") else True
+
+
+def test_bench_imports_nothing_from_scripts():
+  """Imports run one way: ``scripts/`` (the GPU checks) may import ``bench``, no module of
+  ``bench/`` imports ``scripts`` (inside functions neither)."""
+  import ast
+  offenders = []
+  for name in sorted(os.listdir(os.path.join(ROOT, "bench"))):
+    if not name.endswith(".py"):
+      continue
+    with open(os.path.join(ROOT, "bench", name)) as f:
+      tree = ast.parse(f.read(), name)
+    for node in ast.walk(tree):
+      if isinstance(node, ast.Import):
+        modules = [alias.name for alias in node.names]
+      elif isinstance(node, ast.ImportFrom):
+        modules = [node.module or ""] if node.level == 0 else []
+      else:
+        continue
+      offenders += [f"{name}:{node.lineno} {m}" for m in modules
+                    if m == "scripts" or m.startswith("scripts.")]
+  assert offenders == [], offenders
 
 
 def test_accuracy_rows_on_cpu():
@@ -666,13 +690,13 @@ def test_grpo_step_merge_keeps_the_sizes_not_rerun():
 
 def test_precision_table_comes_from_the_committed_results():
   """The benchmarks page's float32 precision table (``<!-- precision-table PATH -->``) is
-  exactly what ``scripts.gpu_precision.table`` makes of the committed run."""
-  from scripts import gpu_precision
+  exactly what ``bench.precision.table`` makes of the committed run."""
+  from bench import precision
   with open(os.path.join(ROOT, "docs", "benchmarks.md")) as f:
     page = f.read()
   marker = "<!-- precision-table "
   assert marker in page, "the benchmarks page has no precision table"
   path = page.split(marker, 1)[1].split(" -->", 1)[0]
   with open(os.path.join(ROOT, path)) as f:
-    expected = gpu_precision.table(json.load(f))
+    expected = precision.table(json.load(f))
   assert page.split(f"{marker}{path} -->\n", 1)[1].startswith(expected), "stale: regenerate it"

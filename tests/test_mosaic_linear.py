@@ -375,11 +375,11 @@ def test_ragged_tokens_cost_their_rows_rounded_up_to_a_row_block(columns, block,
 
 
 def test_head_profile_kernel_section_runs():
-  """``scripts/gpu_head_profile``'s kernel section runs every piece it times without an
+  """``bench.head_profile``'s kernel section runs every piece it times without an
   error row (on GPUs two more: the plain Mosaic matmul at both widths); its max-only
   skeleton calls ``mosaic_head._tiles`` directly, which nothing else here does."""
-  from scripts import gpu_head_profile
-  rows = gpu_head_profile.kernels(256, 64, 256, 128, 1)
+  from bench import head_profile
+  rows = head_profile.kernels(256, 64, 256, 128, 1)
   assert len(rows) == (9 if jax.default_backend() == "gpu" else 7)
   assert [(r["piece"], r["error"]) for r in rows if r.get("error")] == []
 

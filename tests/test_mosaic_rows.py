@@ -2,7 +2,8 @@
 run in JAX's GPU interpreter off GPUs: its group statistics against float64, the public
 calls (both logits-path functions and the fused objective's row statistics) against XLA
 and the float64 reference with gradients, and a token's bits whatever the call around it.
-On GPUs, ``scripts/gpu_logits_mosaic.py`` checks the compiled kernel at full size."""
+On GPUs the tally (``bash scripts/gpu_tests.sh``) runs these tests on the compiled kernel;
+the bench's logits-path rows (``python -m bench``) time it at full size."""
 
 import jax
 import jax.numpy as jnp

@@ -14,8 +14,8 @@ paths:
 ``batch_invariant=True`` everywhere, and the default mode where the plan says it holds
 (``invariant_to``). One JSON line per check; a summary last; ``$OUT/batch_invariant.json``.
 
-    python -m scripts.gpu_batch_invariant                          # about 4 minutes on one H100
-    python -m scripts.gpu_batch_invariant --tokens 1024 --vocab 4096 --dim 256   # small
+    python -m bench.batch_invariant                          # about 4 minutes on one H100
+    python -m bench.batch_invariant --tokens 1024 --vocab 4096 --dim 256   # small
 
 Exits 1 when any check differs.
 """
@@ -151,7 +151,7 @@ def main():
     return
   with tempfile.TemporaryDirectory() as tmp:  # the same calls in a fresh process
     other_file = os.path.join(tmp, "probes.npz")
-    subprocess.run([sys.executable, "-m", "scripts.gpu_batch_invariant", *sys.argv[1:],
+    subprocess.run([sys.executable, "-m", "bench.batch_invariant", *sys.argv[1:],
                     "--probe-only", other_file], check=True)
     other = dict(np.load(other_file))
   checks = []

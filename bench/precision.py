@@ -6,7 +6,9 @@ The bf16 problem of ``bench.accuracy`` (T = 512, V = 151936, D = 4096: logits ab
 64 peaked columns) held in float32 (the same values), the loss ``sum(adv * logp) + 0.01 *
 sum(H)``. No global precision setting: ``None`` is what a user gets (on GPUs TF32).
 
-    python -m scripts.gpu_precision   # JSON lines, $OUT/precision.json
+    python -m bench.precision   # JSON lines, $OUT/precision.json (or bench/out)
+
+``table`` makes the benchmarks page's table of a committed run (a test checks it).
 """
 from __future__ import annotations
 

@@ -18,8 +18,8 @@
    the planner's), with XLA's compiled memory plan; ``objective-trace``: the planned one at
    ``--tokens`` under the profiler.
 
-    python -m scripts.gpu_head_profile                 # on a Hopper GPU: JSON to $OUT (or bench/out)
-    python -m scripts.gpu_head_profile --tiny          # anywhere: small shapes, a smoke test
+    python -m bench.head_profile             # on a Hopper GPU: JSON to $OUT (or bench/out)
+    python -m bench.head_profile --tiny      # anywhere: small shapes, a smoke test
 
 Median ms of ``--repeats`` calls (bench.timing). Prints a table last.
 """

@@ -56,8 +56,9 @@ def profile(tokens, dim, columns, repeats):
         h, w, labels, ones, columns, column_start=0, vocab_dim=1, softcap=None,
         with_entropy=True, **device), hidden, weight)
   ml.SNAKE_WIDTH, ml.STAGES = 8, 4
-  grad = lambda h, w: ml.logits_grad(h, w, labels, ones, columns, 0, ones, ones, ones, cot[0],
-                                     cot[1], ones > 0, vocab_dim=1, softcap=None, **device)
+  grad = lambda h, w: ml.logits_grad(h, w, labels, ones, (ones, ones, ones), (cot[0], cot[1]),
+                                     ones > 0, limit=columns, first_kept=0, vocab_dim=1,
+                                     softcap=None, **device)
   add("d logits kernel, all tiles", grad, hidden, weight)
   d = jax.block_until_ready(jax.jit(grad)(hidden, weight))
   add("d W = h^T d (XLA)", lambda h, d: jnp.einsum("td,tv->dv", h, d,

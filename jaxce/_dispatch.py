@@ -11,9 +11,6 @@ Per shard: flatten the tokens, normalize the temperature and the mask, ask the p
 
 from __future__ import annotations
 
-import math
-from typing import Callable, NamedTuple
-
 import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
@@ -21,17 +18,7 @@ from jax.sharding import PartitionSpec as P
 from jaxce import _checks, _options, _sharded, keep as keep_mod, plan
 from jaxce._kernels import linear, linear_kept_ids, linear_token_loss, logits, logits_kept_ids
 from jaxce._kernels import loss_terms, mosaic_reciprocal, softmax, token_loss
-from jaxce._kernels.config import Config, KeptIds, Tokens
-
-
-class Operation(NamedTuple):
-  """A public operation: its name (``jaxce.plan.BACKENDS``' keys), whether it takes
-  ``(hidden, weight)`` (else logits), whether it is an objective (a scalar loss and
-  per-token metrics, else per-token outputs), and its kernel."""
-  name: str
-  fused: bool
-  is_objective: bool
-  kernel: Callable
+from jaxce._kernels.config import Config, KeptIds, Operation, Tokens
 
 
 LOGPROBS = Operation("logprobs_and_entropy", False, False, logits.logprobs_entropy)
@@ -151,38 +138,33 @@ def _shard(op, options, objective, operands, labels, temperature, where, keep, t
   """Flatten, normalize, plan and run ``op``'s kernel on this device's (shard's) arrays."""
   primary = operands[0]
   dtype = softmax.compute_dtype(*(a.dtype for a in operands[:2]))
-  inv_temp = _inverse_temperature(temperature, labels.shape, dtype, options.target)
-  valid = _checks.valid_mask(labels, where)
   with_entropy = options.return_entropy
   if labels.size == 0:
     zeros = jnp.zeros(labels.shape, dtype)
     outputs = zeros, (zeros if with_entropy else None)
     return (jnp.zeros((), dtype), outputs) if op.is_objective else outputs
   num_tokens = labels.size
+  num_columns = operands[1].shape[options.vocab_dim] if op.fused else primary.shape[-1]
+  shard_plan = plan.make(op, options, plan.Shard(
+      num_tokens=num_tokens, num_columns=num_columns,
+      dtypes=tuple(a.dtype for a in operands[:2]),
+      depth=primary.shape[-1] if op.fused else None,
+      has_bias=op.fused and operands[2] is not None,
+      num_kept_ids=keep.ids.shape[0] if isinstance(keep, KeptIds) else None,
+      number_temperature=isinstance(temperature, (int, float))))
+  inv_temp = _inverse_temperature(temperature, labels.shape, dtype, shard_plan.reciprocal)
+  valid = _checks.valid_mask(labels, where)
   if op.fused:
     hidden, weight, bias = operands
-    num_columns = weight.shape[options.vocab_dim]
     flat = (hidden.reshape(num_tokens, hidden.shape[-1]), weight, bias)
   else:
-    num_columns = primary.shape[-1]
     flat = (primary.reshape(num_tokens, num_columns),)
-  shard_plan = plan.make(
-      op.name, target=options.target, implementation=options.implementation,
-      num_tokens=num_tokens, num_columns=num_columns, dtypes=tuple(a.dtype for a in operands[:2]),
-      depth=primary.shape[-1] if op.fused else None,
-      has_bias=op.fused and operands[2] is not None, has_keep=options.has_keep,
-      chunk_size=options.chunk_size,
-      vocab_block_size=options.vocab_block_size,
-      hidden_grad_accumulation=options.hidden_grad_accumulation,
-      backward_in_place=options.backward_in_place,
-      batch_invariant=bool(options.batch_invariant), precision=options.precision,
-      num_kept_ids=keep.ids.shape[0] if isinstance(keep, KeptIds) else None)
   mask_vocab = (options.vocab_size if options.vocab_size < num_columns * options.vocab_shards
                 else None)
   config = Config(
       plan=shard_plan, vocab_size=options.vocab_size, mask_vocab=mask_vocab,
       vocab_axis=vocab_axis, with_entropy=with_entropy, softcap=options.logit_softcap,
-      vocab_dim=options.vocab_dim, in_place=options.backward_in_place,
+      vocab_dim=options.vocab_dim,
       hidden_grad_in_output=options.hidden_grad_accumulation == "output")
   if isinstance(keep, KeptIds) and not shard_plan.kept_ids:  # this shard's columns, packed
     keep = keep_mod.pack_ids(keep, num_columns, shape=(num_tokens,),
@@ -210,19 +192,15 @@ def _shard(op, options, objective, operands, labels, temperature, where, keep, t
   return loss, (logp, None if entropy is None else lax.stop_gradient(entropy.reshape(labels.shape)))
 
 
-def _inverse_temperature(temperature, shape, dtype, target):
-  """``[*shape]`` ``1 / temperature`` in ``dtype``, no gradient. On GPUs an array's
-  reciprocal is computed on the device whether the caller's ``jit`` passes the array or
-  closes over it (XLA folds a constant's reciprocal on the host, which need not round as
-  the device does), so its bits are the same either way: on Hopper by a kernel
-  (``mosaic_reciprocal``), elsewhere by XLA's division behind an optimization barrier,
-  which constant folding does not cross. A Python number is a constant in every program:
-  XLA's division serves."""
-  if (target.platform != "gpu" or jnp.dtype(dtype) != jnp.float32
-      or isinstance(temperature, (int, float)) or not math.prod(shape)):
+def _inverse_temperature(temperature, shape, dtype, reciprocal):
+  """``[*shape]`` ``1 / temperature`` in ``dtype``, no gradient, computed as the plan's
+  ``reciprocal`` says (``jaxce.plan``'s ``_reciprocal`` says why): ``"xla"``, XLA's
+  division; ``"barrier"``, XLA's division behind an optimization barrier (constant
+  folding does not cross it); ``"mosaic"``, ``mosaic_reciprocal``'s kernel."""
+  if reciprocal == "xla":
     return _checks.inverse_temperature(temperature, shape, dtype)
   t = _checks.broadcast_token_array(temperature, shape, dtype).reshape(-1)
-  if target.capability == "9.0" and mosaic_reciprocal.plgpu is not None:
+  if reciprocal == "mosaic":
     inv_temp = mosaic_reciprocal.reciprocal(t, interpret=False)
   else:
     inv_temp = 1 / lax.optimization_barrier(t)

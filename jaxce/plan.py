@@ -3,7 +3,9 @@
 Every public function checks its arguments once, then, where the shard's shapes are known
 (on this device, or inside ``shard_map`` for each shard), asks :func:`make` for one
 :class:`Plan`: the backend of the forward statistics, the tiles, the backward's loop
-order. The kernels take that plan and never re-derive it. A local call, the same call
+order, the rows the kernels run on (a tail padded with ignored rows), the logits path's
+in-place backward, how ``1 / temperature`` is computed and whether kept ids stay ids. The
+dispatcher and the kernels take that plan and never re-derive it. A local call, the same call
 inside ``shard_map`` with ``vocab_axis``, a ``sharded_*`` call and a call on arrays split
 over explicit mesh axes get the same plan for the same per-shard shapes.
 
@@ -13,8 +15,8 @@ See what a call will use, and why, without running it:
     # Plan(backend='mosaic', reason='...', chunk=..., block=..., ...)
 
 The tile sizes are public too, for benchmarks and notebooks (``num_columns`` is the
-vocabulary a device holds, ``V_local`` when it is split; every budget is per platform and
-bench/NOTES.md has the measurements behind each number):
+vocabulary a device holds, ``V_local`` when it is split; every budget is per platform,
+defined in ``jaxce._budgets`` with the measurement behind it in bench/NOTES.md):
 
     jaxce.plan.logits_chunk(num_tokens, num_columns)           # logits path
     jaxce.plan.linear_tiles(num_tokens, num_columns)           # fused path: (chunk, block)
@@ -46,49 +48,24 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxce._kernels import mosaic_head, mosaic_rows, triton_rows
-from jaxce._kernels.config import BACKEND_NAMES, Backend, Plan
+# The budgets and the tile sizes they give, exported here (jaxce.plan.logits_chunk, ...).
+from jaxce._budgets import (  # noqa: F401  pylint: disable=unused-import
+    DEFAULT_VOCAB_BLOCK, LINEAR_KERNEL_BLOCK_PASS, LINEAR_KERNEL_GRAD_BYTES,
+    LINEAR_KERNEL_MAX_BLOCK, LINEAR_KERNEL_MIN_BLOCK, LINEAR_KERNEL_STATS_BYTES,
+    LINEAR_OBJECTIVE_GRAD_BYTES, LINEAR_OBJECTIVE_GROUP_ROWS, LINEAR_OBJECTIVE_ROWS_BYTES,
+    LINEAR_TILE_BYTES, LOGITS_TILE_BYTES, budget_platform, chunk_size, linear_backward_order,
+    linear_kernel_chunk, linear_kernel_tiles, linear_objective_chunk,
+    linear_objective_grad_chunk, linear_objective_kernel_tiles, linear_tiles, logits_chunk)
+from jaxce._kernels import mosaic_head, mosaic_reciprocal, mosaic_rows, softmax, triton_rows
+from jaxce._kernels.config import BACKEND_NAMES, Backend, Operation, Plan
 
 __all__ = [
-    "IMPLEMENTATIONS", "INVARIANCES", "Plan", "Target", "budget_platform", "chunk_size",
+    "IMPLEMENTATIONS", "INVARIANCES", "Plan", "Shard", "Target", "budget_platform", "chunk_size",
     "invariances", "kept_ids_unsupported", "linear_backward_order",
     "linear_kernel_chunk", "linear_kernel_tiles", "linear_objective_chunk",
     "linear_objective_grad_chunk", "linear_objective_kernel_tiles", "linear_tiles",
     "logits_chunk", "make", "matmul_precision", "of", "target",
 ]
-
-# Logits path: bytes of one f32 [chunk, V_local] tile of the XLA forward (fused into the
-# row reductions on GPUs, so the real working set is about 1% of it; materialized on
-# CPUs, hence their small budget). bench/NOTES.md, entries 14 and 17.
-LOGITS_TILE_BYTES = {"gpu": 4 * 2**30, "cpu": 16 * 2**20}
-# Fused path: bytes of one f32 [chunk, block] tile (a matmul output, materialized), and
-# the vocab block. bench/NOTES.md, entries 16 and 17.
-LINEAR_TILE_BYTES = {"gpu": 256 * 2**20, "cpu": 32 * 2**20}
-DEFAULT_VOCAB_BLOCK = 8192
-# Fused objective path (linear_token_loss): bytes of one chunk's f32 [chunk, V_local]
-# rows, held from its statistics to its gradient (plus the operand-dtype d logits). Each
-# chunk also reads and writes the f32 [D, V_local] d W sum, so larger chunks run faster
-# at more memory (bench/NOTES.md, entry 20).
-LINEAR_OBJECTIVE_ROWS_BYTES = {"gpu": 2**30, "cpu": 16 * 2**20}
-# ... and bytes of one group's d logits in the operand dtype: the chunks of a group feed
-# one pair of gradient matmuls, so the f32 d W sum is read and written once per group
-# (bench/NOTES.md, entry 26: groups of 4096 tokens at V = 151936).
-LINEAR_OBJECTIVE_GRAD_BYTES = {"gpu": 5 * 2**28, "cpu": 4 * 2**20}
-# ... and, where the fused head's forward kernel writes the rows, what one more group
-# costs against the kernel's rows: a pass over the f32 d W sum (4 D V bytes read and
-# written) takes about as long as the kernel on 3 row blocks of 256 (2 D V flop each).
-LINEAR_OBJECTIVE_GROUP_ROWS = 3 * 256
-# Fused path, Mosaic GPU forward: bytes of one chunk's f32 [V_local / 128, 4, chunk] tile
-# statistics (1/32 of its f32 [chunk, V_local] logits).
-LINEAR_KERNEL_STATS_BYTES = 256 * 2**20
-# Fused path, Mosaic GPU backward (linear_kernel_tiles; bench/NOTES.md, entry 25): bytes
-# of one [T, block] tile of d logits in the operand dtype (written by the d-logits kernel,
-# read by the two gradient GEMMs), the block's bounds in columns (past the largest the
-# GEMMs gain little for the memory), and the time of one more block's passes per T x D, in
-# _kernel_block_cost's units (measured: 0.57 ms per block at T = 32768, D = 4096, H100).
-LINEAR_KERNEL_GRAD_BYTES = 576 * 2**20
-LINEAR_KERNEL_MIN_BLOCK, LINEAR_KERNEL_MAX_BLOCK = 4096, 8448
-LINEAR_KERNEL_BLOCK_PASS = 2.7e-4
 
 # Kept ids (jaxce.keep.from_csr), every path: only the kept columns' logits when their
 # entries (and the labels) are at most this fraction of the T x V_local logits; above it,
@@ -145,226 +122,6 @@ def target(*arrays, mesh=None) -> Target:
                 getattr(device, "core_count", None) or 132)
 
 
-def budget_platform(platform: str | None = None) -> str:
-  """The budgets' key for ``platform`` (JAX's default backend when ``None``): ``"cpu"``,
-  or ``"gpu"`` for every other platform. (Not a kernel backend: that is ``Plan.backend``.)"""
-  if platform is None:
-    platform = jax.default_backend()
-  return "cpu" if platform == "cpu" else "gpu"
-
-
-def chunk_size(num_tokens: int, num_columns: int, requested: int | None,
-               tile_bytes: int) -> int:
-  """Tokens per step: ``min(requested, T)``, or the largest chunk whose f32
-  ``[chunk, num_columns]`` tile fits ``tile_bytes``, moved down to a divisor of T if one
-  lies within a factor 2 (so no ragged last chunk), else to the least multiple of 8 that
-  covers T in as few steps (a clamped last chunk then repeats fewer than 8 rows a step),
-  and T itself when all of it fits."""
-  if requested is not None:
-    return min(requested, num_tokens)
-  cap = max(1, min(num_tokens, tile_bytes // (4 * max(num_columns, 1))))
-  if cap == num_tokens:
-    return cap  # one chunk: rounding it down would only add a step
-  if cap >= 8:
-    cap -= cap % 8
-  return _divisor_near(num_tokens, cap, 8 if cap >= 8 else 1)
-
-
-def _divisor_near(total: int, cap: int, multiple: int = 1) -> int:
-  """The largest divisor of ``total`` in ``[cap / 2, cap]``, else the least multiple of
-  ``multiple`` (``cap`` is one) that covers ``total`` in ``ceil(total / cap)`` steps: steps
-  of that size cover ``total`` with no ragged last step when a divisor lies within a
-  factor 2, and otherwise overlap by fewer than ``multiple`` items a step (``cap``
-  itself could overlap by almost a whole step)."""
-  for size in range(cap, max(cap // 2, 1) - 1, -1):
-    if total % size == 0:
-      return size
-  even = -(-total // -(-total // cap))
-  return -(-even // multiple) * multiple
-
-
-def logits_chunk(num_tokens: int, num_columns: int, requested: int | None = None,
-                 platform: str | None = None) -> int:
-  """Tokens per step of the logits path's XLA forward and in-place backward
-  (``LOGITS_TILE_BYTES`` of ``platform``, JAX's default backend when ``None``)."""
-  return chunk_size(num_tokens, num_columns, requested,
-                    LOGITS_TILE_BYTES[budget_platform(platform)])
-
-
-def linear_tiles(num_tokens: int, num_columns: int, requested_chunk: int | None = None,
-                 requested_block: int | None = None,
-                 platform: str | None = None) -> tuple[int, int]:
-  """``(chunk, block)`` of the fused path: ``block = min(requested_block or
-  DEFAULT_VOCAB_BLOCK, num_columns)``, the chunk planned for a ``[chunk, block]`` tile
-  of ``LINEAR_TILE_BYTES`` of ``platform``."""
-  block = min(requested_block or DEFAULT_VOCAB_BLOCK, num_columns)
-  return chunk_size(num_tokens, block, requested_chunk,
-                    LINEAR_TILE_BYTES[budget_platform(platform)]), block
-
-
-def linear_objective_chunk(num_tokens: int, num_columns: int, requested: int | None = None,
-                           platform: str | None = None) -> int:
-  """Tokens per step of the fused objective path, whose full ``[chunk, num_columns]``
-  rows are held at once (``LINEAR_OBJECTIVE_ROWS_BYTES`` of ``platform``)."""
-  return chunk_size(num_tokens, num_columns, requested,
-                    LINEAR_OBJECTIVE_ROWS_BYTES[budget_platform(platform)])
-
-
-def linear_objective_grad_chunk(num_tokens: int, num_columns: int, chunk: int,
-                                platform: str | None = None, itemsize: int = 2) -> int:
-  """Tokens per pair of gradient matmuls of the fused objective path: a multiple of its
-  ``chunk`` whose ``[grad_chunk, num_columns]`` d logits (``itemsize`` bytes each) fit
-  ``LINEAR_OBJECTIVE_GRAD_BYTES`` of ``platform``, at most the whole chunks in ``T``, moved
-  down to a count of chunks that divides ``T``'s when one lies within a factor 2 (so no
-  group is clamped back over the one before), else to the fewest even groups (the clamped
-  last group repeats the fewest chunks)."""
-  whole_chunks = max(1, num_tokens // chunk)
-  budget = LINEAR_OBJECTIVE_GRAD_BYTES[budget_platform(platform)]
-  cap = max(1, min(whole_chunks, budget // (itemsize * chunk * max(num_columns, 1))))
-  return chunk * _divisor_near(-(-num_tokens // chunk), cap)
-
-
-def linear_objective_kernel_tiles(num_tokens: int, num_columns: int,
-                                  requested: int | None = None, platform: str | None = None,
-                                  itemsize: int = 2) -> tuple[int, int]:
-  """``(chunk, grad_chunk)`` of the fused objective path when the fused head's forward
-  kernel writes its rows (``mosaic_head``: calls of a multiple of 8 rows, at least 256;
-  each costs its rows rounded up to 256). A requested chunk is rounded up to that, its
-  groups as :func:`linear_objective_grad_chunk` plans them. Else: all ``T`` (rounded up
-  to the kernel's rows) when its f32 rows fit ``LINEAR_OBJECTIVE_ROWS_BYTES``; otherwise
-  the fewest groups that the d logits' budget (``LINEAR_OBJECTIVE_GRAD_BYTES``) allows,
-  each of ``k`` equal chunks within the rows' budget, ``k`` the count (of the four
-  smallest that fit) whose chunks waste the fewest kernel rows. The groups then cover
-  ``T`` with fewer than 8 rows to spare a chunk: the last group is clamped back over that
-  many rows (or ``T`` padded up to one group)."""
-  rows_of = mosaic_head.padded_rows  # (a call's rows: a multiple of 8, at least 256)
-  if requested is not None:
-    chunk = rows_of(requested)
-    return chunk, linear_objective_grad_chunk(max(num_tokens, chunk), num_columns, chunk,
-                                              platform, itemsize)
-  platform = budget_platform(platform)
-  rows_cap = rows_of(LINEAR_OBJECTIVE_ROWS_BYTES[platform] // (4 * max(num_columns, 1)) - 7)
-  group_cap = LINEAR_OBJECTIVE_GRAD_BYTES[platform] // (itemsize * max(num_columns, 1))
-  tokens = rows_of(num_tokens)
-  if tokens <= rows_cap:
-    return tokens, tokens
-  block = mosaic_head.MIN_ROWS
-  fewest_groups = -(-tokens // max(group_cap, rows_cap))
-
-  def cost(groups, count):  # (kernel rows, then a d W pass as LINEAR_OBJECTIVE_GROUP_ROWS)
-    chunk = rows_of(-(-tokens // (groups * count)))
-    return groups * count * -(-chunk // block) * block + groups * LINEAR_OBJECTIVE_GROUP_ROWS
-
-  fewest_chunks = lambda groups: -(-tokens // (groups * rows_cap))  # (a group's)
-  candidates = [(groups, count) for groups in range(fewest_groups, fewest_groups + 4)
-                for count in range(fewest_chunks(groups), fewest_chunks(groups) + 4)]
-  groups, count = min(candidates, key=lambda c: (cost(*c), c))
-  chunk = rows_of(-(-tokens // (groups * count)))
-  return chunk, chunk * count
-
-
-def linear_kernel_chunk(num_tokens: int, num_columns: int) -> int:
-  """Tokens per call of the fused path's Mosaic GPU forward kernel: its tile statistics
-  take 1/32 of the bytes of the chunk's f32 logits, planned to
-  ``LINEAR_KERNEL_STATS_BYTES``: all ``num_tokens`` when they fit, else the fewest, most
-  even chunks (``_kernel_chunk``: a multiple of the kernel's 256-row block; the rows left
-  take one call of their own)."""
-  cap = 32 * LINEAR_KERNEL_STATS_BYTES // (4 * max(num_columns, 1))
-  return _kernel_chunk(num_tokens, cap)
-
-
-def linear_kernel_tiles(num_tokens: int, num_columns: int, requested_chunk: int | None = None,
-                        requested_block: int | None = None, platform: str | None = None, *,
-                        depth: int = 4096, num_cores: int = 132) -> tuple[int, int]:
-  """``(chunk, block)`` of the fused backward with the Mosaic GPU kernels.
-
-  The token chunks are walked exactly (``linear.row_chunks``: equal chunks, then the rows
-  left in one call), so a chunk is all ``T`` tokens or a multiple of the kernel's row
-  block (``mosaic_head.MIN_ROWS``, 256), and no row is computed twice. With vocab blocks
-  outer (``T <= V_local``) and neither size requested, the chunk is all ``T`` tokens when
-  a block of at least ``LINEAR_KERNEL_MIN_BLOCK`` columns fits the budget
-  (``LINEAR_KERNEL_GRAD_BYTES`` for the ``[T, block]`` d logits in the operand dtype):
-  each block's ``d hidden`` then adds into its f32 sum inside the GEMM, with no row
-  slices and no partial ``d W`` sums; when it does not, the fewest, most even chunks
-  within :func:`linear_tiles`' budget (``_kernel_chunk``). With token chunks outer, the
-  fewest, most even chunks whose tile with the largest block fits that budget: fewer,
-  larger chunks add each block's ``d W`` sum fewer times. A requested chunk (or
-  :func:`linear_tiles`' chunk for a requested block) is rounded down to a multiple of 256
-  (all ``T`` when it is at least ``T``). Unless a size is requested, the block is the
-  multiple of 128 between half the budget for ``[chunk, block]`` and the budget (at most
-  ``LINEAR_KERNEL_MAX_BLOCK``) with the least ``_kernel_block_cost`` on ``num_cores`` SMs
-  for a hidden dim ``depth``; else :func:`linear_tiles`' block, rounded down to a multiple
-  of 128 (at least that, at most the array).
-  """
-  step = mosaic_head.TILE_N
-  cap = min(LINEAR_KERNEL_GRAD_BYTES // (2 * num_tokens), LINEAR_KERNEL_MAX_BLOCK, num_columns)
-  planned = requested_chunk is None and requested_block is None
-  whole = (planned and num_tokens <= num_columns
-           and cap >= min(LINEAR_KERNEL_MIN_BLOCK, num_columns))
-  chunk, block = linear_tiles(num_tokens, num_columns, requested_chunk, requested_block,
-                              platform)
-  if whole:
-    chunk = num_tokens
-  elif planned and num_tokens > num_columns:  # (token chunks outer: the largest block's tile)
-    chunk = _kernel_chunk(num_tokens, LINEAR_KERNEL_GRAD_BYTES // (2 * min(
-        LINEAR_KERNEL_MAX_BLOCK, num_columns)))
-  elif planned:  # (vocab blocks outer, several chunks: linear_tiles' budget)
-    chunk = _kernel_chunk(num_tokens, LINEAR_TILE_BYTES[budget_platform(platform)] // (4 * block))
-  elif chunk < num_tokens:
-    chunk = _multiple(chunk, mosaic_head.MIN_ROWS, num_tokens)
-  if planned:
-    cap = min(LINEAR_KERNEL_GRAD_BYTES // (2 * chunk), LINEAR_KERNEL_MAX_BLOCK, num_columns)
-    blocks = range(max(step, cap // 2 - cap // 2 % step), max(step, cap - cap % step) + 1, step)
-    block = min(blocks, key=lambda b: (_kernel_block_cost(chunk, num_columns, depth, b,
-                                                          num_cores), -b))
-  return chunk, _multiple(block, step, num_columns)
-
-
-def _kernel_chunk(num_tokens: int, cap: int) -> int:
-  """Tokens per chunk of the Mosaic kernels' calls: all ``T`` when they are at most
-  ``cap``, else the least multiple of 256 rows (the kernels' row block) that covers ``T``
-  in as few chunks as ``cap`` allows (at most ``cap`` rounded down to 256; at least 256).
-  The chunks are walked exactly (``linear.row_chunks``), the last taking the rows left."""
-  if num_tokens <= cap:
-    return num_tokens
-  step = mosaic_head.MIN_ROWS
-  cap = max(step, cap - cap % step)
-  count = -(-num_tokens // cap)
-  return min(-(-num_tokens // (count * step)) * step, cap)
-
-
-def _kernel_block_cost(num_tokens: int, num_columns: int, depth: int, block: int,
-                       num_cores: int) -> float:
-  """The Mosaic backward's time with ``[T, block]`` tiles, in units of one SM's ``[256,
-  128]`` output tile per hidden dim. Per block (the last one is clamped back, a whole
-  block): the d-logits kernel's and the ``d W`` GEMM's waves of ``[256, 128]`` tiles over
-  ``num_cores`` SMs (``K = D`` and ``K = T``), the ``d hidden`` GEMM's (``K = block``), and
-  ``LINEAR_KERNEL_BLOCK_PASS`` per ``T x D`` (its pass over the f32 sum, set-up)."""
-  waves = lambda tiles: -(-tiles // max(num_cores, 1))
-  column_tiles = block // mosaic_head.TILE_N
-  per_block = (waves(-(-num_tokens // mosaic_head.MIN_ROWS) * column_tiles) * depth
-               + waves(-(-depth // 256) * column_tiles) * num_tokens
-               + waves(-(-num_tokens * depth // (256 * 128))) * block
-               + LINEAR_KERNEL_BLOCK_PASS * num_tokens * depth)
-  return -(-num_columns // block) * per_block
-
-
-def linear_backward_order(num_tokens: int, num_columns: int,
-                          hidden_grad_accumulation: str = "float32") -> str:
-  """The loop order of the fused backward: ``"vocab"`` (vocab blocks outer: ``d hidden``
-  sums in an f32 ``[T, D]`` array) or ``"token"`` (token chunks outer: ``d W`` sums in an
-  f32 array like the weight, ``[D, V_local]``), whichever sum is smaller, so the memory
-  beyond the outputs stays flat in T. ``hidden_grad_accumulation="output"`` keeps the
-  vocab order, which then needs no f32 sum at all."""
-  if hidden_grad_accumulation == "output" or num_tokens <= num_columns:
-    return "vocab"
-  return "token"
-
-
-def _multiple(size: int, multiple: int, total: int) -> int:
-  return min(max(size - size % multiple, multiple), total)
-
-
 # The kernels whose outputs are batch-invariant by construction (each backend names its
 # operations): each token's statistics come from the same instructions whatever the call
 # (fixed tiles, no split-K, one program), its tiles are merged in the columns' order by
@@ -396,17 +153,18 @@ def invariances(operation: str, backend: Backend, batch_invariant: bool) -> tupl
   return INVARIANCES if backend == "xla" and batch_invariant else ()
 
 
-def _unsupported(backend, *, operation, target, dtypes, has_bias, has_keep, depth,
-                 num_columns, batch_invariant):
+def _unsupported(backend, *, operation, target, dtypes, has_keep, num_columns,
+                 batch_invariant, head_reason):
   """Why ``backend``'s kernel cannot run a call (a sentence), or None: each backend's
-  module says for itself (XLA runs every call: with ``batch_invariant``, by exact sums)."""
+  module says for itself (XLA runs every call: with ``batch_invariant``, by exact sums).
+  ``head_reason``: why the fused head's kernels cannot run it (None: they can; "" for the
+  logits paths)."""
   if backend == "triton":
     return triton_rows.unsupported(operation=operation, dtypes=dtypes, has_keep=has_keep,
                                    batch_invariant=batch_invariant)
   if backend == "mosaic" and operation.startswith("linear"):
     # (the fused head's kernels; the objective path's rows from them, or else from XLA's
     # matmul with their statistics by the logits rows' kernel)
-    head_reason = _head_unsupported(target, dtypes, has_bias, depth, num_columns)
     if operation == "linear_logprobs_and_entropy" or head_reason is None:
       return head_reason
   if backend == "mosaic":  # (the statistics of logits rows; the fused objective's are f32)
@@ -455,76 +213,99 @@ def _refuse(requested, reason):
   raise ValueError(f'implementation="{requested}" cannot run this call: {reason}')
 
 
-def make(operation: str, *, target: Target, implementation: str | None, num_tokens: int,
-         num_columns: int, dtypes: tuple, depth: int | None = None, has_bias: bool = False,
-         has_keep: bool = False, chunk_size: int | None = None,
-         vocab_block_size: int | None = None, hidden_grad_accumulation: str = "float32",
-         backward_in_place: bool = False, batch_invariant: bool = False,
-         num_kept_ids: int | None = None, precision: str | None = None) -> Plan:
+class Shard(NamedTuple):
+  """One shard's call as the planner sees it: what its shapes and arguments say, where
+  the dispatcher knows them (on this device, or inside ``shard_map`` for each shard).
+
+  Attributes:
+    num_tokens, num_columns: ``T`` and this shard's ``V_local``.
+    dtypes: the dtypes of the logits, or of hidden and the weight.
+    depth: the fused paths' ``D`` (else None).
+    has_bias: a bias is added (fused paths).
+    num_kept_ids: with kept ids (``jaxce.keep.from_csr``), their number ``N``; else None.
+    number_temperature: the temperature is a Python number (a constant in every program).
+  """
+  num_tokens: int
+  num_columns: int
+  dtypes: tuple
+  depth: int | None = None
+  has_bias: bool = False
+  num_kept_ids: int | None = None
+  number_temperature: bool = True
+
+
+def make(operation: Operation, options, shard: Shard) -> Plan:
   """The :class:`Plan` of one shard's call.
 
   Args:
-    operation: the public function's name without ``sharded_`` (``"logprobs_and_entropy"``,
-      ``"linear_logprobs_and_entropy"``, ``"token_loss"``, ``"linear_token_loss"``).
-    target: where it runs (:func:`target`).
-    implementation: ``None`` or a backend (``"pallas"`` is accepted for ``"triton"``).
-    num_tokens, num_columns: ``T`` and this shard's ``V_local``.
-    dtypes: the dtypes of the logits, or of hidden and the weight.
-    depth, has_bias: the fused paths' ``D`` and whether a bias is added.
-    has_keep: whether the call has kept sets (``keep=``).
-    chunk_size, vocab_block_size, hidden_grad_accumulation, backward_in_place,
-      batch_invariant: the public options of the same names.
-    num_kept_ids: with kept ids (``jaxce.keep.from_csr``), their number ``N``.
-    precision: the fused paths' ``precision=`` (a ``jax.lax.Precision`` name), or None:
-      JAX's ``jax_default_matmul_precision`` now (the call is being traced).
+    operation: the public operation (``name``: the public function's name without
+      ``sharded_``; ``fused``: it takes ``(hidden, weight)``).
+    options: the call's checked options (``jaxce._options.Options``, which imports this
+      module, hence no annotation): the implementation
+      asked for (``"pallas"`` is read as ``"triton"``), the target, ``chunk_size``,
+      ``vocab_block_size``, ``hidden_grad_accumulation``, ``backward_in_place``,
+      ``batch_invariant``, ``precision`` (None: JAX's ``jax_default_matmul_precision``
+      now, the call being traced) and whether there are kept sets.
+    shard: the shard's shapes and arguments (:class:`Shard`).
 
   Raises:
     ValueError: the requested implementation cannot run the call (the message says why).
   """
+  name, target, num_tokens, num_columns = (operation.name, options.target, shard.num_tokens,
+                                           shard.num_columns)
+  implementation = options.implementation
   if implementation is not None:
     implementation = ALIASES.get(implementation, implementation)
-  if operation.startswith("linear"):
-    precision = matmul_precision(precision)
+  batch_invariant = bool(options.batch_invariant)
+  precision = matmul_precision(options.precision) if operation.fused else None
+  reciprocal = _reciprocal(target, shard)
   packed_ids = ""  # (kept ids packed into words: why)
-  if num_kept_ids is not None:
-    packed_ids = (kept_ids_unsupported(operation, num_tokens, num_columns, num_kept_ids,
+  if shard.num_kept_ids is not None:
+    packed_ids = (kept_ids_unsupported(name, num_tokens, num_columns, shard.num_kept_ids,
                                        batch_invariant)
                   or (None if implementation in (None, "xla") else
                       f'implementation="{implementation}" takes packed words'))
     if packed_ids is None:
       return _recorded_plan(Plan(
-          backend="xla", reason=f"kept ids: {num_kept_ids} entries for {num_tokens} tokens, "
-          "only their columns' logits", interpret=target.platform != "gpu",
-          num_cores=target.num_cores, kept_ids=True, precision=precision))
+          backend="xla", reason=f"kept ids: {shard.num_kept_ids} entries for {num_tokens} "
+          "tokens, only their columns' logits", interpret=target.platform != "gpu",
+          num_cores=target.num_cores, kept_ids=True, precision=precision,
+          reciprocal=reciprocal, rows=num_tokens if operation.fused else None))
     packed_ids = f"; kept ids packed into words: {packed_ids}"
-  chosen, reason = _backend(operation, implementation, target=target, dtypes=dtypes,
-                             has_bias=has_bias, has_keep=has_keep, depth=depth,
-                             num_columns=num_columns, batch_invariant=batch_invariant)
+  head_reason = (_head_unsupported(target, shard.dtypes, shard.has_bias, shard.depth,
+                                   num_columns) if operation.fused else "")
+  chosen, reason = _backend(name, implementation, target=target, dtypes=shard.dtypes,
+                            has_keep=options.has_keep, num_columns=num_columns,
+                            batch_invariant=batch_invariant, head_reason=head_reason)
   reason += packed_ids
   platform = target.platform
   exact = batch_invariant and chosen == "xla"  # XLA's exact sums
   matmul_tile = None
-  if exact and operation.startswith("linear"):
+  if exact and operation.fused:
     matmul_tile = INVARIANT_MATMUL_TILE[budget_platform(platform)]
   common = dict(backend=chosen, reason=reason, interpret=platform != "gpu", precision=precision,
                 num_cores=target.num_cores, exact_sums=exact, matmul_tile=matmul_tile,
-                invariant_to=invariances(operation, chosen, batch_invariant))
+                invariant_to=invariances(name, chosen, batch_invariant), reciprocal=reciprocal)
   one_pass = chosen in ("mosaic", "triton")  # (the logits path's kernels read every row)
-  if operation == "logprobs_and_entropy":
-    uses_chunks = not one_pass or backward_in_place
+  chunk_size = options.chunk_size
+  if name == "logprobs_and_entropy":
+    in_place = None
+    if options.backward_in_place:  # (the Mosaic kernel takes T in TMA's tiles of 8 rows)
+      in_place = "kernel" if chosen == "mosaic" and num_tokens % 8 == 0 else "chunks"
+    uses_chunks = not one_pass or options.backward_in_place
     chunk = logits_chunk(num_tokens, num_columns, chunk_size, platform) if uses_chunks else None
-    plan = Plan(chunk=chunk, **common)
-  elif operation == "token_loss":
+    plan = Plan(chunk=chunk, in_place=in_place, **common)
+  elif name == "token_loss":
     chunk = None if one_pass else logits_chunk(num_tokens, num_columns, chunk_size, platform)
     plan = Plan(chunk=chunk, **common)
-  elif operation == "linear_token_loss":  # (exact sums: the matmul's rows a chunk, a group)
-    itemsize = jnp.dtype(jnp.result_type(*dtypes)).itemsize
-    head_reason = (_head_unsupported(target, dtypes, has_bias, depth, num_columns)
-                   if chosen == "mosaic" else "")
+  elif name == "linear_token_loss":  # (exact sums: the matmul's rows a chunk, a group)
+    itemsize = jnp.dtype(jnp.result_type(*shard.dtypes)).itemsize
+    if chosen != "mosaic":
+      head_reason = ""
     if head_reason is None:  # the rows and their statistics from the fused head's kernel
       chunk, grad_chunk = linear_objective_kernel_tiles(num_tokens, num_columns, chunk_size,
                                                         platform, itemsize)
-      plan = Plan(chunk=chunk, grad_chunk=grad_chunk, kernel_chunk=chunk, **common)
+      kernel_chunk = chunk
     else:
       if head_reason:
         common.update(reason=f"{reason}; the rows from XLA's matmul: {head_reason}",
@@ -533,21 +314,44 @@ def make(operation: str, *, target: Target, implementation: str | None, num_toke
                linear_objective_chunk(num_tokens, num_columns, chunk_size, platform))
       grad_chunk = chunk if exact else linear_objective_grad_chunk(
           num_tokens, num_columns, chunk, platform, itemsize)
-      plan = Plan(chunk=chunk, grad_chunk=grad_chunk, **common)
+      kernel_chunk = None
+    plan = Plan(chunk=chunk, grad_chunk=grad_chunk, kernel_chunk=kernel_chunk,
+                rows=max(num_tokens, grad_chunk), **common)
   else:
+    rows = num_tokens
     if chosen == "mosaic":  # (padded to the kernels' multiple of 8 rows, at least 256)
-      num_tokens = mosaic_head.padded_rows(num_tokens)
-      chunk, block = linear_kernel_tiles(num_tokens, num_columns, chunk_size, vocab_block_size,
-                                         platform, depth=depth or 1, num_cores=target.num_cores)
+      rows = mosaic_head.padded_rows(num_tokens)
+      chunk, block = linear_kernel_tiles(rows, num_columns, chunk_size,
+                                         options.vocab_block_size, platform,
+                                         depth=shard.depth or 1, num_cores=target.num_cores)
     else:
-      chunk, block = linear_tiles(num_tokens, num_columns, chunk_size, vocab_block_size,
-                                  platform)
-    plan = Plan(chunk=chunk, block=block,
-                kernel_chunk=(linear_kernel_chunk(num_tokens, num_columns)
+      chunk, block = linear_tiles(num_tokens, num_columns, chunk_size,
+                                  options.vocab_block_size, platform)
+    plan = Plan(chunk=chunk, block=block, rows=rows,
+                kernel_chunk=(linear_kernel_chunk(rows, num_columns)
                               if chosen == "mosaic" else None),
-                backward_order=linear_backward_order(num_tokens, num_columns,
-                                                     hidden_grad_accumulation), **common)
+                backward_order=linear_backward_order(rows, num_columns,
+                                                     options.hidden_grad_accumulation),
+                **common)
   return _recorded_plan(plan)
+
+
+def _reciprocal(target: Target, shard: Shard) -> str:
+  """How the call computes ``1 / temperature`` (``Plan.reciprocal``). On GPUs an f32
+  array's reciprocal is computed on the device whether the caller's ``jit`` passes the
+  array or closes over it (XLA folds a constant's reciprocal on the host, which need not
+  round as the device does), so its bits are the same either way: on Hopper by a kernel
+  (``"mosaic"``), elsewhere by XLA's division behind an optimization barrier, which
+  constant folding does not cross (``"barrier"``). A Python number is a constant in every
+  program, and other platforms and dtypes fold nothing differently: XLA's division
+  (``"xla"``)."""
+  dtype = softmax.compute_dtype(*shard.dtypes)
+  if (target.platform != "gpu" or jnp.dtype(dtype) != jnp.float32 or shard.number_temperature
+      or not shard.num_tokens):
+    return "xla"
+  if target.capability == "9.0" and mosaic_reciprocal.plgpu is not None:
+    return "mosaic"
+  return "barrier"
 
 
 def matmul_precision(precision: str | None = None) -> str:

@@ -227,3 +227,39 @@ def test_every_keyword_reaches_the_request(operation, monkeypatch):
   for request in received:
     for name, sentinel in sentinels.items():
       assert getattr(request, name) is sentinel, f"{local.__name__}: {name} is lost"
+
+
+def test_the_plan_holds_the_reciprocal_the_in_place_backward_and_the_rows(monkeypatch):
+  """Decided by the planner, read by the kernels: how ``1 / temperature`` is computed
+  (XLA's division off GPUs and for a Python number; on GPUs, for an array, the Hopper
+  kernel or XLA's division behind a barrier), the logits path's in-place backward (the
+  Mosaic kernel where ``T`` is a multiple of 8, else chunk by chunk) and the rows the
+  fused kernels run on (``T`` padded to the Mosaic kernels' multiple of 8, at least 256;
+  the objective's at least one group)."""
+  from jaxce._kernels import mosaic_reciprocal  # pylint: disable=import-outside-toplevel
+  inputs = _inputs(V_LOCAL)
+  logits, labels = inputs["logits"], inputs["labels"]
+  hidden, weight, adv = inputs["hidden"], inputs["weight"], inputs["adv"]
+  temperature = jnp.full(T, 0.7)
+  of_logits = lambda n=T, **kw: plan.of(jaxce.logprobs_and_entropy, logits[:n], labels[:n],
+                                        **kw)
+  of_linear = lambda n=T, **kw: plan.of(jaxce.linear_logprobs_and_entropy, hidden[:n],
+                                        weight, labels[:n], **kw)
+  cpu = of_logits(temperature=temperature, backward_in_place=True)
+  assert (cpu.reciprocal, cpu.in_place, of_logits().in_place) == ("xla", "chunks", None)
+  assert of_linear(100).rows == 100 and of_logits().rows is None
+  monkeypatch.setattr(plan, "target", lambda *arrays, mesh=None: HOPPER)
+  hopper_kernel = "mosaic" if mosaic_reciprocal.plgpu is not None else "barrier"
+  assert of_logits(temperature=temperature).reciprocal == hopper_kernel
+  assert of_linear(temperature=temperature).reciprocal == hopper_kernel
+  assert of_logits(temperature=0.7).reciprocal == "xla"
+  assert of_logits(backward_in_place=True).in_place == "kernel"
+  assert of_logits(T - 3, backward_in_place=True).in_place == "chunks"
+  assert [of_linear(n).rows for n in (T, T - 3, 100)] == [T, T, 256]
+  objective = plan.of(jaxce.linear_token_loss, OBJECTIVE, hidden[:100], weight, labels[:100],
+                      adv[:100])
+  assert objective.rows == max(100, objective.grad_chunk) == 256
+  monkeypatch.setattr(plan, "target", lambda *arrays, mesh=None: HOPPER._replace(
+      capability="8.0"))
+  assert of_logits(temperature=temperature).reciprocal == "barrier"
+  assert of_logits(backward_in_place=True).in_place == "chunks"

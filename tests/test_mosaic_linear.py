@@ -384,6 +384,15 @@ def test_head_profile_kernel_section_runs():
   assert [(r["piece"], r["error"]) for r in rows if r.get("error")] == []
 
 
+def test_kernel_pieces_profile_runs():
+  """``bench.kernel_pieces.profile`` (``bench.machine_floors``' jaxce rows and
+  ``gpu_check_mosaic_linear --profile``) times each piece it names: the forward kernel
+  at four walk widths and depths, the d-logits kernel and the two gradient GEMMs."""
+  from bench import kernel_pieces
+  rows = kernel_pieces.profile(256, 64, 256, 1)
+  assert len(rows) == 7 and all(r["ms"] > 0 for r in rows), rows
+
+
 @pytest.mark.parametrize("capability", ["9.0", "8.0"])
 def test_gpu_calls_take_an_array_temperatures_reciprocal_on_the_device(capability, monkeypatch):
   """Planned for a GPU (traced on CPU, nothing runs), an array temperature's reciprocal is

@@ -8,7 +8,7 @@ static arguments, so a new value compiles a new program and an equal one reuses 
 
 from __future__ import annotations
 
-from typing import Any, Literal, NamedTuple, get_args
+from typing import Any, Callable, Literal, NamedTuple, get_args
 
 from jaxce._kernels import chunking
 
@@ -17,6 +17,17 @@ from jaxce._kernels import chunking
 # Mosaic GPU.
 Backend = Literal["xla", "triton", "mosaic"]
 BACKEND_NAMES = get_args(Backend)
+
+
+class Operation(NamedTuple):
+  """A public operation: its name (``jaxce.plan.BACKENDS``' keys: the public function's
+  name without ``sharded_``), whether it takes ``(hidden, weight)`` (else logits), whether
+  it is an objective (a scalar loss and per-token metrics, else per-token outputs), and
+  its kernel (``jaxce._dispatch`` defines the four)."""
+  name: str
+  fused: bool
+  is_objective: bool
+  kernel: Callable
 
 
 class Tokens(NamedTuple):
@@ -102,6 +113,17 @@ class Plan(NamedTuple):
     kept_ids: the call computes only the kept columns' logits (``linear_kept_ids``,
       ``logits_kept_ids``; an objective through them under autodiff); else kept ids, if
       any, are packed into words first.
+    reciprocal: how ``1 / temperature`` is computed: ``"xla"`` (XLA's division: a Python
+      number, or off GPUs, or not float32), ``"barrier"`` (XLA's division behind an
+      optimization barrier, so a constant folds as an argument computes) or ``"mosaic"``
+      (``mosaic_reciprocal``'s kernel, on Hopper).
+    in_place: the logits path's backward overwrites the logits (``backward_in_place``):
+      ``"kernel"`` (``mosaic_rows_grad.overwrite``: the Mosaic plan with ``T`` a multiple
+      of 8) or ``"chunks"`` (a loop over the plan's chunks); ``None``: the gradient is a
+      new array.
+    rows: the fused paths' tokens as the kernels run them: ``T``, or ``T`` with ignored
+      rows appended (the Mosaic per-token path: a multiple of 8, at least 256; the
+      objective path: at least one ``grad_chunk``); ``None`` on the logits paths.
   """
   backend: Backend
   reason: str
@@ -117,6 +139,9 @@ class Plan(NamedTuple):
   invariant_to: tuple[str, ...] = ()
   kept_ids: bool = False
   precision: str | None = None
+  reciprocal: str = "xla"
+  in_place: str | None = None
+  rows: int | None = None
 
 
 class Config(NamedTuple):
@@ -130,8 +155,6 @@ class Config(NamedTuple):
     with_entropy: compute (and return) the entropy.
     softcap: ``c`` of ``c * tanh(x / c)`` (fused paths), or ``None``.
     vocab_dim: the fused weight's vocabulary dim (1: ``[D, V]``, 0: ``[V, D]``).
-    in_place: the logits path's backward overwrites the logits (the Mosaic kernel, or
-      chunk by chunk).
     hidden_grad_in_output: the fused backward sums ``d hidden`` in its own dtype.
   """
   plan: Plan
@@ -141,5 +164,4 @@ class Config(NamedTuple):
   with_entropy: bool
   softcap: float | None = None
   vocab_dim: int = 1
-  in_place: bool = False
   hidden_grad_in_output: bool = False

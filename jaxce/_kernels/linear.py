@@ -63,11 +63,11 @@ def logprobs_entropy(hidden, weight, bias, tokens: Tokens, config: Config):
   with ``hidden_grad_in_output``) and an f32 ``[D, block]`` one for the weight block, or
   (``token_outer``) an f32 accumulator like the weight and an f32 ``[chunk, D]`` one.
   """
-  num_tokens = hidden.shape[0]
-  padded = mosaic_head.padded_rows(num_tokens)
-  if config.plan.backend == "mosaic" and num_tokens < padded:
-    # Ignored rows up to the kernels' multiple of 8 rows (a copy of hidden, which the
-    # backward keeps in place of the original): fewer than 8, or up to 256 for a short call.
+  num_tokens, padded = hidden.shape[0], config.plan.rows
+  if num_tokens < padded:
+    # Ignored rows up to the plan's rows (the Mosaic kernels' multiple of 8 rows: a copy
+    # of hidden, which the backward keeps in place of the original): fewer than 8, or up
+    # to 256 for a short call.
     hidden = chunking.pad_rows(hidden, padded)
     out = _jitted_linear_logprobs_entropy(hidden, weight, bias, tokens.padded(padded),
                                           config=config)

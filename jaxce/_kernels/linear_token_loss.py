@@ -54,11 +54,11 @@ def _run(objective, hidden, weight, bias, tokens, token_args, config, with_grads
   operand_dtype, dtype = head.dtypes(hidden, weight)
   column_start = softmax.shard_column_start(num_columns, config.vocab_axis)
   primals = (hidden, weight, bias)
-  # (fewer tokens than a group: the batch-invariant matmul keeps its rows, the kernel
-  # takes at least its 256 and a multiple of 8)
-  hidden, tokens = chunking.pad_rows(hidden, group), tokens.padded(group)
-  token_args = tuple(chunking.pad_rows(a, group) for a in token_args)
-  padded = hidden.shape[0]
+  # (the plan's rows: fewer tokens than a group are padded to it, so the batch-invariant
+  # matmul keeps its rows and the kernel takes at least its 256 and a multiple of 8)
+  padded = config.plan.rows
+  hidden, tokens = chunking.pad_rows(hidden, padded), tokens.padded(padded)
+  token_args = tuple(chunking.pad_rows(a, padded) for a in token_args)
 
   def chunk_step(group_rows, carry, i):
     """Chunk ``i`` of a group's rows: its outputs and, when differentiating, its ``d``

@@ -4,9 +4,9 @@ with a hand-written backward, on arrays the front door has checked and flattened
 Forward: ``logits_rows.forward`` (the row statistics of every token by the Mosaic GPU or
 Triton kernel in one pass, or by XLA in a scan over chunks of tokens; shards combine them
 with one pmax and one psum). Backward: one fused elementwise pass writes the gradient, or
-(``config.in_place``) the logits' buffer is overwritten: by the Mosaic GPU kernel
-``mosaic_rows_grad`` (whose output aliases its input) on the Mosaic plan when ``T`` is a
-multiple of 8, else by a loop chunk by chunk. With a kept set on the Mosaic plan, the
+(the plan's ``in_place``) the logits' buffer is overwritten: by the Mosaic GPU kernel
+``mosaic_rows_grad`` (whose output aliases its input; ``"kernel"``), or by a loop chunk by
+chunk (``"chunks"``). With a kept set on the Mosaic plan, the
 gradient's pass is ``mosaic_rows_grad``'s kernel too (``logits_rows.gradient``).
 """
 
@@ -29,7 +29,8 @@ def logprobs_entropy(x, tokens: Tokens, config: Config):
   Memory: the forward keeps ``x`` and three ``[T]`` vectors as residuals; its working set
   is O(T) with the Mosaic or Triton kernel and the reductions' partial sums of one ``[chunk,
   V_local]`` tile with XLA. The backward reads ``x`` once and writes the gradient (an
-  array like ``x``); with ``in_place`` it overwrites ``x``'s buffer when ``x`` is dead.
+  array like ``x``); with the plan's ``in_place`` it overwrites ``x``'s buffer when ``x``
+  is dead.
   """
   return _jitted_logprobs_entropy(x, tokens, config=config)
 
@@ -55,7 +56,7 @@ def _logprobs_entropy_bwd(config, residuals, cotangents):
   column_start = softmax.shard_column_start(x.shape[1], vocab_axis)
   per_token = (tokens, saved, (g_logp, g_entropy))
 
-  if not config.in_place:
+  if config.plan.in_place is None:
     # One elementwise pass over [T, V_local] into a new array.
     return (logits_rows.gradient(x, *per_token, mask_vocab, column_start, config), None)
 
@@ -65,7 +66,7 @@ def _logprobs_entropy_bwd(config, residuals, cotangents):
     return logits_rows.gradient(*chunking.take_rows((x,) + per_token, start, size),
                                 mask_vocab, column_start)
 
-  if config.plan.backend == "mosaic" and num_tokens % 8 == 0:  # (TMA's row tiling)
+  if config.plan.in_place == "kernel":
     limit = (None if mask_vocab is None else
              softmax.column_limit(mask_vocab, column_start, x.shape[1]))
     return (mosaic_rows_grad.overwrite(x, *per_token, column_start, limit, rows_gradient,

@@ -245,6 +245,7 @@ def test_the_plan_holds_the_reciprocal_the_in_place_backward_and_the_rows(monkey
                                         **kw)
   of_linear = lambda n=T, **kw: plan.of(jaxce.linear_logprobs_and_entropy, hidden[:n],
                                         weight, labels[:n], **kw)
+  monkeypatch.setattr(plan, "target", lambda *arrays, mesh=None: plan.Target("cpu", None, 4))
   cpu = of_logits(temperature=temperature, backward_in_place=True)
   assert (cpu.reciprocal, cpu.in_place, of_logits().in_place) == ("xla", "chunks", None)
   assert of_linear(100).rows == 100 and of_logits().rows is None

@@ -233,7 +233,8 @@ def test_mosaic_backward_tile_plan():
   assert tiles(32768, 151936, 8192) == (8192, 8192)  # requested: linear_tiles' plan
   assert tiles(32768, 151936, None, 5000) == (8192, 4992)
   assert tiles(304, 1024) == (304, 1024)  # a small vocabulary: one block
-  cost = functools.partial(jaxce.plan._kernel_block_cost, 32768, 151936, 4096, num_cores=132)
+  from jaxce import _budgets  # pylint: disable=import-outside-toplevel
+  cost = functools.partial(_budgets._kernel_block_cost, 32768, 151936, 4096, num_cores=132)
   # The model's order of the blocks measured at T = 32768 (the fastest first).
   assert cost(block=8448) < cost(block=8960) < cost(block=4224)
   assert cost(block=8448) < cost(block=8192)

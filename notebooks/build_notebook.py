@@ -563,9 +563,10 @@ reasoning for its value is printed first, from its source.
 code("""
 import inspect  # noqa: E402
 
-source = inspect.getsource(jaxce.plan).splitlines()
-at = next(i for i, line in enumerate(source) if line.startswith("IMPLEMENTATIONS ="))
+# (the budgets' module: where jaxce.plan's tile sizes are defined)
+source = inspect.getsource(inspect.getmodule(jaxce.plan.logits_chunk)).splitlines()
 start = next(i for i, line in enumerate(source) if line.startswith("# Logits path"))
+at = next(i for i, line in enumerate(source) if line.startswith("def "))
 print("\\n".join(source[start:at]))
 print(f"# this backend: {jaxce.plan.budget_platform()!r}\\n")
 print(f"{'T':>7} {'V':>7} | {'logits C':>8} {'chunks':>6} {'ragged':>6} {'tile MiB':>8} | "

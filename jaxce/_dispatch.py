@@ -4,9 +4,9 @@ function on this device's arrays, inside the caller's ``shard_map`` / ``pmap``
 over a mesh's explicit axes: decided here, once; below, ``vocab_axis=None`` only means
 "not split").
 
-Per shard: flatten the tokens, normalize the temperature and the mask, ask the planner
-(``jaxce.plan.make``) for the shard's ``Plan``, and call the operation's kernel with a
-``Config`` that holds it.
+Per shard: ask the planner (``jaxce.plan.make``) for the shard's ``Plan``, then compute
+``1 / temperature`` and the mask, flatten the tokens (kept ids stay ids or are packed, as
+the plan says) and call the operation's kernel with a ``Config`` that holds the plan.
 """
 
 from __future__ import annotations

@@ -57,7 +57,7 @@ from jaxce._budgets import (  # noqa: F401  pylint: disable=unused-import
     linear_kernel_chunk, linear_kernel_tiles, linear_objective_chunk,
     linear_objective_grad_chunk, linear_objective_kernel_tiles, linear_tiles, logits_chunk)
 from jaxce._kernels import mosaic_head, mosaic_reciprocal, mosaic_rows, softmax, triton_rows
-from jaxce._kernels.config import BACKEND_NAMES, Backend, Operation, Plan
+from jaxce._kernels.config import BACKEND_NAMES, Backend, Plan
 
 __all__ = [
     "IMPLEMENTATIONS", "INVARIANCES", "Plan", "Shard", "Target", "budget_platform", "chunk_size",
@@ -218,7 +218,8 @@ class Shard(NamedTuple):
   the dispatcher knows them (on this device, or inside ``shard_map`` for each shard).
 
   Attributes:
-    num_tokens, num_columns: ``T`` and this shard's ``V_local``.
+    num_tokens: ``T``, the shard's tokens.
+    num_columns: ``V_local``, the shard's vocabulary columns.
     dtypes: the dtypes of the logits, or of hidden and the weight.
     depth: the fused paths' ``D`` (else None).
     has_bias: a bias is added (fused paths).
@@ -234,12 +235,13 @@ class Shard(NamedTuple):
   number_temperature: bool = True
 
 
-def make(operation: Operation, options, shard: Shard) -> Plan:
+def make(operation, options, shard: Shard) -> Plan:
   """The :class:`Plan` of one shard's call.
 
   Args:
-    operation: the public operation (``name``: the public function's name without
-      ``sharded_``; ``fused``: it takes ``(hidden, weight)``).
+    operation: the public operation, a ``jaxce._kernels.config.Operation`` record (private,
+      hence no annotation): ``name``, the public function's name without ``sharded_``;
+      ``fused``, it takes ``(hidden, weight)``.
     options: the call's checked options (``jaxce._options.Options``, which imports this
       module, hence no annotation): the implementation
       asked for (``"pallas"`` is read as ``"triton"``), the target, ``chunk_size``,

@@ -368,3 +368,41 @@ def test_ignored_nan_hidden_state_stays_out_of_the_fused_objective_grads(softcap
   value, (d_hidden, d_weight) = jax.value_and_grad(loss, (0, 1))(hidden, weight)
   assert np.isfinite(value) and np.isfinite(d_weight).all()
   assert np.all(d_hidden[2] == 0) and np.isfinite(d_hidden).all()
+
+
+def test_gradient_from_exp_terms_is_the_logit_gradient():
+  """``softmax.exp_logit_grad`` (the fused objective kernel's ``d z`` from each column's
+  ``exp(z - m_tile)``) is ``softmax.logit_grad``'s maths: in float64, on peaked rows with
+  excluded columns, a whole tile excluded, a label in it too far below its tile's max to
+  leave a term, an ignored row; its recovered ``z`` is ``z`` where a term or the label is."""
+  from jaxce._kernels import softmax
+  rng = np.random.default_rng(4)
+  rows, tile, tiles = 6, 16, 5
+  z = rng.normal(size=(rows, tile * tiles)) * 4
+  z[:, 7] += 12  # a peaked column
+  z[rng.random(z.shape) < 0.2] = -np.inf
+  z[:, 2 * tile:3 * tile] = -np.inf  # a tile with no kept column
+  labels = rng.integers(0, tile * tiles, rows)
+  labels[1] = 3 * tile + 1
+  z[1, 3 * tile:4 * tile] = 0.0
+  z[1, 3 * tile + 1] = -1000.0  # its term underflows: only the label's z gives it
+  z[np.arange(rows), labels] = np.where(np.isinf(z[np.arange(rows), labels]), -2.0,
+                                        z[np.arange(rows), labels])
+  m = np.max(z, axis=1)
+  log_sum = np.log(np.sum(np.exp(z - m[:, None]), axis=1))
+  p = np.exp(z - m[:, None] - log_sum[:, None])
+  entropy = -np.sum(np.where(p > 0, p * np.log(np.where(p > 0, p, 1)), 0), axis=1)
+  tile_max = np.max(z.reshape(rows, tiles, tile), axis=2)
+  e = np.exp(z - np.repeat(np.maximum(tile_max, -1e300), tile, axis=1))
+  g_logp, g_entropy = rng.normal(size=rows), rng.normal(size=rows)
+  valid = np.arange(rows) != 4
+  as_jax = lambda *a: tuple(jnp.asarray(x) for x in a)
+  want = softmax.logit_grad(*as_jax(z, labels, m, log_sum, entropy, g_logp, g_entropy, valid))
+  label_z = z[np.arange(rows), labels]
+  got, got_z = softmax.exp_logit_grad(*as_jax(e, tile_max, labels, label_z, m, log_sum,
+                                              entropy, g_logp, g_entropy, valid))
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-12, atol=1e-14)
+  assert float(got[1, labels[1]]) == pytest.approx(float(g_logp[1]), abs=1e-12)
+  known = (e > 0) | (np.arange(tile * tiles) == labels[:, None])
+  np.testing.assert_allclose(np.asarray(got_z)[known], z[known], rtol=1e-12, atol=1e-12)
+  assert np.all(np.asarray(got_z)[~known] == 0)

@@ -1,14 +1,14 @@
 """The fused objective path's memory against its time in the GRPO example
 (``examples.gpu_run``'s small default: D = 1024, 8 x 1024 tokens, V = 151936): the
-objective step at other byte budgets of its group's ``d`` (``jaxce.plan.
-LINEAR_OBJECTIVE_GRAD_BYTES``; on Hopper a group is one call of the fused head's kernel),
-beside plain JAX's step, each setting in a fresh process (its own peak). One JSON line per
-setting: the planned ``(chunk, group)``, the median step time and the peak bytes in use.
+objective step at other byte budgets of its rows and its group's ``d`` (``jaxce.plan.
+LINEAR_OBJECTIVE_ROWS_BYTES`` and ``LINEAR_OBJECTIVE_GRAD_BYTES``), beside plain JAX's step,
+each setting in a fresh process (its own peak). One JSON line per setting: the planned
+``(chunk, group)``, the median step time and the peak bytes in use.
 
     python -m bench.objective_budgets > OUT.jsonl     # on one GPU, about 3 minutes
 
-Smaller groups hold less ``d``, at one more pass over the f32 ``d W`` sum per group
-(bench/NOTES.md, entries 36 and 37).
+Smaller groups hold less ``d`` and smaller chunks fewer f32 rows, at one more pass over
+the f32 ``d W`` sum per group (bench/NOTES.md, entry 36).
 """
 
 from __future__ import annotations
@@ -18,9 +18,8 @@ import os
 import subprocess
 import sys
 
-# (GRAD_BYTES, ROWS_BYTES) on GPUs: the default, then smaller groups (on Hopper the rows'
-# budget is unused: the kernel's group holds no f32 rows).
-SETTINGS = ((5 * 2**28, 2**30), (7 * 2**27, 2**30), (5 * 2**27, 2**30), (5 * 2**26, 2**30))
+# (GRAD_BYTES, ROWS_BYTES) on GPUs: the default, then smaller groups and chunks.
+SETTINGS = ((5 * 2**28, 2**30), (5 * 2**27, 2**30), (5 * 2**27, 2**29), (5 * 2**26, 2**29))
 
 
 def measure(path: str, grad_bytes: int = 0, rows_bytes: int = 0) -> dict:

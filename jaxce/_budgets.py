@@ -19,15 +19,14 @@ LOGITS_TILE_BYTES = {"gpu": 4 * 2**30, "cpu": 16 * 2**20}
 # the vocab block. bench/NOTES.md, entries 16 and 17.
 LINEAR_TILE_BYTES = {"gpu": 256 * 2**20, "cpu": 32 * 2**20}
 DEFAULT_VOCAB_BLOCK = 8192
-# Fused objective path (linear_token_loss) with XLA's matmul: bytes of one chunk's f32
-# [chunk, V_local] rows, held from its statistics to its gradient (plus the operand-dtype
-# d logits). Each chunk also reads and writes the f32 [D, V_local] d W sum, so larger
-# chunks run faster at more memory (bench/NOTES.md, entry 20).
+# Fused objective path (linear_token_loss): bytes of one chunk's f32 [chunk, V_local]
+# rows, held from its statistics to its gradient (plus the operand-dtype d logits). Each
+# chunk also reads and writes the f32 [D, V_local] d W sum, so larger chunks run faster
+# at more memory (bench/NOTES.md, entry 20).
 LINEAR_OBJECTIVE_ROWS_BYTES = {"gpu": 2**30, "cpu": 16 * 2**20}
 # ... and bytes of one group's d logits in the operand dtype: the chunks of a group feed
 # one pair of gradient matmuls, so the f32 d W sum is read and written once per group
-# (bench/NOTES.md, entry 26: groups of 4096 tokens at V = 151936). With the fused head's
-# kernel a group is one call, whose exp(z - m) terms become its d in place.
+# (bench/NOTES.md, entry 26: groups of 4096 tokens at V = 151936).
 LINEAR_OBJECTIVE_GRAD_BYTES = {"gpu": 5 * 2**28, "cpu": 4 * 2**20}
 # ... and, where the fused head's forward kernel writes the rows, what one more group
 # costs against the kernel's rows: a pass over the f32 d W sum (4 D V bytes read and
@@ -130,30 +129,38 @@ def linear_objective_kernel_tiles(num_tokens: int, num_columns: int,
                                   itemsize: int = 2) -> tuple[int, int]:
   """``(chunk, grad_chunk)`` of the fused objective path when the fused head's forward
   kernel writes its rows (``mosaic_head``: calls of a multiple of 8 rows, at least 256;
-  each costs its rows rounded up to 256). One call per group, so both are the group: its
-  ``[group, num_columns]`` ``exp(z - m)`` terms, then ``d``, in the operand dtype
-  (``itemsize`` bytes) within ``LINEAR_OBJECTIVE_GRAD_BYTES`` of ``platform``. All ``T``
-  (rounded up to the kernel's rows) when they fit; else, of the four smallest counts of
-  equal groups that fit, the one whose calls waste the fewest kernel rows, a group
-  costing as much as ``LINEAR_OBJECTIVE_GROUP_ROWS`` more rows (its pass over the f32 ``d
-  W`` sum). The groups then cover ``T`` with fewer than 8 rows to spare: the last is
-  clamped back over that many rows (or ``T`` padded up to one group). A requested size is
-  the group, rounded up to the kernel's rows."""
+  each costs its rows rounded up to 256). A requested chunk is rounded up to that, its
+  groups as :func:`linear_objective_grad_chunk` plans them. Else: all ``T`` (rounded up
+  to the kernel's rows) when its f32 rows fit ``LINEAR_OBJECTIVE_ROWS_BYTES``; otherwise
+  the fewest groups that the d logits' budget (``LINEAR_OBJECTIVE_GRAD_BYTES``) allows,
+  each of ``k`` equal chunks within the rows' budget, ``k`` the count (of the four
+  smallest that fit) whose chunks waste the fewest kernel rows. The groups then cover
+  ``T`` with fewer than 8 rows to spare a chunk: the last group is clamped back over that
+  many rows (or ``T`` padded up to one group)."""
   rows_of = mosaic_head.padded_rows  # (a call's rows: a multiple of 8, at least 256)
   if requested is not None:
-    return rows_of(requested), rows_of(requested)
-  budget = LINEAR_OBJECTIVE_GRAD_BYTES[budget_platform(platform)]
-  cap = max(budget // (itemsize * max(num_columns, 1)), mosaic_head.MIN_ROWS)
+    chunk = rows_of(requested)
+    return chunk, linear_objective_grad_chunk(max(num_tokens, chunk), num_columns, chunk,
+                                              platform, itemsize)
+  platform = budget_platform(platform)
+  rows_cap = rows_of(LINEAR_OBJECTIVE_ROWS_BYTES[platform] // (4 * max(num_columns, 1)) - 7)
+  group_cap = LINEAR_OBJECTIVE_GRAD_BYTES[platform] // (itemsize * max(num_columns, 1))
   tokens = rows_of(num_tokens)
-  if tokens <= cap:
+  if tokens <= rows_cap:
     return tokens, tokens
   block = mosaic_head.MIN_ROWS
-  group_of = lambda groups: rows_of(-(-tokens // groups))
-  cost = lambda groups: groups * (-(-group_of(groups) // block) * block
-                                  + LINEAR_OBJECTIVE_GROUP_ROWS)
-  fewest = -(-tokens // (cap - cap % mosaic_head.ROW_TILE))
-  group = group_of(min(range(fewest, fewest + 4), key=lambda g: (cost(g), g)))
-  return group, group
+  fewest_groups = -(-tokens // max(group_cap, rows_cap))
+
+  def cost(groups, count):  # (kernel rows, then a d W pass as LINEAR_OBJECTIVE_GROUP_ROWS)
+    chunk = rows_of(-(-tokens // (groups * count)))
+    return groups * count * -(-chunk // block) * block + groups * LINEAR_OBJECTIVE_GROUP_ROWS
+
+  fewest_chunks = lambda groups: -(-tokens // (groups * rows_cap))  # (a group's)
+  candidates = [(groups, count) for groups in range(fewest_groups, fewest_groups + 4)
+                for count in range(fewest_chunks(groups), fewest_chunks(groups) + 4)]
+  groups, count = min(candidates, key=lambda c: (cost(*c), c))
+  chunk = rows_of(-(-tokens // (groups * count)))
+  return chunk, chunk * count
 
 
 def linear_kernel_chunk(num_tokens: int, num_columns: int) -> int:

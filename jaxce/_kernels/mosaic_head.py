@@ -1,7 +1,6 @@
 """The fused LM-head path's tiles as a Pallas Mosaic GPU kernel (sm90), with two epilogues:
 the forward's softmax statistics (``statistics``; for the fused objective path, with the
-``exp(z - m)`` terms they were formed from) and the backward's ``d logits``
-(``logits_grad``).
+f32 logits they were formed from) and the backward's ``d logits`` (``logits_grad``).
 
 ``hidden @ weight`` is computed tile by tile on the tensor cores (wgmma, bf16/f16
 operands, f32 accumulation) and each ``[256, 128]`` tile is finished in registers before
@@ -16,10 +15,9 @@ warpgroups):
   (forward epilogue) apply the softcap and the per-row temperature, mask columns outside
   ``[tile start, limit)``, and reduce the tile to per-row ``(m, s, q, picked)``: its max,
   ``Σ exp(z - m)``, ``Σ exp(z - m)(z - m)`` and the label's ``z`` (0 when the label is
-  not in the tile), and the tile's ``exp(z - m)`` stored from registers in the operand
-  dtype when the caller keeps them (the fused objective path's rows, from which it forms
-  ``d logits`` once the row's statistics are merged: its per-token outputs are the
-  per-token path's bits); or (backward epilogue) ``softmax.logit_grad`` and the softcap's and
+  not in the tile), the tile itself stored from registers when the caller keeps the
+  logits (the fused objective path's rows: its per-token outputs are then the per-token
+  path's bits); or (backward epilogue) ``softmax.logit_grad`` and the softcap's and
   temperature's factors, stored through shared memory with TMA. With kept sets, each
   warpgroup's ``[4, 128]`` block of the transposed words comes in by TMA beside its row
   inputs (the label's bit set in XLA: ``mosaic_tile.kept_words``), and columns outside a
@@ -60,7 +58,7 @@ TILE_N = mosaic_tile.TILE  # vocabulary columns per tile
 TILE_K = 64  # hidden dims per pipeline step
 STAGES = 4  # pipeline depth: 4 x 48 KiB of shared memory
 GRAD_STAGES = 3  # 3 x 48 KiB, next to the two 32 KiB d logits tiles being stored
-EXP_STAGES = 3  # the forward that also stores its exp(z - m) terms
+LOGITS_STAGES = 3  # the forward that also stores its f32 logits (fastest measured)
 MIN_ROWS = 2 * TILE_M  # rows per CTA: the least a call takes (fewer are padded)
 ROW_TILE = 8  # TMA reads rows in tiles of 8: a call's rows are a multiple of it
 # The operations whose outputs these kernels make batch-invariant (all they run: fixed
@@ -250,26 +248,26 @@ def _copy_out(scratch, value, out_slice):
 
 
 def _tile_statistics(hidden, weight, row_inputs, words, *, vocab_dim, softcap, with_entropy,
-                     with_exp, interpret, num_cores):
+                     with_logits, interpret, num_cores):
   """``[vocab tiles, 4, C]`` f32: ``(m, s, q, picked)`` of every ``[row, tile]``, and with
-  ``with_exp`` the ``[C, V]`` ``exp(z - m)`` terms in hidden's dtype, stored from registers;
-  ``row_inputs [3, C]``: the rows' ``mosaic_tile.HeadStatisticsInputs``, stacked;
-  ``words`` as ``_tiles``."""
+  ``with_logits`` the ``[C, V]`` f32 logits after the softcap, stored from registers (the
+  f32 tile is too large for shared memory beside the pipeline); ``row_inputs [3, C]``: the
+  rows' ``mosaic_tile.HeadStatisticsInputs``, stacked; ``words`` as ``_tiles``."""
   num_rows, num_columns = hidden.shape[0], weight.shape[vocab_dim]
 
   def finish(x, inputs, column, kept, scratch, outs, n_idx, row_slice):
-    stats, e = mosaic_tile.tile_statistics(mosaic_tile.cap(x, softcap), inputs, column, kept,
-                                           with_entropy)
-    if with_exp:
-      outs[1].at[row_slice, pl.ds(column, TILE_N)][...] = e.astype(hidden.dtype)
+    x = mosaic_tile.cap(x, softcap)
+    if with_logits:
+      outs[1].at[row_slice, pl.ds(column, TILE_N)][...] = x
+    stats = mosaic_tile.tile_statistics(x, inputs, column, kept, with_entropy)
     _copy_out(scratch, stats, outs[0].at[n_idx, :, row_slice])
 
   stats_type = jax.ShapeDtypeStruct((num_columns // TILE_N, 4, num_rows), jnp.float32)
-  exp_type = jax.ShapeDtypeStruct((num_rows, num_columns), hidden.dtype)
+  logits_type = jax.ShapeDtypeStruct((num_rows, num_columns), jnp.float32)
   return _tiles(hidden, weight, row_inputs, words,
                 inputs_type=mosaic_tile.HeadStatisticsInputs, vocab_dim=vocab_dim,
-                stages=EXP_STAGES if with_exp else STAGES, finish=finish,
-                out_type=(stats_type,) + ((exp_type,) if with_exp else ()),
+                stages=LOGITS_STAGES if with_logits else STAGES, finish=finish,
+                out_type=(stats_type,) + ((logits_type,) if with_logits else ()),
                 scratch=plgpu.SMEM((2, 4, TILE_M), jnp.float32),
                 interpret=interpret, num_cores=num_cores)
 
@@ -295,11 +293,11 @@ def _tile_logits_grad(hidden, weight, row_inputs, words, *, vocab_dim, softcap, 
 
 
 def statistics(hidden, weight, labels, inv_temp, limit, kept=None, *, column_start,
-               vocab_dim, softcap, with_entropy, interpret, num_cores, with_exp=False):
+               vocab_dim, softcap, with_entropy, interpret, num_cores, with_logits=False):
   """Per-tile ``(m, s, q, picked)`` of ``z = softcap(hidden @ weight) * inv_temp`` over
   this weight's columns below ``limit``, for ``mosaic_merge.merge`` to merge in the
-  columns' order; with ``with_exp`` also the ``exp(z - m)`` terms of ``s`` (the fused
-  objective path's rows).
+  columns' order; with ``with_logits`` also the f32 logits the statistics were formed
+  from (the fused objective path's rows).
 
   Args:
     hidden: ``[C, D]`` bf16 or f16, ``C >= 256`` a multiple of 8, ``D`` of 64.
@@ -312,17 +310,17 @@ def statistics(hidden, weight, labels, inv_temp, limit, kept=None, *, column_sta
       read with the tiles (the label's column always kept); or None.
     with_entropy: compute ``q`` (else zeros).
     interpret, num_cores: as the plan says (``_tiles``).
-    with_exp: also return the ``exp(z - m)`` terms.
+    with_logits: also return the logits.
 
   Returns:
     ``[V_local / 128, 4, C]`` float32: ``(m, s, q, picked)`` of each row over each tile of
     128 columns, in the columns' order. A row's numbers depend on its own hidden state,
     label, temperature and the tile's columns alone (one wgmma sequence over the whole
     hidden dim, no split-K; the epilogue's instructions are the same for every row).
-    With ``with_exp``, ``(that array, e)``: ``e [C, V_local]`` in hidden's dtype, each
-    column's ``exp(z - m)`` with ``m`` its tile's max (0 at excluded columns), the terms
-    of ``s`` rounded once; the statistics' bits are the same either way.
-    Memory: that array, 1/32 of the bytes of the chunk's f32 logits (and ``e``); with
+    With ``with_logits``, ``(that array, x)``: ``x [C, V_local]`` float32, every column's
+    ``softcap(hidden @ weight)`` (before the temperature and any mask), the numbers the
+    statistics were formed from; the statistics' bits are the same either way.
+    Memory: that array, 1/32 of the bytes of the chunk's f32 logits (and ``x``); with
     ``kept``, its ``mosaic_tile.kept_words`` copy.
   """
   num_columns = weight.shape[vocab_dim]
@@ -333,8 +331,8 @@ def statistics(hidden, weight, labels, inv_temp, limit, kept=None, *, column_sta
       limit=jnp.broadcast_to(jnp.asarray(limit, jnp.float32), inv_temp.shape)))
   out = _tile_statistics(hidden, weight, row_inputs, _words(kept, label_column, num_columns),
                          vocab_dim=vocab_dim, softcap=softcap, with_entropy=with_entropy,
-                         with_exp=with_exp, interpret=interpret, num_cores=num_cores)
-  return out if with_exp else out[0]
+                         with_logits=with_logits, interpret=interpret, num_cores=num_cores)
+  return out if with_logits else out[0]
 
 
 def _words(kept, label_column, num_columns):

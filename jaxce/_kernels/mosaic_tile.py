@@ -9,8 +9,7 @@ what they compute on a tile is here:
 * ``fold``: a tile folded into its rows' running statistics (an online softmax over the
   tiles of a group, ``mosaic_rows``);
 * ``tile_statistics``: a tile's own ``(m, s, q, picked)`` (``mosaic_head``'s forward;
-  ``mosaic_merge`` merges them over the tiles) and its ``exp(z - m)`` terms (the fused
-  objective path's rows, ``softmax.exp_logit_grad``);
+  ``mosaic_merge`` merges them over the tiles);
 * ``rows_gradient`` and ``head_gradient``: the tile's ``d logits``. Both are
   ``softmax.logit_grad``'s maths; they guard ``log p`` of an excluded column in two ways
   (a floor, a select) and take ``exp`` in two ways (``exp2`` of a product, ``exp``), and
@@ -186,11 +185,10 @@ class HeadStatisticsInputs(NamedTuple):
 
 
 def tile_statistics(x, inputs: HeadStatisticsInputs, column, kept_set, with_entropy):
-  """``((m, s, q, picked), e)`` of one tile of logits ``x [R, TILE]`` (after the softcap;
-  WGMMA layout) whose first column is ``column``: ``[R]`` f32 each, its max, ``Σ exp(z -
-  m)``, ``Σ exp(z - m)(z - m)`` (zeros without ``with_entropy``) and the label's ``z`` (0
-  when the label is not in the tile); and ``e = exp(z - m)`` ``[R, TILE]`` f32, 0 at the
-  excluded columns (the terms of ``s``). ``kept_set``: the tile's kept columns or None."""
+  """``(m, s, q, picked)`` ``[R]`` f32 of one tile of logits ``x [R, TILE]`` (after the
+  softcap; WGMMA layout) whose first column is ``column``: its max, ``Σ exp(z - m)``,
+  ``Σ exp(z - m)(z - m)`` (zeros without ``with_entropy``) and the label's ``z`` (0 when
+  the label is not in the tile); ``kept_set``: the tile's kept columns or None."""
   per_row = lambda v: _per_row(v, x.shape)
   global_column = _columns(x.shape, column)
   kept = global_column < per_row(inputs.limit)
@@ -203,7 +201,7 @@ def tile_statistics(x, inputs: HeadStatisticsInputs, column, kept_set, with_entr
   s = jnp.sum(e, axis=1)
   q = jnp.sum(jnp.where(e > 0, e * shifted, 0.0), axis=1) if with_entropy else s * 0
   picked = jnp.sum(jnp.where(kept & (global_column == per_row(inputs.label)), z, 0.0), axis=1)
-  return (m, s, q, picked), e
+  return m, s, q, picked
 
 
 class HeadGradientInputs(NamedTuple):

@@ -243,41 +243,6 @@ def logit_grad(z, label_column, shift, log_sum, entropy, g_logp, g_entropy, vali
   return jnp.where(valid[:, None], dz, 0)
 
 
-def exp_logit_grad(e, tile_max, label_column, label_z, shift, log_sum, entropy, g_logp,
-                   g_entropy, valid):
-  """``(dz, z)``: :func:`logit_grad`'s ``d loss / d z`` of rows given by their ``exp(z -
-  m_t)`` terms, and their ``z`` (for a softcap's factor; 0 where unknown and unused).
-
-  ``log p = log e + (m_t - m - log s)``, so ``p`` has ``e``'s relative rounding and ``log
-  p`` its absolute rounding (``2**-8`` in bf16): one more rounding of the size of ``dz``'s
-  own in the operand dtype. An excluded column has ``e = 0``, so ``p = 0``.
-
-  Args:
-    e: ``[C, V_tile]`` (any float dtype): each column's ``exp(z - m_t)``, ``m_t`` the max
-      of its tile (``V_tile / n`` columns); 0 at excluded columns.
-    tile_max: ``[C, n]`` f32: each tile's ``m_t``.
-    label_column: ``[C]``: as :func:`logit_grad`; ``label_z``: ``[C]`` the label's ``z``.
-    shift, log_sum, entropy, g_logp, g_entropy, valid: as :func:`logit_grad`.
-  """
-  per_column = lambda a: jnp.repeat(a, e.shape[1] // tile_max.shape[1], axis=1)
-  e = e.astype(compute_dtype(e.dtype, tile_max.dtype))
-  alive = e > 0
-  log_e = jnp.log(jnp.where(alive, e, 1))
-  offset = tile_max - shift[:, None] - log_sum[:, None]  # log p - log e, per tile
-  log_p = log_e + per_column(offset)
-  p = e * per_column(jnp.exp(offset))
-  coef = jnp.zeros_like(shift) if g_logp is None else g_logp
-  coef = coef[:, None]
-  if g_entropy is not None:
-    coef = coef + g_entropy[:, None] * (jnp.where(alive, log_p, 0) + entropy[:, None])
-  dz = -p * coef
-  hit = lax.broadcasted_iota(jnp.int32, e.shape, 1) == label_column[:, None]
-  if g_logp is not None:
-    dz = dz + jnp.where(hit, g_logp[:, None], 0)
-  z = jnp.where(hit, label_z[:, None], jnp.where(alive, log_e + per_column(tile_max), 0))
-  return jnp.where(valid[:, None], dz, 0), z
-
-
 def column_limit(mask_vocab, tile_start, width):
   """The first local column of a tile of ``width`` columns (global ids from ``tile_start``)
   that lies beyond the logical vocabulary: ``width`` when ``mask_vocab`` is ``None``."""

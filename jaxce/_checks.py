@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxce._kernels import plumbing
+from jaxce._kernels import head, plumbing
 from jaxce._kernels.config import KeptIds
 
 
@@ -205,7 +205,7 @@ def check_precision(precision):
   if precision is None:
     return None
   try:
-    return lax.Precision(precision).name.lower()
+    return head.precision_name(precision)
   except (ValueError, TypeError):
     raise ValueError(
         "precision must be None (JAX's jax_default_matmul_precision), a jax.lax.Precision or "

@@ -56,7 +56,8 @@ from jaxce._budgets import (  # noqa: F401  pylint: disable=unused-import
     LINEAR_TILE_BYTES, LOGITS_TILE_BYTES, budget_platform, chunk_size, linear_backward_order,
     linear_kernel_chunk, linear_kernel_tiles, linear_objective_chunk,
     linear_objective_grad_chunk, linear_objective_kernel_tiles, linear_tiles, logits_chunk)
-from jaxce._kernels import mosaic_head, mosaic_reciprocal, mosaic_rows, softmax, triton_rows
+from jaxce._kernels import head, mosaic_head, mosaic_reciprocal, mosaic_rows, softmax
+from jaxce._kernels import triton_rows
 from jaxce._kernels.config import BACKEND_NAMES, Backend, Plan
 
 __all__ = [
@@ -364,7 +365,7 @@ def matmul_precision(precision: str | None = None) -> str:
   if precision is None:
     precision = jax.config.jax_default_matmul_precision or "default"
   try:
-    return jax.lax.Precision(precision).name.lower()
+    return head.precision_name(precision)
   except ValueError:
     return str(precision)
 

@@ -21,6 +21,13 @@ def dtypes(hidden, weight):
   return operand_dtype, softmax.compute_dtype(operand_dtype)
 
 
+def precision_name(precision) -> str:
+  """The lower-case name of the ``jax.lax.Precision`` that ``precision`` (a ``Precision``
+  or a name ``jnp.dot`` takes: ``"highest"``, ``"float32"``, ...) is: the plan's form.
+  Raises ``ValueError`` (or ``TypeError``) when it names none."""
+  return lax.Precision(precision).name.lower()
+
+
 def lax_precision(precision):
   """``jax.lax.Precision`` of the plan's ``precision`` name, or None (JAX's setting)."""
   try:

@@ -13,12 +13,14 @@ warpgroups):
   shared memory with TMA, ``STAGES`` steps ahead (``emit_pipeline_warp_specialized``);
 * two compute warpgroups, 128 rows each, accumulate the tile over the hidden dim, then
   (forward epilogue) apply the softcap and the per-row temperature, mask columns outside
-  ``[tile start, limit)``, and reduce the tile to per-row ``(m, s, q, picked)``: its max,
+  ``[tile start, limit)`` (none when the limit is static and past the last column), and
+  reduce the tile to per-row ``(m, s, q, picked)``: its max,
   ``Σ exp(z - m)``, ``Σ exp(z - m)(z - m)`` and the label's ``z`` (0 when the label is
-  not in the tile), the tile itself stored from registers when the caller keeps the
-  logits (the fused objective path's rows: its per-token outputs are then the per-token
-  path's bits); or (backward epilogue) ``softmax.logit_grad`` and the softcap's and
-  temperature's factors, stored through shared memory with TMA. With kept sets, each
+  not in the tile), the tile itself stored too when the caller keeps the logits (the
+  fused objective path's rows: its per-token outputs are then the per-token path's
+  bits); or (backward epilogue) ``softmax.logit_grad`` and the softcap's and
+  temperature's factors. Tiles go out through shared memory with TMA, in pieces 128 bytes
+  wide, two slots a warpgroup (``_store_pieces``). With kept sets, each
   warpgroup's ``[4, 128]`` block of the transposed words comes in by TMA beside its row
   inputs (the label's bit set in XLA: ``mosaic_tile.kept_words``), and columns outside a
   row's kept set are masked too (``mosaic_tile.kept_columns``).
@@ -57,8 +59,9 @@ TILE_M = 128  # rows per compute warpgroup; a CTA holds two
 TILE_N = mosaic_tile.TILE  # vocabulary columns per tile
 TILE_K = 64  # hidden dims per pipeline step
 STAGES = 4  # pipeline depth: 4 x 48 KiB of shared memory
-GRAD_STAGES = 3  # 3 x 48 KiB, next to the two 32 KiB d logits tiles being stored
-LOGITS_STAGES = 3  # the forward that also stores its f32 logits (fastest measured)
+GRAD_STAGES = 3  # 3 x 48 KiB, next to the d logits pieces being stored
+LOGITS_STAGES = 3  # the forward that also stores its f32 logits
+PIECE_BYTES = 128  # a tile goes out in pieces of its rows x 128 bytes (16 KiB)
 MIN_ROWS = 2 * TILE_M  # rows per CTA: the least a call takes (fewer are padded)
 ROW_TILE = 8  # TMA reads rows in tiles of 8: a call's rows are a multiple of it
 # The operations whose outputs these kernels make batch-invariant (all they run: fixed
@@ -117,8 +120,9 @@ def _tiles(hidden, weight, row_inputs, words, *, inputs_type, vocab_dim, stages,
   outs, n_idx, row_slice)`` (``column``: the tile's first column; ``kept``: its kept
   columns, ``mosaic_tile.kept_columns``, or None) writes into ``outs``, the outputs (of the tuple
   of types ``out_type``), directly or with TMA through ``scratch``, this warpgroup's part
-  of a shared-memory buffer of type ``scratch`` (leading dim 2), once the warpgroup's
-  last copy has read it (``_copy_out``). ``interpret``: run in JAX's GPU interpreter;
+  of a shared-memory buffer of type ``scratch`` (leading dim 2; or a dict of them, handed
+  on as a dict), once the warpgroup's last copy has read it (``_copy_out``,
+  ``_store_pieces``). ``interpret``: run in JAX's GPU interpreter;
   ``num_cores``: the persistent grid's size (one CTA per SM).
   """
   num_rows, depth = hidden.shape
@@ -204,7 +208,9 @@ def _tiles(hidden, weight, row_inputs, words, *, inputs_type, vocab_dim, stages,
             if has_words:
               plgpu.barrier_wait(words_barrier.at[wg])
               kept = mosaic_tile.kept_columns(words_smem.at[wg])
-            finish(x, inputs, column, kept, out_smem.at[wg], out_gmems, n_idx, row_slice)
+            wg_smem = ({name: ref.at[wg] for name, ref in out_smem.items()}
+                       if isinstance(out_smem, dict) else out_smem.at[wg])
+            finish(x, inputs, column, kept, wg_smem, out_gmems, n_idx, row_slice)
 
         def mma_body(_, hidden_smem, weight_smem, acc_ref):
           rhs = weight_smem if vocab_dim else weight_smem.transpose((1, 0))
@@ -233,6 +239,28 @@ def _tiles(hidden, weight, row_inputs, words, *, inputs_type, vocab_dim, stages,
   return call(hidden, weight, row_inputs, *([words] if has_words else []))
 
 
+def _piece_slots(dtype):
+  """Shared memory for two warpgroups' two slots of ``[TILE_M, PIECE_BYTES]`` pieces of a
+  tile of ``dtype`` (``_store_pieces``)."""
+  columns = PIECE_BYTES // jnp.dtype(dtype).itemsize
+  return plgpu.SMEM((2, 2, TILE_M, columns), dtype,
+                    transforms=mosaic_tile.swizzle(columns, dtype))
+
+
+def _store_pieces(slots, value, out_ref):
+  """Writes the register tile ``value [R, N]`` to the device-memory ``out_ref`` (``[R, N]``)
+  through this warpgroup's two shared-memory ``slots`` (``[2, R, n]``) with TMA, an
+  ``[R, n]`` piece at a time: a slot is written once the copy that last read it is done
+  (the copy from the other slot, or any later one, may still be reading)."""
+  columns = slots.shape[2]
+  for index, j in enumerate(range(0, value.shape[1], columns)):
+    slot = slots.at[index % 2]
+    plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+    slot[...] = value[:, j:j + columns]
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(slot, out_ref.at[:, pl.ds(j, columns)])
+
+
 def _copy_out(scratch, value, out_slice):
   """Writes ``value`` (an array, or a tuple of ``scratch``'s rows) to the device-memory
   ``out_slice`` through ``scratch`` with TMA, once the warpgroup's last copy has read
@@ -248,28 +276,30 @@ def _copy_out(scratch, value, out_slice):
 
 
 def _tile_statistics(hidden, weight, row_inputs, words, *, vocab_dim, softcap, with_entropy,
-                     with_logits, interpret, num_cores):
+                     with_logits, masked, interpret, num_cores):
   """``[vocab tiles, 4, C]`` f32: ``(m, s, q, picked)`` of every ``[row, tile]``, and with
-  ``with_logits`` the ``[C, V]`` f32 logits after the softcap, stored from registers (the
-  f32 tile is too large for shared memory beside the pipeline); ``row_inputs [3, C]``: the
-  rows' ``mosaic_tile.HeadStatisticsInputs``, stacked; ``words`` as ``_tiles``."""
+  ``with_logits`` the ``[C, V]`` f32 logits after the softcap; ``row_inputs [3, C]``: the
+  rows' ``mosaic_tile.HeadStatisticsInputs``, stacked; ``words`` as ``_tiles``;
+  ``masked``: apply the rows' ``limit`` (``mosaic_tile.tile_statistics``)."""
   num_rows, num_columns = hidden.shape[0], weight.shape[vocab_dim]
 
   def finish(x, inputs, column, kept, scratch, outs, n_idx, row_slice):
     x = mosaic_tile.cap(x, softcap)
     if with_logits:
-      outs[1].at[row_slice, pl.ds(column, TILE_N)][...] = x
-    stats = mosaic_tile.tile_statistics(x, inputs, column, kept, with_entropy)
-    _copy_out(scratch, stats, outs[0].at[n_idx, :, row_slice])
+      _store_pieces(scratch["logits"], x, outs[1].at[row_slice, pl.ds(column, TILE_N)])
+    stats = mosaic_tile.tile_statistics(x, inputs, column, kept, with_entropy, masked)
+    _copy_out(scratch["stats"], stats, outs[0].at[n_idx, :, row_slice])
 
   stats_type = jax.ShapeDtypeStruct((num_columns // TILE_N, 4, num_rows), jnp.float32)
   logits_type = jax.ShapeDtypeStruct((num_rows, num_columns), jnp.float32)
+  scratch = dict(stats=plgpu.SMEM((2, 4, TILE_M), jnp.float32))
+  if with_logits:
+    scratch["logits"] = _piece_slots(jnp.float32)
   return _tiles(hidden, weight, row_inputs, words,
                 inputs_type=mosaic_tile.HeadStatisticsInputs, vocab_dim=vocab_dim,
                 stages=LOGITS_STAGES if with_logits else STAGES, finish=finish,
                 out_type=(stats_type,) + ((logits_type,) if with_logits else ()),
-                scratch=plgpu.SMEM((2, 4, TILE_M), jnp.float32),
-                interpret=interpret, num_cores=num_cores)
+                scratch=scratch, interpret=interpret, num_cores=num_cores)
 
 
 def _tile_logits_grad(hidden, weight, row_inputs, words, *, vocab_dim, softcap, interpret,
@@ -281,14 +311,13 @@ def _tile_logits_grad(hidden, weight, row_inputs, words, *, vocab_dim, softcap, 
   def finish(x, inputs, column, kept, scratch, outs, n_idx, row_slice):
     del n_idx
     d = mosaic_tile.head_gradient(x, inputs, column, kept, softcap).astype(dtype)
-    _copy_out(scratch, d, outs[0].at[row_slice, pl.ds(column, TILE_N)])
+    _store_pieces(scratch, d, outs[0].at[row_slice, pl.ds(column, TILE_N)])
 
   return _tiles(hidden, weight, row_inputs, words,
                 inputs_type=mosaic_tile.HeadGradientInputs, vocab_dim=vocab_dim,
                 stages=GRAD_STAGES, finish=finish,
                 out_type=(jax.ShapeDtypeStruct((num_rows, weight.shape[vocab_dim]), dtype),),
-                scratch=plgpu.SMEM((2, TILE_M, TILE_N), dtype,
-                                   transforms=mosaic_tile.swizzle(TILE_N, dtype)),
+                scratch=_piece_slots(dtype),
                 interpret=interpret, num_cores=num_cores)[0]
 
 
@@ -305,7 +334,8 @@ def statistics(hidden, weight, labels, inv_temp, limit, kept=None, *, column_sta
       ``V_local`` a multiple of 128.
     labels: int32 ``[C]`` global label ids; ``column_start`` is this weight's first id.
     inv_temp: ``[C]`` float32.
-    limit: int32 scalar: local columns at or beyond it are excluded (padded vocabulary).
+    limit: int32 scalar: local columns at or beyond it are excluded (padded vocabulary);
+      a Python int ``>= V_local`` excludes none and leaves the tiles unmasked.
     kept: uint32 ``[C, V_local / 32]``, the rows' kept sets over this weight's columns,
       read with the tiles (the label's column always kept); or None.
     with_entropy: compute ``q`` (else zeros).
@@ -329,9 +359,12 @@ def statistics(hidden, weight, labels, inv_temp, limit, kept=None, *, column_sta
   row_inputs = mosaic_tile.stack(mosaic_tile.HeadStatisticsInputs(
       inv_temp=inv_temp.astype(jnp.float32), label=label_column.astype(jnp.float32),
       limit=jnp.broadcast_to(jnp.asarray(limit, jnp.float32), inv_temp.shape)))
+  # (a limit known to lie at or past the last column excludes none: no column mask)
+  masked = not (isinstance(limit, int) and limit >= num_columns)
   out = _tile_statistics(hidden, weight, row_inputs, _words(kept, label_column, num_columns),
                          vocab_dim=vocab_dim, softcap=softcap, with_entropy=with_entropy,
-                         with_logits=with_logits, interpret=interpret, num_cores=num_cores)
+                         with_logits=with_logits, masked=masked, interpret=interpret,
+                         num_cores=num_cores)
   return out if with_logits else out[0]
 
 

@@ -184,23 +184,36 @@ class HeadStatisticsInputs(NamedTuple):
   limit: jnp.ndarray  # the first excluded column
 
 
-def tile_statistics(x, inputs: HeadStatisticsInputs, column, kept_set, with_entropy):
+def tile_statistics(x, inputs: HeadStatisticsInputs, column, kept_set, with_entropy,
+                    masked=True):
   """``(m, s, q, picked)`` ``[R]`` f32 of one tile of logits ``x [R, TILE]`` (after the
   softcap; WGMMA layout) whose first column is ``column``: its max, ``Σ exp(z - m)``,
   ``Σ exp(z - m)(z - m)`` (zeros without ``with_entropy``) and the label's ``z`` (0 when
-  the label is not in the tile); ``kept_set``: the tile's kept columns or None."""
+  the label is not in the tile); ``kept_set``: the tile's kept columns or None;
+  ``masked``: exclude the columns at or past ``inputs.limit`` (without it and without a
+  kept set no column is excluded, and the guards for excluded columns are left out: the
+  same numbers for finite logits)."""
   per_row = lambda v: _per_row(v, x.shape)
   global_column = _columns(x.shape, column)
-  kept = global_column < per_row(inputs.limit)
+  kept = global_column < per_row(inputs.limit) if masked else None
   if kept_set is not None:
-    kept = kept & kept_set
-  z = jnp.where(kept, x * per_row(inputs.inv_temp), -jnp.inf)
+    kept = kept_set if kept is None else kept & kept_set
+  z = x * per_row(inputs.inv_temp)
+  label = global_column == per_row(inputs.label)
+  if kept is not None:
+    z = jnp.where(kept, z, -jnp.inf)
+    label = kept & label
   m = jnp.maximum(jnp.max(z, axis=1), FLOOR)
   shifted = z - per_row(m)
   e = jnp.exp2(shifted * LOG2_E)
   s = jnp.sum(e, axis=1)
-  q = jnp.sum(jnp.where(e > 0, e * shifted, 0.0), axis=1) if with_entropy else s * 0
-  picked = jnp.sum(jnp.where(kept & (global_column == per_row(inputs.label)), z, 0.0), axis=1)
+  if not with_entropy:
+    q = s * 0
+  elif kept is None:  # (e = 0 only where exp underflows: 0 * finite, as the guard gives)
+    q = jnp.sum(e * shifted, axis=1)
+  else:  # (an excluded column: 0 * -inf)
+    q = jnp.sum(jnp.where(e > 0, e * shifted, 0.0), axis=1)
+  picked = jnp.sum(jnp.where(label, z, 0.0), axis=1)
   return m, s, q, picked
 
 

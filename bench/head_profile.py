@@ -111,7 +111,7 @@ def kernels(chunk, dim, columns, block, repeats):
   for softcap, entropy in ((None, True), (None, False), (30.0, True)):
     add(f"forward statistics N={columns} softcap={softcap} entropy={entropy}",
         lambda h, w, s=softcap, e=entropy: mh.statistics(
-            h, w, labels, ones, columns, column_start=0, vocab_dim=1, softcap=s,
+            h, w, labels, ones, None, column_start=0, vocab_dim=1, softcap=s,
             with_entropy=e, **device), (hidden, weight), columns)
   add(f"d logits N={block}", lambda h, w: mh.logits_grad(
       h, w, labels % block, ones, (ones, ones, ones), (cot[0], cot[1]), ones > 0,

@@ -53,7 +53,7 @@ def profile(tokens, dim, columns, repeats):
   for width, stages in ((8, 4), (4, 4), (16, 4), (8, 3)):
     ml.SNAKE_WIDTH, ml.STAGES = width, stages
     add(f"forward kernel, snake {width}, {stages} stages", lambda h, w: ml.statistics(
-        h, w, labels, ones, columns, column_start=0, vocab_dim=1, softcap=None,
+        h, w, labels, ones, None, column_start=0, vocab_dim=1, softcap=None,
         with_entropy=True, **device), hidden, weight)
   ml.SNAKE_WIDTH, ml.STAGES = 8, 4
   grad = lambda h, w: ml.logits_grad(h, w, labels, ones, (ones, ones, ones), (cot[0], cot[1]),

@@ -69,7 +69,7 @@ def test_tile_statistics_match_float64(tokens, dim, num_columns, vocab_dim, soft
   column_start = 10  # this weight holds ids [10, 10 + V): some labels lie outside it
   labels = jnp.asarray(rng.integers(0, num_columns + 30, tokens), jnp.int32)
   inv_temp = jnp.asarray(rng.uniform(0.5, 2.0, tokens), jnp.float32)
-  limit = num_columns - 9 if padded else num_columns  # padded columns at the end, or none
+  limit = num_columns - 9 if padded else None  # padded columns at the end, or none
   kw = dict(column_start=column_start, vocab_dim=vocab_dim, softcap=softcap,
             with_entropy=True, **kernel_device())
   tiles = mosaic_head.statistics(hidden, weight, labels, inv_temp, limit, **kw)
@@ -85,7 +85,8 @@ def test_tile_statistics_match_float64(tokens, dim, num_columns, vocab_dim, soft
   assert logits.shape == (tokens, num_columns) and logits.dtype == jnp.float32
   assert_close(np.asarray(logits), x, 2e-6 * np.max(np.abs(x)), "logits")
   got = _merged(tiles)
-  want = _statistics_f64(hidden, weight, labels, inv_temp, limit, column_start, vocab_dim,
+  want = _statistics_f64(hidden, weight, labels, inv_temp,
+                         num_columns if limit is None else limit, column_start, vocab_dim,
                          softcap)
   # m and picked: f32 rounding of the logits, relative to their size. s: each exp(z - m)
   # is off by about |z - m| * 2**-24 (|z - m| reaches ~30 here), relative. q = sum of
@@ -99,8 +100,8 @@ def test_tile_statistics_match_float64(tokens, dim, num_columns, vocab_dim, soft
 
 
 def test_unmasked_statistics_are_the_masked_ones():
-  """A static limit past the last column leaves the columns unmasked (the default: no
-  padded vocabulary); a traced one masks them. Both give the same ``m`` and picked logit,
+  """No limit leaves the columns unmasked (the default: no padded vocabulary); a limit at
+  the last column masks them and excludes none. Both give the same ``m`` and picked logit,
   bit for bit, and the same sums up to rounding (without the mask's select between them,
   a compiler may fuse a product into the sum that follows: one rounding fewer; measured
   on an H100, only the entropy sums moved, bench/NOTES.md entry 38)."""
@@ -110,7 +111,7 @@ def test_unmasked_statistics_are_the_masked_ones():
   inv_temp = jnp.asarray(rng.uniform(0.5, 2.0, tokens), jnp.float32)
   kw = dict(column_start=0, vocab_dim=1, softcap=None, with_entropy=True, **kernel_device())
   run = lambda limit: mosaic_head.statistics(hidden, weight, labels, inv_temp, limit, **kw)
-  unmasked, masked = (np.asarray(a) for a in (jax.jit(lambda: run(num_columns))(),
+  unmasked, masked = (np.asarray(a) for a in (jax.jit(lambda: run(None))(),
                                               jax.jit(run)(jnp.int32(num_columns))))
   for field in (0, 3):  # m, picked
     assert np.array_equal(unmasked[:, field].view(np.uint32), masked[:, field].view(np.uint32))

@@ -183,7 +183,7 @@ def _mosaic_statistics(hidden, weight, tokens, shard_start, config):
   order, every shard's tiles gathered in rank order first. Each token's bits depend on its
   own inputs alone."""
   num_tokens, num_columns = hidden.shape[0], weight.shape[config.vocab_dim]
-  limit = softmax.column_limit(config.mask_vocab, shard_start, num_columns)
+  limit = softmax.kernel_limit(config.mask_vocab, shard_start, num_columns)
 
   def chunk_step(_, start, size):
     h, chunk_tokens = chunking.take_rows((hidden, tokens), start, size)

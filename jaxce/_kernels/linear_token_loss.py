@@ -150,7 +150,7 @@ def _rows(hidden, weight, bias, tokens, column_start, config):
   path's bits, formed in the matmul's epilogue. Else XLA's matmul, then the statistics'
   own pass over the rows."""
   if config.plan.kernel_chunk is not None:
-    limit = softmax.column_limit(config.mask_vocab, column_start,
+    limit = softmax.kernel_limit(config.mask_vocab, column_start,
                                  weight.shape[config.vocab_dim])
     tiles, x = mosaic_head.statistics(
         hidden, weight, tokens.labels, tokens.inv_temp, limit, tokens.kept,

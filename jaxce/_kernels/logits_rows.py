@@ -110,8 +110,7 @@ def gradient(x, tokens: Tokens, saved, cotangents, mask_vocab, column_start, con
   labels, inv_temp, valid, kept = tokens
   if (kept is not None and config is not None and config.plan.backend == "mosaic"
       and x.shape[0] % 8 == 0):  # (TMA's row tiling)
-    limit = (None if mask_vocab is None else
-             softmax.column_limit(mask_vocab, column_start, x.shape[1]))
+    limit = softmax.kernel_limit(mask_vocab, column_start, x.shape[1])
     return mosaic_rows_grad.gradient(x, tokens, saved, cotangents, column_start, limit,
                                      interpret=config.plan.interpret)
   (shift, log_sum, entropy), (g_logp, g_entropy) = saved, cotangents

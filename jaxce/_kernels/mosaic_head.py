@@ -13,7 +13,7 @@ warpgroups):
   shared memory with TMA, ``STAGES`` steps ahead (``emit_pipeline_warp_specialized``);
 * two compute warpgroups, 128 rows each, accumulate the tile over the hidden dim, then
   (forward epilogue) apply the softcap and the per-row temperature, mask columns outside
-  ``[tile start, limit)`` (none when the limit is static and past the last column), and
+  ``[tile start, limit)`` (none without a limit: no padded vocabulary), and
   reduce the tile to per-row ``(m, s, q, picked)``: its max,
   ``Σ exp(z - m)``, ``Σ exp(z - m)(z - m)`` and the label's ``z`` (0 when the label is
   not in the tile), the tile itself stored too when the caller keeps the logits (the
@@ -335,7 +335,7 @@ def statistics(hidden, weight, labels, inv_temp, limit, kept=None, *, column_sta
     labels: int32 ``[C]`` global label ids; ``column_start`` is this weight's first id.
     inv_temp: ``[C]`` float32.
     limit: int32 scalar: local columns at or beyond it are excluded (padded vocabulary);
-      a Python int ``>= V_local`` excludes none and leaves the tiles unmasked.
+      or None: none is, and the tiles are not masked (as ``mosaic_rows.statistics``).
     kept: uint32 ``[C, V_local / 32]``, the rows' kept sets over this weight's columns,
       read with the tiles (the label's column always kept); or None.
     with_entropy: compute ``q`` (else zeros).
@@ -358,12 +358,11 @@ def statistics(hidden, weight, labels, inv_temp, limit, kept=None, *, column_sta
   label_column = jnp.where((label_column >= 0) & (label_column < num_columns), label_column, -1)
   row_inputs = mosaic_tile.stack(mosaic_tile.HeadStatisticsInputs(
       inv_temp=inv_temp.astype(jnp.float32), label=label_column.astype(jnp.float32),
-      limit=jnp.broadcast_to(jnp.asarray(limit, jnp.float32), inv_temp.shape)))
-  # (a limit known to lie at or past the last column excludes none: no column mask)
-  masked = not (isinstance(limit, int) and limit >= num_columns)
+      limit=jnp.broadcast_to(jnp.asarray(num_columns if limit is None else limit, jnp.float32),
+                             inv_temp.shape)))
   out = _tile_statistics(hidden, weight, row_inputs, _words(kept, label_column, num_columns),
                          vocab_dim=vocab_dim, softcap=softcap, with_entropy=with_entropy,
-                         with_logits=with_logits, masked=masked, interpret=interpret,
+                         with_logits=with_logits, masked=limit is not None, interpret=interpret,
                          num_cores=num_cores)
   return out if with_logits else out[0]
 

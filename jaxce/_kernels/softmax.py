@@ -249,6 +249,12 @@ def column_limit(mask_vocab, tile_start, width):
   return width if mask_vocab is None else jnp.clip(mask_vocab - tile_start, 0, width)
 
 
+def kernel_limit(mask_vocab, tile_start, width):
+  """``column_limit`` as the Mosaic kernels take it: None when ``mask_vocab`` is ``None``
+  (no column is excluded, and the kernels mask none)."""
+  return None if mask_vocab is None else column_limit(mask_vocab, tile_start, width)
+
+
 def shard_column_start(num_columns, vocab_axis):
   """Global id of this shard's first column (0 without ``vocab_axis``)."""
   if vocab_axis is None:

@@ -36,12 +36,14 @@ def lax_precision(precision):
     return None
 
 
-def contract(a, b, a_dim, b_dim, precision=None):
+def contract(a, b, a_dim, b_dim, precision=None, out_dtype=None):
   """``a`` and ``b`` contracted over one dimension each, in their common dtype with f32
-  (f64) accumulation, at ``precision`` (the plan's)."""
+  (f64) accumulation, at ``precision`` (the plan's); the result in ``out_dtype`` (the
+  accumulation's dtype unless given: the matmul rounds its sums into it once)."""
   operand_dtype, dtype = dtypes(a, b)
   return lax.dot_general(a.astype(operand_dtype), b.astype(operand_dtype),
-                         (((a_dim,), (b_dim,)), ((), ())), preferred_element_type=dtype,
+                         (((a_dim,), (b_dim,)), ((), ())),
+                         preferred_element_type=dtype if out_dtype is None else out_dtype,
                          precision=lax_precision(precision))
 
 
@@ -101,7 +103,9 @@ def logits_input_grad(dz, inv_temp, x, softcap, row_mask):
   return jnp.where(row_mask[:, None], dx, 0)
 
 
-def weight_grad(h, d, vocab_dim, precision=None):
+def weight_grad(h, d, vocab_dim, precision=None, out_dtype=None):
   """A tile's ``d W`` columns in the weight's layout: ``[D, Vb] = hᵀ d``, or
-  ``[Vb, D] = dᵀ h`` (f32 accumulation, at ``precision``)."""
-  return contract(h, d, 0, 0, precision) if vocab_dim else contract(d, h, 0, 0, precision)
+  ``[Vb, D] = dᵀ h`` (f32 accumulation, at ``precision``; in ``out_dtype`` when given,
+  rounded once by the matmul)."""
+  return (contract(h, d, 0, 0, precision, out_dtype) if vocab_dim else
+          contract(d, h, 0, 0, precision, out_dtype))

@@ -277,11 +277,13 @@ def _chunk_rows(bwd: _Backward, start, size):
           row_mask)
 
 
-def _tile_grads(bwd: _Backward, rows, w_cols, b_cols, col, first_column, width=None):
+def _tile_grads(bwd: _Backward, rows, w_cols, b_cols, col, first_column, width=None,
+                dw_dtype=None):
   """The tile of a chunk's ``rows`` (``_chunk_rows``) and ``width`` columns (the plan's
   block unless given) from local column ``col``: its f32 ``d hidden`` rows ``[chunk, D]``,
-  its ``d W`` columns and its ``d bias`` columns (None without a bias), exactly 0 in a
-  clamped block's overlap and at ignored rows."""
+  its ``d W`` columns (f32, or ``dw_dtype`` when given: rounded once by the matmul) and
+  its ``d bias`` columns (None without a bias), exactly 0 in a clamped block's overlap and
+  at ignored rows."""
   config = bwd.config
   width = config.plan.block if width is None else width
   h, chunk_tokens, chunk_saved, chunk_cotangents, row_mask = rows
@@ -308,7 +310,7 @@ def _tile_grads(bwd: _Backward, rows, w_cols, b_cols, col, first_column, width=N
     dx = head.logits_input_grad(dz, inv_temp, x, config.softcap, row_mask)
     d = dx.astype(head.dtypes(bwd.hidden, bwd.weight)[0])
     d_bias = None if bwd.bias is None else jnp.sum(dx, axis=0)
-  dw_tile = head.weight_grad(h, d, vocab_dim, config.plan.precision)
+  dw_tile = head.weight_grad(h, d, vocab_dim, config.plan.precision, dw_dtype)
   dh_rows = head.contract(d, w_cols, 1, vocab_dim, config.plan.precision)
   return dh_rows, dw_tile, d_bias
 
@@ -329,22 +331,44 @@ def _add_rows(d_hidden, dh_rows, start):
                                          start, 0)
 
 
+def _write_block(bwd: _Backward, grads, col, dw_block, db_block):
+  """``(d hidden, d weight, d bias)`` with a block's ``d W`` (and ``d bias``) columns from
+  local column ``col`` written in the primals' dtypes."""
+  d_hidden, d_weight, d_bias = grads
+  d_weight = lax.dynamic_update_slice_in_dim(d_weight, dw_block.astype(d_weight.dtype), col,
+                                             bwd.config.vocab_dim)
+  if d_bias is not None:
+    d_bias = lax.dynamic_update_slice_in_dim(d_bias, db_block.astype(d_bias.dtype), col, 0)
+  return d_hidden, d_weight, d_bias
+
+
 def _vocab_outer_grads(bwd: _Backward):
   """The backward with vocab blocks outer and token chunks inner: ``(d hidden, d weight, d
   bias or None)``, not yet reduced to the primals' varying types. Each block's ``d W``
   (and ``d bias``) columns sum over the chunks in f32 and are written once; ``d hidden``
   sums over the blocks in an f32 ``[T, D]`` array (in hidden's dtype with
-  ``hidden_grad_in_output``), all-reduced over the vocab axis at the end."""
+  ``hidden_grad_in_output``), all-reduced over the vocab axis at the end.
+
+  With one chunk (all ``T`` rows: the plan's default up to tens of thousands of tokens)
+  its rows are the same for every block: they are taken and masked once, and each block's
+  ``d W`` comes out of its matmul in the weight's dtype (no f32 sum, no cast pass). The
+  blocks write every column of ``d W``, so it starts uninitialized (no zeros written)."""
   config, hidden, weight, bias, chunks = bwd.config, bwd.hidden, bwd.weight, bwd.bias, bwd.chunks
   n_blocks, vocab_dim = bwd.num_blocks, config.vocab_dim
   # A ragged vocabulary's clamped last block runs first: its overlap with the block before
   # it gets exact zeros, which that block's own columns then overwrite (no read-back).
   ragged = weight.shape[vocab_dim] % config.plan.block != 0
+  whole = _chunk_rows(bwd, 0, chunks.total) if len(chunks.sizes) == 1 else None
 
   def block_step(carry, k):
     d_hidden, d_weight, d_bias = carry
     j = (k + n_blocks - 1) % n_blocks if ragged else k
     col, w_cols, b_cols, first_column = _block_slices(bwd, j)
+    if whole is not None:
+      dh_rows, dw_block, db_block = _tile_grads(bwd, whole, w_cols, b_cols, col, first_column,
+                                                dw_dtype=weight.dtype)
+      return _write_block(bwd, (_add_rows(d_hidden, dh_rows, 0), d_weight, d_bias), col,
+                          dw_block, db_block), None
     step = lambda start, size: _tile_grads(bwd, _chunk_rows(bwd, start, size), w_cols, b_cols,
                                            col, first_column)
 
@@ -358,15 +382,14 @@ def _vocab_outer_grads(bwd: _Backward):
     dh_rows, dw_block, db_block = step(0, chunks.sizes[0])
     (d_hidden, dw_block, db_block), _ = chunking.scan_chunks(
         chunk_step, (_add_rows(d_hidden, dh_rows, 0), dw_block, db_block), chunks, first=1)
-    d_weight = lax.dynamic_update_slice_in_dim(d_weight, dw_block.astype(weight.dtype), col,
-                                               vocab_dim)
-    if bias is not None:
-      d_bias = lax.dynamic_update_slice_in_dim(d_bias, db_block.astype(bias.dtype), col, 0)
-    return (d_hidden, d_weight, d_bias), None
+    return _write_block(bwd, (d_hidden, d_weight, d_bias), col, dw_block, db_block), None
 
   dtype = head.dtypes(hidden, weight)[1]
   accumulator_dtype = hidden.dtype if config.hidden_grad_in_output else dtype
-  carry = (jnp.zeros_like(hidden, accumulator_dtype), jnp.zeros_like(weight),
+  # (every column is written by a block: no zeros; the weight's varying type inside shard_map)
+  d_weight = plumbing.unify_varying((lax.empty(weight.shape, weight.dtype), weight),
+                                    config.vocab_axis)[0]
+  carry = (jnp.zeros_like(hidden, accumulator_dtype), d_weight,
            None if bias is None else jnp.zeros_like(bias))
   (d_hidden, d_weight, d_bias), _ = lax.scan(block_step, carry, jnp.arange(n_blocks))
   if config.vocab_axis is not None:

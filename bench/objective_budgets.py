@@ -1,14 +1,14 @@
 """The fused objective path's memory against its time in the GRPO example
 (``examples.gpu_run``'s small default: D = 1024, 8 x 1024 tokens, V = 151936): the
-objective step at other byte budgets of its rows and its group's ``d`` (``jaxce.plan.
-LINEAR_OBJECTIVE_ROWS_BYTES`` and ``LINEAR_OBJECTIVE_GRAD_BYTES``), beside plain JAX's step,
-each setting in a fresh process (its own peak). One JSON line per setting: the planned
-``(chunk, group)``, the median step time and the peak bytes in use.
+objective step at other sizes of its group (``jaxce.plan.LINEAR_OBJECTIVE_GRAD_PER_SUM``:
+a group's ``d`` against the f32 ``d W`` sum's bytes, within ``LINEAR_OBJECTIVE_GRAD_BYTES``),
+beside plain JAX's step, each setting in a fresh process (its own peak). One JSON line per
+setting: the planned ``(chunk, group)``, the median step time and the peak bytes in use.
 
     python -m bench.objective_budgets > OUT.jsonl     # on one GPU, about 3 minutes
 
-Smaller groups hold less ``d`` and smaller chunks fewer f32 rows, at one more pass over
-the f32 ``d W`` sum per group (bench/NOTES.md, entry 36).
+Smaller groups hold less ``d``, at one more pass over the f32 ``d W`` sum per group
+(bench/NOTES.md, entries 36 and 39).
 """
 
 from __future__ import annotations
@@ -18,23 +18,23 @@ import os
 import subprocess
 import sys
 
-# (GRAD_BYTES, ROWS_BYTES) on GPUs: the default, then smaller groups and chunks.
-SETTINGS = ((5 * 2**28, 2**30), (5 * 2**27, 2**30), (5 * 2**27, 2**29), (5 * 2**26, 2**29))
+# LINEAR_OBJECTIVE_GRAD_PER_SUM on GPUs: the default, then larger and smaller groups.
+SETTINGS = (1.0, 2.0, 0.5)
 
 
-def measure(path: str, grad_bytes: int = 0, rows_bytes: int = 0) -> dict:
-  """One path's step in this process, the objective's budgets set first."""
+def measure(path: str, per_sum: float = 0.0) -> dict:
+  """One path's step in this process, the objective's group budget set first."""
   import jax  # pylint: disable=import-outside-toplevel
   import jaxce  # pylint: disable=import-outside-toplevel
   from examples import gpu_run  # pylint: disable=import-outside-toplevel
   tiles = None
-  if path == "objective":
-    jaxce.plan.LINEAR_OBJECTIVE_GRAD_BYTES["gpu"] = grad_bytes
-    jaxce.plan.LINEAR_OBJECTIVE_ROWS_BYTES["gpu"] = rows_bytes
-    tiles = jaxce.plan.linear_objective_kernel_tiles(8184, 151936, platform="gpu")
   args = gpu_run.parse_args(["--out", "unused.json", "--warmup", "2", "--steps", "7"])
+  if path == "objective":
+    jaxce.plan.LINEAR_OBJECTIVE_GRAD_PER_SUM["gpu"] = per_sum
+    tiles = jaxce.plan.linear_objective_kernel_tiles(8184, 151936, platform="gpu",
+                                                     depth=args.d_model)
   result = gpu_run.measure(args, path)
-  return dict(path=path, grad_bytes=grad_bytes, rows_bytes=rows_bytes, chunk_group=tiles,
+  return dict(path=path, grad_per_sum=per_sum, chunk_group=tiles,
               step_ms=result["step_ms_median"], peak_bytes=result["peak_bytes_in_use"][0],
               peak_minus_before=result["peak_minus_before"][0],
               device=jax.devices()[0].device_kind, jax=jax.__version__)
@@ -42,11 +42,11 @@ def measure(path: str, grad_bytes: int = 0, rows_bytes: int = 0) -> dict:
 
 def main():
   if len(sys.argv) > 1:  # a child: one setting
-    path, *budgets = sys.argv[1:]
-    print(json.dumps(measure(path, *map(int, budgets))), flush=True)
+    path, *setting = sys.argv[1:]
+    print(json.dumps(measure(path, *map(float, setting))), flush=True)
     return
-  runs = [("plain",)] + [("objective", *map(str, s)) for s in SETTINGS] + [
-      ("objective", *map(str, SETTINGS[0])), ("plain",)]  # (the ends: the run's drift)
+  runs = [("plain",)] + [("objective", str(s)) for s in SETTINGS] + [
+      ("objective", str(SETTINGS[0])), ("plain",)]  # (the ends: the run's drift)
   for run in runs:
     out = subprocess.run([sys.executable, "-m", "bench.objective_budgets", *run],
                          capture_output=True, text=True, check=False,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import jax
 
-from jaxce._kernels import mosaic_head
+from jaxce._kernels import mosaic_head, mosaic_rows_grad
 
 # Logits path: bytes of one f32 [chunk, V_local] tile of the XLA forward (fused into the
 # row reductions on GPUs, so the real working set is about 1% of it; materialized on
@@ -28,10 +28,11 @@ LINEAR_OBJECTIVE_ROWS_BYTES = {"gpu": 2**30, "cpu": 16 * 2**20}
 # one pair of gradient matmuls, so the f32 d W sum is read and written once per group
 # (bench/NOTES.md, entry 26: groups of 4096 tokens at V = 151936).
 LINEAR_OBJECTIVE_GRAD_BYTES = {"gpu": 5 * 2**28, "cpu": 4 * 2**20}
-# ... and, where the fused head's forward kernel writes the rows, what one more group
-# costs against the kernel's rows: a pass over the f32 d W sum (4 D V bytes read and
-# written) takes about as long as the kernel on 3 row blocks of 256 (2 D V flop each).
-LINEAR_OBJECTIVE_GROUP_ROWS = 3 * 256
+# With the fused head's kernel (linear_objective_kernel_tiles) a group's d takes at most
+# this many times the bytes of the f32 [D, V_local] d W sum, which each group reads and
+# writes once: fewer, larger groups run faster, each holding more d (bench/NOTES.md,
+# entry 39).
+LINEAR_OBJECTIVE_GRAD_PER_SUM = {"gpu": 1.0, "cpu": 1.0}
 # Fused path, Mosaic GPU forward: bytes of one chunk's f32 [V_local / 128, 4, chunk] tile
 # statistics (1/32 of its f32 [chunk, V_local] logits).
 LINEAR_KERNEL_STATS_BYTES = 256 * 2**20
@@ -126,41 +127,33 @@ def linear_objective_grad_chunk(num_tokens: int, num_columns: int, chunk: int,
 
 def linear_objective_kernel_tiles(num_tokens: int, num_columns: int,
                                   requested: int | None = None, platform: str | None = None,
-                                  itemsize: int = 2) -> tuple[int, int]:
+                                  itemsize: int = 2, depth: int | None = None
+                                  ) -> tuple[int, int]:
   """``(chunk, grad_chunk)`` of the fused objective path when the fused head's forward
-  kernel writes its rows (``mosaic_head``: calls of a multiple of 8 rows, at least 256;
-  each costs its rows rounded up to 256). A requested chunk is rounded up to that, its
-  groups as :func:`linear_objective_grad_chunk` plans them. Else: all ``T`` (rounded up
-  to the kernel's rows) when its f32 rows fit ``LINEAR_OBJECTIVE_ROWS_BYTES``; otherwise
-  the fewest groups that the d logits' budget (``LINEAR_OBJECTIVE_GRAD_BYTES``) allows,
-  each of ``k`` equal chunks within the rows' budget, ``k`` the count (of the four
-  smallest that fit) whose chunks waste the fewest kernel rows. The groups then cover
-  ``T`` with fewer than 8 rows to spare a chunk: the last group is clamped back over that
-  many rows (or ``T`` padded up to one group)."""
-  rows_of = mosaic_head.padded_rows  # (a call's rows: a multiple of 8, at least 256)
+  kernel writes its rows' ``exp(z - m)`` terms (``mosaic_head``), both the group: one
+  kernel call per group, whose terms become its ``d`` in place
+  (``mosaic_rows_grad.exp_overwrite``).
+
+  A group is a multiple of that kernel's row block (``mosaic_rows_grad.ROWS``, 64), at
+  least the head kernel's (``mosaic_head.MIN_ROWS``, 256; a call's work is its rows
+  rounded up to 256). Its ``[group, num_columns]`` terms in the operand dtype
+  (``itemsize`` bytes) fit ``LINEAR_OBJECTIVE_GRAD_BYTES`` of ``platform`` and, given the
+  hidden dim ``depth``, ``LINEAR_OBJECTIVE_GRAD_PER_SUM`` of ``platform`` times the bytes
+  of the f32 ``[depth, num_columns]`` ``d W`` sum. All ``T`` (rounded up to a block) when
+  it fits, else the fewest equal groups, the last clamped back over the one before by
+  less than a block (or ``T`` padded up to one group). A requested size is the group,
+  rounded up to a block."""
+  block = mosaic_rows_grad.ROWS
+  round_up = lambda rows: max(-(-rows // block) * block, mosaic_head.MIN_ROWS)
   if requested is not None:
-    chunk = rows_of(requested)
-    return chunk, linear_objective_grad_chunk(max(num_tokens, chunk), num_columns, chunk,
-                                              platform, itemsize)
+    return round_up(requested), round_up(requested)
   platform = budget_platform(platform)
-  rows_cap = rows_of(LINEAR_OBJECTIVE_ROWS_BYTES[platform] // (4 * max(num_columns, 1)) - 7)
-  group_cap = LINEAR_OBJECTIVE_GRAD_BYTES[platform] // (itemsize * max(num_columns, 1))
-  tokens = rows_of(num_tokens)
-  if tokens <= rows_cap:
-    return tokens, tokens
-  block = mosaic_head.MIN_ROWS
-  fewest_groups = -(-tokens // max(group_cap, rows_cap))
-
-  def cost(groups, count):  # (kernel rows, then a d W pass as LINEAR_OBJECTIVE_GROUP_ROWS)
-    chunk = rows_of(-(-tokens // (groups * count)))
-    return groups * count * -(-chunk // block) * block + groups * LINEAR_OBJECTIVE_GROUP_ROWS
-
-  fewest_chunks = lambda groups: -(-tokens // (groups * rows_cap))  # (a group's)
-  candidates = [(groups, count) for groups in range(fewest_groups, fewest_groups + 4)
-                for count in range(fewest_chunks(groups), fewest_chunks(groups) + 4)]
-  groups, count = min(candidates, key=lambda c: (cost(*c), c))
-  chunk = rows_of(-(-tokens // (groups * count)))
-  return chunk, chunk * count
+  budget = LINEAR_OBJECTIVE_GRAD_BYTES[platform]
+  if depth is not None:
+    budget = min(budget, int(LINEAR_OBJECTIVE_GRAD_PER_SUM[platform] * 4 * depth * num_columns))
+  cap = max(budget // (itemsize * max(num_columns, 1)) // block * block, mosaic_head.MIN_ROWS)
+  group = round_up(-(-num_tokens // -(-num_tokens // cap)))
+  return group, group
 
 
 def linear_kernel_chunk(num_tokens: int, num_columns: int) -> int:

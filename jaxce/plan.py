@@ -52,7 +52,7 @@ import jax.numpy as jnp
 from jaxce._budgets import (  # noqa: F401  pylint: disable=unused-import
     DEFAULT_VOCAB_BLOCK, LINEAR_KERNEL_BLOCK_PASS, LINEAR_KERNEL_GRAD_BYTES,
     LINEAR_KERNEL_MAX_BLOCK, LINEAR_KERNEL_MIN_BLOCK, LINEAR_KERNEL_STATS_BYTES,
-    LINEAR_OBJECTIVE_GRAD_BYTES, LINEAR_OBJECTIVE_GROUP_ROWS, LINEAR_OBJECTIVE_ROWS_BYTES,
+    LINEAR_OBJECTIVE_GRAD_BYTES, LINEAR_OBJECTIVE_GRAD_PER_SUM, LINEAR_OBJECTIVE_ROWS_BYTES,
     LINEAR_TILE_BYTES, LOGITS_TILE_BYTES, budget_platform, chunk_size, linear_backward_order,
     linear_kernel_chunk, linear_kernel_tiles, linear_objective_chunk,
     linear_objective_grad_chunk, linear_objective_kernel_tiles, linear_tiles, logits_chunk)
@@ -307,7 +307,7 @@ def make(operation, options, shard: Shard) -> Plan:
       head_reason = ""
     if head_reason is None:  # the rows and their statistics from the fused head's kernel
       chunk, grad_chunk = linear_objective_kernel_tiles(num_tokens, num_columns, chunk_size,
-                                                        platform, itemsize)
+                                                        platform, itemsize, shard.depth)
       kernel_chunk = chunk
     else:
       if head_reason:

@@ -74,16 +74,25 @@ def test_tile_statistics_match_float64(tokens, dim, num_columns, vocab_dim, soft
             with_entropy=True, **kernel_device())
   tiles = mosaic_head.statistics(hidden, weight, labels, inv_temp, limit, **kw)
   assert tiles.shape == (num_columns // 128, 4, tokens)
-  # With the logits (the fused objective path's rows): the same statistics' bits, and the
-  # numbers they were formed from: every column's softcap(hidden @ weight) in f32.
-  same_tiles, logits = mosaic_head.statistics(hidden, weight, labels, inv_temp, limit, **kw,
-                                              with_logits=True)
+  # With the exp(z - m) terms (the fused objective path's rows): the same statistics'
+  # bits, and each column's exp(z - m_tile) in hidden's dtype, 0 past the limit; rounded
+  # once from f32 terms whose z - m is off by the logits' rounding.
+  same_tiles, e = mosaic_head.statistics(hidden, weight, labels, inv_temp, limit, **kw,
+                                         with_exp=True)
   assert np.array_equal(np.asarray(same_tiles).view(np.uint32),
                         np.asarray(tiles).view(np.uint32))
   x = np.asarray(hidden, np.float64) @ np.asarray(weight if vocab_dim else weight.T, np.float64)
   x = x if softcap is None else softcap * np.tanh(x / softcap)
-  assert logits.shape == (tokens, num_columns) and logits.dtype == jnp.float32
-  assert_close(np.asarray(logits), x, 2e-6 * np.max(np.abs(x)), "logits")
+  bound = num_columns if limit is None else limit
+  z = np.where(np.arange(num_columns) < bound, x * np.asarray(inv_temp)[:, None], -np.inf)
+  tile_max = np.repeat(np.max(z.reshape(tokens, -1, 128), axis=2), 128, axis=1)
+  want_e = np.exp(z - tile_max)
+  assert e.shape == (tokens, num_columns) and e.dtype == hidden.dtype
+  assert np.all(np.asarray(e, np.float64)[:, bound:] == 0)
+  error = np.abs(np.asarray(e, np.float64) - want_e)
+  scale = np.max(np.abs(z[np.isfinite(z)]))
+  bad = error > (2**-8 + 4e-6 * scale) * want_e  # (bf16: 8 significant bits)
+  assert not bad.any(), (np.asarray(e, np.float64)[bad][:5], want_e[bad][:5])
   got = _merged(tiles)
   want = _statistics_f64(hidden, weight, labels, inv_temp,
                          num_columns if limit is None else limit, column_start, vocab_dim,
@@ -456,3 +465,142 @@ def test_gpu_calls_take_an_array_temperatures_reciprocal_on_the_device(capabilit
     kernels, barriers = reciprocals(jaxpr)
     assert (kernels, barriers > 0) == ((1, False) if capability == "9.0" else (0, True)), (
         kernels, barriers)
+
+
+@pytest.mark.parametrize("weight_layout,softcap,with_keep", [
+    ("dv", None, False), ("vd", 20.0, False), ("dv", 20.0, True)])
+def test_objective_gradients_from_the_kernels_terms_match_float64(weight_layout, softcap,
+                                                                  with_keep, monkeypatch):
+  """``linear_token_loss`` on the kernels: the fused head's kernel writes each row's
+  ``exp(z - m_tile)`` terms in bf16 and ``mosaic_rows_grad.exp_overwrite`` writes ``d``
+  over them. 700 tokens in three groups of 256 (the last clamped back), per-token
+  weights of both log-prob and entropy, per-token temperature (some cold: labels whose
+  terms underflow), a padded vocabulary, ignored tokens (one with NaN hidden states),
+  softcap, kept sets. The loss, log-probs and gradients against float64, as close as the
+  XLA path's (which rounds ``d`` once; the kernel's terms add one bf16 rounding)."""
+  monkeypatch.setitem(jaxce.plan.LINEAR_OBJECTIVE_GRAD_BYTES, "cpu", 300 * 384 * 2)
+  monkeypatch.setitem(jaxce.plan.LINEAR_OBJECTIVE_GRAD_BYTES, "gpu", 300 * 384 * 2)
+  vocab_dim = 1 if weight_layout == "dv" else 0
+  tokens = 700
+  rng, hidden, weight = _inputs(21, tokens, 128, 384, vocab_dim)
+  labels = rng.integers(0, 250, tokens)
+  labels[:20] = -100
+  hidden = hidden.at[3].set(jnp.nan)  # an ignored token's NaN stays out of the gradients
+  temperature = rng.uniform(0.6, 1.5, tokens)
+  temperature[::7] = 0.02
+  keep = None
+  if with_keep:
+    mask = rng.random((tokens, 384)) < 0.3
+    mask[np.arange(tokens), np.maximum(labels, 0)] = True
+    keep = jaxce.keep.pack(mask)
+  weight_logp, weight_entropy = rng.normal(size=tokens), rng.normal(size=tokens)
+  objective = lambda logp, entropy, a, b: a * logp + b * entropy
+  options = dict(temperature=temperature, logit_softcap=softcap, vocab_size=250,
+                 weight_layout=weight_layout, keep=keep)
+  plan = jaxce.plan.of(jaxce.linear_token_loss, objective, hidden, weight, labels,
+                       weight_logp, weight_entropy, implementation="mosaic", **options)
+  assert plan.backend == "mosaic" and plan.kernel_chunk == plan.grad_chunk == 256, plan
+
+  def fused(implementation):
+    call = lambda h, w: jaxce.linear_token_loss(objective, h, w, labels, weight_logp,
+                                                weight_entropy, implementation=implementation,
+                                                **options)
+    return jax.jit(jax.value_and_grad(call, (0, 1), has_aux=True))(hidden, weight)
+
+  def exact(h, w):
+    h = jnp.where((labels >= 0)[:, None], h, 0)
+    logp, entropy = reference.linear_logprobs_and_entropy(h, w, labels, **options)
+    return jnp.sum(jnp.where(labels >= 0, objective(logp, entropy, weight_logp,
+                                                     weight_entropy), 0)), logp
+
+  want = jax.value_and_grad(exact, (0, 1), has_aux=True)(
+      *(jnp.asarray(a, jnp.float64) for a in (hidden, weight)))
+  (loss, (logp, _)), grads = fused("mosaic")
+  (xla_loss, (xla_logp, _)), xla_grads = fused("xla")
+  error = lambda a, b: float(np.max(np.abs(np.asarray(a, np.float64) - np.asarray(b))))
+  scale = lambda a: max(1.0, float(np.max(np.abs(np.asarray(a)))))
+  for what, got, xla, ref in (("loss", loss, xla_loss, want[0][0]),
+                              ("logp", logp, xla_logp, want[0][1])):
+    assert error(got, ref) <= 2e-6 * scale(ref), (what, error(got, ref), error(xla, ref))
+  # The gradients' root-mean-square error, relative to the reference's: both paths end in
+  # one bf16 rounding of each gradient (about 2**-9 of it); the kernel's extra rounding
+  # of the terms feeds sums over tokens, where it partly cancels.
+  rms = lambda a, ref: float(np.sqrt(np.mean(np.square(np.asarray(a, np.float64) - ref))
+                                     / np.mean(np.square(ref))))
+  for what, got, xla, ref in zip(("d hidden", "d weight"), grads, xla_grads, want[1]):
+    got, ref = np.asarray(got, np.float64), np.asarray(ref)
+    assert np.isfinite(got).all(), what
+    assert rms(got, ref) <= 1.5 * rms(xla, ref), (what, rms(got, ref), rms(xla, ref))
+    assert error(got, ref) <= 1.5 * error(xla, ref), (what, error(got, ref), error(xla, ref))
+  assert np.all(np.asarray(grads[0])[:20] == 0), "ignored tokens get exactly 0"
+
+
+@pytest.mark.parametrize("softcap", [None, 8.0])
+def test_exp_overwrite_is_the_logit_gradient_of_its_terms(softcap):
+  """``mosaic_rows_grad.exp_overwrite``: each column's ``d x`` from its bf16 term ``e =
+  exp(z - m_tile)``, the tile's max and the row's statistics is the float64 gradient of
+  the logits those terms stand for, to the output's bf16 rounding, column by column (the
+  entropy term ``p log p`` dominating: ``g_logp`` is small). Peaked rows, excluded columns
+  (``e = 0``) and a whole tile excluded, a label whose term underflowed (its softcap
+  factor from the label's own logit), an ignored row whose terms are NaN; two row
+  blocks."""
+  from jaxce._kernels import mosaic_rows_grad  # pylint: disable=import-outside-toplevel
+  from jaxce._kernels.config import Tokens  # pylint: disable=import-outside-toplevel
+  rng = np.random.default_rng(5)
+  rows, columns, start = 128, 384, 1000
+  inv_temp = rng.uniform(0.5, 2.0, rows)
+  capped = rng.normal(size=(rows, columns)) * 2.0
+  capped[:, 7] += 3.0  # a peaked column
+  if softcap is not None:
+    capped = np.clip(capped, -0.95 * softcap, 0.95 * softcap)
+  labels = rng.integers(0, columns, rows)
+  labels[1], inv_temp[1] = 300, 50.0  # a cold row: its label's term underflows
+  capped[1, 256:] = 0.0
+  capped[1, 300] = -0.9 * (softcap or 10.0)
+  z = capped * inv_temp[:, None]
+  excluded = rng.random(z.shape) < 0.2
+  excluded[0, 128:256] = True  # a tile with none kept
+  excluded[np.arange(rows), labels] = False
+  z[excluded] = -np.inf
+  tile_max = np.maximum(np.max(z.reshape(rows, 3, 128), axis=2), np.finfo(np.float32).min)
+  e = np.asarray(jnp.asarray(np.exp(z - np.repeat(tile_max, 128, axis=1)), jnp.bfloat16),
+                 np.float64)
+  e[1, 300] = 0.0
+  m = np.max(z, axis=1)
+  log_sum = np.log(np.sum(np.exp(z - m[:, None]), axis=1))
+  entropy = rng.uniform(0.0, 5.0, rows)  # (any number: the kernel takes H as given)
+  g_logp, g_entropy = rng.normal(size=rows) * 0.01, rng.normal(size=rows)
+  valid = np.arange(rows) != 4
+  e[4] = np.nan
+  label_z = z[np.arange(rows), labels]
+  tiles = np.zeros((3, 4, rows))
+  tiles[:, 0] = tile_max.T
+  tiles[labels // 128, 3, np.arange(rows)] = label_z
+  tokens = Tokens(labels=jnp.asarray(labels + start, jnp.int32),
+                  inv_temp=jnp.asarray(inv_temp, jnp.float32), valid=jnp.asarray(valid),
+                  kept=None)
+  f32 = lambda a: jnp.asarray(a, jnp.float32)
+  got = mosaic_rows_grad.exp_overwrite(
+      jnp.asarray(e, jnp.bfloat16), f32(tiles), tokens, tuple(map(f32, (m, log_sum, entropy))),
+      tuple(map(f32, (g_logp, g_entropy))), start, softcap=softcap,
+      interpret=kernel_device()["interpret"])
+  # float64: the gradient of the logits whose terms are e (log p = log e + m_tile - lse)
+  with np.errstate(divide="ignore", invalid="ignore"):
+    log_p = np.log(e) + np.repeat(tile_max, 128, axis=1) - (m + log_sum)[:, None]
+    p = np.exp(log_p)
+    plogp = np.where(e > 0, p * log_p, 0.0)
+  onehot = np.arange(columns) == labels[:, None]
+  dz = onehot * g_logp[:, None] - p * (g_logp + g_entropy * entropy)[:, None] - (
+      plogp * g_entropy[:, None])
+  want = dz * inv_temp[:, None]
+  if softcap is not None:
+    want = want * (1 - np.square(np.where(onehot, (label_z / inv_temp)[:, None], capped)
+                                 / softcap))
+  want[~valid] = 0
+  got = np.asarray(got, np.float64)
+  assert got.shape == (rows, columns) and np.all(got[4] == 0)
+  assert got[1, 300] != 0 and np.isfinite(got).all()
+  # One bf16 rounding of each output (f32 arithmetic far below it), column by column.
+  error = np.abs(got - want)
+  bad = error > 2**-8 * np.abs(want) + 1e-6 * np.max(np.abs(want))
+  assert not bad.any(), (got[bad][:5], want[bad][:5])

@@ -2,20 +2,28 @@
 ``softmax(hidden @ weight)`` and, under differentiation, its gradients, formed in the
 forward pass with three matmuls.
 
-One scan over groups of tokens (token-outer), each walked in chunks (the plan's
-``grad_chunk`` and ``chunk``). Per chunk: ``x = hidden_chunk @ weight``, the chunk's full
-``[C, V_local]`` rows in f32 (matmul 1), kept until the chunk is done; its statistics
-(shards combine them with one pmax + one psum; on Hopper the fused head's forward kernel
-writes the rows and their statistics together, so each token's ``logp`` and ``entropy``
-are the per-token path's bits) and per-token loss terms; then, when
-differentiating, the cotangents the objective gives each token and ``d logits`` of the
-rows, in the operand dtype, into the group's ``[G, V_local]``. Per group: ``d
-hidden_group = d @ weightᵀ`` (matmul 2, all-reduced over the vocab axis in f32 and
-written once) and ``d weight += hidden_groupᵀ @ d`` (matmul 3) into an f32 ``[D,
-V_local]`` sum, read and written once per group (larger groups: fewer passes over it).
+One scan over groups of tokens (token-outer, the plan's ``grad_chunk``). Per group, the
+rows' ``d logits`` in the operand dtype ``[G, V_local]``, then ``d hidden_group = d @
+weightᵀ`` (matmul 2, all-reduced over the vocab axis in f32 and written once) and ``d
+weight += hidden_groupᵀ @ d`` (matmul 3) into an f32 ``[D, V_local]`` sum, read and
+written once per group (larger groups: fewer passes over it). The rows' ``d`` comes one of
+two ways:
+
+* with the plan's ``kernel_chunk`` (Hopper), one call of the fused head's forward kernel
+  per group (matmul 1) writes the rows' per-tile statistics and their ``exp(z - m_tile)``
+  terms in the operand dtype (``mosaic_head.statistics``); once the statistics are merged
+  (shards combine them in rank order) and the objective has given each token's
+  cotangents, one kernel writes ``d`` over those terms (``mosaic_rows_grad.
+  exp_overwrite``). Each token's ``logp`` and ``entropy`` are the per-token path's bits;
+  no f32 row reaches device memory.
+* else the group is walked in chunks of the plan's ``chunk``: ``x = hidden_chunk @
+  weight``, the chunk's full ``[C, V_local]`` rows in f32 (matmul 1), kept until the
+  chunk's statistics (one pmax + one psum over shards), per-token loss terms and
+  cotangents give its ``d``, written into the group's.
+
 The custom_vjp's backward only scales the stored gradients by the loss's cotangent.
-Extra memory: the gradients, the f32 ``d weight`` sum, one chunk's f32 rows and one
-group's ``d``, flat in T beyond ``d hidden``.
+Extra memory: the gradients, the f32 ``d weight`` sum and one group's ``d`` (without the
+kernel, one chunk's f32 rows too), flat in T beyond ``d hidden``.
 """
 
 from __future__ import annotations
@@ -27,7 +35,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxce._kernels import chunking, head, logits_rows, loss_terms, mosaic_head, plumbing
-from jaxce._kernels import softmax
+from jaxce._kernels import mosaic_rows_grad, softmax
 from jaxce._kernels.config import Config, Tokens
 
 
@@ -83,6 +91,31 @@ def _run(objective, hidden, weight, bias, tokens, token_args, config, with_grads
     d_group = lax.dynamic_update_slice_in_dim(d_group, dx.astype(operand_dtype), i * chunk, 0)
     return (d_group, None if d_bias is None else d_bias + jnp.sum(dx, axis=0)), outputs
 
+  def kernel_group(group_rows):
+    """A group's outputs and, when differentiating, its ``d``: one call of the fused
+    head's forward kernel (the rows' tile statistics and, when differentiating, their
+    ``exp(z - m_tile)`` terms), then one kernel writing ``d`` over the terms."""
+    h, group_tokens, group_args, fresh = group_rows
+    limit = softmax.kernel_limit(config.mask_vocab, column_start, num_columns)
+    out = mosaic_head.statistics(
+        h, weight, group_tokens.labels, group_tokens.inv_temp, limit, group_tokens.kept,
+        column_start=column_start, vocab_dim=vocab_dim, softcap=config.softcap,
+        with_entropy=config.with_entropy, interpret=config.plan.interpret,
+        num_cores=config.plan.num_cores, with_exp=with_grads)
+    tiles, e = out if with_grads else (out, None)
+    logp, shift, log_sum, entropy = logits_rows.tile_outputs(tiles, group_tokens, config)
+    row_mask = group_tokens.valid & fresh  # a clamped group's overlap counts once
+    loss, g_logp, g_entropy = loss_terms.terms_and_cotangents(
+        objective, logp, entropy, list(group_args), row_mask, with_grads)
+    outputs = (jnp.sum(loss), logp) + ((entropy,) if config.with_entropy else ())
+    if not with_grads:
+      return None, outputs
+    d = mosaic_rows_grad.exp_overwrite(
+        e, tiles, group_tokens._replace(valid=row_mask), (shift, log_sum, entropy),
+        (g_logp, g_entropy), column_start, softcap=config.softcap,
+        interpret=config.plan.interpret)
+    return d, outputs
+
   def group_step(carry, g):
     start = chunking.chunk_start(g, padded, group)
     fresh = chunking.fresh_rows(g, start, group)
@@ -91,10 +124,13 @@ def _run(objective, hidden, weight, bias, tokens, token_args, config, with_grads
     group_rows = (h, group_tokens, group_args, fresh)
     # (the group's d: one buffer carried from group to group, written in place)
     d_hidden, d_weight, d_bias, d = carry if with_grads else (None,) * 4
-    (d, d_bias), (loss, *per_token) = lax.scan(functools.partial(chunk_step, group_rows),
-                                               (d, d_bias), jnp.arange(group // chunk))
-    flat = lambda a: a.reshape((group,) + a.shape[2:])  # [chunks, chunk, ...] -> [group, ...]
-    outputs = (jnp.sum(loss), *map(flat, per_token))
+    if config.plan.kernel_chunk is not None:
+      d, outputs = kernel_group(group_rows)
+    else:
+      (d, d_bias), (loss, *per_token) = lax.scan(functools.partial(chunk_step, group_rows),
+                                                 (d, d_bias), jnp.arange(group // chunk))
+      flat = lambda a: a.reshape((group,) + a.shape[2:])  # [chunks, chunk, ...] -> [group, ...]
+      outputs = (jnp.sum(loss), *map(flat, per_token))
     if not with_grads:
       return carry, outputs
     row_mask = group_tokens.valid & fresh
@@ -106,7 +142,8 @@ def _run(objective, hidden, weight, bias, tokens, token_args, config, with_grads
     d_weight_group = head.weight_grad(h, d, vocab_dim, config.plan.precision)
     # (None before the first group, which writes the sum without reading zeros)
     d_weight = d_weight_group if d_weight is None else d_weight + d_weight_group
-    return (d_hidden, d_weight, d_bias, d), outputs
+    # (the kernel's groups make their d afresh: none is carried)
+    return (d_hidden, d_weight, d_bias, None if config.plan.kernel_chunk else d), outputs
 
   n_groups = chunking.num_chunks(padded, group)
   if with_grads:
@@ -114,12 +151,13 @@ def _run(objective, hidden, weight, bias, tokens, token_args, config, with_grads
     # d bias sum and the group's d vary like every input together (the d weight sum too:
     # reduced at the end). The group's d is left unwritten: its chunks write every row
     # before the matmuls read it, so filling it with zeros would only cost a pass over
-    # [G, V_local]. The first group runs outside the scan and starts the f32 d weight sum
-    # with its matmul: no zeros written, none read (the group's body compiles twice).
+    # [G, V_local] (the kernel's groups need none). The first group runs outside the scan
+    # and starts the f32 d weight sum with its matmul: no zeros written, none read (the
+    # group's body compiles twice).
     d_bias, d_group = plumbing.unify_varying(
         (None if bias is None else jnp.zeros(bias.shape, dtype),
-         lax.empty((group, num_columns), operand_dtype), hidden, weight, *tokens[:3]),
-        config.vocab_axis)[:2]
+         None if config.plan.kernel_chunk else lax.empty((group, num_columns), operand_dtype),
+         hidden, weight, *tokens[:3]), config.vocab_axis)[:2]
     carry, first = group_step((jnp.zeros_like(hidden), None, d_bias, d_group), 0)
     outputs = jax.tree.map(lambda a: a[None], first)  # [1, ...]: as the scan stacks them
     if n_groups > 1:
@@ -144,20 +182,8 @@ def _run(objective, hidden, weight, bias, tokens, token_args, config, with_grads
 
 def _rows(hidden, weight, bias, tokens, column_start, config):
   """``(x, (logp, m, log s, entropy or None))``: a chunk's f32 logits ``x [C, V_local]``
-  after the softcap, and their statistics as ``logits_rows.statistics`` returns them.
-  With the plan's ``kernel_chunk`` both come from the fused head's forward kernel
-  (``mosaic_head.statistics`` with the logits, merged by ``mosaic_merge``): the per-token
-  path's bits, formed in the matmul's epilogue. Else XLA's matmul, then the statistics'
-  own pass over the rows."""
-  if config.plan.kernel_chunk is not None:
-    limit = softmax.kernel_limit(config.mask_vocab, column_start,
-                                 weight.shape[config.vocab_dim])
-    tiles, x = mosaic_head.statistics(
-        hidden, weight, tokens.labels, tokens.inv_temp, limit, tokens.kept,
-        column_start=column_start, vocab_dim=config.vocab_dim, softcap=config.softcap,
-        with_entropy=config.with_entropy, interpret=config.plan.interpret,
-        num_cores=config.plan.num_cores, with_logits=True)
-    return x, logits_rows.tile_outputs(tiles, tokens, config)
+  after the softcap (XLA's matmul), and their statistics as ``logits_rows.statistics``
+  returns them."""
   if not config.plan.exact_sums:
     x = head.tile_logits(hidden, weight, bias, config.softcap, config.vocab_dim,
                          config.plan.precision)

@@ -1,6 +1,7 @@
 """The fused LM-head path's tiles as a Pallas Mosaic GPU kernel (sm90), with two epilogues:
 the forward's softmax statistics (``statistics``; for the fused objective path, with the
-f32 logits they were formed from) and the backward's ``d logits`` (``logits_grad``).
+``exp(z - m)`` terms they were formed from) and the backward's ``d logits``
+(``logits_grad``).
 
 ``hidden @ weight`` is computed tile by tile on the tensor cores (wgmma, bf16/f16
 operands, f32 accumulation) and each ``[256, 128]`` tile is finished in registers before
@@ -16,9 +17,10 @@ warpgroups):
   ``[tile start, limit)`` (none without a limit: no padded vocabulary), and
   reduce the tile to per-row ``(m, s, q, picked)``: its max,
   ``Σ exp(z - m)``, ``Σ exp(z - m)(z - m)`` and the label's ``z`` (0 when the label is
-  not in the tile), the tile itself stored too when the caller keeps the logits (the
-  fused objective path's rows: its per-token outputs are then the per-token path's
-  bits); or (backward epilogue) ``softmax.logit_grad`` and the softcap's and
+  not in the tile), with the tile's ``exp(z - m)`` terms stored too, in the operand
+  dtype, when the caller keeps them (the fused objective path's rows, from which it
+  forms ``d logits`` once the rows' statistics are merged: its per-token outputs are
+  then the per-token path's bits); or (backward epilogue) ``softmax.logit_grad`` and the softcap's and
   temperature's factors. Tiles go out through shared memory with TMA, in pieces 128 bytes
   wide, two slots a warpgroup (``_store_pieces``). With kept sets, each
   warpgroup's ``[4, 128]`` block of the transposed words comes in by TMA beside its row
@@ -60,7 +62,7 @@ TILE_N = mosaic_tile.TILE  # vocabulary columns per tile
 TILE_K = 64  # hidden dims per pipeline step
 STAGES = 4  # pipeline depth: 4 x 48 KiB of shared memory
 GRAD_STAGES = 3  # 3 x 48 KiB, next to the d logits pieces being stored
-LOGITS_STAGES = 3  # the forward that also stores its f32 logits
+EXP_STAGES = 3  # the forward that also stores its exp(z - m) terms
 PIECE_BYTES = 128  # a tile goes out in pieces of its rows x 128 bytes (16 KiB)
 MIN_ROWS = 2 * TILE_M  # rows per CTA: the least a call takes (fewer are padded)
 ROW_TILE = 8  # TMA reads rows in tiles of 8: a call's rows are a multiple of it
@@ -276,29 +278,31 @@ def _copy_out(scratch, value, out_slice):
 
 
 def _tile_statistics(hidden, weight, row_inputs, words, *, vocab_dim, softcap, with_entropy,
-                     with_logits, masked, interpret, num_cores):
+                     with_exp, masked, interpret, num_cores):
   """``[vocab tiles, 4, C]`` f32: ``(m, s, q, picked)`` of every ``[row, tile]``, and with
-  ``with_logits`` the ``[C, V]`` f32 logits after the softcap; ``row_inputs [3, C]``: the
-  rows' ``mosaic_tile.HeadStatisticsInputs``, stacked; ``words`` as ``_tiles``;
+  ``with_exp`` the ``[C, V]`` ``exp(z - m)`` terms in hidden's dtype; ``row_inputs [3,
+  C]``: the rows' ``mosaic_tile.HeadStatisticsInputs``, stacked; ``words`` as ``_tiles``;
   ``masked``: apply the rows' ``limit`` (``mosaic_tile.tile_statistics``)."""
   num_rows, num_columns = hidden.shape[0], weight.shape[vocab_dim]
 
   def finish(x, inputs, column, kept, scratch, outs, n_idx, row_slice):
-    x = mosaic_tile.cap(x, softcap)
-    if with_logits:
-      _store_pieces(scratch["logits"], x, outs[1].at[row_slice, pl.ds(column, TILE_N)])
-    stats = mosaic_tile.tile_statistics(x, inputs, column, kept, with_entropy, masked)
-    _copy_out(scratch["stats"], stats, outs[0].at[n_idx, :, row_slice])
+    out = mosaic_tile.tile_statistics(mosaic_tile.cap(x, softcap), inputs, column, kept,
+                                      with_entropy, masked, with_exp)
+    if with_exp:
+      out, e = out
+      _store_pieces(scratch["exp"], e.astype(hidden.dtype),
+                    outs[1].at[row_slice, pl.ds(column, TILE_N)])
+    _copy_out(scratch["stats"], out, outs[0].at[n_idx, :, row_slice])
 
   stats_type = jax.ShapeDtypeStruct((num_columns // TILE_N, 4, num_rows), jnp.float32)
-  logits_type = jax.ShapeDtypeStruct((num_rows, num_columns), jnp.float32)
+  exp_type = jax.ShapeDtypeStruct((num_rows, num_columns), hidden.dtype)
   scratch = dict(stats=plgpu.SMEM((2, 4, TILE_M), jnp.float32))
-  if with_logits:
-    scratch["logits"] = _piece_slots(jnp.float32)
+  if with_exp:
+    scratch["exp"] = _piece_slots(hidden.dtype)
   return _tiles(hidden, weight, row_inputs, words,
                 inputs_type=mosaic_tile.HeadStatisticsInputs, vocab_dim=vocab_dim,
-                stages=LOGITS_STAGES if with_logits else STAGES, finish=finish,
-                out_type=(stats_type,) + ((logits_type,) if with_logits else ()),
+                stages=EXP_STAGES if with_exp else STAGES, finish=finish,
+                out_type=(stats_type,) + ((exp_type,) if with_exp else ()),
                 scratch=scratch, interpret=interpret, num_cores=num_cores)
 
 
@@ -322,11 +326,12 @@ def _tile_logits_grad(hidden, weight, row_inputs, words, *, vocab_dim, softcap, 
 
 
 def statistics(hidden, weight, labels, inv_temp, limit, kept=None, *, column_start,
-               vocab_dim, softcap, with_entropy, interpret, num_cores, with_logits=False):
+               vocab_dim, softcap, with_entropy, interpret, num_cores, with_exp=False):
   """Per-tile ``(m, s, q, picked)`` of ``z = softcap(hidden @ weight) * inv_temp`` over
   this weight's columns below ``limit``, for ``mosaic_merge.merge`` to merge in the
-  columns' order; with ``with_logits`` also the f32 logits the statistics were formed
-  from (the fused objective path's rows).
+  columns' order; with ``with_exp`` also the ``exp(z - m)`` terms of ``s`` (the fused
+  objective path's rows, from which ``mosaic_rows_grad.exp_overwrite`` forms the
+  gradient in place).
 
   Args:
     hidden: ``[C, D]`` bf16 or f16, ``C >= 256`` a multiple of 8, ``D`` of 64.
@@ -340,17 +345,17 @@ def statistics(hidden, weight, labels, inv_temp, limit, kept=None, *, column_sta
       read with the tiles (the label's column always kept); or None.
     with_entropy: compute ``q`` (else zeros).
     interpret, num_cores: as the plan says (``_tiles``).
-    with_logits: also return the logits.
+    with_exp: also return the ``exp(z - m)`` terms.
 
   Returns:
     ``[V_local / 128, 4, C]`` float32: ``(m, s, q, picked)`` of each row over each tile of
     128 columns, in the columns' order. A row's numbers depend on its own hidden state,
     label, temperature and the tile's columns alone (one wgmma sequence over the whole
     hidden dim, no split-K; the epilogue's instructions are the same for every row).
-    With ``with_logits``, ``(that array, x)``: ``x [C, V_local]`` float32, every column's
-    ``softcap(hidden @ weight)`` (before the temperature and any mask), the numbers the
-    statistics were formed from; the statistics' bits are the same either way.
-    Memory: that array, 1/32 of the bytes of the chunk's f32 logits (and ``x``); with
+    With ``with_exp``, ``(that array, e)``: ``e [C, V_local]`` in hidden's dtype, each
+    column's ``exp(z - m)`` with ``m`` its row's max over the column's tile (0 at excluded
+    columns), the terms of ``s`` rounded once; the statistics' bits are the same either
+    way. Memory: that array, 1/32 of the bytes of the chunk's f32 logits (and ``e``); with
     ``kept``, its ``mosaic_tile.kept_words`` copy.
   """
   num_columns = weight.shape[vocab_dim]
@@ -362,9 +367,9 @@ def statistics(hidden, weight, labels, inv_temp, limit, kept=None, *, column_sta
                              inv_temp.shape)))
   out = _tile_statistics(hidden, weight, row_inputs, _words(kept, label_column, num_columns),
                          vocab_dim=vocab_dim, softcap=softcap, with_entropy=with_entropy,
-                         with_logits=with_logits, masked=limit is not None, interpret=interpret,
+                         with_exp=with_exp, masked=limit is not None, interpret=interpret,
                          num_cores=num_cores)
-  return out if with_logits else out[0]
+  return out if with_exp else out[0]
 
 
 def _words(kept, label_column, num_columns):

@@ -1,7 +1,9 @@
 """The gradient of logits rows ``[T, V_local]`` as a Pallas Mosaic GPU kernel (Hopper):
 written over the logits' own buffer (``overwrite``: the logits path's backward with
 ``backward_in_place=True``) or into a new array (``gradient``: the backward with a kept
-set, whose bits XLA's fused pass unpacks slowly).
+set, whose bits XLA's fused pass unpacks slowly); and the fused objective path's
+``d``, written over its rows' ``exp(z - m_tile)`` terms (``exp_overwrite``: the same
+kernel with each tile's shift streamed beside it, ``mosaic_tile.exp_gradient``).
 
 In place, the kernel writes into the logits through a mutable reference
 (``jax.new_ref``), which reaches XLA as an output aliasing its input: XLA writes the
@@ -38,42 +40,57 @@ ROWS, TILE, WORDS = mosaic_rows.ROWS, mosaic_rows.TILE, mosaic_rows.WORDS
 NUM_ROW_INPUTS = len(mosaic_tile.RowsGradientInputs._fields)
 
 
-def _kernel(x, row_inputs, words, *, in_place, masked, stages, interpret):
+def _kernel(x, row_inputs, words, tile_shift=None, *, in_place, masked, stages, interpret,
+            softcap=None, with_log_p=True):
   """The gradient of ``x [R, V_local]`` (``R`` a multiple of 8, at least ``ROWS``): over
   the first ``row blocks * ROWS`` rows of ``x`` (``in_place``; the rest left as they
   were) or into a new array (the last row block moved back inside, as in
-  ``mosaic_rows``); ``row_inputs [row blocks, NUM_ROW_INPUTS, ROWS]`` f32: each block's
-  rows' ``mosaic_tile.RowsGradientInputs``; ``words``: uint32 ``[V_local / 32, R]`` kept
-  sets of ``mosaic_tile.kept_words``, or None."""
+  ``mosaic_rows``); ``row_inputs [row blocks, fields, ROWS]`` f32: each block's rows'
+  ``mosaic_tile.RowsGradientInputs``; ``words``: uint32 ``[V_local / 32, R]`` kept sets
+  of ``mosaic_tile.kept_words``, or None. With ``tile_shift`` (f32 ``[row blocks,
+  V_local / TILE, ROWS]``, each row's ``m_tile - (m + log s)`` per tile, streamed beside
+  the tiles), ``x`` holds the fused head's ``exp(z - m_tile)`` terms, ``row_inputs`` the
+  rows' ``mosaic_tile.ExpGradientInputs``, and each tile's gradient is
+  ``mosaic_tile.exp_gradient`` (``softcap``, ``with_log_p``; no words, no mask)."""
   num_rows, num_columns = x.shape
   num_tiles = num_columns // TILE
   group = mosaic_rows.tiles_per_group(num_columns)
   num_groups = -(-num_tiles // group)
   transforms = mosaic_tile.swizzle(TILE, x.dtype)
-  has_words = words is not None
+  has_words, exp_rows = words is not None, tile_shift is not None
+  inputs_type = mosaic_tile.ExpGradientInputs if exp_rows else mosaic_tile.RowsGradientInputs
 
   def kernel(x_gmem, rows_gmem, *refs):
     block, group_index = lax.axis_index("rows"), lax.axis_index("groups")
     if in_place:  # (whole blocks: a moved-back block would read overwritten rows)
-      words_gmem, out_gmem = refs, x_gmem
+      streams_gmem, out_gmem = refs, x_gmem
       first_row = pl.multiple_of(block * ROWS, ROWS)
     else:
-      *words_gmem, out_gmem = refs
+      *streams_gmem, out_gmem = refs
       first_row = pl.multiple_of(jnp.minimum(block * ROWS, num_rows - ROWS), 8)
     rows = pl.ds(first_row, ROWS)
-    inputs = mosaic_tile.load(mosaic_tile.RowsGradientInputs, rows_gmem, block,
-                              optimized=False)
+    inputs = mosaic_tile.load(inputs_type, rows_gmem, block, optimized=False)
     first_tile = group_index * group
+    in_specs = mosaic_rows.tile_specs(first_tile, x.dtype, has_words)
+    streams = tuple(w.at[:, rows] for w in streams_gmem)
+    if exp_rows:  # (the tile's shifts: one f32 per row, beside the tile)
+      in_specs = in_specs + [plgpu.BlockSpec((1, ROWS), lambda k: (first_tile + k, 0))]
+      streams = (streams_gmem[0].at[block],)
 
     @functools.partial(pl.run_scoped,
                        out_smem=plgpu.SMEM((2, ROWS, TILE), x.dtype, transforms=transforms))
     def _scoped(out_smem):
-      def body(indices, x_smem, *words_smem):
+      def body(indices, x_smem, *stream_smem):
         (k,) = indices
         column = (first_tile + k) * TILE
-        kept = mosaic_tile.kept_columns(words_smem[0]) if has_words else None
-        grad = mosaic_tile.rows_gradient(plgpu.load(x_smem, layout=plgpu.Layout.WGMMA),
-                                         inputs, column, kept, masked=masked)
+        tile = plgpu.load(x_smem, layout=plgpu.Layout.WGMMA)
+        if exp_rows:
+          shift = plgpu.load(stream_smem[0].at[0], layout=plgpu.Layout.WGMMA.reduce(1))
+          grad = mosaic_tile.exp_gradient(tile, inputs, shift, column, softcap=softcap,
+                                          with_log_p=with_log_p)
+        else:
+          kept = mosaic_tile.kept_columns(stream_smem[0]) if has_words else None
+          grad = mosaic_tile.rows_gradient(tile, inputs, column, kept, masked=masked)
         # The store of tile k - 2 out of this slot has read it: reuse it.
         plgpu.wait_smem_to_gmem(1, wait_read_only=True)
         slot = out_smem.at[k % 2]
@@ -83,17 +100,16 @@ def _kernel(x, row_inputs, words, *, in_place, masked, stages, interpret):
             slot, out_gmem.at[rows, pl.ds(pl.multiple_of(column, TILE), TILE)])
 
       pipeline = plgpu.emit_pipeline(
-          body, grid=(jnp.minimum(group, num_tiles - first_tile),),
-          in_specs=mosaic_rows.tile_specs(first_tile, x.dtype, has_words),
+          body, grid=(jnp.minimum(group, num_tiles - first_tile),), in_specs=in_specs,
           max_concurrent_steps=stages)
-      pipeline(x_gmem.at[rows], *(w.at[:, rows] for w in words_gmem))
+      pipeline(x_gmem.at[rows], *streams)
       plgpu.wait_smem_to_gmem(0)
 
   call = functools.partial(
       plgpu.kernel, kernel, grid=(row_inputs.shape[0], num_groups),
       grid_names=("rows", "groups"),
       interpret=plgpu.InterpretGPUParams() if interpret else None)
-  inputs = (row_inputs, *([words] if has_words else []))
+  inputs = (row_inputs, *([words] if has_words else []), *([tile_shift] if exp_rows else []))
   if not in_place:
     grad = call(out_type=plumbing.shape_dtype_like(x, x.shape, x.dtype))(x, *inputs)
     # (The kernel's output type drops the shard_map axes x varies over: cast back.)
@@ -185,6 +201,58 @@ def gradient(x, tokens: Tokens, saved, cotangents, column_start, limit, *, inter
   grad = _kernel(chunking.pad_rows(x, padded), rows, words, in_place=False,
                  masked=limit is not None, stages=stages, interpret=interpret)
   return grad[:num_rows]
+
+
+def exp_overwrite(e, tiles, tokens: Tokens, saved, cotangents, column_start, *, softcap,
+                  interpret, stages=None):
+  """The fused head's rows, held as their ``exp(z - m_tile)`` terms, overwritten by ``d
+  loss / d (hidden @ weight)`` (in ``e``'s dtype): the fused objective path's ``d``,
+  formed without the rows' logits.
+
+  Args:
+    e: ``[G, V_local]`` 16-bit, ``mosaic_head.statistics``' terms (``with_exp``), ``G`` a
+      multiple of ``ROWS`` (every block whole: none is moved back), ``V_local`` of
+      ``TILE``.
+    tiles: f32 ``[V_local / TILE, 4, G]``, the same call's tile statistics: each row's
+      max over each tile (the ``m_tile`` of ``e``) and the label's ``z``.
+    tokens: the rows' tokens (``inv_temp`` f32; rows not ``valid`` get exactly zero
+      gradient, NaN hidden states too). Kept sets and padded columns are already in ``e``
+      (0 at their excluded columns).
+    saved: ``(m, log s, entropy or None)`` ``[G]`` each, the rows' merged statistics.
+    cotangents: ``(g_logp, g_entropy)`` ``[G]`` each, None for a symbolic zero.
+    column_start: the global id of the first column.
+    softcap: the head's softcap (its factor from ``log p``), or None.
+    interpret: run in JAX's GPU interpreter (off GPUs: tests).
+    stages: tiles in flight per CTA on the way in (as ``overwrite``).
+
+  Returns:
+    the gradient, in ``e``'s buffer when ``e`` is dead (an intermediate). Memory: 7 + ``V_local
+    / TILE`` floats per row (the row inputs and the tiles' shifts).
+  """
+  num_rows, num_columns = e.shape
+  _check_shape(e)
+  if num_rows % ROWS:
+    raise ValueError(f"e: {e.shape}, rows a multiple of {ROWS} expected")
+  (shift, log_sum, entropy), (g_logp, g_entropy) = saved, cotangents
+  zeros = jnp.zeros_like(shift, jnp.float32)
+  valid = tokens.valid
+  masked = lambda v: jnp.where(valid, v, 0)
+  log_norm = masked(shift + log_sum)
+  coef = (zeros if g_logp is None else g_logp) + (
+      zeros if g_entropy is None or entropy is None else g_entropy * entropy)
+  rows = mosaic_tile.stack(mosaic_tile.ExpGradientInputs(
+      inv_temp=tokens.inv_temp, log_norm=log_norm, coef=masked(coef),
+      g_entropy=zeros if g_entropy is None else masked(g_entropy),
+      g_logp=zeros if g_logp is None else masked(g_logp),
+      label_column=tokens.labels - column_start,
+      label_capped=jnp.sum(tiles[:, 3], axis=0) / tokens.inv_temp, row_mask=valid))
+  blocks = num_rows // ROWS
+  rows = rows.reshape(rows.shape[0], blocks, ROWS).transpose(1, 0, 2)
+  tile_shift = masked(tiles[:, 0] - log_norm).reshape(num_columns // TILE, blocks, ROWS)
+  stages = _default_stages(e.dtype) if stages is None else stages
+  return _kernel(e, rows, None, tile_shift.transpose(1, 0, 2), in_place=True, masked=False,
+                 stages=stages, interpret=interpret, softcap=softcap,
+                 with_log_p=g_entropy is not None or softcap is not None)
 
 
 def _check_shape(x):

@@ -185,14 +185,16 @@ class HeadStatisticsInputs(NamedTuple):
 
 
 def tile_statistics(x, inputs: HeadStatisticsInputs, column, kept_set, with_entropy,
-                    masked=True):
+                    masked=True, with_exp=False):
   """``(m, s, q, picked)`` ``[R]`` f32 of one tile of logits ``x [R, TILE]`` (after the
   softcap; WGMMA layout) whose first column is ``column``: its max, ``Σ exp(z - m)``,
   ``Σ exp(z - m)(z - m)`` (zeros without ``with_entropy``) and the label's ``z`` (0 when
   the label is not in the tile); ``kept_set``: the tile's kept columns or None;
   ``masked``: exclude the columns at or past ``inputs.limit`` (without it and without a
   kept set no column is excluded, and the guards for excluded columns are left out: the
-  same numbers for finite logits)."""
+  same numbers for finite logits). With ``with_exp``, ``((m, s, q, picked), e)``: also the
+  terms of ``s``, ``e = exp(z - m)`` ``[R, TILE]`` f32 (0 at excluded columns;
+  ``exp_gradient`` takes them back)."""
   per_row = lambda v: _per_row(v, x.shape)
   global_column = _columns(x.shape, column)
   kept = global_column < per_row(inputs.limit) if masked else None
@@ -214,7 +216,7 @@ def tile_statistics(x, inputs: HeadStatisticsInputs, column, kept_set, with_entr
   else:  # (an excluded column: 0 * -inf)
     q = jnp.sum(jnp.where(e > 0, e * shifted, 0.0), axis=1)
   picked = jnp.sum(jnp.where(label, z, 0.0), axis=1)
-  return m, s, q, picked
+  return ((m, s, q, picked), e) if with_exp else (m, s, q, picked)
 
 
 class HeadGradientInputs(NamedTuple):
@@ -253,3 +255,52 @@ def head_gradient(x, inputs: HeadGradientInputs, column, kept_set, softcap):
     dx = dx * (1 - jnp.square(capped / softcap))
   # (after every factor: a dropped row's NaN)
   return jnp.where(per_row(inputs.row_mask) > 0, dx, 0.0)
+
+
+class ExpGradientInputs(NamedTuple):
+  """Per-row inputs of ``mosaic_rows_grad``'s kernel over the fused head's ``exp(z - m)``
+  terms (``exp_gradient``)."""
+  inv_temp: jnp.ndarray
+  log_norm: jnp.ndarray  # m + log s
+  coef: jnp.ndarray  # g_logp + g_entropy H
+  g_entropy: jnp.ndarray
+  g_logp: jnp.ndarray
+  label_column: jnp.ndarray
+  label_capped: jnp.ndarray  # the label's logit after the softcap (its z / inv_temp)
+  row_mask: jnp.ndarray  # 1 or 0
+
+
+def exp_gradient(e, inputs: ExpGradientInputs, tile_shift, column, *, softcap,
+                 with_log_p):
+  """``d x`` ``[R, TILE]`` f32 (WGMMA layout) of a tile of the fused head's rows held as
+  their ``e = exp(z - m_tile)`` terms (``tile_statistics`` with ``with_exp``, rounded to
+  16 bits; 0 at excluded columns), ``x`` before the softcap, the tile's first column
+  ``column`` and ``tile_shift [R]`` f32 each row's ``m_tile - (m + log s)``::
+
+      p = e exp(tile_shift)                     log p = max(log e + tile_shift, f32 min)
+      d x = inv_temp (-p (coef + g_entropy log p) + g_logp [v == label])
+
+  and with a softcap, times ``1 - min((c / softcap)², 1)``: ``c`` the column's logit
+  after the softcap, ``(log p + m + log s) / inv_temp`` (the label's own, which its term
+  may have underflowed, from ``label_capped``; the bound keeps an underflowed column's
+  factor finite, where ``d z`` is 0). Exactly 0 at rows whose ``row_mask`` is 0 (after
+  every factor). ``with_log_p``: False when no term needs ``log p`` (no entropy
+  cotangent, no softcap), which is then not formed. The 16-bit ``e`` carries ``p`` to
+  2⁻⁹ relative and ``log p`` to 2⁻⁹ absolute: the operand dtype's own rounding of
+  ``d x``."""
+  per_row = lambda v: _per_row(v, e.shape)
+  inv_temp, log_norm, coef, g_entropy, g_logp, label_column, label_capped, row_mask = (
+      per_row(v) for v in inputs)
+  e = e.astype(jnp.float32)
+  p = e * per_row(jnp.exp2(tile_shift * LOG2_E))
+  dz = -(p * coef)
+  if with_log_p:  # (an excluded column: log e = -inf, floored; p log p = 0 there)
+    log_p = jnp.maximum(jnp.log2(e) * (1 / LOG2_E) + per_row(tile_shift), FLOOR)
+    dz = dz - (p * log_p) * g_entropy
+  label = _columns(e.shape, column) == label_column
+  dz = jnp.where(label, dz + g_logp, dz)
+  dx = dz * inv_temp
+  if softcap is not None:
+    capped = jnp.where(label, label_capped, (log_p + log_norm) / inv_temp)
+    dx = dx * (1 - jnp.minimum(jnp.square(capped / softcap), 1.0))
+  return jnp.where(row_mask > 0, dx, 0.0)

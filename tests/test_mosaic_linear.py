@@ -604,3 +604,21 @@ def test_exp_overwrite_is_the_logit_gradient_of_its_terms(softcap):
   error = np.abs(got - want)
   bad = error > 2**-8 * np.abs(want) + 1e-6 * np.max(np.abs(want))
   assert not bad.any(), (got[bad][:5], want[bad][:5])
+
+
+def test_objective_kernels_inside_shard_map():
+  """The objective path's kernels inside ``shard_map`` (through the sharded wrapper, on one
+  device: the interpreter runs one): the gradients keep the weight shard's varying type
+  (the kernels' outputs carry none) and are the unsharded call's bits."""
+  from jax.sharding import Mesh  # pylint: disable=import-outside-toplevel
+  rng, hidden, weight = _inputs(9, 300, 64, 512, 1)
+  labels = jnp.asarray(rng.integers(0, 512, 300), jnp.int32)
+  a, b = (jnp.asarray(rng.normal(size=300), jnp.float32) for _ in range(2))
+  objective = lambda logp, entropy, a, b: a * logp + b * entropy
+  mesh = Mesh(np.array(jax.devices()[:1]), ("v",))
+  run = lambda f, **k: jax.jit(jax.value_and_grad(lambda h, w: f(
+      objective, h, w, labels, a, b, implementation="mosaic", **k)[0], (0, 1)))(hidden, weight)
+  got = run(jaxce.sharded_linear_token_loss, mesh=mesh, vocab_axis="v")
+  want = run(jaxce.linear_token_loss)
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    assert np.array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))

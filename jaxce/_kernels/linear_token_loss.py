@@ -114,7 +114,8 @@ def _run(objective, hidden, weight, bias, tokens, token_args, config, with_grads
         e, tiles, group_tokens._replace(valid=row_mask), (shift, log_sum, entropy),
         (g_logp, g_entropy), column_start, softcap=config.softcap,
         interpret=config.plan.interpret)
-    return d, outputs
+    # (the kernels' outputs drop the shard_map axes: d varies like the weight's shard)
+    return plumbing.unify_varying((d, weight), config.vocab_axis)[0], outputs
 
   def group_step(carry, g):
     start = chunking.chunk_start(g, padded, group)

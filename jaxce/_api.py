@@ -381,19 +381,21 @@ def linear_token_loss(objective: Callable[..., Array], hidden: ArrayLike, weight
       :func:`jaxce.linear_logprobs_and_entropy` (batch-invariant: ``chunk_size`` is the
       matmul's rows, and ``logp``, ``entropy`` the same bits as its own).
     chunk_size: tokens per step, whose full ``[chunk, V]`` f32 rows are held at once;
-      ``None`` plans it (``jaxce.plan.linear_objective_chunk``; where the fused head's
-      kernel writes the rows, ``jaxce.plan.linear_objective_kernel_tiles``: a multiple of
-      8 tokens, at least 256, a given size rounded up to that). The steps' ``d logits``
+      ``None`` plans it (``jaxce.plan.linear_objective_chunk``). The steps' ``d logits``
       (in the operand dtype) gather into groups of whole steps for the two gradient
-      matmuls, planned by ``jaxce.plan.linear_objective_grad_chunk``.
+      matmuls, planned by ``jaxce.plan.linear_objective_grad_chunk``. Where the fused
+      head's kernels run, a step is a group (``jaxce.plan.linear_objective_kernel_tiles``:
+      a multiple of 64 tokens, at least 256, a given size rounded up to that) and no f32
+      row is held.
     implementation: the statistics of each chunk's rows by ``"xla"``, ``"mosaic"`` or
       ``"triton"``, as in :func:`jaxce.logprobs_and_entropy`. Where the fused head's
       kernels run (``"mosaic"`` on Hopper, with the operands
-      :func:`jaxce.linear_logprobs_and_entropy` takes there) one kernel writes each
-      chunk's f32 rows and their statistics, so ``logp`` and ``entropy`` are the
-      per-token path's bits in either mode: the first on-policy step's ratio is exactly 1.
-      Elsewhere ``"mosaic"`` reads XLA's rows, and ``batch_invariant=True`` takes XLA's
-      exact sums.
+      :func:`jaxce.linear_logprobs_and_entropy` takes there) one kernel call per group
+      makes its rows' statistics and their ``exp(z - m)`` terms in the operand dtype, and
+      a second writes ``d`` over those terms, so ``logp`` and ``entropy`` are the
+      per-token path's bits in either mode (the first on-policy step's ratio is exactly
+      1) and ``d`` is as exact as the operand dtype it is written in. Elsewhere
+      ``"mosaic"`` reads XLA's rows, and ``batch_invariant=True`` takes XLA's exact sums.
 
   Returns:
     ``(loss, (logp, entropy))`` as :func:`jaxce.token_loss`.
@@ -402,8 +404,8 @@ def linear_token_loss(objective: Callable[..., Array], hidden: ArrayLike, weight
   (matmul 1), the loss terms, each token's cotangent and ``d`` (the logits' gradient),
   and per group of chunks ``d hidden = d @ Wᵀ`` (2) and ``d W += hiddenᵀ @ d`` (3); the
   backward only scales them. Memory: ``d hidden``, ``d weight``, an f32 ``[D, V]``
-  accumulator for ``d weight``, one chunk's f32 rows and one group's ``d``; no ``[T, V]``
-  array and nothing else that grows with T.
+  accumulator for ``d weight``, one group's ``d`` and (without the fused head's
+  kernels) one chunk's f32 rows; no ``[T, V]`` array and nothing else that grows with T.
 
   Example:
     >>> import jax

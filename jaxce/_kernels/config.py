@@ -89,8 +89,8 @@ class Plan(NamedTuple):
       multiple of ``chunk`` (else ``None``).
     kernel_chunk: tokens per call of the Mosaic forward kernel (``mosaic_head``), else
       ``None``. Fused per-token path: all ``T`` or a multiple of 256 (the rows left take
-      one call of their own); fused objective path: its ``chunk``, whose f32 rows the
-      kernel writes with their statistics.
+      one call of their own); fused objective path: its ``chunk`` (a group), whose
+      ``exp(z - m)`` terms the kernel writes with their statistics.
     backward_order: the fused per-token backward's outer loop, ``"vocab"`` or
       ``"token"`` (else ``None``).
     interpret: run the Pallas kernels in JAX's interpreter (the call runs off GPUs).

@@ -9,11 +9,14 @@ what they compute on a tile is here:
 * ``fold``: a tile folded into its rows' running statistics (an online softmax over the
   tiles of a group, ``mosaic_rows``);
 * ``tile_statistics``: a tile's own ``(m, s, q, picked)`` (``mosaic_head``'s forward;
-  ``mosaic_merge`` merges them over the tiles);
+  ``mosaic_merge`` merges them over the tiles), and its ``exp(z - m)`` terms for the fused
+  objective path;
 * ``rows_gradient`` and ``head_gradient``: the tile's ``d logits``. Both are
   ``softmax.logit_grad``'s maths; they guard ``log p`` of an excluded column in two ways
   (a floor, a select) and take ``exp`` in two ways (``exp2`` of a product, ``exp``), and
-  each path's gradients keep the bits they were released with.
+  each path's gradients keep the bits they were released with;
+* ``exp_gradient``: the same gradient from a tile's ``exp(z - m_tile)`` terms
+  (``mosaic_rows_grad.exp_overwrite``, the fused objective path's ``d``).
 
 Per-row inputs reach a kernel as one f32 ``[fields, rows]`` array, stacked from a record
 by its fields' order (``stack``) and loaded back into the same record (``load``), so a

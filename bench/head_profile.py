@@ -183,8 +183,10 @@ def _objective_loss(labels, cot):
 
 
 def objective(dim, columns, settings, repeats):
-  """Rows of section 5: each ``(T, rows MiB, grad MiB)`` (``None``: the planner's budget),
-  its plan, time and XLA's compiled memory plan (temporaries + outputs)."""
+  """Rows of section 5: each ``(T, rows MiB, grad MiB)`` (``None``: the planner's budget;
+  on Hopper the kernels' groups read grad MiB alone, beside
+  ``LINEAR_OBJECTIVE_GRAD_PER_SUM``), its plan, time and XLA's compiled memory plan
+  (temporaries + outputs)."""
   budgets = (jaxce.plan.LINEAR_OBJECTIVE_ROWS_BYTES, jaxce.plan.LINEAR_OBJECTIVE_GRAD_BYTES)
   rows = []
   planned = tuple(b["gpu"] for b in budgets)

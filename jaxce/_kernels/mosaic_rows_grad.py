@@ -119,19 +119,31 @@ def _kernel(x, row_inputs, words, tile_shift=None, *, in_place, masked, stages, 
   return jax.freeze(logits)
 
 
-def _row_inputs(tokens: Tokens, saved, cotangents, column_start, limit):
-  """``[NUM_ROW_INPUTS, T]`` f32: the rows' ``mosaic_tile.RowsGradientInputs``, stacked
-  (an ignored row, or one with no cotangent, gets exactly zero gradient)."""
-  (shift, log_sum, entropy), (g_logp, g_entropy) = saved, cotangents
+def _cotangent_fields(valid, saved, cotangents) -> dict:
+  """The rows' ``coef = g_logp + g_entropy H``, ``g_entropy`` and ``g_logp``, f32 ``[T]``
+  each, 0 at rows not ``valid`` and for a symbolic-zero cotangent (``None``)."""
+  (shift, _, entropy), (g_logp, g_entropy) = saved, cotangents
   zeros = jnp.zeros_like(shift, jnp.float32)
   g_logp = zeros if g_logp is None else g_logp.astype(jnp.float32)
   g_entropy = zeros if g_entropy is None else g_entropy.astype(jnp.float32)
   coef = g_logp + (zeros if entropy is None else g_entropy * entropy.astype(jnp.float32))
-  valid = tokens.valid
   masked = lambda v: jnp.where(valid, v, 0)
+  return dict(coef=masked(coef), g_entropy=masked(g_entropy), g_logp=masked(g_logp))
+
+
+def _by_block(a, blocks):
+  """``[fields, blocks * ROWS]`` -> ``[blocks, fields, ROWS]``: a kernel's per-row inputs,
+  one slab per CTA's rows."""
+  return a.reshape(a.shape[0], blocks, ROWS).transpose(1, 0, 2)
+
+
+def _row_inputs(tokens: Tokens, saved, cotangents, column_start, limit):
+  """``[NUM_ROW_INPUTS, T]`` f32: the rows' ``mosaic_tile.RowsGradientInputs``, stacked
+  (an ignored row, or one with no cotangent, gets exactly zero gradient)."""
+  shift, log_sum, _ = saved
   return mosaic_tile.stack(mosaic_tile.RowsGradientInputs(
-      inv_temp=tokens.inv_temp, log_norm=jnp.where(valid, shift + log_sum, jnp.inf),
-      coef=masked(coef), g_entropy=masked(g_entropy), g_logp=masked(g_logp),
+      inv_temp=tokens.inv_temp, log_norm=jnp.where(tokens.valid, shift + log_sum, jnp.inf),
+      **_cotangent_fields(tokens.valid, saved, cotangents),
       label_column=tokens.labels - column_start,
       limit=jnp.broadcast_to(limit, shift.shape)))
 
@@ -168,7 +180,7 @@ def overwrite(x, tokens: Tokens, saved, cotangents, column_start, limit, tail_gr
   if whole:
     bound = num_columns if limit is None else limit
     rows = _row_inputs(tokens, saved, cotangents, column_start, bound)[:, :whole]
-    rows = rows.reshape(NUM_ROW_INPUTS, whole // ROWS, ROWS).transpose(1, 0, 2)
+    rows = _by_block(rows, whole // ROWS)
     words = None if tokens.kept is None else mosaic_tile.kept_words(
         tokens.kept[:whole], tokens.labels[:whole] - column_start, whole)
     x = _kernel(x, rows, words, in_place=True, masked=limit is not None, stages=stages,
@@ -233,26 +245,20 @@ def exp_overwrite(e, tiles, tokens: Tokens, saved, cotangents, column_start, *, 
   _check_shape(e)
   if num_rows % ROWS:
     raise ValueError(f"e: {e.shape}, rows a multiple of {ROWS} expected")
-  (shift, log_sum, entropy), (g_logp, g_entropy) = saved, cotangents
-  zeros = jnp.zeros_like(shift, jnp.float32)
+  shift, log_sum, _ = saved
   valid = tokens.valid
-  masked = lambda v: jnp.where(valid, v, 0)
-  log_norm = masked(shift + log_sum)
-  coef = (zeros if g_logp is None else g_logp) + (
-      zeros if g_entropy is None or entropy is None else g_entropy * entropy)
+  log_norm = jnp.where(valid, shift + log_sum, 0)
   rows = mosaic_tile.stack(mosaic_tile.ExpGradientInputs(
-      inv_temp=tokens.inv_temp, log_norm=log_norm, coef=masked(coef),
-      g_entropy=zeros if g_entropy is None else masked(g_entropy),
-      g_logp=zeros if g_logp is None else masked(g_logp),
+      inv_temp=tokens.inv_temp, log_norm=log_norm,
+      **_cotangent_fields(valid, saved, cotangents),
       label_column=tokens.labels - column_start,
       label_capped=jnp.sum(tiles[:, 3], axis=0) / tokens.inv_temp, row_mask=valid))
   blocks = num_rows // ROWS
-  rows = rows.reshape(rows.shape[0], blocks, ROWS).transpose(1, 0, 2)
-  tile_shift = masked(tiles[:, 0] - log_norm).reshape(num_columns // TILE, blocks, ROWS)
+  tile_shift = jnp.where(valid, tiles[:, 0] - log_norm, 0)
   stages = _default_stages(e.dtype) if stages is None else stages
-  return _kernel(e, rows, None, tile_shift.transpose(1, 0, 2), in_place=True, masked=False,
-                 stages=stages, interpret=interpret, softcap=softcap,
-                 with_log_p=g_entropy is not None or softcap is not None)
+  return _kernel(e, _by_block(rows, blocks), None, _by_block(tile_shift, blocks),
+                 in_place=True, masked=False, stages=stages, interpret=interpret,
+                 softcap=softcap, with_log_p=cotangents[1] is not None or softcap is not None)
 
 
 def _check_shape(x):

@@ -41,8 +41,12 @@ LINEAR_KERNEL_STATS_BYTES = 256 * 2**20
 # read by the two gradient GEMMs), the block's bounds in columns (past the largest the
 # GEMMs gain little for the memory), and the time of one more block's passes per T x D, in
 # _kernel_block_cost's units (measured: 0.57 ms per block at T = 32768, D = 4096, H100).
+# Past a hidden dim of LINEAR_KERNEL_WIDE_DEPTH the largest block grows with D: a wide
+# head's blocks each cost more than their d logits' memory (entry 40: twice the block at
+# D = 4096 is 2 % faster at T = 8192; at D <= 2048 no faster, for 20 % more memory).
 LINEAR_KERNEL_GRAD_BYTES = 576 * 2**20
 LINEAR_KERNEL_MIN_BLOCK, LINEAR_KERNEL_MAX_BLOCK = 4096, 8448
+LINEAR_KERNEL_WIDE_DEPTH = 2048
 LINEAR_KERNEL_BLOCK_PASS = 2.7e-4
 
 
@@ -185,12 +189,13 @@ def linear_kernel_tiles(num_tokens: int, num_columns: int, requested_chunk: int 
   :func:`linear_tiles`' chunk for a requested block) is rounded down to a multiple of 256
   (all ``T`` when it is at least ``T``). Unless a size is requested, the block is the
   multiple of 128 between half the budget for ``[chunk, block]`` and the budget (at most
-  ``LINEAR_KERNEL_MAX_BLOCK``) with the least ``_kernel_block_cost`` on ``num_cores`` SMs
-  for a hidden dim ``depth``; else :func:`linear_tiles`' block, rounded down to a multiple
-  of 128 (at least that, at most the array).
+  ``LINEAR_KERNEL_MAX_BLOCK``; with one chunk, ``_kernel_max_block(depth)``) with the
+  least ``_kernel_block_cost`` on ``num_cores`` SMs for a hidden dim ``depth``; else
+  :func:`linear_tiles`' block, rounded down to a multiple of 128 (at least that, at most
+  the array).
   """
-  step = mosaic_head.TILE_N
-  cap = min(LINEAR_KERNEL_GRAD_BYTES // (2 * num_tokens), LINEAR_KERNEL_MAX_BLOCK, num_columns)
+  step, max_block = mosaic_head.TILE_N, _kernel_max_block(depth)
+  cap = min(LINEAR_KERNEL_GRAD_BYTES // (2 * num_tokens), max_block, num_columns)
   planned = requested_chunk is None and requested_block is None
   whole = (planned and num_tokens <= num_columns
            and cap >= min(LINEAR_KERNEL_MIN_BLOCK, num_columns))
@@ -206,11 +211,21 @@ def linear_kernel_tiles(num_tokens: int, num_columns: int, requested_chunk: int 
   elif chunk < num_tokens:
     chunk = _multiple(chunk, mosaic_head.MIN_ROWS, num_tokens)
   if planned:
-    cap = min(LINEAR_KERNEL_GRAD_BYTES // (2 * chunk), LINEAR_KERNEL_MAX_BLOCK, num_columns)
+    cap = min(LINEAR_KERNEL_GRAD_BYTES // (2 * chunk),
+              max_block if whole else LINEAR_KERNEL_MAX_BLOCK, num_columns)
     blocks = range(max(step, cap // 2 - cap // 2 % step), max(step, cap - cap % step) + 1, step)
     block = min(blocks, key=lambda b: (_kernel_block_cost(chunk, num_columns, depth, b,
                                                           num_cores), -b))
   return chunk, _multiple(block, step, num_columns)
+
+
+def _kernel_max_block(depth: int) -> int:
+  """The largest block of the Mosaic backward at hidden dim ``depth``:
+  ``LINEAR_KERNEL_MAX_BLOCK`` up to ``LINEAR_KERNEL_WIDE_DEPTH``, growing with ``depth``
+  past it (a multiple of 128)."""
+  block = (LINEAR_KERNEL_MAX_BLOCK * max(depth, LINEAR_KERNEL_WIDE_DEPTH)
+           // LINEAR_KERNEL_WIDE_DEPTH)
+  return block - block % mosaic_head.TILE_N
 
 
 def _kernel_chunk(num_tokens: int, cap: int) -> int:

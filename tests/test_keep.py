@@ -141,7 +141,13 @@ def test_objective_paths(path):
 
 @pytest.mark.parametrize("path", ["logits", "linear"])
 def test_all_kept_is_the_call_without_keep_bitwise(path):
-  """Per implementation (XLA: on GPUs the call without keep would take a Pallas kernel)."""
+  """Per implementation (XLA: on GPUs the call without keep would take a Pallas kernel).
+
+  Bitwise where XLA compiles the two programs' matmuls alike (CPU). On a GPU XLA's
+  autotuner picks each program's GEMM per process (cuBLAS, or a Triton fusion that takes
+  the kept mask's selects in), so a one-row chunk's ``d hidden`` was seen one or two f32
+  ulps apart there (bench/NOTES.md, entries 39 and 40): the GPU compares within an f32
+  GEMM's rounding, relative to each output's largest entry."""
   p = _problem(3)
   keep = jaxce.keep.pack(np.ones((T, V), bool))
   if path == "logits":
@@ -157,7 +163,10 @@ def test_all_kept_is_the_call_without_keep_bitwise(path):
   both = lambda f: jax.jit(lambda *a: (f(*a), jax.grad(_weighted(f, cot), argnums)(*a)))
   with_keep, without = both(fn(keep))(*arrays), both(fn(None))(*arrays)
   for a, b in zip(jax.tree.leaves(with_keep), jax.tree.leaves(without)):
-    np.testing.assert_array_equal(a, b)
+    if jax.default_backend() == "gpu":
+      np.testing.assert_allclose(a, b, rtol=0, atol=2**-20 * float(np.max(np.abs(b))))
+    else:
+      np.testing.assert_array_equal(a, b)
 
 
 def test_a_label_outside_its_kept_set_stays_finite_and_is_found():

@@ -218,12 +218,17 @@ def test_mosaic_backward_tile_plan():
   budget (vocab order), else the fewest, most even multiples of 256 rows in linear_tiles'
   budget; with token chunks outer, likewise in the budget's tile; the block of least modelled
   time, which on an H100's 132 SMs at V = 151936, D = 4096 is the measured best, 8448
-  (bench/NOTES.md, entry 25); requested sizes as given, on the kernel's multiples."""
+  (bench/NOTES.md, entry 25), up to twice that with one chunk at D = 4096 (entry 40);
+  requested sizes as given, on the kernel's multiples."""
   tiles = functools.partial(jaxce.plan.linear_kernel_tiles, platform="gpu", depth=4096,
                             num_cores=132)
   assert tiles(32768, 151936) == (32768, 8448)
-  assert tiles(8192, 151936) == (8192, 8448)
-  assert tiles(8184, 151936) == (8184, 8448)  # ragged T: all of it, one chunk
+  assert tiles(8192, 151936) == (8192, 16896)  # one chunk, a wide head: 9 blocks, not 18
+  assert tiles(8184, 151936) == (8184, 16896)  # ragged T: all of it, one chunk
+  assert tiles(16384, 151936) == (16384, 16896)
+  for depth in (1024, 2048, 2560):  # no wider blocks where they measured no faster
+    assert jaxce.plan.linear_kernel_tiles(8184, 151936, platform="gpu", depth=depth,
+                                          num_cores=132) == (8184, 8448)
   assert tiles(1000, 151936)[0] == 1000
   assert tiles(65536, 151936) == (65536, 4224)  # the budget halves the block
   assert tiles(131072, 151936) == (8192, 8448)  # below LINEAR_KERNEL_MIN_BLOCK: chunks

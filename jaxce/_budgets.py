@@ -41,9 +41,9 @@ LINEAR_KERNEL_STATS_BYTES = 256 * 2**20
 # read by the two gradient GEMMs), the block's bounds in columns (past the largest the
 # GEMMs gain little for the memory), and the time of one more block's passes per T x D, in
 # _kernel_block_cost's units (measured: 0.57 ms per block at T = 32768, D = 4096, H100).
-# Past a hidden dim of LINEAR_KERNEL_WIDE_DEPTH the largest block grows with D: a wide
-# head's blocks each cost more than their d logits' memory (entry 40: twice the block at
-# D = 4096 is 2 % faster at T = 8192; at D <= 2048 no faster, for 20 % more memory).
+# With one chunk, past a hidden dim of LINEAR_KERNEL_WIDE_DEPTH the largest block grows
+# with D (entry 40: twice the block was 2 % faster at D = 4096, T = 8192, for 12 % more
+# memory; 0.8 % at D = 2048 for 19 % more; no faster at D = 1024).
 LINEAR_KERNEL_GRAD_BYTES = 576 * 2**20
 LINEAR_KERNEL_MIN_BLOCK, LINEAR_KERNEL_MAX_BLOCK = 4096, 8448
 LINEAR_KERNEL_WIDE_DEPTH = 2048

@@ -52,6 +52,7 @@ import jax.numpy as jnp
 from jaxce._budgets import (  # noqa: F401  pylint: disable=unused-import
     DEFAULT_VOCAB_BLOCK, LINEAR_KERNEL_BLOCK_PASS, LINEAR_KERNEL_GRAD_BYTES,
     LINEAR_KERNEL_MAX_BLOCK, LINEAR_KERNEL_MIN_BLOCK, LINEAR_KERNEL_STATS_BYTES,
+    LINEAR_KERNEL_WIDE_DEPTH,
     LINEAR_OBJECTIVE_GRAD_BYTES, LINEAR_OBJECTIVE_GRAD_PER_SUM, LINEAR_OBJECTIVE_ROWS_BYTES,
     LINEAR_TILE_BYTES, LOGITS_TILE_BYTES, budget_platform, chunk_size, linear_backward_order,
     linear_kernel_chunk, linear_kernel_tiles, linear_objective_chunk,

@@ -226,7 +226,7 @@ def test_mosaic_backward_tile_plan():
   assert tiles(8192, 151936) == (8192, 16896)  # one chunk, a wide head: 9 blocks, not 18
   assert tiles(8184, 151936) == (8184, 16896)  # ragged T: all of it, one chunk
   assert tiles(16384, 151936) == (16384, 16896)
-  for depth in (1024, 2048, 2560):  # no wider blocks where they measured no faster
+  for depth in (1024, 2048, 2560):  # the blocks of before up to D = 2560
     assert jaxce.plan.linear_kernel_tiles(8184, 151936, platform="gpu", depth=depth,
                                           num_cores=132) == (8184, 8448)
   assert tiles(1000, 151936)[0] == 1000

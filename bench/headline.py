@@ -36,10 +36,16 @@ def _rows(results, impl, mode):
           and r["status"] == "ok"}
 
 
+def _same_run(row, other) -> bool:
+  """Whether two rows come from one run of the same code (their commits), so that a
+  ratio of their times compares the code, not two machine sessions."""
+  return row.get("commit", "")[:7] == other.get("commit", "")[:7]
+
+
 def _per_token_vs_round(rows, key) -> str:
   """The time per token of ``rows[key]`` over that of the round T (a multiple of
   ``ROW_BLOCK``) nearest it in ratio, of the same V and D: "round" for a round T, "–"
-  when no round T of that V and D was measured."""
+  when no round T of that V and D was measured, or not in the same run."""
   V, D, T = key
   if T % ROW_BLOCK == 0:
     return "round"
@@ -47,11 +53,14 @@ def _per_token_vs_round(rows, key) -> str:
   if not rounds:
     return "–"
   near = min(rounds, key=lambda k: abs(math.log(k[2] / T)))
+  if not _same_run(rows[key], rows[near]):
+    return "–"
   return f"{(rows[key]['ms'] / T) / (rows[near]['ms'] / near[2]):.3f} (of {near[2]})"
 
 
 def shapes_table(results: dict) -> str:
-  """The fused path, fwd+bwd (with entropy, bf16) and forward, one line per (V, D, T)."""
+  """The fused path, fwd+bwd (with entropy, bf16) and forward, one line per (V, D, T);
+  a ratio only between rows of the same run (``_same_run``), else "–"."""
   bwd = {impl: _rows(results, impl, "fwd_bwd") for impl, _ in PEERS}
   fwd = {impl: _rows(results, impl, "fwd") for impl, _ in PEERS}
   ms = lambda row: "–" if row is None else f"{row['ms']:.1f}"
@@ -63,7 +72,7 @@ def shapes_table(results: dict) -> str:
     ours, peer, plain = (bwd[impl].get(key) for impl, _ in PEERS)
     lines.append("| " + " | ".join([
         str(key[0]), str(key[1]), str(key[2]), ms(ours), ms(peer),
-        "–" if peer is None else f"{ours['ms'] / peer['ms']:.3f}",
+        "–" if peer is None or not _same_run(ours, peer) else f"{ours['ms'] / peer['ms']:.3f}",
         _per_token_vs_round(bwd["jaxce"], key), ms(plain),
         ms(fwd["jaxce"].get(key)), ms(fwd["liger_flsce"].get(key)),
         " / ".join(gib(r) for r in (ours, peer, plain))]) + " |")

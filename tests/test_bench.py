@@ -447,6 +447,25 @@ def test_readme_headline_comes_from_the_committed_results():
   assert headline.CHART in readme
 
 
+def test_headline_ratios_compare_rows_of_one_run():
+  """A results file merged from several runs (shapes remeasured after a change replace
+  their rows): the headline divides jaxce's time by FLSCE's, and a ragged T's per token by
+  its round T's, only where both rows come from the same commit; else "–"."""
+  from bench import headline
+  row = lambda impl, T, ms, commit: dict(impl=impl, variant="default", mode="fwd_bwd",
+                                         status="ok", V=151936, D=1024, T=T, ms=ms,
+                                         commit=commit, peak_extra_bytes=2**30)
+  results = dict(rows=[row("jaxce", 8184, 10.0, "aaaaaaa"), row("liger_flsce", 8184, 20.0,
+                                                                  "aaaaaaa"),
+                       row("jaxce", 8192, 10.0, "bbbbbbb"), row("liger_flsce", 8192, 20.0,
+                                                                  "ccccccc")])
+  lines = headline.shapes_table(results).splitlines()[2:]
+  cells = [[c.strip() for c in line.strip("|").split("|")] for line in lines]
+  assert [c[2] for c in cells] == ["8184", "8192"]
+  assert cells[0][5] == "0.500" and cells[0][6] == "–"  # 8192's row is another run's
+  assert cells[1][5] == "–" and cells[1][6] == "round"
+
+
 def test_gpu_only_code_compiles_and_imports_on_cpu():
   """Every GPU-only path is at least compiled and imported here: the session script, the
   floors, the accuracy rows, the PyTorch peers, the kernel pieces the floors time and the

@@ -194,8 +194,8 @@ def linear_kernel_tiles(num_tokens: int, num_columns: int, requested_chunk: int 
   :func:`linear_tiles`' block, rounded down to a multiple of 128 (at least that, at most
   the array).
   """
-  step, max_block = mosaic_head.TILE_N, _kernel_max_block(depth)
-  cap = min(LINEAR_KERNEL_GRAD_BYTES // (2 * num_tokens), max_block, num_columns)
+  step = mosaic_head.TILE_N
+  cap = min(LINEAR_KERNEL_GRAD_BYTES // (2 * num_tokens), LINEAR_KERNEL_MAX_BLOCK, num_columns)
   planned = requested_chunk is None and requested_block is None
   whole = (planned and num_tokens <= num_columns
            and cap >= min(LINEAR_KERNEL_MIN_BLOCK, num_columns))
@@ -211,8 +211,8 @@ def linear_kernel_tiles(num_tokens: int, num_columns: int, requested_chunk: int 
   elif chunk < num_tokens:
     chunk = _multiple(chunk, mosaic_head.MIN_ROWS, num_tokens)
   if planned:
-    cap = min(LINEAR_KERNEL_GRAD_BYTES // (2 * chunk),
-              max_block if whole else LINEAR_KERNEL_MAX_BLOCK, num_columns)
+    max_block = _kernel_max_block(depth) if whole else LINEAR_KERNEL_MAX_BLOCK
+    cap = min(LINEAR_KERNEL_GRAD_BYTES // (2 * chunk), max_block, num_columns)
     blocks = range(max(step, cap // 2 - cap // 2 % step), max(step, cap - cap % step) + 1, step)
     block = min(blocks, key=lambda b: (_kernel_block_cost(chunk, num_columns, depth, b,
                                                           num_cores), -b))

@@ -21,8 +21,8 @@ warpgroups):
   dtype, when the caller keeps them (the fused objective path's rows, from which it
   forms ``d logits`` once the rows' statistics are merged: its per-token outputs are
   then the per-token path's bits); or (backward epilogue) ``softmax.logit_grad`` and
-  the softcap's and temperature's factors. Tiles go out through shared memory with TMA, in pieces 128 bytes
-  wide, two slots a warpgroup (``_store_pieces``). With kept sets, each
+  the softcap's and temperature's factors. Tiles go out through shared memory with TMA,
+  in pieces 128 bytes wide, two slots a warpgroup (``_store_pieces``). With kept sets, each
   warpgroup's ``[4, 128]`` block of the transposed words comes in by TMA beside its row
   inputs (the label's bit set in XLA: ``mosaic_tile.kept_words``), and columns outside a
   row's kept set are masked too (``mosaic_tile.kept_columns``).

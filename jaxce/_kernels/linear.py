@@ -283,12 +283,15 @@ def _tile_grads(bwd: _Backward, rows, w_cols, b_cols, col, first_column, width=N
   block unless given) from local column ``col``: its f32 ``d hidden`` rows ``[chunk, D]``,
   its ``d W`` columns (f32, or ``dw_dtype`` when given: rounded once by the matmul) and
   its ``d bias`` columns (None without a bias), exactly 0 in a clamped block's overlap and
-  at ignored rows."""
+  at ignored rows. ``first_column``: the global id of the block's first column of its own
+  (past a clamped block's overlap), or None for a block with no overlap."""
   config = bwd.config
   width = config.plan.block if width is None else width
   h, chunk_tokens, chunk_saved, chunk_cotangents, row_mask = rows
   labels, inv_temp, _, _ = chunk_tokens
   shard_start, vocab_dim = bwd.shard_start, config.vocab_dim
+  overlap = first_column is not None
+  first_column = first_column if overlap else shard_start + col
   label_column = labels - (shard_start + col)
   label_column = jnp.where(labels >= first_column, label_column, -1)
   d_bias = None
@@ -297,9 +300,9 @@ def _tile_grads(bwd: _Backward, rows, w_cols, b_cols, col, first_column, width=N
         chunk_tokens.kept, col // 32, width // 32, axis=1)  # (col: a multiple of 128)
     d = mosaic_head.logits_grad(
         h, w_cols, label_column, inv_temp, chunk_saved, chunk_cotangents, row_mask,
-        kept_words, limit=softmax.column_limit(config.mask_vocab, shard_start + col, width),
-        first_kept=first_column - (shard_start + col), vocab_dim=vocab_dim,
-        softcap=config.softcap, interpret=config.plan.interpret,
+        kept_words, limit=softmax.kernel_limit(config.mask_vocab, shard_start + col, width),
+        first_kept=first_column - (shard_start + col) if overlap else None,
+        vocab_dim=vocab_dim, softcap=config.softcap, interpret=config.plan.interpret,
         num_cores=config.plan.num_cores)
   else:
     x = head.tile_logits(h, w_cols, b_cols, config.softcap, vocab_dim, config.plan.precision)
@@ -354,23 +357,26 @@ def _vocab_outer_grads(bwd: _Backward):
   ``d W`` comes out of its matmul in the weight's dtype (no f32 sum, no cast pass). The
   blocks write every column of ``d W``, so it starts uninitialized (no zeros written)."""
   config, hidden, weight, bias, chunks = bwd.config, bwd.hidden, bwd.weight, bwd.bias, bwd.chunks
-  n_blocks, vocab_dim = bwd.num_blocks, config.vocab_dim
-  # A ragged vocabulary's clamped last block runs first: its overlap with the block before
-  # it gets exact zeros, which that block's own columns then overwrite (no read-back).
-  ragged = weight.shape[vocab_dim] % config.plan.block != 0
+  n_blocks, vocab_dim, block = bwd.num_blocks, config.vocab_dim, config.plan.block
+  num_columns = weight.shape[vocab_dim]
+  # With the Mosaic kernels a ragged vocabulary's last block is as wide as the columns left
+  # (a multiple of 128), after the scan: no column is done twice, and no block masks any
+  # (no vocab_size or kept sets). Otherwise its clamped last block runs first: its overlap
+  # with the block before it gets exact zeros, which that block's own columns then
+  # overwrite (no read-back).
+  narrow = config.plan.backend == "mosaic"
+  ragged = num_columns % block != 0
   whole = _chunk_rows(bwd, 0, chunks.total) if len(chunks.sizes) == 1 else None
 
-  def block_step(carry, k):
-    d_hidden, d_weight, d_bias = carry
-    j = (k + n_blocks - 1) % n_blocks if ragged else k
-    col, w_cols, b_cols, first_column = _block_slices(bwd, j)
+  def block_grads(grads, col, w_cols, b_cols, first_column, width):
+    d_hidden, d_weight, d_bias = grads
     if whole is not None:
       dh_rows, dw_block, db_block = _tile_grads(bwd, whole, w_cols, b_cols, col, first_column,
-                                                dw_dtype=weight.dtype)
+                                                width, dw_dtype=weight.dtype)
       return _write_block(bwd, (_add_rows(d_hidden, dh_rows, 0), d_weight, d_bias), col,
-                          dw_block, db_block), None
+                          dw_block, db_block)
     step = lambda start, size: _tile_grads(bwd, _chunk_rows(bwd, start, size), w_cols, b_cols,
-                                           col, first_column)
+                                           col, first_column, width)
 
     def chunk_step(carry, start, size):
       d_hidden, dw_block, db_block = carry
@@ -382,7 +388,17 @@ def _vocab_outer_grads(bwd: _Backward):
     dh_rows, dw_block, db_block = step(0, chunks.sizes[0])
     (d_hidden, dw_block, db_block), _ = chunking.scan_chunks(
         chunk_step, (_add_rows(d_hidden, dh_rows, 0), dw_block, db_block), chunks, first=1)
-    return _write_block(bwd, (d_hidden, d_weight, d_bias), col, dw_block, db_block), None
+    return _write_block(bwd, (d_hidden, d_weight, d_bias), col, dw_block, db_block)
+
+  def block_step(grads, k):
+    if narrow:  # (blocks of their own columns: no overlap)
+      col = k * block
+      w_cols = lax.dynamic_slice_in_dim(weight, col, block, vocab_dim)
+      b_cols = None if bias is None else lax.dynamic_slice_in_dim(bias, col, block, 0)
+      return block_grads(grads, col, w_cols, b_cols, None, block), None
+    j = (k + n_blocks - 1) % n_blocks if ragged else k
+    col, w_cols, b_cols, first_column = _block_slices(bwd, j)
+    return block_grads(grads, col, w_cols, b_cols, first_column, block), None
 
   dtype = head.dtypes(hidden, weight)[1]
   accumulator_dtype = hidden.dtype if config.hidden_grad_in_output else dtype
@@ -391,7 +407,14 @@ def _vocab_outer_grads(bwd: _Backward):
                                     config.vocab_axis)[0]
   carry = (jnp.zeros_like(hidden, accumulator_dtype), d_weight,
            None if bias is None else jnp.zeros_like(bias))
-  (d_hidden, d_weight, d_bias), _ = lax.scan(block_step, carry, jnp.arange(n_blocks))
+  full_blocks = num_columns // block if narrow else n_blocks
+  grads, _ = lax.scan(block_step, carry, jnp.arange(full_blocks))
+  if full_blocks * block < num_columns:  # (narrow: the columns left)
+    col = full_blocks * block
+    columns = lambda a, dim: lax.slice_in_dim(a, col, num_columns, axis=dim)
+    grads = block_grads(grads, col, columns(weight, vocab_dim),
+                        None if bias is None else columns(bias, 0), None, num_columns - col)
+  d_hidden, d_weight, d_bias = grads
   if config.vocab_axis is not None:
     d_hidden = lax.psum(d_hidden, config.vocab_axis)  # partial sums over vocab shards
   return d_hidden.astype(hidden.dtype), d_weight, d_bias
@@ -441,8 +464,7 @@ def _token_outer_grads(bwd: _Backward):
                                                                      new_dw[-1]))
       w_cols = columns(weight_here, col, width, vocab_dim)
       b_cols = None if bias is None else columns(bias, col, width, 0)
-      dh_tile, dw_tile, db_tile = _tile_grads(bwd, rows, w_cols, b_cols, col,
-                                              bwd.shard_start + col, width)
+      dh_tile, dw_tile, db_tile = _tile_grads(bwd, rows, w_cols, b_cols, col, None, width)
       dh_rows = dh_tile if dh_rows is None else dh_rows + dh_tile
       new_dw.append(dw_sum + dw_tile)
       new_db.append(None if db_sum is None else db_sum + db_tile)

@@ -306,15 +306,16 @@ def _tile_statistics(hidden, weight, row_inputs, words, *, vocab_dim, softcap, w
                 scratch=scratch, interpret=interpret, num_cores=num_cores)
 
 
-def _tile_logits_grad(hidden, weight, row_inputs, words, *, vocab_dim, softcap, interpret,
-                      num_cores):
+def _tile_logits_grad(hidden, weight, row_inputs, words, *, vocab_dim, softcap, masked,
+                      interpret, num_cores):
   """``[C, V]`` ``d loss / d (hidden @ weight)`` in hidden's dtype; ``row_inputs [10, C]``:
-  the rows' ``mosaic_tile.HeadGradientInputs``, stacked; ``words`` as ``_tiles``."""
+  the rows' ``mosaic_tile.HeadGradientInputs``, stacked; ``words`` as ``_tiles``;
+  ``masked``: apply the rows' ``[first_kept, limit)`` (``mosaic_tile.head_gradient``)."""
   num_rows, dtype = hidden.shape[0], hidden.dtype
 
   def finish(x, inputs, column, kept, scratch, outs, n_idx, row_slice):
     del n_idx
-    d = mosaic_tile.head_gradient(x, inputs, column, kept, softcap).astype(dtype)
+    d = mosaic_tile.head_gradient(x, inputs, column, kept, softcap, masked).astype(dtype)
     _store_pieces(scratch, d, outs[0].at[row_slice, pl.ds(column, TILE_N)])
 
   return _tiles(hidden, weight, row_inputs, words,
@@ -401,7 +402,9 @@ def logits_grad(hidden, weight, label_column, inv_temp, saved, cotangents, row_m
     kept: uint32 ``[C, Vb / 32]``, the rows' kept sets over the block's columns (the
       label's column always kept), or None.
     limit, first_kept: int32 scalars: the block's columns outside ``[first_kept, limit)``
-      are excluded (padded vocabulary; a clamped last block's overlap).
+      are excluded (padded vocabulary; a clamped last block's overlap); or None: no column
+      below (``first_kept``) or past (``limit``) is, and with both None the tiles are not
+      masked (as ``statistics``).
     interpret, num_cores: as the plan says (``_tiles``).
 
   Returns:
@@ -411,12 +414,15 @@ def logits_grad(hidden, weight, label_column, inv_temp, saved, cotangents, row_m
       jnp.float32)
   scalar = lambda v: jnp.broadcast_to(jnp.asarray(v, jnp.float32), inv_temp.shape)
   (shift, log_sum, entropy), (g_logp, g_entropy) = saved, cotangents
+  num_columns = weight.shape[vocab_dim]
   row_inputs = mosaic_tile.stack(mosaic_tile.HeadGradientInputs(
-      inv_temp=as_row(inv_temp), label=label_column.astype(jnp.float32), limit=scalar(limit),
-      first_kept=scalar(first_kept), shift=as_row(shift), log_sum=as_row(log_sum),
+      inv_temp=as_row(inv_temp), label=label_column.astype(jnp.float32),
+      limit=scalar(num_columns if limit is None else limit),
+      first_kept=scalar(0 if first_kept is None else first_kept),
+      shift=as_row(shift), log_sum=as_row(log_sum),
       entropy=as_row(entropy), g_logp=as_row(g_logp), g_entropy=as_row(g_entropy),
       row_mask=row_mask.astype(jnp.float32)))
   return _tile_logits_grad(hidden, weight, row_inputs,
-                           _words(kept, label_column, weight.shape[vocab_dim]),
-                           vocab_dim=vocab_dim,
-                           softcap=softcap, interpret=interpret, num_cores=num_cores)
+                           _words(kept, label_column, num_columns), vocab_dim=vocab_dim,
+                           softcap=softcap, masked=limit is not None or first_kept is not None,
+                           interpret=interpret, num_cores=num_cores)

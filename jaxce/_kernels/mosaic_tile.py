@@ -236,22 +236,28 @@ class HeadGradientInputs(NamedTuple):
   row_mask: jnp.ndarray  # 1 or 0
 
 
-def head_gradient(x, inputs: HeadGradientInputs, column, kept_set, softcap):
+def head_gradient(x, inputs: HeadGradientInputs, column, kept_set, softcap, masked=True):
   """``softmax.logit_grad`` then ``head.logits_input_grad`` of one accumulator tile
   ``x [R, TILE]`` (WGMMA layout, before the softcap) whose first column is ``column``;
-  ``kept_set``: the tile's kept columns or None."""
+  ``kept_set``: the tile's kept columns or None; ``masked``: exclude the columns outside
+  ``[inputs.first_kept, inputs.limit)`` (without it and without a kept set no column is
+  excluded, and the guard for excluded columns is left out: the same numbers for finite
+  logits)."""
   per_row = lambda v: _per_row(v, x.shape)
   capped = cap(x, softcap)
   global_column = _columns(x.shape, column)
   kept = ((global_column >= per_row(inputs.first_kept))
-          & (global_column < per_row(inputs.limit)))
+          & (global_column < per_row(inputs.limit))) if masked else None
   if kept_set is not None:
-    kept = kept & kept_set
-  z = jnp.where(kept, capped * per_row(inputs.inv_temp), -jnp.inf)
+    kept = kept_set if kept is None else kept & kept_set
+  z = capped * per_row(inputs.inv_temp)
+  if kept is not None:
+    z = jnp.where(kept, z, -jnp.inf)
   log_p = (z - per_row(inputs.shift)) - per_row(inputs.log_sum)
   p = jnp.exp(log_p)
-  coef = per_row(inputs.g_logp) + per_row(inputs.g_entropy) * (
-      jnp.where(p > 0, log_p, 0.0) + per_row(inputs.entropy))
+  if kept is not None:  # (an excluded column: 0 * -inf)
+    log_p = jnp.where(p > 0, log_p, 0.0)
+  coef = per_row(inputs.g_logp) + per_row(inputs.g_entropy) * (log_p + per_row(inputs.entropy))
   dz = jnp.where(global_column == per_row(inputs.label), per_row(inputs.g_logp), 0.0) - p * coef
   dx = dz * per_row(inputs.inv_temp)
   if softcap is not None:

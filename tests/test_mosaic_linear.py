@@ -234,8 +234,8 @@ def test_matches_xla_path_and_reference(weight_layout, tokens, max_unrolled, chu
 @pytest.mark.parametrize("weight_layout,softcap", [("dv", None), ("vd", 20.0)])
 def test_unmasked_backward_and_its_narrow_last_block(weight_layout, softcap):
   """No padded vocabulary and no kept sets: the backward's kernels mask no column, and
-  the last of the vocab blocks (256, 256, then the 128 columns left of 640) is as wide as
-  the columns left, not clamped back over the one before. Per-token temperature, an
+  the columns past the last whole vocab block (128 of 640, in blocks of 256) make one block
+  as wide as they are, not a block clamped back over the one before. Per-token temperature, an
   ignored row whose hidden state is NaN (its row of ``d`` exactly 0: ``d W`` stays finite),
   random cotangents for both outputs; values and gradients as exact as the XLA path's
   against float64, the gradients within one bf16 rounding step of it."""

@@ -360,10 +360,11 @@ def _vocab_outer_grads(bwd: _Backward):
   n_blocks, vocab_dim, block = bwd.num_blocks, config.vocab_dim, config.plan.block
   num_columns = weight.shape[vocab_dim]
   # With the Mosaic kernels a ragged vocabulary's last block is as wide as the columns left
-  # (a multiple of 128), after the scan: no column is done twice, and no block masks any
-  # (no vocab_size or kept sets). Otherwise its clamped last block runs first: its overlap
-  # with the block before it gets exact zeros, which that block's own columns then
-  # overwrite (no read-back).
+  # (a multiple of 128), before the scan (after it, XLA may run its kernel early and hold
+  # its tiles through the scan): no column is done twice, and no block masks any (no
+  # vocab_size or kept sets). Otherwise its clamped last block runs first: its overlap with
+  # the block before it gets exact zeros, which that block's own columns then overwrite
+  # (no read-back).
   narrow = config.plan.backend == "mosaic"
   ragged = num_columns % block != 0
   whole = _chunk_rows(bwd, 0, chunks.total) if len(chunks.sizes) == 1 else None
@@ -408,13 +409,12 @@ def _vocab_outer_grads(bwd: _Backward):
   carry = (jnp.zeros_like(hidden, accumulator_dtype), d_weight,
            None if bias is None else jnp.zeros_like(bias))
   full_blocks = num_columns // block if narrow else n_blocks
-  grads, _ = lax.scan(block_step, carry, jnp.arange(full_blocks))
   if full_blocks * block < num_columns:  # (narrow: the columns left)
     col = full_blocks * block
     columns = lambda a, dim: lax.slice_in_dim(a, col, num_columns, axis=dim)
-    grads = block_grads(grads, col, columns(weight, vocab_dim),
+    carry = block_grads(carry, col, columns(weight, vocab_dim),
                         None if bias is None else columns(bias, 0), None, num_columns - col)
-  d_hidden, d_weight, d_bias = grads
+  (d_hidden, d_weight, d_bias), _ = lax.scan(block_step, carry, jnp.arange(full_blocks))
   if config.vocab_axis is not None:
     d_hidden = lax.psum(d_hidden, config.vocab_axis)  # partial sums over vocab shards
   return d_hidden.astype(hidden.dtype), d_weight, d_bias

@@ -246,9 +246,10 @@ def _kernel_block_cost(num_tokens: int, num_columns: int, depth: int, block: int
   """The Mosaic backward's time with ``[T, block]`` tiles, in units of one SM's ``[256,
   128]`` output tile per hidden dim. Per block (the last one counted whole, though the
   kernels run it only as wide as the columns left: the plans this picks are the measured
-  ones, bench/NOTES.md entries 40-41): the d-logits kernel's and the ``d W`` GEMM's waves of ``[256, 128]`` tiles over
-  ``num_cores`` SMs (``K = D`` and ``K = T``), the ``d hidden`` GEMM's (``K = block``), and
-  ``LINEAR_KERNEL_BLOCK_PASS`` per ``T x D`` (its pass over the f32 sum, set-up)."""
+  ones, bench/NOTES.md entries 40-41): the d-logits kernel's and the ``d W`` GEMM's waves
+  of ``[256, 128]`` tiles over ``num_cores`` SMs (``K = D`` and ``K = T``), the ``d
+  hidden`` GEMM's (``K = block``), and ``LINEAR_KERNEL_BLOCK_PASS`` per ``T x D`` (its
+  pass over the f32 sum, set-up)."""
   waves = lambda tiles: -(-tiles // max(num_cores, 1))
   column_tiles = block // mosaic_head.TILE_N
   per_block = (waves(-(-num_tokens // mosaic_head.MIN_ROWS) * column_tiles) * depth

@@ -32,10 +32,12 @@ No ``[T, V]`` (or ``[T, V_local]``) buffer exists at any time. The forward's XLA
 Triton loops clamp a ragged last chunk or block back inside the array (its overlap masked
 so nothing counts twice; the planner picks chunks that divide ``T`` where it can). The
 backward, and the Mosaic forward, walk exact token chunks (``row_chunks``): equal chunks,
-then one call on the rows left, so no row is computed twice whatever ``T``. The Mosaic
-kernels take any count of rows that is a multiple of 8, at least 256 (``mosaic_head.
-padded_rows``: other calls are padded with ignored rows), covering it with 256-row blocks
-whose last is moved back inside: a call's work is its rows rounded up to 256.
+then one call on the rows left, so no row is computed twice whatever ``T``; with the Mosaic
+kernels the backward's vocab blocks are exact too (the columns past the last whole block
+run as one narrower block), so no column is either. The Mosaic kernels take any count of
+rows that is a multiple of 8, at least 256 (``mosaic_head.padded_rows``: other calls are
+padded with ignored rows), covering it with 256-row blocks whose last is moved back
+inside: a call's work is its rows rounded up to 256.
 """
 
 from __future__ import annotations

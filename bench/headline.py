@@ -18,6 +18,7 @@ import json
 import math
 import os
 import re
+import statistics
 
 from bench import grpo_step
 from bench.__main__ import ROOT
@@ -30,10 +31,28 @@ ROW_BLOCK = 256  # the Mosaic kernels' rows per CTA: a T that divides by it is "
 
 
 def _rows(results, impl, mode):
-  """``{(V, D, T): row}`` of the ``ok`` rows of ``impl`` in ``mode``."""
-  return {(r["V"], r["D"], r["T"]): r for r in results["rows"]
-          if r["impl"] == impl and r["variant"] == "default" and r["mode"] == mode
-          and r["status"] == "ok"}
+  """``{(V, D, T): row}`` of the ``ok`` rows of ``impl`` in ``mode``; a shape run several
+  times at one commit reads as one row (``_pooled``)."""
+  runs = {}
+  for r in results["rows"]:
+    if (r["impl"] == impl and r["variant"] == "default" and r["mode"] == mode
+        and r["status"] == "ok"):
+      runs.setdefault((r["V"], r["D"], r["T"]), []).append(r)
+  return {key: _pooled(rows) for key, rows in runs.items()}
+
+
+def _pooled(rows):
+  """One row for several runs of one shape (each a fresh process, at one commit): the
+  median of their times, the largest of their peaks, and ``runs``, their number."""
+  if len(rows) == 1:
+    return rows[0]
+  commits = sorted({r.get("commit", "")[:7] for r in rows})
+  if len(commits) > 1:
+    raise ValueError(f"{rows[0]['impl']} at V, D, T = {rows[0]['V']}, {rows[0]['D']}, "
+                     f"{rows[0]['T']} has rows of commits {commits}: the runs of one shape "
+                     "that a cell pools must be of one commit")
+  return {**rows[0], "ms": statistics.median(r["ms"] for r in rows),
+          "peak_extra_bytes": max(r["peak_extra_bytes"] for r in rows), "runs": len(rows)}
 
 
 def _same_run(row, other) -> bool:
@@ -60,10 +79,12 @@ def _per_token_vs_round(rows, key) -> str:
 
 def shapes_table(results: dict) -> str:
   """The fused path, fwd+bwd (with entropy, bf16) and forward, one line per (V, D, T);
-  a ratio only between rows of the same run (``_same_run``), else "–"."""
+  a ratio only between rows of the same run (``_same_run``), else "–"; a shape run several
+  times shows the median of its runs (``_pooled``), and a line under the table says so."""
   bwd = {impl: _rows(results, impl, "fwd_bwd") for impl, _ in PEERS}
   fwd = {impl: _rows(results, impl, "fwd") for impl, _ in PEERS}
-  ms = lambda row: "–" if row is None else f"{row['ms']:.1f}"
+  ms = lambda row: ("–" if row is None else f"{row['ms']:.1f}"
+                    + (f" ({row['runs']})" if row.get("runs") else ""))
   gib = lambda row: "–" if row is None else f"{row['peak_extra_bytes'] / 2**30:.2f}"
   lines = ["| V | D | T | jaxce fwd+bwd ms | FLSCE ms | jaxce / FLSCE | jaxce per token / "
            "round T's | plain JAX ms | jaxce fwd ms | FLSCE fwd ms | extra GiB: jaxce / FLSCE "
@@ -76,6 +97,9 @@ def shapes_table(results: dict) -> str:
         _per_token_vs_round(bwd["jaxce"], key), ms(plain),
         ms(fwd["jaxce"].get(key)), ms(fwd["liger_flsce"].get(key)),
         " / ".join(gib(r) for r in (ours, peer, plain))]) + " |")
+  if any(row.get("runs") for rows in (*bwd.values(), *fwd.values()) for row in rows.values()):
+    lines += ["", "A time with (n) after it is the median of n runs, each a fresh process, at "
+              "one commit; its GiB the largest of their peaks."]
   return "\n".join(lines)
 
 

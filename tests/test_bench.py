@@ -466,6 +466,27 @@ def test_headline_ratios_compare_rows_of_one_run():
   assert cells[1][5] == "–" and cells[1][6] == "round"
 
 
+def test_headline_pools_runs_of_one_shape():
+  """A shape run several times (fresh processes, one commit) shows its runs' median time and
+  largest peak, marked "(n)" with a line under the table saying what that means; runs of
+  one shape from two commits are an error, not a silent mix."""
+  from bench import headline
+  row = lambda impl, ms, peak, commit="aaaaaaa": dict(
+      impl=impl, variant="default", mode="fwd_bwd", status="ok", V=248320, D=4096, T=8184,
+      ms=ms, commit=commit, peak_extra_bytes=peak * 2**30)
+  results = dict(rows=[row("jaxce", 97.0, 2.5), row("jaxce", 99.0, 2.4),
+                       row("jaxce", 95.0, 2.6), row("liger_flsce", 100.0, 2.0)])
+  table = headline.shapes_table(results).splitlines()
+  cells = [c.strip() for c in table[2].strip("|").split("|")]
+  assert cells[3:6] == ["97.0 (3)", "100.0", "0.970"]
+  assert cells[10].startswith("2.60 / 2.00")
+  assert table[-1].startswith("A time with (n) after it is the median of n runs")
+  assert "median" not in headline.shapes_table(dict(rows=results["rows"][2:]))
+  results["rows"].append(row("jaxce", 90.0, 2.5, commit="bbbbbbb"))
+  with pytest.raises(ValueError, match="commits"):
+    headline.shapes_table(results)
+
+
 def test_gpu_only_code_compiles_and_imports_on_cpu():
   """Every GPU-only path is at least compiled and imported here: the session script, the
   floors, the accuracy rows, the PyTorch peers, the kernel pieces the floors time and the

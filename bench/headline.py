@@ -78,17 +78,18 @@ def _per_token_vs_round(rows, key) -> str:
 
 
 def shapes_table(results: dict) -> str:
-  """The fused path, fwd+bwd (with entropy, bf16) and forward, one line per (V, D, T);
-  a ratio only between rows of the same run (``_same_run``), else "–"; a shape run several
-  times shows the median of its runs (``_pooled``), and a line under the table says so."""
+  """The fused path, fwd+bwd (with entropy, bf16) and forward, one line per (V, D, T), each
+  mode's time per token against its round T's; a ratio only between rows of the same run
+  (``_same_run``), else "–"; a shape run several times shows the median of its runs
+  (``_pooled``), and a line under the table says so."""
   bwd = {impl: _rows(results, impl, "fwd_bwd") for impl, _ in PEERS}
   fwd = {impl: _rows(results, impl, "fwd") for impl, _ in PEERS}
   ms = lambda row: ("–" if row is None else f"{row['ms']:.1f}"
                     + (f" ({row['runs']})" if row.get("runs") else ""))
   gib = lambda row: "–" if row is None else f"{row['peak_extra_bytes'] / 2**30:.2f}"
   lines = ["| V | D | T | jaxce fwd+bwd ms | FLSCE ms | jaxce / FLSCE | jaxce per token / "
-           "round T's | plain JAX ms | jaxce fwd ms | FLSCE fwd ms | extra GiB: jaxce / FLSCE "
-           "/ plain JAX |", "|---" * 11 + "|"]
+           "round T's | plain JAX ms | jaxce fwd ms | FLSCE fwd ms | jaxce fwd per token / "
+           "round T's | extra GiB: jaxce / FLSCE / plain JAX |", "|---" * 12 + "|"]
   for key in sorted(bwd["jaxce"]):
     ours, peer, plain = (bwd[impl].get(key) for impl, _ in PEERS)
     lines.append("| " + " | ".join([
@@ -96,6 +97,7 @@ def shapes_table(results: dict) -> str:
         "–" if peer is None or not _same_run(ours, peer) else f"{ours['ms'] / peer['ms']:.3f}",
         _per_token_vs_round(bwd["jaxce"], key), ms(plain),
         ms(fwd["jaxce"].get(key)), ms(fwd["liger_flsce"].get(key)),
+        _per_token_vs_round(fwd["jaxce"], key) if key in fwd["jaxce"] else "–",
         " / ".join(gib(r) for r in (ours, peer, plain))]) + " |")
   if any(row.get("runs") for rows in (*bwd.values(), *fwd.values()) for row in rows.values()):
     lines += ["", "A time with (n) after it is the median of n runs, each a fresh process, at "

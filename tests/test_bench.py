@@ -474,14 +474,18 @@ def test_headline_pools_runs_of_one_shape():
   row = lambda impl, ms, peak, commit="aaaaaaa": dict(
       impl=impl, variant="default", mode="fwd_bwd", status="ok", V=248320, D=4096, T=8184,
       ms=ms, commit=commit, peak_extra_bytes=peak * 2**30)
+  forward = lambda T, ms: {**row("jaxce", ms, 0.1), "mode": "fwd", "T": T}
   results = dict(rows=[row("jaxce", 97.0, 2.5), row("jaxce", 99.0, 2.4),
-                       row("jaxce", 95.0, 2.6), row("liger_flsce", 100.0, 2.0)])
+                       row("jaxce", 95.0, 2.6), row("liger_flsce", 100.0, 2.0),
+                       forward(8184, 30.0), forward(8184, 20.0), forward(8184, 25.0),
+                       forward(8192, 25.0)])
   table = headline.shapes_table(results).splitlines()
   cells = [c.strip() for c in table[2].strip("|").split("|")]
   assert cells[3:6] == ["97.0 (3)", "100.0", "0.970"]
-  assert cells[10].startswith("2.60 / 2.00")
+  assert cells[8] == "25.0 (3)" and cells[10] == f"{8192 / 8184:.3f} (of 8192)"
+  assert cells[11].startswith("2.60 / 2.00")
   assert table[-1].startswith("A time with (n) after it is the median of n runs")
-  assert "median" not in headline.shapes_table(dict(rows=results["rows"][2:]))
+  assert "median" not in headline.shapes_table(dict(rows=results["rows"][2:5]))
   results["rows"].append(row("jaxce", 90.0, 2.5, commit="bbbbbbb"))
   with pytest.raises(ValueError, match="commits"):
     headline.shapes_table(results)

@@ -447,14 +447,18 @@ def test_readme_headline_comes_from_the_committed_results():
   assert headline.CHART in readme
 
 
+def _shapes_row(impl, T, ms, commit="aaaaaaa", mode="fwd_bwd", peak_gib=1.0):
+  """A ``bench --suite shapes`` row as the headline reads it (V = 151936, D = 1024)."""
+  return dict(impl=impl, variant="default", mode=mode, status="ok", V=151936, D=1024, T=T,
+              ms=ms, commit=commit, peak_extra_bytes=peak_gib * 2**30)
+
+
 def test_headline_ratios_compare_rows_of_one_run():
   """A results file merged from several runs (shapes remeasured after a change replace
   their rows): the headline divides jaxce's time by FLSCE's, and a ragged T's per token by
   its round T's, only where both rows come from the same commit; else "–"."""
   from bench import headline
-  row = lambda impl, T, ms, commit: dict(impl=impl, variant="default", mode="fwd_bwd",
-                                         status="ok", V=151936, D=1024, T=T, ms=ms,
-                                         commit=commit, peak_extra_bytes=2**30)
+  row = _shapes_row
   results = dict(rows=[row("jaxce", 8184, 10.0, "aaaaaaa"), row("liger_flsce", 8184, 20.0,
                                                                   "aaaaaaa"),
                        row("jaxce", 8192, 10.0, "bbbbbbb"), row("liger_flsce", 8192, 20.0,
@@ -471,10 +475,9 @@ def test_headline_pools_runs_of_one_shape():
   largest peak, marked "(n)" with a line under the table saying what that means; runs of
   one shape from two commits are an error, not a silent mix."""
   from bench import headline
-  row = lambda impl, ms, peak, commit="aaaaaaa": dict(
-      impl=impl, variant="default", mode="fwd_bwd", status="ok", V=248320, D=4096, T=8184,
-      ms=ms, commit=commit, peak_extra_bytes=peak * 2**30)
-  forward = lambda T, ms: {**row("jaxce", ms, 0.1), "mode": "fwd", "T": T}
+  row = lambda impl, ms, peak, commit="aaaaaaa": _shapes_row(impl, 8184, ms, commit,
+                                                             peak_gib=peak)
+  forward = lambda T, ms: _shapes_row("jaxce", T, ms, mode="fwd", peak_gib=0.1)
   results = dict(rows=[row("jaxce", 97.0, 2.5), row("jaxce", 99.0, 2.4),
                        row("jaxce", 95.0, 2.6), row("liger_flsce", 100.0, 2.0),
                        forward(8184, 30.0), forward(8184, 20.0), forward(8184, 25.0),

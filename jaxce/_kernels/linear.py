@@ -191,7 +191,7 @@ def _mosaic_statistics(hidden, weight, tokens, shard_start, config):
     h, chunk_tokens = chunking.take_rows((hidden, tokens), start, size)
     tiles = mosaic_head.statistics(
         h, weight, chunk_tokens.labels, chunk_tokens.inv_temp, limit, chunk_tokens.kept,
-        column_start=shard_start,
+        column_start=shard_start, layout=logits_rows.layout(num_columns, config.vocab_axis),
         vocab_dim=config.vocab_dim, softcap=config.softcap, with_entropy=config.with_entropy,
         interpret=config.plan.interpret, num_cores=config.plan.num_cores)
     return None, logits_rows.merge_tiles(tiles, config)
@@ -299,7 +299,7 @@ def _tile_grads(bwd: _Backward, rows, w_cols, b_cols, col, first_column, width=N
   d_bias = None
   if config.plan.backend == "mosaic":  # d formed in the matmul's epilogue (no bias here)
     kept_words = None if chunk_tokens.kept is None else lax.dynamic_slice_in_dim(
-        chunk_tokens.kept, col // 32, width // 32, axis=1)  # (col: a multiple of 128)
+        chunk_tokens.kept, col // 32, -(-width // 32), axis=1)  # (col: a multiple of 128)
     d = mosaic_head.logits_grad(
         h, w_cols, label_column, inv_temp, chunk_saved, chunk_cotangents, row_mask,
         kept_words, limit=softmax.kernel_limit(config.mask_vocab, shard_start + col, width),

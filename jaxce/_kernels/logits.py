@@ -70,6 +70,7 @@ def _logprobs_entropy_bwd(config, residuals, cotangents):
     limit = (None if mask_vocab is None else
              softmax.column_limit(mask_vocab, column_start, x.shape[1]))
     return (mosaic_rows_grad.overwrite(x, *per_token, column_start, limit, rows_gradient,
+                                       layout=logits_rows.layout(x.shape[1], vocab_axis),
                                        interpret=config.plan.interpret), None)
 
   # The logits buffer is the loop carry; each step overwrites one chunk of rows with

@@ -10,9 +10,17 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
-from jaxce._kernels import chunking, mosaic_merge, mosaic_rows, mosaic_rows_grad, softmax
+from jaxce._kernels import chunking, mosaic_merge, mosaic_rows, mosaic_rows_grad, mosaic_tile
+from jaxce._kernels import softmax
 from jaxce._kernels import triton_merge, triton_rows
 from jaxce._kernels.config import Tokens
+
+
+def layout(num_columns: int, vocab_axis) -> mosaic_tile.Segments:
+  """The Mosaic kernels' tiling of this shard's ``num_columns`` columns
+  (``mosaic_tile.segments``: fixed by the whole vocabulary, so a token's tiles, and its
+  bits, do not depend on the shard count)."""
+  return mosaic_tile.segments(num_columns, softmax.num_shards(vocab_axis))
 
 
 def statistics(x, tokens: Tokens, column_start, config):
@@ -34,6 +42,7 @@ def statistics(x, tokens: Tokens, column_start, config):
       tiles = mosaic_rows.statistics(x, inv_temp, picked,
                                      None if config.mask_vocab is None else limit, kept,
                                      None if kept is None else labels - column_start,
+                                     layout=layout(x.shape[1], config.vocab_axis),
                                      with_entropy=config.with_entropy, interpret=interpret)
     else:
       m, s, q = triton_rows.row_statistics(x, inv_temp, limit, config.with_entropy,
@@ -112,6 +121,7 @@ def gradient(x, tokens: Tokens, saved, cotangents, mask_vocab, column_start, con
       and x.shape[0] % 8 == 0):  # (TMA's row tiling)
     limit = softmax.kernel_limit(mask_vocab, column_start, x.shape[1])
     return mosaic_rows_grad.gradient(x, tokens, saved, cotangents, column_start, limit,
+                                     layout=layout(x.shape[1], config.vocab_axis),
                                      interpret=config.plan.interpret)
   (shift, log_sum, entropy), (g_logp, g_entropy) = saved, cotangents
   if kept is not None:

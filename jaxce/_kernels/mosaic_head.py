@@ -39,7 +39,12 @@ other counts, ``padded_rows``) is covered by ``ceil(C / 256)`` row blocks, the l
 moved back inside the array: a ragged ``C`` costs the rows of its last block, never a
 chunk done twice. The rows two blocks share get the same numbers from both (a row's
 results depend on its own inputs alone) and are written twice, with the same bits.
-``V_local`` is a multiple of 128.
+``V_local`` is any multiple of 8 (TMA's 16-byte row strides): its columns are tiled as
+``mosaic_tile.Segments`` says, each segment from its own start, so a token's tiles are the
+same whatever the shard count; a segment's last tile may be partial: it reads zeros past
+the segment (TMA's bounds, on the ``[.., segments, width]`` view of the array), the
+statistics mask those columns, and its stores past the segment are dropped. No column is
+read from another shard or segment, computed twice or written twice.
 
 Off GPUs the kernel runs in Pallas' GPU interpreter (tests only).
 """
@@ -47,6 +52,7 @@ Off GPUs the kernel runs in Pallas' GPU interpreter (tests only).
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -92,8 +98,9 @@ def unsupported(*, platform, capability, hidden_dtype, weight_dtype, has_bias, d
     return "a bias is not supported"
   if depth % TILE_K:
     return f"the hidden dim must be a multiple of {TILE_K}, got {depth}"
-  if num_columns % TILE_N:
-    return f"the vocabulary (per device) must be a multiple of {TILE_N}, got {num_columns}"
+  if num_columns % mosaic_tile.SEGMENT_ALIGN:
+    return (f"the vocabulary (per device) must be a multiple of {mosaic_tile.SEGMENT_ALIGN} "
+            f"(TMA copies rows whose strides are multiples of 16 bytes), got {num_columns}")
   return None
 
 
@@ -110,30 +117,53 @@ def row_blocks(num_rows: int) -> int:
   return -(-num_rows // MIN_ROWS)
 
 
-def _tiles(hidden, weight, row_inputs, words, *, inputs_type, vocab_dim, stages, finish,
-           out_type, scratch, interpret, num_cores):
+class Tile(NamedTuple):
+  """Where a tile lies, for ``_tiles``' ``finish``: its index in the tiles' order, its
+  segment and first column there (``mosaic_tile.Segments``), its first local column
+  (``column``, for labels and limits) and the first local column past its segment
+  (``end``)."""
+  index: jnp.ndarray
+  segment: jnp.ndarray
+  offset: jnp.ndarray
+  column: jnp.ndarray
+  end: jnp.ndarray
+
+
+def _tiles(hidden, weight, row_inputs, words, *, layout, inputs_type, vocab_dim, stages,
+           finish, out_type, scratch, interpret, num_cores):
   """The kernel skeleton: every ``[TILE_M, TILE_N]`` tile of ``hidden @ weight`` (f32
   accumulation) handed to ``finish`` in registers, which writes what it makes of it.
 
-  ``hidden [C, D]``, ``weight [D, V]`` (``vocab_dim`` 1) or ``[V, D]`` (0), 16-bit;
-  ``row_inputs [R, C]`` f32: the rows' record of ``inputs_type`` (``mosaic_tile.stack``),
-  handed to ``finish`` as that record of ``[TILE_M]`` vectors; ``words``: uint32 ``[V /
-  32, C]`` kept sets, a row per word, or None. ``finish(x, inputs, column, kept, scratch,
-  outs, n_idx, row_slice)`` (``column``: the tile's first column; ``kept``: its kept
-  columns, ``mosaic_tile.kept_columns``, or None) writes into ``outs``, the outputs (of the tuple
-  of types ``out_type``), directly or with TMA through ``scratch``, this warpgroup's part
-  of a shared-memory buffer of type ``scratch`` (leading dim 2; or a dict of them, handed
-  on as a dict), once the warpgroup's last copy has read it (``_copy_out``,
-  ``_store_pieces``). ``interpret``: run in JAX's GPU interpreter;
-  ``num_cores``: the persistent grid's size (one CTA per SM).
+  ``hidden [C, D]``, ``weight [D, V]`` (``vocab_dim`` 1) or ``[V, D]`` (0), 16-bit, its
+  columns tiled as ``layout`` (``mosaic_tile.Segments``) says: a partial tile reads zeros
+  past its segment; ``row_inputs [R, C]`` f32: the rows' record of ``inputs_type``
+  (``mosaic_tile.stack``), handed to ``finish`` as that record of ``[TILE_M]`` vectors;
+  ``words``: uint32 ``[tiles * WORDS, C]`` kept sets (``mosaic_tile.kept_words``), or
+  None. ``finish(x, inputs, tile, kept, scratch, outs, row_slice)`` (``tile``: a
+  ``Tile``; ``kept``: its kept columns, ``mosaic_tile.kept_columns``, or None) writes into
+  ``outs``, the outputs (of the tuple of types ``out_type``; one ``[C, V]`` is seen as
+  ``[C, segments, width]``, where a partial tile's stores past its segment are dropped),
+  directly or with TMA through ``scratch``, this warpgroup's part of a shared-memory
+  buffer of type ``scratch`` (leading dim 2; or a dict of them, handed on as a dict), once
+  the warpgroup's last copy has read it (``_copy_out``, ``_store_pieces``).
+  ``interpret``: run in JAX's GPU interpreter; ``num_cores``: the persistent grid's size
+  (one CTA per SM).
   """
   num_rows, depth = hidden.shape
   num_columns = weight.shape[vocab_dim]
   cta_rows = MIN_ROWS
-  if num_rows < cta_rows or num_rows % ROW_TILE or num_columns % TILE_N:
+  if (num_rows < cta_rows or num_rows % ROW_TILE
+      or num_columns != layout.count * layout.width):
     raise ValueError(f"{num_rows} rows, {num_columns} columns: at least {cta_rows} rows, a "
-                     f"multiple of {ROW_TILE}, and a multiple of {TILE_N} columns expected")
-  m_iters, n_iters = row_blocks(num_rows), num_columns // TILE_N
+                     f"multiple of {ROW_TILE}, and the layout's columns ({layout}) expected")
+  # (a free reshape: each segment its own minor dim, whose end bounds TMA's copies)
+  weight = weight.reshape((depth, layout.count, layout.width) if vocab_dim
+                          else (layout.count, layout.width, depth))
+  by_segment = tuple(t.shape == (num_rows, num_columns) for t in out_type)
+  out_type = tuple(jax.ShapeDtypeStruct((num_rows, layout.count, layout.width), t.dtype)
+                   if seen else t for t, seen in zip(out_type, by_segment))
+  m_iters, n_iters = row_blocks(num_rows), layout.num_tiles
+  tiles_per_segment, width = layout.tiles_per_segment, layout.width
   k_iters = depth // TILE_K
   stages = min(stages, k_iters)
   num_row_inputs = row_inputs.shape[0]
@@ -187,7 +217,10 @@ def _tiles(hidden, weight, row_inputs, words, *, inputs_type, vocab_dim, stages,
         # (the last row block moved back inside the array: its rows shared with the block
         # before get the same numbers from both)
         cta_row = pl.multiple_of(jnp.minimum(m_idx * cta_rows, num_rows - cta_rows), ROW_TILE)
-        column = pl.multiple_of(n_idx * TILE_N, TILE_N)
+        segment = n_idx // tiles_per_segment
+        offset = pl.multiple_of((n_idx - segment * tiles_per_segment) * TILE_N, TILE_N)
+        tile = Tile(index=n_idx, segment=segment, offset=offset,
+                    column=segment * width + offset, end=(segment + 1) * width)
         wg_row = pl.multiple_of(wg * TILE_M, TILE_M)
         row_slice = pl.ds(pl.multiple_of(cta_row + wg_row, ROW_TILE), TILE_M)
 
@@ -212,7 +245,7 @@ def _tiles(hidden, weight, row_inputs, words, *, inputs_type, vocab_dim, stages,
               kept = mosaic_tile.kept_columns(words_smem.at[wg])
             wg_smem = ({name: ref.at[wg] for name, ref in out_smem.items()}
                        if isinstance(out_smem, dict) else out_smem.at[wg])
-            finish(x, inputs, column, kept, wg_smem, out_gmems, n_idx, row_slice)
+            finish(x, inputs, tile, kept, wg_smem, out_gmems, row_slice)
 
         def mma_body(_, hidden_smem, weight_smem, acc_ref):
           rhs = weight_smem if vocab_dim else weight_smem.transpose((1, 0))
@@ -221,9 +254,9 @@ def _tiles(hidden, weight, row_inputs, words, *, inputs_type, vocab_dim, stages,
           return acc_ref
 
         if vocab_dim:
-          weight_cols = weight_gmem.at[:, pl.ds(column, TILE_N)]
+          weight_cols = weight_gmem.at[:, segment, pl.ds(offset, TILE_N)]
         else:
-          weight_cols = weight_gmem.at[pl.ds(column, TILE_N), :]
+          weight_cols = weight_gmem.at[segment, pl.ds(offset, TILE_N), :]
         get_pipeline(mma_body, compute_context)(
             hidden_gmem.at[pl.ds(cta_row, cta_rows), :], weight_cols, allocations=allocations)
 
@@ -238,7 +271,9 @@ def _tiles(hidden, weight, row_inputs, words, *, inputs_type, vocab_dim, stages,
       thread_name="wg",
       interpret=plgpu.InterpretGPUParams() if interpret else None,
   )
-  return call(hidden, weight, row_inputs, *([words] if has_words else []))
+  outs = call(hidden, weight, row_inputs, *([words] if has_words else []))
+  return tuple(o.reshape(num_rows, num_columns) if seen else o
+               for o, seen in zip(outs, by_segment))
 
 
 def _piece_slots(dtype):
@@ -277,48 +312,52 @@ def _copy_out(scratch, value, out_slice):
   plgpu.copy_smem_to_gmem(scratch, out_slice)
 
 
-def _tile_statistics(hidden, weight, row_inputs, words, *, vocab_dim, softcap, with_entropy,
-                     with_exp, masked, interpret, num_cores):
+def _tile_statistics(hidden, weight, row_inputs, words, *, layout, vocab_dim, softcap,
+                     with_entropy, with_exp, masked, interpret, num_cores):
   """``[vocab tiles, 4, C]`` f32: ``(m, s, q, picked)`` of every ``[row, tile]``, and with
   ``with_exp`` the ``[C, V]`` ``exp(z - m)`` terms in hidden's dtype; ``row_inputs [3,
-  C]``: the rows' ``mosaic_tile.HeadStatisticsInputs``, stacked; ``words`` as ``_tiles``;
-  ``masked``: apply the rows' ``limit`` (``mosaic_tile.tile_statistics``)."""
+  C]``: the rows' ``mosaic_tile.HeadStatisticsInputs``, stacked; ``words`` and ``layout``
+  as ``_tiles``; ``masked``: apply the rows' ``limit`` (``mosaic_tile.tile_statistics``;
+  with partial tiles, each also stops at its segment's end)."""
   num_rows, num_columns = hidden.shape[0], weight.shape[vocab_dim]
+  masked = masked or layout.partial
 
-  def finish(x, inputs, column, kept, scratch, outs, n_idx, row_slice):
-    out = mosaic_tile.tile_statistics(mosaic_tile.cap(x, softcap), inputs, column, kept,
+  def finish(x, inputs, tile, kept, scratch, outs, row_slice):
+    if layout.partial:  # (the partial tile's columns past its segment read zeros)
+      inputs = inputs._replace(limit=jnp.minimum(inputs.limit, tile.end.astype(jnp.float32)))
+    out = mosaic_tile.tile_statistics(mosaic_tile.cap(x, softcap), inputs, tile.column, kept,
                                       with_entropy, masked, with_exp)
     if with_exp:
       out, e = out
       _store_pieces(scratch["exp"], e.astype(hidden.dtype),
-                    outs[1].at[row_slice, pl.ds(column, TILE_N)])
-    _copy_out(scratch["stats"], out, outs[0].at[n_idx, :, row_slice])
+                    outs[1].at[row_slice, tile.segment, pl.ds(tile.offset, TILE_N)])
+    _copy_out(scratch["stats"], out, outs[0].at[tile.index, :, row_slice])
 
-  stats_type = jax.ShapeDtypeStruct((num_columns // TILE_N, 4, num_rows), jnp.float32)
+  stats_type = jax.ShapeDtypeStruct((layout.num_tiles, 4, num_rows), jnp.float32)
   exp_type = jax.ShapeDtypeStruct((num_rows, num_columns), hidden.dtype)
   scratch = dict(stats=plgpu.SMEM((2, 4, TILE_M), jnp.float32))
   if with_exp:
     scratch["exp"] = _piece_slots(hidden.dtype)
-  return _tiles(hidden, weight, row_inputs, words,
+  return _tiles(hidden, weight, row_inputs, words, layout=layout,
                 inputs_type=mosaic_tile.HeadStatisticsInputs, vocab_dim=vocab_dim,
                 stages=EXP_STAGES if with_exp else STAGES, finish=finish,
                 out_type=(stats_type,) + ((exp_type,) if with_exp else ()),
                 scratch=scratch, interpret=interpret, num_cores=num_cores)
 
 
-def _tile_logits_grad(hidden, weight, row_inputs, words, *, vocab_dim, softcap, masked,
-                      interpret, num_cores):
+def _tile_logits_grad(hidden, weight, row_inputs, words, *, layout, vocab_dim, softcap,
+                      masked, interpret, num_cores):
   """``[C, V]`` ``d loss / d (hidden @ weight)`` in hidden's dtype; ``row_inputs [10, C]``:
-  the rows' ``mosaic_tile.HeadGradientInputs``, stacked; ``words`` as ``_tiles``;
+  the rows' ``mosaic_tile.HeadGradientInputs``, stacked; ``words`` and ``layout`` as
+  ``_tiles`` (a partial tile's columns past its segment are stored nowhere: unmasked);
   ``masked``: apply the rows' ``[first_kept, limit)`` (``mosaic_tile.head_gradient``)."""
   num_rows, dtype = hidden.shape[0], hidden.dtype
 
-  def finish(x, inputs, column, kept, scratch, outs, n_idx, row_slice):
-    del n_idx
-    d = mosaic_tile.head_gradient(x, inputs, column, kept, softcap, masked).astype(dtype)
-    _store_pieces(scratch, d, outs[0].at[row_slice, pl.ds(column, TILE_N)])
+  def finish(x, inputs, tile, kept, scratch, outs, row_slice):
+    d = mosaic_tile.head_gradient(x, inputs, tile.column, kept, softcap, masked).astype(dtype)
+    _store_pieces(scratch, d, outs[0].at[row_slice, tile.segment, pl.ds(tile.offset, TILE_N)])
 
-  return _tiles(hidden, weight, row_inputs, words,
+  return _tiles(hidden, weight, row_inputs, words, layout=layout,
                 inputs_type=mosaic_tile.HeadGradientInputs, vocab_dim=vocab_dim,
                 stages=GRAD_STAGES, finish=finish,
                 out_type=(jax.ShapeDtypeStruct((num_rows, weight.shape[vocab_dim]), dtype),),
@@ -326,7 +365,7 @@ def _tile_logits_grad(hidden, weight, row_inputs, words, *, vocab_dim, softcap, 
                 interpret=interpret, num_cores=num_cores)[0]
 
 
-def statistics(hidden, weight, labels, inv_temp, limit, kept=None, *, column_start,
+def statistics(hidden, weight, labels, inv_temp, limit, kept=None, *, column_start, layout,
                vocab_dim, softcap, with_entropy, interpret, num_cores, with_exp=False):
   """Per-tile ``(m, s, q, picked)`` of ``z = softcap(hidden @ weight) * inv_temp`` over
   this weight's columns below ``limit``, for ``mosaic_merge.merge`` to merge in the
@@ -337,20 +376,23 @@ def statistics(hidden, weight, labels, inv_temp, limit, kept=None, *, column_sta
   Args:
     hidden: ``[C, D]`` bf16 or f16, ``C >= 256`` a multiple of 8, ``D`` of 64.
     weight: ``[D, V_local]`` (``vocab_dim`` 1) or ``[V_local, D]`` (0), hidden's dtype,
-      ``V_local`` a multiple of 128.
+      ``V_local`` a multiple of 8.
     labels: int32 ``[C]`` global label ids; ``column_start`` is this weight's first id.
+    layout: the tiling of the columns (``mosaic_tile.segments`` of ``V_local`` and the
+      shard count: the tiles, so the bits, are the same at every shard count it allows).
     inv_temp: ``[C]`` float32.
     limit: int32 scalar: local columns at or beyond it are excluded (padded vocabulary);
       or None: none is, and the tiles are not masked (as ``mosaic_rows.statistics``).
-    kept: uint32 ``[C, V_local / 32]``, the rows' kept sets over this weight's columns,
+    kept: uint32 ``[C, ceil(V_local / 32)]``, the rows' kept sets over this weight's columns,
       read with the tiles (the label's column always kept); or None.
     with_entropy: compute ``q`` (else zeros).
     interpret, num_cores: as the plan says (``_tiles``).
     with_exp: also return the ``exp(z - m)`` terms.
 
   Returns:
-    ``[V_local / 128, 4, C]`` float32: ``(m, s, q, picked)`` of each row over each tile of
-    128 columns, in the columns' order. A row's numbers depend on its own hidden state,
+    ``[tiles, 4, C]`` float32: ``(m, s, q, picked)`` of each row over each tile of up to
+    128 columns (``layout.num_tiles``), in the columns' order. A row's numbers depend on
+    its own hidden state,
     label, temperature and the tile's columns alone (one wgmma sequence over the whole
     hidden dim, no split-K; the epilogue's instructions are the same for every row).
     With ``with_exp``, ``(that array, e)``: ``e [C, V_local]`` in hidden's dtype, each
@@ -366,20 +408,21 @@ def statistics(hidden, weight, labels, inv_temp, limit, kept=None, *, column_sta
       inv_temp=inv_temp.astype(jnp.float32), label=label_column.astype(jnp.float32),
       limit=jnp.broadcast_to(jnp.asarray(num_columns if limit is None else limit, jnp.float32),
                              inv_temp.shape)))
-  out = _tile_statistics(hidden, weight, row_inputs, _words(kept, label_column, num_columns),
+  out = _tile_statistics(hidden, weight, row_inputs,
+                         _words(kept, label_column, hidden.shape[0], layout), layout=layout,
                          vocab_dim=vocab_dim, softcap=softcap, with_entropy=with_entropy,
                          with_exp=with_exp, masked=limit is not None, interpret=interpret,
                          num_cores=num_cores)
   return out if with_exp else out[0]
 
 
-def _words(kept, label_column, num_columns):
-  """uint32 ``[num_columns / 32, C]``: the kept sets ``[C, >= num_columns / 32]``'s words
-  of the first ``num_columns`` columns with each row's label column's bit set, a row per
-  word (``mosaic_tile.kept_words``, read by ``_tiles``); or None."""
+def _words(kept, label_column, num_rows, layout):
+  """uint32 ``[tiles * WORDS, C]``: the kept sets ``[C, >= ceil(V_local / 32)]``'s words
+  of each tile of ``layout``, with each row's label column's bit set, a row per word
+  (``mosaic_tile.kept_words``, read by ``_tiles``); or None."""
   if kept is None:
     return None
-  return mosaic_tile.kept_words(kept[:, :num_columns // 32], label_column, kept.shape[0])
+  return mosaic_tile.kept_words(kept, label_column, num_rows, layout)
 
 
 def logits_grad(hidden, weight, label_column, inv_temp, saved, cotangents, row_mask,
@@ -391,7 +434,7 @@ def logits_grad(hidden, weight, label_column, inv_temp, saved, cotangents, row_m
   Args:
     hidden: ``[C, D]`` bf16 or f16, ``C >= 256`` a multiple of 8, ``D`` of 64.
     weight: the block's ``[D, Vb]`` (``vocab_dim`` 1) or ``[Vb, D]`` (0), ``Vb`` a
-      multiple of 128.
+      multiple of 8 (a partial last tile: its stores past ``Vb`` are dropped).
     label_column: int32 ``[C]``: the label's column in this block, -1 when the label is
       not this block's (below ``first_kept`` too: an earlier block owns it).
     inv_temp: ``[C]`` f32.
@@ -399,7 +442,7 @@ def logits_grad(hidden, weight, label_column, inv_temp, saved, cotangents, row_m
       ``(g_logp, g_entropy)``, ``[C]`` f32 each (``entropy``, ``g_logp`` and
       ``g_entropy`` may be None: zeros).
     row_mask: bool ``[C]``: rows that are False get exactly 0.
-    kept: uint32 ``[C, Vb / 32]``, the rows' kept sets over the block's columns (the
+    kept: uint32 ``[C, ceil(Vb / 32)]``, the rows' kept sets over the block's columns (the
       label's column always kept), or None.
     limit, first_kept: int32 scalars: the block's columns outside ``[first_kept, limit)``
       are excluded (padded vocabulary; a clamped last block's overlap); or None: no column
@@ -422,7 +465,9 @@ def logits_grad(hidden, weight, label_column, inv_temp, saved, cotangents, row_m
       shift=as_row(shift), log_sum=as_row(log_sum),
       entropy=as_row(entropy), g_logp=as_row(g_logp), g_entropy=as_row(g_entropy),
       row_mask=row_mask.astype(jnp.float32)))
+  layout = mosaic_tile.whole(num_columns)
   return _tile_logits_grad(hidden, weight, row_inputs,
-                           _words(kept, label_column, num_columns), vocab_dim=vocab_dim,
+                           _words(kept, label_column, hidden.shape[0], layout), layout=layout,
+                           vocab_dim=vocab_dim,
                            softcap=softcap, masked=limit is not None or first_kept is not None,
                            interpret=interpret, num_cores=num_cores)

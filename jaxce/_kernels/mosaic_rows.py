@@ -1,8 +1,10 @@
 """Softmax statistics of logits rows ``[T, V_local]`` in one read, as a Pallas Mosaic GPU
 kernel (Hopper): the logits path's forward (``logits_rows``), merged by ``mosaic_merge``.
 
-Each CTA (one warpgroup) takes ``ROWS`` rows and one group of ``tiles_per_group(V_local)``
-consecutive ``[ROWS, TILE]`` tiles of columns, streamed into shared memory by TMA,
+Each CTA (one warpgroup) takes ``ROWS`` rows and one group of ``tiles_per_group(layout)``
+consecutive ``[ROWS, TILE]`` tiles of columns of one segment (``mosaic_tile.Segments``:
+the columns' tiling, fixed by the vocabulary alone; a segment's last tile may be partial,
+its columns past the segment read as zeros and masked), streamed into shared memory by TMA,
 ``stages`` tiles ahead (``plgpu.emit_pipeline``). Each tile is folded in registers into
 its rows' running statistics, in the columns' order (``mosaic_tile.fold``: an online
 softmax).
@@ -14,22 +16,24 @@ to -inf before the fold.
 
 The group's ``(m, s, q, picked)`` is written to an f32 ``[groups, 4, T]`` array
 (``picked``, the label's ``z``, gathered outside, goes to group 0). ``mosaic_merge``
-merges the groups in their order. The groups depend on ``V_local`` alone, so a row's
+merges the groups in their order. The groups depend on the vocabulary alone, so a row's
 numbers depend on its own logits, label and temperature only (not on ``T``, its
-neighbours or the program around the call): batch-invariant by construction.
+neighbours, the program around the call or the shard count): batch-invariant by
+construction.
 
 Rows past a multiple of ``ROWS`` are covered by moving the last row block back inside
 the array (its rows overlap the block before and are written twice, with the same
 bits). TMA reads rows in tiles of 8: when ``T`` is not a multiple of 8, the kernel reads
 the first ``T - T % 8`` rows where they lie and, in a second call, a padded copy of the
-last ``T % 8`` (``ROWS`` rows; below ``ROWS`` rows, of the whole array). ``V_local`` must
-be a multiple of ``TILE``.
+last ``T % 8`` (``ROWS`` rows; below ``ROWS`` rows, of the whole array). A row of
+``V_local`` columns must take a multiple of 16 bytes (TMA's row strides).
 Off GPUs the kernel runs in JAX's GPU interpreter (tests).
 """
 
 from __future__ import annotations
 
 from functools import partial
+from typing import NamedTuple
 
 import jax.numpy as jnp
 from jax import lax
@@ -48,38 +52,71 @@ STAGE_BYTES = 96 * 2**10  # shared memory of the pipeline's buffers, per CTA
 INVARIANT_OPERATIONS = ("logprobs_and_entropy", "token_loss")
 
 
-def tiles_per_group(num_columns: int) -> int:
-  """Tiles of ``TILE`` columns per CTA: at least ``MIN_TILES_PER_GROUP``, few enough
-  that the groups of a row fit one ``mosaic_merge`` stage. A function of ``V_local``
-  only: a row's groups (and so its bits) do not depend on the number of rows."""
-  num_tiles = -(-num_columns // TILE)
-  return min(num_tiles, max(MIN_TILES_PER_GROUP, -(-num_tiles // mosaic_merge.GROUP)))
+def tiles_per_group(layout: mosaic_tile.Segments) -> int:
+  """Tiles of ``TILE`` columns per CTA, all of one segment: at least
+  ``MIN_TILES_PER_GROUP``, few enough that the groups of a row fit one ``mosaic_merge``
+  stage. A function of the vocabulary's tiling only: a row's groups (and so its bits) do
+  not depend on the number of rows or of shards."""
+  per_segment = layout.tiles_per_segment
+  all_tiles = layout.total * per_segment
+  return min(per_segment, max(MIN_TILES_PER_GROUP, -(-all_tiles // mosaic_merge.GROUP)))
 
 
-def tile_specs(first_tile, dtype, has_words):
-  """The pipeline's ``in_specs`` over a group's tiles from ``first_tile``: step ``k``'s
-  ``[ROWS, TILE]`` tile of ``dtype`` and, with ``has_words``, its ``[WORDS, ROWS]`` block
-  of the transposed kept-set words."""
-  specs = [plgpu.BlockSpec((ROWS, TILE), lambda k: (0, first_tile + k),
+class Group(NamedTuple):
+  """A CTA's group of tiles: its segment, its first tile there, its first tile in the
+  tiles' order (``tile``: the words' and shifts' block) and its count of tiles."""
+  segment: jnp.ndarray
+  first: jnp.ndarray
+  tile: jnp.ndarray
+  count: jnp.ndarray
+
+
+def num_groups(layout: mosaic_tile.Segments) -> int:
+  """The groups of ``layout``'s tiles (``tiles_per_group`` a CTA, each within a segment)."""
+  return layout.count * -(-layout.tiles_per_segment // tiles_per_group(layout))
+
+
+def group_at(index, layout: mosaic_tile.Segments) -> Group:
+  """The ``index``-th group of tiles of ``layout`` (in the columns' order)."""
+  group = tiles_per_group(layout)
+  per_segment = -(-layout.tiles_per_segment // group)
+  segment = index // per_segment
+  first = (index - segment * per_segment) * group
+  return Group(segment=segment, first=first,
+               tile=segment * layout.tiles_per_segment + first,
+               count=jnp.minimum(group, layout.tiles_per_segment - first))
+
+
+def tile_specs(group: Group, dtype, has_words):
+  """The pipeline's ``in_specs`` over ``group``'s tiles (of one segment's
+  ``[rows, width]`` view): step ``k``'s ``[ROWS, TILE]`` tile of ``dtype`` (a partial
+  one padded with zeros) and, with ``has_words``, its ``[WORDS, ROWS]`` block of the
+  transposed kept-set words."""
+  specs = [plgpu.BlockSpec((ROWS, TILE), lambda k: (0, group.first + k),
                            transforms=mosaic_tile.swizzle(TILE, dtype))]
   if has_words:
-    specs.append(plgpu.BlockSpec((WORDS, ROWS), lambda k: (first_tile + k, 0)))
+    specs.append(plgpu.BlockSpec((WORDS, ROWS), lambda k: (group.tile + k, 0)))
   return specs
 
 
-def _statistics(x, row_inputs, words, *, masked, with_entropy, stages, interpret):
+def segment_view(x, layout: mosaic_tile.Segments):
+  """``x [R, V_local]`` as ``[R, segments, width]`` (a free reshape: a segment's end
+  bounds TMA's copies of its tiles)."""
+  return x.reshape(x.shape[0], layout.count, layout.width)
+
+
+def _statistics(x, row_inputs, words, *, layout, masked, with_entropy, stages, interpret):
   """``[groups, row blocks, 4, ROWS]`` f32 group statistics of each block of rows of ``x
   [T, V_local]`` (``T >= ROWS``, a multiple of 8: TMA's row tiling; the last block moved
-  back inside);
-  ``row_inputs [row blocks, 3, ROWS]`` f32: each block's rows' (``block_rows``)
-  ``mosaic_tile.RowsStatisticsInputs``; ``words``: uint32 ``[V_local / 32, T]`` kept sets
-  of ``mosaic_tile.kept_words`` (read with the tiles), or None."""
-  num_rows, num_columns = x.shape
-  num_tiles = num_columns // TILE
-  group = tiles_per_group(num_columns)
-  num_groups = -(-num_tiles // group)
+  back inside), its columns tiled as ``layout`` says; ``row_inputs [row blocks, 3,
+  ROWS]`` f32: each block's rows' (``block_rows``) ``mosaic_tile.RowsStatisticsInputs``;
+  ``words``: uint32 ``[tiles * WORDS, T]`` kept sets of ``mosaic_tile.kept_words`` (read
+  with the tiles), or None."""
+  num_rows = x.shape[0]
+  groups = num_groups(layout)
   row_blocks = -(-num_rows // ROWS)
   has_words = words is not None
+  masked = masked or layout.partial
 
   def kernel(x_gmem, rows_gmem, *refs):
     *words_gmem, out_gmem = refs
@@ -88,23 +125,27 @@ def _statistics(x, row_inputs, words, *, masked, with_entropy, stages, interpret
     rows = pl.ds(first_row, ROWS)
     inputs = mosaic_tile.load(mosaic_tile.RowsStatisticsInputs, rows_gmem, block,
                               optimized=False)
-    first_tile = group_index * group
-    count = jnp.minimum(group, num_tiles - first_tile)
+    group = group_at(group_index, layout)
+    segment_start = group.segment * layout.width
+    if layout.partial:  # (the partial tile's columns past its segment read zeros)
+      end = (segment_start + layout.width).astype(jnp.float32)
+      inputs = inputs._replace(limit=jnp.minimum(inputs.limit, end))
 
     def body(indices, x_smem, *smem):
       (k,) = indices
       *words_smem, carry = smem
-      column = (first_tile + k) * TILE
+      column = segment_start + (group.first + k) * TILE
       kept = mosaic_tile.kept_columns(words_smem[0]) if has_words else None
       return mosaic_tile.fold(plgpu.load(x_smem, layout=plgpu.Layout.WGMMA), carry, inputs,
                               column, kept, masked=masked, with_entropy=with_entropy)
 
     zero = jnp.zeros((ROWS,), jnp.float32)
     init = (jnp.full((ROWS,), mosaic_tile.FLOOR, jnp.float32), zero, zero)
-    pipeline = plgpu.emit_pipeline(body, grid=(count,),
-                                   in_specs=tile_specs(first_tile, x.dtype, has_words),
+    pipeline = plgpu.emit_pipeline(body, grid=(group.count,),
+                                   in_specs=tile_specs(group, x.dtype, has_words),
                                    max_concurrent_steps=stages, init_carry=init)
-    m, s, q = pipeline(x_gmem.at[rows], *(w.at[:, rows] for w in words_gmem))
+    m, s, q = pipeline(x_gmem.at[rows, group.segment],
+                       *(w.at[:, rows] for w in words_gmem))
 
     @partial(pl.run_scoped, out_smem=plgpu.SMEM((4, ROWS), jnp.float32))
     def _store(out_smem):
@@ -122,11 +163,11 @@ def _statistics(x, row_inputs, words, *, masked, with_entropy, stages, interpret
 
   return plgpu.kernel(
       kernel,
-      out_type=plumbing.shape_dtype_like(x, (num_groups, row_blocks, 4, ROWS), jnp.float32),
-      grid=(row_blocks, num_groups),
+      out_type=plumbing.shape_dtype_like(x, (groups, row_blocks, 4, ROWS), jnp.float32),
+      grid=(row_blocks, groups),
       grid_names=("rows", "groups"),
       interpret=plgpu.InterpretGPUParams() if interpret else None,
-  )(x, row_inputs, *([words] if has_words else []))
+  )(segment_view(x, layout), row_inputs, *([words] if has_words else []))
 
 
 def block_rows(num_rows):
@@ -136,45 +177,48 @@ def block_rows(num_rows):
   return starts[:, None] + jnp.arange(ROWS)[None, :]
 
 
-def statistics(x, inv_temp, picked, limit, kept=None, label_column=None, *, with_entropy,
-               interpret, stages=None):
+def statistics(x, inv_temp, picked, limit, kept=None, label_column=None, *, layout,
+               with_entropy, interpret, stages=None):
   """Per-row softmax statistics of ``z = x * inv_temp`` over the columns below ``limit``
   (and in the row's kept set), by groups of columns, for ``mosaic_merge.merge`` to merge
   in the columns' order.
 
   Args:
-    x: ``[T, V_local]`` logits, bf16, f16 or f32, ``V_local`` a multiple of ``TILE``;
-      read once.
+    x: ``[T, V_local]`` logits, bf16, f16 or f32, a row a multiple of 16 bytes; read
+      once.
     inv_temp: ``[T]`` f32.
     picked: ``[T]`` f32: the label's ``z`` (0 when this shard does not own the label),
       carried into group 0.
     limit: int32 scalar: local columns at or beyond it are excluded (padded vocabulary),
       or None.
-    kept: uint32 ``[T, V_local / 32]``, the rows' kept sets over the local columns (bit
+    kept: uint32 ``[T, ceil(V_local / 32)]``, the rows' kept sets over the local columns (bit
       ``v % 32`` of word ``v // 32``), read with the tiles; or None (every column kept).
     label_column: ``[T]`` int, each row's label column relative to ``x``'s first
       (always kept; any value when the label lies elsewhere); with ``kept`` only.
+    layout: the tiling of the columns (``mosaic_tile.segments`` of ``V_local`` and the
+      shard count).
     with_entropy: compute ``q`` (else zeros).
     interpret: run in JAX's GPU interpreter (off GPUs: tests).
     stages: tiles in flight per CTA (default: ``STAGE_BYTES`` of them).
 
   Returns:
     ``[groups, 4, T]`` float32 ``(m, s, q, picked)`` per group of
-    ``tiles_per_group(V_local)`` tiles. Memory: that array (16 bytes per row per group)
+    ``tiles_per_group(layout)`` tiles (``num_groups(layout)``). Memory: that array (16 bytes per row per group)
     and its blocked form; with ``kept``, its ``mosaic_tile.kept_words`` copy (``T * V_local / 8``
     bytes). TMA reads rows in tiles of 8: when ``T`` is not a multiple of 8, the kernel
     reads the first ``T - T % 8`` rows (XLA's slice) and then a padded copy of the last
     ``T % 8`` (``ROWS`` rows); below ``ROWS`` rows, a padded copy of ``x``.
   """
   num_rows, num_columns = x.shape
-  if num_columns % TILE:
-    raise ValueError(f"{num_columns} columns: a multiple of {TILE} expected")
-  if kept is not None and kept.shape != (num_rows, num_columns // 32):
-    raise ValueError(f"kept: {kept.shape}, ({num_rows}, {num_columns // 32}) expected")
+  if num_columns != layout.count * layout.width or (num_columns * x.dtype.itemsize) % 16:
+    raise ValueError(f"{num_columns} columns: the layout's ({layout}), a row a multiple of "
+                     "16 bytes expected")
+  if kept is not None and kept.shape != (num_rows, -(-num_columns // 32)):
+    raise ValueError(f"kept: {kept.shape}, ({num_rows}, {-(-num_columns // 32)}) expected")
   if stages is None:
     stages = max(2, STAGE_BYTES // (ROWS * TILE * jnp.dtype(x.dtype).itemsize))
   bound = jnp.float32(num_columns) if limit is None else jnp.asarray(limit, jnp.float32)
-  part = partial(_part_statistics, bound=bound, masked=limit is not None,
+  part = partial(_part_statistics, layout=layout, bound=bound, masked=limit is not None,
                  with_entropy=with_entropy, stages=stages, interpret=interpret)
   aligned = num_rows // 8 * 8
   if aligned == num_rows or aligned < ROWS:
@@ -186,7 +230,7 @@ def statistics(x, inv_temp, picked, limit, kept=None, label_column=None, *, with
        for start, stop in ((0, aligned), (aligned, num_rows))], axis=2)
 
 
-def _part_statistics(x, inv_temp, picked, kept, label_column, *, bound, masked,
+def _part_statistics(x, inv_temp, picked, kept, label_column, *, layout, bound, masked,
                      with_entropy, stages, interpret):
   """``statistics`` of rows ``x [T, V_local]`` in one kernel call: a padded copy of ``x``
   (and of the rows' inputs) when ``T`` is not a multiple of 8 or is below ``ROWS``;
@@ -195,14 +239,14 @@ def _part_statistics(x, inv_temp, picked, kept, label_column, *, bound, masked,
   padded = max(-(-num_rows // 8) * 8, ROWS)  # (TMA reads rows in tiles of 8)
   x = chunking.pad_rows(x, padded)  # (a copy when padded)
   if kept is not None:
-    kept = mosaic_tile.kept_words(kept, label_column, padded)
+    kept = mosaic_tile.kept_words(kept, label_column, padded, layout)
   pad = lambda v, fill: chunking.pad_rows(v.astype(jnp.float32), padded, fill)
   row_inputs = mosaic_tile.stack(mosaic_tile.RowsStatisticsInputs(
       inv_temp=pad(inv_temp, 1.0), picked=pad(picked, 0.0),
       limit=jnp.broadcast_to(bound, (padded,))))
   row_inputs = row_inputs[:, block_rows(padded)].transpose(1, 0, 2)
-  tiles = _statistics(x, row_inputs, kept, masked=masked, with_entropy=with_entropy,
-                      stages=stages, interpret=interpret)
+  tiles = _statistics(x, row_inputs, kept, layout=layout, masked=masked,
+                      with_entropy=with_entropy, stages=stages, interpret=interpret)
   num_groups, row_blocks = tiles.shape[:2]
   tiles = tiles.transpose(0, 2, 1, 3)  # [groups, 4, row blocks, ROWS]
   whole = tiles[:, :, :-1].reshape(num_groups, 4, (row_blocks - 1) * ROWS)
@@ -231,6 +275,9 @@ def unsupported(*, operation, platform, capability, dtypes, num_columns,
     return "it computes in float32 and the inputs are float64"
   if jnp.dtype(dtypes[-1]) not in (jnp.bfloat16, jnp.float16, jnp.float32):
     return f"it reads bfloat16, float16 or float32 logits, got {jnp.dtype(dtypes[-1])}"
-  if num_columns % TILE:
-    return f"the vocabulary (per device) must be a multiple of {TILE}, got {num_columns}"
+  align = 16 // jnp.dtype(dtypes[-1]).itemsize
+  if num_columns % align:
+    return (f"the vocabulary (per device) must be a multiple of {align} for "
+            f"{jnp.dtype(dtypes[-1])} logits (TMA copies rows whose strides are multiples of "
+            f"16 bytes), got {num_columns}")
   return None

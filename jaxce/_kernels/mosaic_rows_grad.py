@@ -18,7 +18,9 @@ statistics and cotangents folded into per-row coefficients (``_row_inputs``), it
 In place, rows are taken in whole blocks of ``ROWS`` (a moved-back block would read rows
 that its neighbour has overwritten): the last ``T % ROWS`` rows are written by XLA in
 place (``dynamic_update_slice``). Into a new array, the last block is moved back inside,
-as in ``mosaic_rows``. ``T`` must be a multiple of 8 and ``V_local`` of ``TILE``.
+as in ``mosaic_rows``. ``T`` must be a multiple of 8 and a row a multiple of 16 bytes;
+the columns are tiled as ``mosaic_rows`` tiles them (``mosaic_tile.Segments``): a partial
+tile's columns past its segment read as zeros and their stores are dropped.
 Off GPUs the kernel runs in JAX's GPU interpreter (tests).
 """
 
@@ -40,22 +42,21 @@ ROWS, TILE, WORDS = mosaic_rows.ROWS, mosaic_rows.TILE, mosaic_rows.WORDS
 NUM_ROW_INPUTS = len(mosaic_tile.RowsGradientInputs._fields)
 
 
-def _kernel(x, row_inputs, words, tile_shift=None, *, in_place, masked, stages, interpret,
-            softcap=None, with_log_p=True):
+def _kernel(x, row_inputs, words, tile_shift=None, *, layout, in_place, masked, stages,
+            interpret, softcap=None, with_log_p=True):
   """The gradient of ``x [R, V_local]`` (``R`` a multiple of 8, at least ``ROWS``): over
   the first ``row blocks * ROWS`` rows of ``x`` (``in_place``; the rest left as they
   were) or into a new array (the last row block moved back inside, as in
   ``mosaic_rows``); ``row_inputs [row blocks, fields, ROWS]`` f32: each block's rows'
-  ``mosaic_tile.RowsGradientInputs``; ``words``: uint32 ``[V_local / 32, R]`` kept sets
-  of ``mosaic_tile.kept_words``, or None. With ``tile_shift`` (f32 ``[row blocks,
-  V_local / TILE, ROWS]``, each row's ``m_tile - (m + log s)`` per tile, streamed beside
+  ``mosaic_tile.RowsGradientInputs``; ``words``: uint32 ``[tiles * WORDS, R]`` kept sets
+  of ``mosaic_tile.kept_words``, or None; ``layout``: the columns' tiling
+  (``mosaic_tile.Segments``). With ``tile_shift`` (f32 ``[row blocks, tiles, ROWS]``,
+  each row's ``m_tile - (m + log s)`` per tile, streamed beside
   the tiles), ``x`` holds the fused head's ``exp(z - m_tile)`` terms, ``row_inputs`` the
   rows' ``mosaic_tile.ExpGradientInputs``, and each tile's gradient is
   ``mosaic_tile.exp_gradient`` (``softcap``, ``with_log_p``; no words, no mask)."""
   num_rows, num_columns = x.shape
-  num_tiles = num_columns // TILE
-  group = mosaic_rows.tiles_per_group(num_columns)
-  num_groups = -(-num_tiles // group)
+  x = mosaic_rows.segment_view(x, layout)
   transforms = mosaic_tile.swizzle(TILE, x.dtype)
   has_words, exp_rows = words is not None, tile_shift is not None
   inputs_type = mosaic_tile.ExpGradientInputs if exp_rows else mosaic_tile.RowsGradientInputs
@@ -70,11 +71,12 @@ def _kernel(x, row_inputs, words, tile_shift=None, *, in_place, masked, stages, 
       first_row = pl.multiple_of(jnp.minimum(block * ROWS, num_rows - ROWS), 8)
     rows = pl.ds(first_row, ROWS)
     inputs = mosaic_tile.load(inputs_type, rows_gmem, block, optimized=False)
-    first_tile = group_index * group
-    in_specs = mosaic_rows.tile_specs(first_tile, x.dtype, has_words)
+    group = mosaic_rows.group_at(group_index, layout)
+    segment_start = group.segment * layout.width
+    in_specs = mosaic_rows.tile_specs(group, x.dtype, has_words)
     streams = tuple(w.at[:, rows] for w in streams_gmem)
     if exp_rows:  # (the tile's shifts: one f32 per row, beside the tile)
-      in_specs = in_specs + [plgpu.BlockSpec((1, ROWS), lambda k: (first_tile + k, 0))]
+      in_specs = in_specs + [plgpu.BlockSpec((1, ROWS), lambda k: (group.tile + k, 0))]
       streams = (streams_gmem[0].at[block],)
 
     @functools.partial(pl.run_scoped,
@@ -82,7 +84,8 @@ def _kernel(x, row_inputs, words, tile_shift=None, *, in_place, masked, stages, 
     def _scoped(out_smem):
       def body(indices, x_smem, *stream_smem):
         (k,) = indices
-        column = (first_tile + k) * TILE
+        offset = (group.first + k) * TILE
+        column = segment_start + offset
         tile = plgpu.load(x_smem, layout=plgpu.Layout.WGMMA)
         if exp_rows:
           shift = plgpu.load(stream_smem[0].at[0], layout=plgpu.Layout.WGMMA.reduce(1))
@@ -96,27 +99,27 @@ def _kernel(x, row_inputs, words, tile_shift=None, *, in_place, masked, stages, 
         slot = out_smem.at[k % 2]
         slot[...] = grad.astype(x.dtype)
         plgpu.commit_smem()
+        # (a partial tile's columns past its segment: dropped by TMA's bounds)
         plgpu.copy_smem_to_gmem(
-            slot, out_gmem.at[rows, pl.ds(pl.multiple_of(column, TILE), TILE)])
+            slot, out_gmem.at[rows, group.segment, pl.ds(pl.multiple_of(offset, TILE), TILE)])
 
       pipeline = plgpu.emit_pipeline(
-          body, grid=(jnp.minimum(group, num_tiles - first_tile),), in_specs=in_specs,
-          max_concurrent_steps=stages)
-      pipeline(x_gmem.at[rows], *streams)
+          body, grid=(group.count,), in_specs=in_specs, max_concurrent_steps=stages)
+      pipeline(x_gmem.at[rows, group.segment], *streams)
       plgpu.wait_smem_to_gmem(0)
 
   call = functools.partial(
-      plgpu.kernel, kernel, grid=(row_inputs.shape[0], num_groups),
+      plgpu.kernel, kernel, grid=(row_inputs.shape[0], mosaic_rows.num_groups(layout)),
       grid_names=("rows", "groups"),
       interpret=plgpu.InterpretGPUParams() if interpret else None)
   inputs = (row_inputs, *([words] if has_words else []), *([tile_shift] if exp_rows else []))
   if not in_place:
     grad = call(out_type=plumbing.shape_dtype_like(x, x.shape, x.dtype))(x, *inputs)
     # (The kernel's output type drops the shard_map axes x varies over: cast back.)
-    return plumbing.unify_varying((grad, x), None)[0]
+    return plumbing.unify_varying((grad, x), None)[0].reshape(num_rows, num_columns)
   logits = jax.new_ref(x)  # (written in place: the kernel's output aliases x)
   call(out_type=())(logits, *inputs)
-  return jax.freeze(logits)
+  return jax.freeze(logits).reshape(num_rows, num_columns)
 
 
 def _cotangent_fields(valid, saved, cotangents) -> dict:
@@ -149,12 +152,12 @@ def _row_inputs(tokens: Tokens, saved, cotangents, column_start, limit):
 
 
 def overwrite(x, tokens: Tokens, saved, cotangents, column_start, limit, tail_gradient, *,
-              interpret, stages=None):
+              layout, interpret, stages=None):
   """``x [T, V_local]`` overwritten by ``d loss / d x`` (in ``x``'s dtype).
 
   Args:
     x: logits, bf16, f16 or f32, ``T`` a multiple of 8 (TMA reads rows in tiles of 8;
-      a padded copy would not be in place), ``V_local`` a multiple of ``TILE``.
+      a padded copy would not be in place), a row a multiple of 16 bytes.
     tokens: the rows' tokens (``inv_temp`` f32; rows not ``valid`` get zero gradient;
       ``kept``, the kept sets over the local columns, read with the tiles).
     saved: ``(m, log s, entropy or None)`` ``[T]`` each, the forward's statistics.
@@ -164,6 +167,7 @@ def overwrite(x, tokens: Tokens, saved, cotangents, column_start, limit, tail_gr
     tail_gradient: ``(x, start, size) -> d x`` of rows ``[start, start + size)`` of
       ``x`` (XLA's elementwise pass), for the rows past the last whole block of
       ``ROWS``, which the kernel leaves as they were.
+    layout: the columns' tiling (``mosaic_tile.segments``).
     interpret: run in JAX's GPU interpreter (off GPUs: tests).
     stages: tiles in flight per CTA on the way in (default: as many as fit in
       ``mosaic_rows.STAGE_BYTES`` beside the two output tiles).
@@ -174,7 +178,7 @@ def overwrite(x, tokens: Tokens, saved, cotangents, column_start, limit, tail_gr
     (``T * V_local / 8`` bytes); XLA's copy of ``x`` first when ``x`` is still live.
   """
   num_rows, num_columns = x.shape
-  _check_shape(x)
+  _check_shape(x, layout)
   stages = _default_stages(x.dtype) if stages is None else stages
   whole = num_rows // ROWS * ROWS
   if whole:
@@ -182,9 +186,9 @@ def overwrite(x, tokens: Tokens, saved, cotangents, column_start, limit, tail_gr
     rows = _row_inputs(tokens, saved, cotangents, column_start, bound)[:, :whole]
     rows = _by_block(rows, whole // ROWS)
     words = None if tokens.kept is None else mosaic_tile.kept_words(
-        tokens.kept[:whole], tokens.labels[:whole] - column_start, whole)
-    x = _kernel(x, rows, words, in_place=True, masked=limit is not None, stages=stages,
-                interpret=interpret)
+        tokens.kept[:whole], tokens.labels[:whole] - column_start, whole, layout)
+    x = _kernel(x, rows, words, layout=layout, in_place=True, masked=limit is not None,
+                stages=stages, interpret=interpret)
   if whole < num_rows:
     # (The barrier keeps XLA's GPU compiler from fusing the update into the kernel's
     # custom call, which it cannot lower: "DUS target must be a fusion parameter".)
@@ -193,15 +197,15 @@ def overwrite(x, tokens: Tokens, saved, cotangents, column_start, limit, tail_gr
   return x
 
 
-def gradient(x, tokens: Tokens, saved, cotangents, column_start, limit, *, interpret,
-             stages=None):
+def gradient(x, tokens: Tokens, saved, cotangents, column_start, limit, *, layout,
+             interpret, stages=None):
   """``d loss / d x`` of ``x [T, V_local]`` into a new array like ``x``: as ``overwrite``
   (the same arguments, and ``T`` a multiple of 8), the last block of ``ROWS`` rows moved
   back inside (below ``ROWS`` rows, a padded copy of ``x``). Memory: the gradient,
   ``NUM_ROW_INPUTS`` floats per row and, with kept sets, their ``mosaic_tile.kept_words``
   copy (``T * V_local / 8`` bytes)."""
   num_rows, num_columns = x.shape
-  _check_shape(x)
+  _check_shape(x, layout)
   stages = _default_stages(x.dtype) if stages is None else stages
   padded = max(num_rows, ROWS)
   blocks = mosaic_rows.block_rows(padded)
@@ -209,40 +213,40 @@ def gradient(x, tokens: Tokens, saved, cotangents, column_start, limit, *, inter
   rows = _row_inputs(tokens, saved, cotangents, column_start, bound)
   rows = chunking.pad_rows(rows.T, padded, 0).T[:, blocks].transpose(1, 0, 2)
   words = None if tokens.kept is None else mosaic_tile.kept_words(
-      tokens.kept, tokens.labels - column_start, padded)
-  grad = _kernel(chunking.pad_rows(x, padded), rows, words, in_place=False,
+      tokens.kept, tokens.labels - column_start, padded, layout)
+  grad = _kernel(chunking.pad_rows(x, padded), rows, words, layout=layout, in_place=False,
                  masked=limit is not None, stages=stages, interpret=interpret)
   return grad[:num_rows]
 
 
-def exp_overwrite(e, tiles, tokens: Tokens, saved, cotangents, column_start, *, softcap,
-                  interpret, stages=None):
+def exp_overwrite(e, tiles, tokens: Tokens, saved, cotangents, column_start, *, layout,
+                  softcap, interpret, stages=None):
   """The fused head's rows, held as their ``exp(z - m_tile)`` terms, overwritten by ``d
   loss / d (hidden @ weight)`` (in ``e``'s dtype): the fused objective path's ``d``,
   formed without the rows' logits.
 
   Args:
     e: ``[G, V_local]`` 16-bit, ``mosaic_head.statistics``' terms (``with_exp``), ``G`` a
-      multiple of ``ROWS`` (every block whole: none is moved back), ``V_local`` of
-      ``TILE``.
-    tiles: f32 ``[V_local / TILE, 4, G]``, the same call's tile statistics: each row's
-      max over each tile (the ``m_tile`` of ``e``) and the label's ``z``.
+      multiple of ``ROWS`` (every block whole: none is moved back), ``V_local`` of 8.
+    tiles: f32 ``[tiles, 4, G]``, the same call's tile statistics: each row's max over
+      each tile (the ``m_tile`` of ``e``) and the label's ``z``.
     tokens: the rows' tokens (``inv_temp`` f32; rows not ``valid`` get exactly zero
       gradient, NaN hidden states too). Kept sets and padded columns are already in ``e``
       (0 at their excluded columns).
     saved: ``(m, log s, entropy or None)`` ``[G]`` each, the rows' merged statistics.
     cotangents: ``(g_logp, g_entropy)`` ``[G]`` each, None for a symbolic zero.
     column_start: the global id of the first column.
+    layout: the columns' tiling, as the statistics' call had it.
     softcap: the head's softcap (its factor from ``log p``), or None.
     interpret: run in JAX's GPU interpreter (off GPUs: tests).
     stages: tiles in flight per CTA on the way in (as ``overwrite``).
 
   Returns:
-    the gradient, in ``e``'s buffer when ``e`` is dead (an intermediate). Memory: 7 + ``V_local
-    / TILE`` floats per row (the row inputs and the tiles' shifts).
+    the gradient, in ``e``'s buffer when ``e`` is dead (an intermediate). Memory: 8 +
+    ``tiles`` floats per row (the row inputs and the tiles' shifts).
   """
   num_rows, num_columns = e.shape
-  _check_shape(e)
+  _check_shape(e, layout)
   if num_rows % ROWS:
     raise ValueError(f"e: {e.shape}, rows a multiple of {ROWS} expected")
   shift, log_sum, _ = saved
@@ -257,15 +261,18 @@ def exp_overwrite(e, tiles, tokens: Tokens, saved, cotangents, column_start, *, 
   tile_shift = jnp.where(valid, tiles[:, 0] - log_norm, 0)
   stages = _default_stages(e.dtype) if stages is None else stages
   return _kernel(e, _by_block(rows, blocks), None, _by_block(tile_shift, blocks),
-                 in_place=True, masked=False, stages=stages, interpret=interpret,
+                 layout=layout, in_place=True, masked=False, stages=stages, interpret=interpret,
                  softcap=softcap, with_log_p=cotangents[1] is not None or softcap is not None)
 
 
-def _check_shape(x):
-  """A ``ValueError`` unless ``x``'s rows are a multiple of 8 and its columns of ``TILE``."""
+def _check_shape(x, layout):
+  """A ``ValueError`` unless ``x``'s rows are a multiple of 8, its columns those of
+  ``layout`` and a row a multiple of 16 bytes."""
   num_rows, num_columns = x.shape
-  if num_columns % TILE or num_rows % 8:
-    raise ValueError(f"x: {x.shape}, rows a multiple of 8 and columns of {TILE} expected")
+  if (num_columns != layout.count * layout.width or num_rows % 8
+      or (num_columns * x.dtype.itemsize) % 16):
+    raise ValueError(f"x: {x.shape}, rows a multiple of 8, the columns of {layout} and a row "
+                     "a multiple of 16 bytes expected")
 
 
 def _default_stages(dtype):

@@ -28,6 +28,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from jaxce._kernels import chunking, plumbing, softmax
@@ -72,18 +73,102 @@ def _columns(shape, column):
   return (local + column).astype(jnp.float32)
 
 
-def kept_words(kept, label_column, num_rows):
-  """uint32 ``[V_local / 32, num_rows]``: the kept sets ``kept [T, V_local / 32]`` (bit
-  ``v % 32`` of word ``v // 32``) with each row's label column's bit set (``label_column
+# Bits that do not depend on the shard count: a vocabulary of V columns is cut into up to
+# MAX_SHARDS equal segments (fixed by V alone), each tiled from its own start, so every
+# power-of-two shard count up to MAX_SHARDS that divides V sees the same tiles.
+MAX_SHARDS = 8
+# TMA reads and writes rows whose strides are multiples of 16 bytes: a segment's width is
+# a multiple of 8 columns (16-bit), so every segment starts on such a boundary.
+SEGMENT_ALIGN = 8
+
+
+class Segments(NamedTuple):
+  """How a kernel tiles this device's ``V_local = count * width`` columns: ``count``
+  segments of ``width`` columns, each cut into tiles of ``TILE`` from its own start (tile
+  ``k`` of segment ``s`` holds local columns ``s * width + k * TILE`` on), the last one
+  partial when ``width`` is not a multiple of ``TILE``. The kernels view a ``[.., V_local]``
+  array as ``[.., count, width]`` (a free reshape): a partial tile reads zeros past its
+  segment (TMA's bounds; the statistics mask those columns) and its stores past it are
+  dropped, so no column is read from another segment, computed twice or written twice.
+  ``total``: the segments over every shard (``count`` times the shard count)."""
+  width: int
+  count: int
+  total: int
+
+  @property
+  def tiles_per_segment(self) -> int:
+    return -(-self.width // TILE)
+
+  @property
+  def num_tiles(self) -> int:
+    """This device's tiles, segment after segment: ``count * tiles_per_segment``."""
+    return self.count * self.tiles_per_segment
+
+  @property
+  def partial(self) -> bool:
+    """Whether each segment's last tile is partial (its columns past the segment masked)."""
+    return self.width % TILE != 0
+
+
+def segments(num_columns: int, num_shards: int = 1) -> Segments:
+  """The segments of a device's ``num_columns`` columns when the vocabulary is split over
+  ``num_shards`` devices: ``V = num_columns * num_shards`` cut into the most equal segments
+  (at most ``MAX_SHARDS``, a power of two) whose width is a multiple of
+  ``SEGMENT_ALIGN``. A function of ``V`` alone whenever each shard holds whole segments
+  (every power-of-two shard count up to ``MAX_SHARDS`` that divides ``V`` into multiples of
+  8 columns), so a token's tiles, and its bits, are the same at each such count; a shard
+  narrower than a segment is one segment of its own."""
+  vocab = num_columns * num_shards
+  count = MAX_SHARDS
+  while count > 1 and (vocab % count or (vocab // count) % SEGMENT_ALIGN):
+    count //= 2
+  width = vocab // count
+  if num_columns % width:
+    return Segments(num_columns, 1, num_shards)
+  return Segments(width, num_columns // width, count)
+
+
+def whole(num_columns: int) -> Segments:
+  """One segment of ``num_columns`` columns (a call whose tiling no promise fixes: the
+  fused backward's vocab blocks)."""
+  return Segments(num_columns, 1, 1)
+
+
+def tile_starts(layout: Segments) -> np.ndarray:
+  """int ``[num_tiles]``: each tile's first local column."""
+  k = np.arange(layout.tiles_per_segment) * TILE
+  return (np.arange(layout.count)[:, None] * layout.width + k[None, :]).reshape(-1)
+
+
+def kept_words(kept, label_column, num_rows, layout: Segments):
+  """uint32 ``[num_tiles * WORDS, num_rows]``: each tile's ``WORDS`` words (bit ``j % 32``
+  of its word ``j // 32`` for the tile's column ``j``; a partial tile's bits past its
+  segment are anything, as its columns there), from the kept sets ``kept [T, >=
+  ceil(V_local / 32)]`` (bit ``v % 32`` of word ``v // 32``, shifted into place when a
+  tile does not start on a word), with each row's label column's bit set (``label_column
   [T]`` int; none outside ``[0, V_local)``: the label lies elsewhere), zero rows past
   ``T``, transposed so that a word is a per-row vector (``kept_columns``). One XLA
-  fusion; memory: ``num_rows * V_local / 8`` bytes."""
+  fusion; memory: ``num_rows * num_tiles * WORDS * 4`` bytes (about ``num_rows * V_local /
+  8``)."""
   words = kept.astype(jnp.uint32)
-  label_column = label_column.astype(jnp.int32)[:, None]
-  label_bit = jnp.left_shift(jnp.uint32(1), (label_column % 32).astype(jnp.uint32))
-  index = lax.broadcasted_iota(jnp.int32, words.shape, 1)
-  words = jnp.where(index == label_column // 32, words | label_bit, words)
-  return chunking.pad_rows(words, num_rows).T
+  num_columns = layout.count * layout.width
+  words = jnp.pad(words[:, :-(-num_columns // 32)], [(0, 0), (0, 1)])  # (a word past the end)
+  first = (tile_starts(layout)[:, None] + 32 * np.arange(WORDS)[None, :]).reshape(-1)
+  low = np.minimum(first // 32, words.shape[1] - 1)
+  shift = (first % 32).astype(np.uint32)
+  out = words[:, low]
+  if shift.any():
+    high = words[:, np.minimum(low + 1, words.shape[1] - 1)]
+    out = jnp.where(shift == 0, out, (out >> shift) | (high << ((32 - shift) % 32)))
+  label_column = label_column.astype(jnp.int32)
+  in_segment = label_column % layout.width
+  tile = label_column // layout.width * layout.tiles_per_segment + in_segment // TILE
+  label_word = jnp.where((label_column >= 0) & (label_column < num_columns),
+                         tile * WORDS + in_segment % TILE // 32, -1)[:, None]
+  label_bit = jnp.left_shift(jnp.uint32(1), (in_segment % 32).astype(jnp.uint32))[:, None]
+  index = lax.broadcasted_iota(jnp.int32, out.shape, 1)
+  out = jnp.where(index == label_word, out | label_bit, out)
+  return chunking.pad_rows(out, num_rows).T
 
 
 def kept_columns(words_smem):

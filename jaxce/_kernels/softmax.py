@@ -255,6 +255,18 @@ def kernel_limit(mask_vocab, tile_start, width):
   return None if mask_vocab is None else column_limit(mask_vocab, tile_start, width)
 
 
+def num_shards(vocab_axis) -> int:
+  """The number of vocab shards (1 without ``vocab_axis``; a tuple of axes: their
+  product)."""
+  if vocab_axis is None:
+    return 1
+  axes = vocab_axis if isinstance(vocab_axis, tuple) else (vocab_axis,)
+  count = 1
+  for axis in axes:
+    count *= lax.axis_size(axis)
+  return count
+
+
 def shard_column_start(num_columns, vocab_axis):
   """Global id of this shard's first column (0 without ``vocab_axis``)."""
   if vocab_axis is None:

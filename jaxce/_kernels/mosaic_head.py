@@ -39,12 +39,15 @@ other counts, ``padded_rows``) is covered by ``ceil(C / 256)`` row blocks, the l
 moved back inside the array: a ragged ``C`` costs the rows of its last block, never a
 chunk done twice. The rows two blocks share get the same numbers from both (a row's
 results depend on its own inputs alone) and are written twice, with the same bits.
-``V_local`` is any multiple of 8 (TMA's 16-byte row strides): its columns are tiled as
-``mosaic_tile.Segments`` says, each segment from its own start, so a token's tiles are the
-same whatever the shard count; a segment's last tile may be partial: it reads zeros past
-the segment (TMA's bounds, on the ``[.., segments, width]`` view of the array), the
-statistics mask those columns, and its stores past the segment are dropped. No column is
-read from another shard or segment, computed twice or written twice.
+``V_local`` is any multiple of 16 (``mosaic_tile.MIN_ALIGN``). When it is not a multiple
+of 128 (a vocabulary split over shards that are not whole tiles: Qwen3's 151936 columns
+over 4 devices give 37984), the last tile is partial: it reads zeros past the array's end
+(TMA's bounds), its statistics mask those columns (that tile alone: the others keep the
+epilogue without masks) and its stores past the end are dropped. No column is read from
+another shard, computed twice or written twice. TMA tiles the arrays whose rows are the
+vocabulary as the tiles' swizzle, so a ``V_local`` that is not a multiple of 64 takes a
+64- or 32-byte swizzle (``mosaic_tile.array_swizzle``), which costs time
+(bench/NOTES.md, entry 43).
 
 Off GPUs the kernel runs in Pallas' GPU interpreter (tests only).
 """
@@ -52,7 +55,6 @@ Off GPUs the kernel runs in Pallas' GPU interpreter (tests only).
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -98,9 +100,9 @@ def unsupported(*, platform, capability, hidden_dtype, weight_dtype, has_bias, d
     return "a bias is not supported"
   if depth % TILE_K:
     return f"the hidden dim must be a multiple of {TILE_K}, got {depth}"
-  if num_columns % mosaic_tile.SEGMENT_ALIGN:
-    return (f"the vocabulary (per device) must be a multiple of {mosaic_tile.SEGMENT_ALIGN} "
-            f"(TMA copies rows whose strides are multiples of 16 bytes), got {num_columns}")
+  if num_columns % mosaic_tile.MIN_ALIGN:
+    return (f"the vocabulary (per device) must be a multiple of {mosaic_tile.MIN_ALIGN} "
+            f"(TMA tiles the weight's rows as the tiles' 32-byte swizzle), got {num_columns}")
   return None
 
 
@@ -117,37 +119,24 @@ def row_blocks(num_rows: int) -> int:
   return -(-num_rows // MIN_ROWS)
 
 
-class Tile(NamedTuple):
-  """Where a tile lies, for ``_tiles``' ``finish``: its index in the tiles' order, its
-  segment and first column there (``mosaic_tile.Segments``), its first local column
-  (``column``, for labels and limits) and the first local column past its segment
-  (``end``)."""
-  index: jnp.ndarray
-  segment: jnp.ndarray
-  offset: jnp.ndarray
-  column: jnp.ndarray
-  end: jnp.ndarray
-
-
 def _tiles(hidden, weight, row_inputs, words, *, layout, inputs_type, vocab_dim, stages,
            finish, out_type, scratch, interpret, num_cores):
   """The kernel skeleton: every ``[TILE_M, TILE_N]`` tile of ``hidden @ weight`` (f32
   accumulation) handed to ``finish`` in registers, which writes what it makes of it.
 
   ``hidden [C, D]``, ``weight [D, V]`` (``vocab_dim`` 1) or ``[V, D]`` (0), 16-bit, its
-  columns tiled as ``layout`` (``mosaic_tile.Segments``) says: a partial tile reads zeros
-  past its segment; ``row_inputs [R, C]`` f32: the rows' record of ``inputs_type``
-  (``mosaic_tile.stack``), handed to ``finish`` as that record of ``[TILE_M]`` vectors;
-  ``words``: uint32 ``[tiles * WORDS, C]`` kept sets (``mosaic_tile.kept_words``), or
-  None. ``finish(x, inputs, tile, kept, scratch, outs, row_slice)`` (``tile``: a
-  ``Tile``; ``kept``: its kept columns, ``mosaic_tile.kept_columns``, or None) writes into
-  ``outs``, the outputs (of the tuple of types ``out_type``; one ``[C, V]`` is seen as
-  ``[C, segments, width]``, where a partial tile's stores past its segment are dropped),
-  directly or with TMA through ``scratch``, this warpgroup's part of a shared-memory
-  buffer of type ``scratch`` (leading dim 2; or a dict of them, handed on as a dict), once
-  the warpgroup's last copy has read it (``_copy_out``, ``_store_pieces``).
-  ``interpret``: run in JAX's GPU interpreter; ``num_cores``: the persistent grid's size
-  (one CTA per SM).
+  columns tiled as ``layout`` (``mosaic_tile.Segments``) says (a partial last tile reads
+  zeros past ``V``, and its stores past ``V`` are dropped);
+  ``row_inputs [R, C]`` f32: the rows' record of ``inputs_type`` (``mosaic_tile.stack``),
+  handed to ``finish`` as that record of ``[TILE_M]`` vectors; ``words``: uint32 ``[V /
+  32, C]`` kept sets, a row per word (``mosaic_tile.kept_words``), or None. ``finish(x, inputs, column, kept, scratch,
+  outs, n_idx, row_slice)`` (``column``: the tile's first column; ``kept``: its kept
+  columns, ``mosaic_tile.kept_columns``, or None) writes into ``outs``, the outputs (of the tuple
+  of types ``out_type``), directly or with TMA through ``scratch``, this warpgroup's part
+  of a shared-memory buffer of type ``scratch`` (leading dim 2; or a dict of them, handed
+  on as a dict), once the warpgroup's last copy has read it (``_copy_out``,
+  ``_store_pieces``). ``interpret``: run in JAX's GPU interpreter;
+  ``num_cores``: the persistent grid's size (one CTA per SM).
   """
   num_rows, depth = hidden.shape
   num_columns = weight.shape[vocab_dim]
@@ -156,20 +145,16 @@ def _tiles(hidden, weight, row_inputs, words, *, layout, inputs_type, vocab_dim,
       or num_columns != layout.count * layout.width):
     raise ValueError(f"{num_rows} rows, {num_columns} columns: at least {cta_rows} rows, a "
                      f"multiple of {ROW_TILE}, and the layout's columns ({layout}) expected")
-  # (a free reshape: each segment its own minor dim, whose end bounds TMA's copies)
-  weight = weight.reshape((depth, layout.count, layout.width) if vocab_dim
-                          else (layout.count, layout.width, depth))
-  by_segment = tuple(t.shape == (num_rows, num_columns) for t in out_type)
-  out_type = tuple(jax.ShapeDtypeStruct((num_rows, layout.count, layout.width), t.dtype)
-                   if seen else t for t, seen in zip(out_type, by_segment))
   m_iters, n_iters = row_blocks(num_rows), layout.num_tiles
-  tiles_per_segment, width = layout.tiles_per_segment, layout.width
   k_iters = depth // TILE_K
   stages = min(stages, k_iters)
   num_row_inputs = row_inputs.shape[0]
   has_words = words is not None
   words_per_tile = TILE_N // 32
-  transforms = mosaic_tile.swizzle(TILE_K, hidden.dtype)
+  # (hidden and weight blocks share wgmma's swizzle: a [D, V] weight's, as V allows)
+  transforms = mosaic_tile.swizzle(
+      TILE_K, hidden.dtype,
+      mosaic_tile.array_swizzle(num_columns, hidden.dtype) if vocab_dim else 128)
   if vocab_dim:
     weight_spec = plgpu.BlockSpec((TILE_K, TILE_N), lambda k: (k, 0), transforms=transforms,
                                   memory_space=plgpu.SMEM)
@@ -217,10 +202,7 @@ def _tiles(hidden, weight, row_inputs, words, *, layout, inputs_type, vocab_dim,
         # (the last row block moved back inside the array: its rows shared with the block
         # before get the same numbers from both)
         cta_row = pl.multiple_of(jnp.minimum(m_idx * cta_rows, num_rows - cta_rows), ROW_TILE)
-        segment = n_idx // tiles_per_segment
-        offset = pl.multiple_of((n_idx - segment * tiles_per_segment) * TILE_N, TILE_N)
-        tile = Tile(index=n_idx, segment=segment, offset=offset,
-                    column=segment * width + offset, end=(segment + 1) * width)
+        column = pl.multiple_of(n_idx * TILE_N, TILE_N)
         wg_row = pl.multiple_of(wg * TILE_M, TILE_M)
         row_slice = pl.ds(pl.multiple_of(cta_row + wg_row, ROW_TILE), TILE_M)
 
@@ -245,7 +227,7 @@ def _tiles(hidden, weight, row_inputs, words, *, layout, inputs_type, vocab_dim,
               kept = mosaic_tile.kept_columns(words_smem.at[wg])
             wg_smem = ({name: ref.at[wg] for name, ref in out_smem.items()}
                        if isinstance(out_smem, dict) else out_smem.at[wg])
-            finish(x, inputs, tile, kept, wg_smem, out_gmems, row_slice)
+            finish(x, inputs, column, kept, wg_smem, out_gmems, n_idx, row_slice)
 
         def mma_body(_, hidden_smem, weight_smem, acc_ref):
           rhs = weight_smem if vocab_dim else weight_smem.transpose((1, 0))
@@ -254,9 +236,9 @@ def _tiles(hidden, weight, row_inputs, words, *, layout, inputs_type, vocab_dim,
           return acc_ref
 
         if vocab_dim:
-          weight_cols = weight_gmem.at[:, segment, pl.ds(offset, TILE_N)]
+          weight_cols = weight_gmem.at[:, pl.ds(column, TILE_N)]
         else:
-          weight_cols = weight_gmem.at[segment, pl.ds(offset, TILE_N), :]
+          weight_cols = weight_gmem.at[pl.ds(column, TILE_N), :]
         get_pipeline(mma_body, compute_context)(
             hidden_gmem.at[pl.ds(cta_row, cta_rows), :], weight_cols, allocations=allocations)
 
@@ -271,17 +253,16 @@ def _tiles(hidden, weight, row_inputs, words, *, layout, inputs_type, vocab_dim,
       thread_name="wg",
       interpret=plgpu.InterpretGPUParams() if interpret else None,
   )
-  outs = call(hidden, weight, row_inputs, *([words] if has_words else []))
-  return tuple(o.reshape(num_rows, num_columns) if seen else o
-               for o, seen in zip(outs, by_segment))
+  return call(hidden, weight, row_inputs, *([words] if has_words else []))
 
 
-def _piece_slots(dtype):
+def _piece_slots(dtype, num_columns):
   """Shared memory for two warpgroups' two slots of ``[TILE_M, PIECE_BYTES]`` pieces of a
-  tile of ``dtype`` (``_store_pieces``)."""
+  tile of ``dtype`` (``_store_pieces``), swizzled as an output of ``num_columns`` columns
+  allows (``mosaic_tile.array_swizzle``)."""
   columns = PIECE_BYTES // jnp.dtype(dtype).itemsize
-  return plgpu.SMEM((2, 2, TILE_M, columns), dtype,
-                    transforms=mosaic_tile.swizzle(columns, dtype))
+  return plgpu.SMEM((2, 2, TILE_M, columns), dtype, transforms=mosaic_tile.swizzle(
+      columns, dtype, mosaic_tile.array_swizzle(num_columns, dtype)))
 
 
 def _store_pieces(slots, value, out_ref):
@@ -318,26 +299,41 @@ def _tile_statistics(hidden, weight, row_inputs, words, *, layout, vocab_dim, so
   ``with_exp`` the ``[C, V]`` ``exp(z - m)`` terms in hidden's dtype; ``row_inputs [3,
   C]``: the rows' ``mosaic_tile.HeadStatisticsInputs``, stacked; ``words`` and ``layout``
   as ``_tiles``; ``masked``: apply the rows' ``limit`` (``mosaic_tile.tile_statistics``;
-  with partial tiles, each also stops at its segment's end)."""
+  a partial last tile also stops at ``V``)."""
   num_rows, num_columns = hidden.shape[0], weight.shape[vocab_dim]
-  masked = masked or layout.partial
 
-  def finish(x, inputs, tile, kept, scratch, outs, row_slice):
-    if layout.partial:  # (the partial tile's columns past its segment read zeros)
-      inputs = inputs._replace(limit=jnp.minimum(inputs.limit, tile.end.astype(jnp.float32)))
-    out = mosaic_tile.tile_statistics(mosaic_tile.cap(x, softcap), inputs, tile.column, kept,
+  def tile_finish(x, inputs, column, kept, scratch, outs, n_idx, row_slice, masked):
+    out = mosaic_tile.tile_statistics(mosaic_tile.cap(x, softcap), inputs, column, kept,
                                       with_entropy, masked, with_exp)
     if with_exp:
       out, e = out
       _store_pieces(scratch["exp"], e.astype(hidden.dtype),
-                    outs[1].at[row_slice, tile.segment, pl.ds(tile.offset, TILE_N)])
-    _copy_out(scratch["stats"], out, outs[0].at[tile.index, :, row_slice])
+                    outs[1].at[row_slice, pl.ds(column, TILE_N)])
+    _copy_out(scratch["stats"], out, outs[0].at[n_idx, :, row_slice])
 
-  stats_type = jax.ShapeDtypeStruct((layout.num_tiles, 4, num_rows), jnp.float32)
+  def finish(x, inputs, column, kept, scratch, outs, n_idx, row_slice):
+    args = (x, inputs, column, kept, scratch, outs, n_idx, row_slice)
+    if not layout.partial:
+      return tile_finish(*args, masked)
+    # The partial last tile reads zeros past V: its columns there are masked, in that tile
+    # alone (the others keep the epilogue without column masks).
+    partial = n_idx == n_iters - 1
+
+    @pl.when(partial)
+    def _partial():
+      limit = jnp.minimum(inputs.limit, jnp.float32(num_columns))
+      tile_finish(x, inputs._replace(limit=limit), *args[2:], True)
+
+    @pl.when(jnp.logical_not(partial))
+    def _whole():
+      tile_finish(*args, masked)
+
+  n_iters = layout.num_tiles
+  stats_type = jax.ShapeDtypeStruct((n_iters, 4, num_rows), jnp.float32)
   exp_type = jax.ShapeDtypeStruct((num_rows, num_columns), hidden.dtype)
   scratch = dict(stats=plgpu.SMEM((2, 4, TILE_M), jnp.float32))
   if with_exp:
-    scratch["exp"] = _piece_slots(hidden.dtype)
+    scratch["exp"] = _piece_slots(hidden.dtype, num_columns)
   return _tiles(hidden, weight, row_inputs, words, layout=layout,
                 inputs_type=mosaic_tile.HeadStatisticsInputs, vocab_dim=vocab_dim,
                 stages=EXP_STAGES if with_exp else STAGES, finish=finish,
@@ -349,19 +345,20 @@ def _tile_logits_grad(hidden, weight, row_inputs, words, *, layout, vocab_dim, s
                       masked, interpret, num_cores):
   """``[C, V]`` ``d loss / d (hidden @ weight)`` in hidden's dtype; ``row_inputs [10, C]``:
   the rows' ``mosaic_tile.HeadGradientInputs``, stacked; ``words`` and ``layout`` as
-  ``_tiles`` (a partial tile's columns past its segment are stored nowhere: unmasked);
+  ``_tiles`` (a partial tile's columns past ``V`` are stored nowhere: no mask needed);
   ``masked``: apply the rows' ``[first_kept, limit)`` (``mosaic_tile.head_gradient``)."""
   num_rows, dtype = hidden.shape[0], hidden.dtype
 
-  def finish(x, inputs, tile, kept, scratch, outs, row_slice):
-    d = mosaic_tile.head_gradient(x, inputs, tile.column, kept, softcap, masked).astype(dtype)
-    _store_pieces(scratch, d, outs[0].at[row_slice, tile.segment, pl.ds(tile.offset, TILE_N)])
+  def finish(x, inputs, column, kept, scratch, outs, n_idx, row_slice):
+    del n_idx
+    d = mosaic_tile.head_gradient(x, inputs, column, kept, softcap, masked).astype(dtype)
+    _store_pieces(scratch, d, outs[0].at[row_slice, pl.ds(column, TILE_N)])
 
   return _tiles(hidden, weight, row_inputs, words, layout=layout,
                 inputs_type=mosaic_tile.HeadGradientInputs, vocab_dim=vocab_dim,
                 stages=GRAD_STAGES, finish=finish,
                 out_type=(jax.ShapeDtypeStruct((num_rows, weight.shape[vocab_dim]), dtype),),
-                scratch=_piece_slots(dtype),
+                scratch=_piece_slots(dtype, weight.shape[vocab_dim]),
                 interpret=interpret, num_cores=num_cores)[0]
 
 
@@ -376,10 +373,10 @@ def statistics(hidden, weight, labels, inv_temp, limit, kept=None, *, column_sta
   Args:
     hidden: ``[C, D]`` bf16 or f16, ``C >= 256`` a multiple of 8, ``D`` of 64.
     weight: ``[D, V_local]`` (``vocab_dim`` 1) or ``[V_local, D]`` (0), hidden's dtype,
-      ``V_local`` a multiple of 8.
+      ``V_local`` a multiple of 16.
     labels: int32 ``[C]`` global label ids; ``column_start`` is this weight's first id.
-    layout: the tiling of the columns (``mosaic_tile.segments`` of ``V_local`` and the
-      shard count: the tiles, so the bits, are the same at every shard count it allows).
+    layout: the columns' tiling (``mosaic_tile.segments`` of ``V_local`` and the shard
+      count).
     inv_temp: ``[C]`` float32.
     limit: int32 scalar: local columns at or beyond it are excluded (padded vocabulary);
       or None: none is, and the tiles are not masked (as ``mosaic_rows.statistics``).
@@ -390,9 +387,9 @@ def statistics(hidden, weight, labels, inv_temp, limit, kept=None, *, column_sta
     with_exp: also return the ``exp(z - m)`` terms.
 
   Returns:
-    ``[tiles, 4, C]`` float32: ``(m, s, q, picked)`` of each row over each tile of up to
-    128 columns (``layout.num_tiles``), in the columns' order. A row's numbers depend on
-    its own hidden state,
+    ``[ceil(V_local / 128), 4, C]`` float32: ``(m, s, q, picked)`` of each row over each
+    tile of 128 columns (the last one's columns past ``V_local`` excluded), in the columns'
+    order. A row's numbers depend on its own hidden state,
     label, temperature and the tile's columns alone (one wgmma sequence over the whole
     hidden dim, no split-K; the epilogue's instructions are the same for every row).
     With ``with_exp``, ``(that array, e)``: ``e [C, V_local]`` in hidden's dtype, each
@@ -409,20 +406,20 @@ def statistics(hidden, weight, labels, inv_temp, limit, kept=None, *, column_sta
       limit=jnp.broadcast_to(jnp.asarray(num_columns if limit is None else limit, jnp.float32),
                              inv_temp.shape)))
   out = _tile_statistics(hidden, weight, row_inputs,
-                         _words(kept, label_column, hidden.shape[0], layout), layout=layout,
-                         vocab_dim=vocab_dim, softcap=softcap, with_entropy=with_entropy,
+                         _words(kept, label_column, hidden.shape[0], layout.num_tiles),
+                         layout=layout, vocab_dim=vocab_dim, softcap=softcap, with_entropy=with_entropy,
                          with_exp=with_exp, masked=limit is not None, interpret=interpret,
                          num_cores=num_cores)
   return out if with_exp else out[0]
 
 
-def _words(kept, label_column, num_rows, layout):
-  """uint32 ``[tiles * WORDS, C]``: the kept sets ``[C, >= ceil(V_local / 32)]``'s words
-  of each tile of ``layout``, with each row's label column's bit set, a row per word
+def _words(kept, label_column, num_rows, num_tiles):
+  """uint32 ``[num_tiles * WORDS, C]``: the kept sets ``[C, >= ceil(V_local / 32)]``'s
+  words of each tile with each row's label column's bit set, a row per word
   (``mosaic_tile.kept_words``, read by ``_tiles``); or None."""
   if kept is None:
     return None
-  return mosaic_tile.kept_words(kept, label_column, num_rows, layout)
+  return mosaic_tile.kept_words(kept, label_column, num_rows, num_tiles)
 
 
 def logits_grad(hidden, weight, label_column, inv_temp, saved, cotangents, row_mask,
@@ -434,7 +431,7 @@ def logits_grad(hidden, weight, label_column, inv_temp, saved, cotangents, row_m
   Args:
     hidden: ``[C, D]`` bf16 or f16, ``C >= 256`` a multiple of 8, ``D`` of 64.
     weight: the block's ``[D, Vb]`` (``vocab_dim`` 1) or ``[Vb, D]`` (0), ``Vb`` a
-      multiple of 8 (a partial last tile: its stores past ``Vb`` are dropped).
+      multiple of 16 (a partial last tile: its stores past ``Vb`` are dropped).
     label_column: int32 ``[C]``: the label's column in this block, -1 when the label is
       not this block's (below ``first_kept`` too: an earlier block owns it).
     inv_temp: ``[C]`` f32.
@@ -467,7 +464,7 @@ def logits_grad(hidden, weight, label_column, inv_temp, saved, cotangents, row_m
       row_mask=row_mask.astype(jnp.float32)))
   layout = mosaic_tile.whole(num_columns)
   return _tile_logits_grad(hidden, weight, row_inputs,
-                           _words(kept, label_column, hidden.shape[0], layout), layout=layout,
-                           vocab_dim=vocab_dim,
+                           _words(kept, label_column, hidden.shape[0], layout.num_tiles),
+                           layout=layout, vocab_dim=vocab_dim,
                            softcap=softcap, masked=limit is not None or first_kept is not None,
                            interpret=interpret, num_cores=num_cores)

@@ -3,8 +3,9 @@ kernel (Hopper): the logits path's forward (``logits_rows``), merged by ``mosaic
 
 Each CTA (one warpgroup) takes ``ROWS`` rows and one group of ``tiles_per_group(layout)``
 consecutive ``[ROWS, TILE]`` tiles of columns of one segment (``mosaic_tile.Segments``:
-the columns' tiling, fixed by the vocabulary alone; a segment's last tile may be partial,
-its columns past the segment read as zeros and masked), streamed into shared memory by TMA,
+fixed by the vocabulary alone; when ``V_local`` is not a multiple of ``TILE`` the last
+tile is partial, its columns past ``V_local`` read as zeros and masked), streamed into
+shared memory by TMA,
 ``stages`` tiles ahead (``plgpu.emit_pipeline``). Each tile is folded in registers into
 its rows' running statistics, in the columns' order (``mosaic_tile.fold``: an online
 softmax).
@@ -26,7 +27,8 @@ the array (its rows overlap the block before and are written twice, with the sam
 bits). TMA reads rows in tiles of 8: when ``T`` is not a multiple of 8, the kernel reads
 the first ``T - T % 8`` rows where they lie and, in a second call, a padded copy of the
 last ``T % 8`` (``ROWS`` rows; below ``ROWS`` rows, of the whole array). A row of
-``V_local`` columns must take a multiple of 16 bytes (TMA's row strides).
+``V_local`` columns must take a multiple of 32 bytes (TMA tiles the rows as the tiles'
+swizzle, ``mosaic_tile.array_swizzle``).
 Off GPUs the kernel runs in JAX's GPU interpreter (tests).
 """
 
@@ -87,22 +89,22 @@ def group_at(index, layout: mosaic_tile.Segments) -> Group:
                count=jnp.minimum(group, layout.tiles_per_segment - first))
 
 
-def tile_specs(group: Group, dtype, has_words):
-  """The pipeline's ``in_specs`` over ``group``'s tiles (of one segment's
-  ``[rows, width]`` view): step ``k``'s ``[ROWS, TILE]`` tile of ``dtype`` (a partial
-  one padded with zeros) and, with ``has_words``, its ``[WORDS, ROWS]`` block of the
-  transposed kept-set words."""
-  specs = [plgpu.BlockSpec((ROWS, TILE), lambda k: (0, group.first + k),
-                           transforms=mosaic_tile.swizzle(TILE, dtype))]
+def tile_specs(group: Group, dtype, has_words, num_columns):
+  """The pipeline's ``in_specs`` over ``group``'s tiles of ``[rows, num_columns]``: step
+  ``k``'s ``[ROWS, TILE]`` tile of ``dtype`` (a partial one padded with zeros) and, with
+  ``has_words``, its ``[WORDS, ROWS]`` block of the transposed kept-set words."""
+  specs = [plgpu.BlockSpec((ROWS, TILE), lambda k: (0, group.tile + k),
+                           transforms=tile_swizzle(dtype, num_columns))]
   if has_words:
     specs.append(plgpu.BlockSpec((WORDS, ROWS), lambda k: (group.tile + k, 0)))
   return specs
 
 
-def segment_view(x, layout: mosaic_tile.Segments):
-  """``x [R, V_local]`` as ``[R, segments, width]`` (a free reshape: a segment's end
-  bounds TMA's copies of its tiles)."""
-  return x.reshape(x.shape[0], layout.count, layout.width)
+def tile_swizzle(dtype, num_columns: int):
+  """The shared-memory transforms of a ``[ROWS, TILE]`` tile of ``dtype`` read from (or
+  written to) a ``[rows, num_columns]`` array with TMA (``mosaic_tile.swizzle``, as wide
+  as ``num_columns`` allows: ``mosaic_tile.array_swizzle``)."""
+  return mosaic_tile.swizzle(TILE, dtype, mosaic_tile.array_swizzle(num_columns, dtype))
 
 
 def _statistics(x, row_inputs, words, *, layout, masked, with_entropy, stages, interpret):
@@ -112,7 +114,7 @@ def _statistics(x, row_inputs, words, *, layout, masked, with_entropy, stages, i
   ROWS]`` f32: each block's rows' (``block_rows``) ``mosaic_tile.RowsStatisticsInputs``;
   ``words``: uint32 ``[tiles * WORDS, T]`` kept sets of ``mosaic_tile.kept_words`` (read
   with the tiles), or None."""
-  num_rows = x.shape[0]
+  num_rows, num_columns = x.shape
   groups = num_groups(layout)
   row_blocks = -(-num_rows // ROWS)
   has_words = words is not None
@@ -126,15 +128,13 @@ def _statistics(x, row_inputs, words, *, layout, masked, with_entropy, stages, i
     inputs = mosaic_tile.load(mosaic_tile.RowsStatisticsInputs, rows_gmem, block,
                               optimized=False)
     group = group_at(group_index, layout)
-    segment_start = group.segment * layout.width
-    if layout.partial:  # (the partial tile's columns past its segment read zeros)
-      end = (segment_start + layout.width).astype(jnp.float32)
-      inputs = inputs._replace(limit=jnp.minimum(inputs.limit, end))
+    if layout.partial:  # (the partial last tile's columns past V_local read zeros)
+      inputs = inputs._replace(limit=jnp.minimum(inputs.limit, jnp.float32(num_columns)))
 
     def body(indices, x_smem, *smem):
       (k,) = indices
       *words_smem, carry = smem
-      column = segment_start + (group.first + k) * TILE
+      column = (group.tile + k) * TILE
       kept = mosaic_tile.kept_columns(words_smem[0]) if has_words else None
       return mosaic_tile.fold(plgpu.load(x_smem, layout=plgpu.Layout.WGMMA), carry, inputs,
                               column, kept, masked=masked, with_entropy=with_entropy)
@@ -142,10 +142,10 @@ def _statistics(x, row_inputs, words, *, layout, masked, with_entropy, stages, i
     zero = jnp.zeros((ROWS,), jnp.float32)
     init = (jnp.full((ROWS,), mosaic_tile.FLOOR, jnp.float32), zero, zero)
     pipeline = plgpu.emit_pipeline(body, grid=(group.count,),
-                                   in_specs=tile_specs(group, x.dtype, has_words),
+                                   in_specs=tile_specs(group, x.dtype, has_words,
+                                                       num_columns),
                                    max_concurrent_steps=stages, init_carry=init)
-    m, s, q = pipeline(x_gmem.at[rows, group.segment],
-                       *(w.at[:, rows] for w in words_gmem))
+    m, s, q = pipeline(x_gmem.at[rows], *(w.at[:, rows] for w in words_gmem))
 
     @partial(pl.run_scoped, out_smem=plgpu.SMEM((4, ROWS), jnp.float32))
     def _store(out_smem):
@@ -167,7 +167,7 @@ def _statistics(x, row_inputs, words, *, layout, masked, with_entropy, stages, i
       grid=(row_blocks, groups),
       grid_names=("rows", "groups"),
       interpret=plgpu.InterpretGPUParams() if interpret else None,
-  )(segment_view(x, layout), row_inputs, *([words] if has_words else []))
+  )(x, row_inputs, *([words] if has_words else []))
 
 
 def block_rows(num_rows):
@@ -210,9 +210,10 @@ def statistics(x, inv_temp, picked, limit, kept=None, label_column=None, *, layo
     ``T % 8`` (``ROWS`` rows); below ``ROWS`` rows, a padded copy of ``x``.
   """
   num_rows, num_columns = x.shape
-  if num_columns != layout.count * layout.width or (num_columns * x.dtype.itemsize) % 16:
-    raise ValueError(f"{num_columns} columns: the layout's ({layout}), a row a multiple of "
-                     "16 bytes expected")
+  if (num_columns != layout.count * layout.width
+      or not mosaic_tile.array_swizzle(num_columns, x.dtype)):
+    raise ValueError(f"{num_columns} columns: the layout's ({layout}), a segment a multiple "
+                     "of 32 bytes expected")
   if kept is not None and kept.shape != (num_rows, -(-num_columns // 32)):
     raise ValueError(f"kept: {kept.shape}, ({num_rows}, {-(-num_columns // 32)}) expected")
   if stages is None:
@@ -239,7 +240,7 @@ def _part_statistics(x, inv_temp, picked, kept, label_column, *, layout, bound, 
   padded = max(-(-num_rows // 8) * 8, ROWS)  # (TMA reads rows in tiles of 8)
   x = chunking.pad_rows(x, padded)  # (a copy when padded)
   if kept is not None:
-    kept = mosaic_tile.kept_words(kept, label_column, padded, layout)
+    kept = mosaic_tile.kept_words(kept, label_column, padded, layout.num_tiles)
   pad = lambda v, fill: chunking.pad_rows(v.astype(jnp.float32), padded, fill)
   row_inputs = mosaic_tile.stack(mosaic_tile.RowsStatisticsInputs(
       inv_temp=pad(inv_temp, 1.0), picked=pad(picked, 0.0),
@@ -275,9 +276,9 @@ def unsupported(*, operation, platform, capability, dtypes, num_columns,
     return "it computes in float32 and the inputs are float64"
   if jnp.dtype(dtypes[-1]) not in (jnp.bfloat16, jnp.float16, jnp.float32):
     return f"it reads bfloat16, float16 or float32 logits, got {jnp.dtype(dtypes[-1])}"
-  align = 16 // jnp.dtype(dtypes[-1]).itemsize
+  align = 32 // jnp.dtype(dtypes[-1]).itemsize
   if num_columns % align:
     return (f"the vocabulary (per device) must be a multiple of {align} for "
-            f"{jnp.dtype(dtypes[-1])} logits (TMA copies rows whose strides are multiples of "
-            f"16 bytes), got {num_columns}")
+            f"{jnp.dtype(dtypes[-1])} logits (TMA tiles the rows as the tiles' 32-byte "
+            f"swizzle), got {num_columns}")
   return None

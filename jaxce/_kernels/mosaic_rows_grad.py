@@ -18,9 +18,9 @@ statistics and cotangents folded into per-row coefficients (``_row_inputs``), it
 In place, rows are taken in whole blocks of ``ROWS`` (a moved-back block would read rows
 that its neighbour has overwritten): the last ``T % ROWS`` rows are written by XLA in
 place (``dynamic_update_slice``). Into a new array, the last block is moved back inside,
-as in ``mosaic_rows``. ``T`` must be a multiple of 8 and a row a multiple of 16 bytes;
+as in ``mosaic_rows``. ``T`` must be a multiple of 8 and a row a multiple of 32 bytes;
 the columns are tiled as ``mosaic_rows`` tiles them (``mosaic_tile.Segments``): a partial
-tile's columns past its segment read as zeros and their stores are dropped.
+last tile's columns past ``V_local`` read as zeros and their stores are dropped.
 Off GPUs the kernel runs in JAX's GPU interpreter (tests).
 """
 
@@ -56,8 +56,7 @@ def _kernel(x, row_inputs, words, tile_shift=None, *, layout, in_place, masked, 
   rows' ``mosaic_tile.ExpGradientInputs``, and each tile's gradient is
   ``mosaic_tile.exp_gradient`` (``softcap``, ``with_log_p``; no words, no mask)."""
   num_rows, num_columns = x.shape
-  x = mosaic_rows.segment_view(x, layout)
-  transforms = mosaic_tile.swizzle(TILE, x.dtype)
+  transforms = mosaic_rows.tile_swizzle(x.dtype, num_columns)
   has_words, exp_rows = words is not None, tile_shift is not None
   inputs_type = mosaic_tile.ExpGradientInputs if exp_rows else mosaic_tile.RowsGradientInputs
 
@@ -72,8 +71,7 @@ def _kernel(x, row_inputs, words, tile_shift=None, *, layout, in_place, masked, 
     rows = pl.ds(first_row, ROWS)
     inputs = mosaic_tile.load(inputs_type, rows_gmem, block, optimized=False)
     group = mosaic_rows.group_at(group_index, layout)
-    segment_start = group.segment * layout.width
-    in_specs = mosaic_rows.tile_specs(group, x.dtype, has_words)
+    in_specs = mosaic_rows.tile_specs(group, x.dtype, has_words, num_columns)
     streams = tuple(w.at[:, rows] for w in streams_gmem)
     if exp_rows:  # (the tile's shifts: one f32 per row, beside the tile)
       in_specs = in_specs + [plgpu.BlockSpec((1, ROWS), lambda k: (group.tile + k, 0))]
@@ -84,8 +82,7 @@ def _kernel(x, row_inputs, words, tile_shift=None, *, layout, in_place, masked, 
     def _scoped(out_smem):
       def body(indices, x_smem, *stream_smem):
         (k,) = indices
-        offset = (group.first + k) * TILE
-        column = segment_start + offset
+        column = (group.tile + k) * TILE
         tile = plgpu.load(x_smem, layout=plgpu.Layout.WGMMA)
         if exp_rows:
           shift = plgpu.load(stream_smem[0].at[0], layout=plgpu.Layout.WGMMA.reduce(1))
@@ -99,13 +96,13 @@ def _kernel(x, row_inputs, words, tile_shift=None, *, layout, in_place, masked, 
         slot = out_smem.at[k % 2]
         slot[...] = grad.astype(x.dtype)
         plgpu.commit_smem()
-        # (a partial tile's columns past its segment: dropped by TMA's bounds)
+        # (a partial last tile's columns past V_local: dropped by TMA's bounds)
         plgpu.copy_smem_to_gmem(
-            slot, out_gmem.at[rows, group.segment, pl.ds(pl.multiple_of(offset, TILE), TILE)])
+            slot, out_gmem.at[rows, pl.ds(pl.multiple_of(column, TILE), TILE)])
 
       pipeline = plgpu.emit_pipeline(
           body, grid=(group.count,), in_specs=in_specs, max_concurrent_steps=stages)
-      pipeline(x_gmem.at[rows, group.segment], *streams)
+      pipeline(x_gmem.at[rows], *streams)
       plgpu.wait_smem_to_gmem(0)
 
   call = functools.partial(
@@ -116,10 +113,10 @@ def _kernel(x, row_inputs, words, tile_shift=None, *, layout, in_place, masked, 
   if not in_place:
     grad = call(out_type=plumbing.shape_dtype_like(x, x.shape, x.dtype))(x, *inputs)
     # (The kernel's output type drops the shard_map axes x varies over: cast back.)
-    return plumbing.unify_varying((grad, x), None)[0].reshape(num_rows, num_columns)
+    return plumbing.unify_varying((grad, x), None)[0]
   logits = jax.new_ref(x)  # (written in place: the kernel's output aliases x)
   call(out_type=())(logits, *inputs)
-  return jax.freeze(logits).reshape(num_rows, num_columns)
+  return jax.freeze(logits)
 
 
 def _cotangent_fields(valid, saved, cotangents) -> dict:
@@ -186,7 +183,7 @@ def overwrite(x, tokens: Tokens, saved, cotangents, column_start, limit, tail_gr
     rows = _row_inputs(tokens, saved, cotangents, column_start, bound)[:, :whole]
     rows = _by_block(rows, whole // ROWS)
     words = None if tokens.kept is None else mosaic_tile.kept_words(
-        tokens.kept[:whole], tokens.labels[:whole] - column_start, whole, layout)
+        tokens.kept[:whole], tokens.labels[:whole] - column_start, whole, layout.num_tiles)
     x = _kernel(x, rows, words, layout=layout, in_place=True, masked=limit is not None,
                 stages=stages, interpret=interpret)
   if whole < num_rows:
@@ -213,7 +210,7 @@ def gradient(x, tokens: Tokens, saved, cotangents, column_start, limit, *, layou
   rows = _row_inputs(tokens, saved, cotangents, column_start, bound)
   rows = chunking.pad_rows(rows.T, padded, 0).T[:, blocks].transpose(1, 0, 2)
   words = None if tokens.kept is None else mosaic_tile.kept_words(
-      tokens.kept, tokens.labels - column_start, padded, layout)
+      tokens.kept, tokens.labels - column_start, padded, layout.num_tiles)
   grad = _kernel(chunking.pad_rows(x, padded), rows, words, layout=layout, in_place=False,
                  masked=limit is not None, stages=stages, interpret=interpret)
   return grad[:num_rows]
@@ -270,9 +267,9 @@ def _check_shape(x, layout):
   ``layout`` and a row a multiple of 16 bytes."""
   num_rows, num_columns = x.shape
   if (num_columns != layout.count * layout.width or num_rows % 8
-      or (num_columns * x.dtype.itemsize) % 16):
-    raise ValueError(f"x: {x.shape}, rows a multiple of 8, the columns of {layout} and a row "
-                     "a multiple of 16 bytes expected")
+      or not mosaic_tile.array_swizzle(num_columns, x.dtype)):
+    raise ValueError(f"x: {x.shape}, rows a multiple of 8, the columns of {layout} and a "
+                     "row a multiple of 32 bytes expected")
 
 
 def _default_stages(dtype):

@@ -28,7 +28,6 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
 from jaxce._kernels import chunking, plumbing, softmax
@@ -40,12 +39,14 @@ WORDS = TILE // 32  # kept-set words per tile row
 LOG2_E, FLOOR = softmax.LOG2_E, softmax.FLOOR
 
 
-def swizzle(minor_dim: int, dtype):
+def swizzle(minor_dim: int, dtype, max_bytes: int = 128):
   """Shared-memory tiling and swizzle of a tile whose minor dim holds ``minor_dim``
-  elements of ``dtype`` (the widest swizzle that fits, up to 128 bytes: what wgmma and
-  TMA expect, and conflict-free loads into the WGMMA register layout)."""
+  elements of ``dtype`` (the widest swizzle that fits, up to ``max_bytes``: what wgmma and
+  TMA expect, and conflict-free loads into the WGMMA register layout). TMA tiles the
+  array in device memory the same way: its minor dim must be a multiple of the swizzle's
+  width (``array_swizzle``)."""
   itemsize = jnp.dtype(dtype).itemsize
-  width = plgpu.find_swizzle(minor_dim * itemsize * 8)
+  width = min(plgpu.find_swizzle(minor_dim * itemsize * 8), max_bytes)
   return plgpu.TilingTransform((8, width // itemsize)), plgpu.SwizzleTransform(width)
 
 
@@ -74,23 +75,24 @@ def _columns(shape, column):
 
 
 # Bits that do not depend on the shard count: a vocabulary of V columns is cut into up to
-# MAX_SHARDS equal segments (fixed by V alone), each tiled from its own start, so every
-# power-of-two shard count up to MAX_SHARDS that divides V sees the same tiles.
+# MAX_SHARDS equal segments of whole tiles (fixed by V alone), each folded on its own by
+# the logits rows' kernels, so every power-of-two shard count up to MAX_SHARDS that gives
+# whole segments sees the same tiles, groups and merge.
 MAX_SHARDS = 8
-# TMA reads and writes rows whose strides are multiples of 16 bytes: a segment's width is
-# a multiple of 8 columns (16-bit), so every segment starts on such a boundary.
-SEGMENT_ALIGN = 8
+# TMA tiles an array in device memory as the tile's shared memory is tiled (its swizzle's
+# width): a [.., V_local] array of 16-bit values whose V_local is not a multiple of 64
+# takes a narrower swizzle (64 or 32 bytes), and below 16 columns none fits.
+MIN_ALIGN = 16
 
 
 class Segments(NamedTuple):
-  """How a kernel tiles this device's ``V_local = count * width`` columns: ``count``
-  segments of ``width`` columns, each cut into tiles of ``TILE`` from its own start (tile
-  ``k`` of segment ``s`` holds local columns ``s * width + k * TILE`` on), the last one
-  partial when ``width`` is not a multiple of ``TILE``. The kernels view a ``[.., V_local]``
-  array as ``[.., count, width]`` (a free reshape): a partial tile reads zeros past its
-  segment (TMA's bounds; the statistics mask those columns) and its stores past it are
-  dropped, so no column is read from another segment, computed twice or written twice.
-  ``total``: the segments over every shard (``count`` times the shard count)."""
+  """How the kernels tile this device's ``V_local = count * width`` columns: ``count``
+  segments of ``width`` columns, tiles of ``TILE`` columns from column 0. Segments are
+  whole tiles, except a lone segment (``count == 1``) whose width is not a multiple of
+  ``TILE``: its last tile is partial, reads zeros past the array's end (TMA's bounds),
+  the statistics mask those columns, and its stores past the end are dropped, so no
+  column is read from another shard, computed twice or written twice. ``total``: the
+  segments over every shard (``count`` times the shard count)."""
   width: int
   count: int
   total: int
@@ -101,26 +103,26 @@ class Segments(NamedTuple):
 
   @property
   def num_tiles(self) -> int:
-    """This device's tiles, segment after segment: ``count * tiles_per_segment``."""
+    """This device's tiles: ``count * tiles_per_segment``."""
     return self.count * self.tiles_per_segment
 
   @property
   def partial(self) -> bool:
-    """Whether each segment's last tile is partial (its columns past the segment masked)."""
+    """Whether the last tile is partial (its columns past ``V_local`` masked)."""
     return self.width % TILE != 0
 
 
 def segments(num_columns: int, num_shards: int = 1) -> Segments:
   """The segments of a device's ``num_columns`` columns when the vocabulary is split over
   ``num_shards`` devices: ``V = num_columns * num_shards`` cut into the most equal segments
-  (at most ``MAX_SHARDS``, a power of two) whose width is a multiple of
-  ``SEGMENT_ALIGN``. A function of ``V`` alone whenever each shard holds whole segments
-  (every power-of-two shard count up to ``MAX_SHARDS`` that divides ``V`` into multiples of
-  8 columns), so a token's tiles, and its bits, are the same at each such count; a shard
-  narrower than a segment is one segment of its own."""
+  of whole tiles (at most ``MAX_SHARDS``, a power of two). A function of ``V`` alone
+  whenever each shard holds whole segments, so a token's tiles and groups, and its bits,
+  are the same at every power-of-two shard count up to ``MAX_SHARDS`` whose shards are
+  whole tiles; a shard that is not (Qwen3's 151936 columns over 4 devices: 37984) is one
+  segment of its own, its last tile partial."""
   vocab = num_columns * num_shards
   count = MAX_SHARDS
-  while count > 1 and (vocab % count or (vocab // count) % SEGMENT_ALIGN):
+  while count > 1 and (vocab % count or (vocab // count) % TILE):
     count //= 2
   width = vocab // count
   if num_columns % width:
@@ -134,41 +136,29 @@ def whole(num_columns: int) -> Segments:
   return Segments(num_columns, 1, 1)
 
 
-def tile_starts(layout: Segments) -> np.ndarray:
-  """int ``[num_tiles]``: each tile's first local column."""
-  k = np.arange(layout.tiles_per_segment) * TILE
-  return (np.arange(layout.count)[:, None] * layout.width + k[None, :]).reshape(-1)
+def array_swizzle(num_columns: int, dtype) -> int:
+  """The widest swizzle, in bytes (128, 64 or 32), of tiles read from or written to a
+  ``[.., num_columns]`` array of ``dtype`` with TMA: a row must be a multiple of the
+  swizzle's width (TMA tiles the array as the tile's shared memory is tiled); 0 when
+  none fits. (The narrower swizzles cost time: bench/NOTES.md, entry 43.)"""
+  row_bytes = num_columns * jnp.dtype(dtype).itemsize
+  return next((b for b in (128, 64, 32) if row_bytes % b == 0), 0)
 
 
-def kept_words(kept, label_column, num_rows, layout: Segments):
-  """uint32 ``[num_tiles * WORDS, num_rows]``: each tile's ``WORDS`` words (bit ``j % 32``
-  of its word ``j // 32`` for the tile's column ``j``; a partial tile's bits past its
-  segment are anything, as its columns there), from the kept sets ``kept [T, >=
-  ceil(V_local / 32)]`` (bit ``v % 32`` of word ``v // 32``, shifted into place when a
-  tile does not start on a word), with each row's label column's bit set (``label_column
-  [T]`` int; none outside ``[0, V_local)``: the label lies elsewhere), zero rows past
-  ``T``, transposed so that a word is a per-row vector (``kept_columns``). One XLA
-  fusion; memory: ``num_rows * num_tiles * WORDS * 4`` bytes (about ``num_rows * V_local /
-  8``)."""
-  words = kept.astype(jnp.uint32)
-  num_columns = layout.count * layout.width
-  words = jnp.pad(words[:, :-(-num_columns // 32)], [(0, 0), (0, 1)])  # (a word past the end)
-  first = (tile_starts(layout)[:, None] + 32 * np.arange(WORDS)[None, :]).reshape(-1)
-  low = np.minimum(first // 32, words.shape[1] - 1)
-  shift = (first % 32).astype(np.uint32)
-  out = words[:, low]
-  if shift.any():
-    high = words[:, np.minimum(low + 1, words.shape[1] - 1)]
-    out = jnp.where(shift == 0, out, (out >> shift) | (high << ((32 - shift) % 32)))
-  label_column = label_column.astype(jnp.int32)
-  in_segment = label_column % layout.width
-  tile = label_column // layout.width * layout.tiles_per_segment + in_segment // TILE
-  label_word = jnp.where((label_column >= 0) & (label_column < num_columns),
-                         tile * WORDS + in_segment % TILE // 32, -1)[:, None]
-  label_bit = jnp.left_shift(jnp.uint32(1), (in_segment % 32).astype(jnp.uint32))[:, None]
-  index = lax.broadcasted_iota(jnp.int32, out.shape, 1)
-  out = jnp.where(index == label_word, out | label_bit, out)
-  return chunking.pad_rows(out, num_rows).T
+def kept_words(kept, label_column, num_rows, num_tiles):
+  """uint32 ``[num_tiles * WORDS, num_rows]``: the kept sets ``kept [T, >= ceil(V_local /
+  32)]`` (bit ``v % 32`` of word ``v // 32``) with each row's label column's bit set
+  (``label_column [T]`` int; none outside ``[0, V_local)``: the label lies elsewhere),
+  zero words past the columns and zero rows past ``T``, transposed so that a word is a
+  per-row vector (``kept_columns``). One XLA fusion; memory: ``num_rows * num_tiles *
+  WORDS * 4`` bytes (about ``num_rows * V_local / 8``)."""
+  words = kept.astype(jnp.uint32)[:, :num_tiles * WORDS]
+  words = jnp.pad(words, [(0, 0), (0, num_tiles * WORDS - words.shape[1])])
+  label_column = label_column.astype(jnp.int32)[:, None]
+  label_bit = jnp.left_shift(jnp.uint32(1), (label_column % 32).astype(jnp.uint32))
+  index = lax.broadcasted_iota(jnp.int32, words.shape, 1)
+  words = jnp.where(index == label_column // 32, words | label_bit, words)
+  return chunking.pad_rows(words, num_rows).T
 
 
 def kept_columns(words_smem):

@@ -41,7 +41,8 @@ def _row_bytes(tokens):
   if jaxce.plan.of(jaxce.logprobs_and_entropy, x, labels).backend != "mosaic":
     return 0
   from jaxce._kernels import mosaic_rows  # pylint: disable=import-outside-toplevel
-  groups = -(-V // (mosaic_rows.TILE * mosaic_rows.tiles_per_group(V)))
+  from jaxce._kernels import mosaic_tile  # pylint: disable=import-outside-toplevel
+  groups = mosaic_rows.num_groups(mosaic_tile.segments(V))
   return 2 * 16 * groups
 
 

@@ -10,7 +10,7 @@ import pytest
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from helpers import assert_close, jaxce, kernel_device, reference, value_and_grads
-from jaxce._kernels import mosaic_head
+from jaxce._kernels import mosaic_head, mosaic_tile
 
 if jax.default_backend() != "gpu" and not hasattr(plgpu, "InterpretGPUParams"):
   pytest.skip(f"the Mosaic GPU interpreter needs JAX >= 0.11 (this is {jax.__version__}); "
@@ -63,6 +63,9 @@ def _merged(tiles):
     (520, 128, 384, 0, 30.0, True),   # ragged rows: three row blocks, the last moved back
     (512, 128, 384, 1, None, False),  # no padded columns: no column masked
     (520, 128, 384, 0, 30.0, False),
+    (264, 64, 400, 1, None, True),    # V not a multiple of 128: a partial last tile of 16
+    (520, 128, 400, 0, 30.0, False),  # (and a 32-byte swizzle on the [D, V] weight)
+    (256, 64, 208, 1, None, False),   # one whole tile and a partial one of 80 (64-byte)
 ])
 def test_tile_statistics_match_float64(tokens, dim, num_columns, vocab_dim, softcap, padded):
   rng, hidden, weight = _inputs(tokens + num_columns, tokens, dim, num_columns, vocab_dim)
@@ -70,10 +73,11 @@ def test_tile_statistics_match_float64(tokens, dim, num_columns, vocab_dim, soft
   labels = jnp.asarray(rng.integers(0, num_columns + 30, tokens), jnp.int32)
   inv_temp = jnp.asarray(rng.uniform(0.5, 2.0, tokens), jnp.float32)
   limit = num_columns - 9 if padded else None  # padded columns at the end, or none
+  layout = mosaic_tile.segments(num_columns)
   kw = dict(column_start=column_start, vocab_dim=vocab_dim, softcap=softcap,
-            with_entropy=True, **kernel_device())
+            with_entropy=True, layout=layout, **kernel_device())
   tiles = mosaic_head.statistics(hidden, weight, labels, inv_temp, limit, **kw)
-  assert tiles.shape == (num_columns // 128, 4, tokens)
+  assert tiles.shape == (-(-num_columns // 128), 4, tokens) == (layout.num_tiles, 4, tokens)
   # With the exp(z - m) terms (the fused objective path's rows): the same statistics'
   # bits, and each column's exp(z - m_tile) in hidden's dtype, 0 past the limit; rounded
   # once from f32 terms whose z - m is off by the logits' rounding.
@@ -85,7 +89,9 @@ def test_tile_statistics_match_float64(tokens, dim, num_columns, vocab_dim, soft
   x = x if softcap is None else softcap * np.tanh(x / softcap)
   bound = num_columns if limit is None else limit
   z = np.where(np.arange(num_columns) < bound, x * np.asarray(inv_temp)[:, None], -np.inf)
-  tile_max = np.repeat(np.max(z.reshape(tokens, -1, 128), axis=2), 128, axis=1)
+  padded_z = np.pad(z, [(0, 0), (0, -num_columns % 128)], constant_values=-np.inf)
+  tile_max = np.repeat(np.max(padded_z.reshape(tokens, -1, 128), axis=2), 128,
+                       axis=1)[:, :num_columns]
   want_e = np.exp(z - tile_max)
   assert e.shape == (tokens, num_columns) and e.dtype == hidden.dtype
   assert np.all(np.asarray(e, np.float64)[:, bound:] == 0)
@@ -118,7 +124,8 @@ def test_unmasked_statistics_are_the_masked_ones():
   rng, hidden, weight = _inputs(3, tokens, 128, num_columns, 1)
   labels = jnp.asarray(rng.integers(0, num_columns, tokens), jnp.int32)
   inv_temp = jnp.asarray(rng.uniform(0.5, 2.0, tokens), jnp.float32)
-  kw = dict(column_start=0, vocab_dim=1, softcap=None, with_entropy=True, **kernel_device())
+  kw = dict(column_start=0, vocab_dim=1, softcap=None, with_entropy=True,
+            layout=mosaic_tile.segments(num_columns), **kernel_device())
   run = lambda limit: mosaic_head.statistics(hidden, weight, labels, inv_temp, limit, **kw)
   unmasked, masked = (np.asarray(a) for a in (jax.jit(lambda: run(None))(),
                                               jax.jit(run)(jnp.int32(num_columns))))
@@ -184,7 +191,8 @@ def test_logits_grad_tile_matches_float64(vocab_dim, softcap, first_kept, limit,
 
 @pytest.mark.parametrize("weight_layout,tokens,max_unrolled,chunk,columns", [
     ("dv", 300, 64, None, 384), ("vd", 300, 64, None, 384), ("dv", 700, 64, None, 384),
-    ("vd", 700, 2, None, 384), ("vd", 700, 64, 256, 384), ("dv", 600, 64, 256, 640)])
+    ("vd", 700, 2, None, 384), ("vd", 700, 64, 256, 384), ("dv", 600, 64, 256, 640),
+    ("dv", 300, 64, None, 400), ("vd", 700, 64, None, 400)])  # (V: 3 tiles and 16 columns)
 def test_matches_xla_path_and_reference(weight_layout, tokens, max_unrolled, chunk, columns,
                                         monkeypatch):
   """bf16 inputs, ragged tokens and vocabulary, padded vocabulary, per-token temperature,
@@ -231,8 +239,10 @@ def test_matches_xla_path_and_reference(weight_layout, tokens, max_unrolled, chu
     assert_close(g, gx, 2 ** -7 * float(jnp.max(jnp.abs(gx.astype(jnp.float32)))), name)
 
 
-@pytest.mark.parametrize("weight_layout,softcap", [("dv", None), ("vd", 20.0)])
-def test_unmasked_backward_and_its_narrow_last_block(weight_layout, softcap):
+@pytest.mark.parametrize("weight_layout,softcap,columns", [
+    ("dv", None, 640), ("vd", 20.0, 640),
+    ("dv", None, 656), ("vd", 20.0, 656)])  # (a narrow block of 144: its last tile partial)
+def test_unmasked_backward_and_its_narrow_last_block(weight_layout, softcap, columns):
   """No padded vocabulary and no kept sets: the backward's kernels mask no column, and
   the columns past the last whole vocab block (128 of 640, in blocks of 256) make one block
   as wide as they are, not a block clamped back over the one before. Per-token temperature, an
@@ -240,7 +250,7 @@ def test_unmasked_backward_and_its_narrow_last_block(weight_layout, softcap):
   random cotangents for both outputs; values and gradients as exact as the XLA path's
   against float64, the gradients within one bf16 rounding step of it."""
   vocab_dim = 1 if weight_layout == "dv" else 0
-  tokens, columns = 300, 640
+  tokens = 300
   rng, hidden, weight = _inputs(17, tokens, 128, columns, vocab_dim)
   hidden = hidden.at[7].set(jnp.nan)
   labels = rng.integers(0, columns, tokens)
@@ -278,16 +288,21 @@ def test_unmasked_backward_and_its_narrow_last_block(weight_layout, softcap):
     assert err_mosaic <= 1.5 * err_xla + 2 ** -9 * scale, (name, err_mosaic, err_xla)
 
 
-@pytest.mark.parametrize("weight_layout,tokens", [("dv", 300), ("vd", 700)])
-def test_kept_sets_match_xla_path_and_reference(weight_layout, tokens):
+@pytest.mark.parametrize("weight_layout,tokens,columns,block", [
+    ("dv", 300, 384, None), ("vd", 700, 384, 128),
+    ("dv", 300, 656, 256),  # blocks of 256 and a narrow last one of 144 (a partial tile)
+    ("vd", 300, 400, None)])  # one block of 400 columns: its last tile partial
+def test_kept_sets_match_xla_path_and_reference(weight_layout, tokens, columns, block):
   """``keep=`` read with the tiles in both kernels: ~5 % kept, a row whose arg-max is
   dropped, a row keeping its label alone, a label outside its kept set; a padded
   vocabulary, per-token temperature, softcap and random cotangents. Values as exact as
-  the XLA path's against float64, the same gradients, the plan on the kernel."""
+  the XLA path's against float64, the same gradients, the plan on the kernel. Also where
+  the backward's last vocab block is narrower than the others and where ``V`` is not a
+  multiple of 128 (the kept words of a partial tile)."""
   vocab_dim = 1 if weight_layout == "dv" else 0
-  rng, hidden, weight = _inputs(13, tokens, 128, 384, vocab_dim)
+  rng, hidden, weight = _inputs(13, tokens, 128, columns, vocab_dim)
   labels = rng.integers(0, 250, tokens)
-  mask = rng.random((tokens, 384)) < 0.05
+  mask = rng.random((tokens, columns)) < 0.05
   mask[np.arange(tokens), labels] = True
   logits = np.asarray(hidden, np.float32) @ np.asarray(weight if vocab_dim else weight.T,
                                                        np.float32)
@@ -300,13 +315,15 @@ def test_kept_sets_match_xla_path_and_reference(weight_layout, tokens):
                  cot_entropy=rng.normal(size=tokens))
   kw = dict(temperature=rng.uniform(0.6, 1.5, tokens), logit_softcap=20.0, vocab_size=250,
             weight_layout=weight_layout, keep=keep)
-  block = 128 if tokens > 384 else None
   f = lambda h, w, labels, **k: jaxce.linear_logprobs_and_entropy(
       h, w, labels, vocab_block_size=block, **k)
   fr = lambda h, w, labels, **k: reference.linear_logprobs_and_entropy(h, w, labels, **k)
   plan = jaxce.plan.of(jaxce.linear_logprobs_and_entropy, hidden, weight, labels,
-                       implementation="mosaic", weight_layout=weight_layout, keep=keep)
+                       implementation="mosaic", weight_layout=weight_layout, keep=keep,
+                       vocab_block_size=block)
   assert plan.backend == "mosaic", plan
+  if block == 256:
+    assert (plan.backward_order, plan.block, columns % plan.block) == ("vocab", 256, 144), plan
   mosaic = value_and_grads(f, (hidden, weight), (0, 1), implementation="mosaic", **loss_kw, **kw)
   xla = value_and_grads(f, (hidden, weight), (0, 1), implementation="xla", **loss_kw, **kw)
   exact = value_and_grads(fr, tuple(jnp.asarray(a, jnp.float64) for a in (hidden, weight)),
@@ -522,10 +539,12 @@ def test_gpu_calls_take_an_array_temperatures_reciprocal_on_the_device(capabilit
         kernels, barriers)
 
 
-@pytest.mark.parametrize("weight_layout,softcap,with_keep", [
-    ("dv", None, False), ("vd", 20.0, False), ("dv", 20.0, True)])
+@pytest.mark.parametrize("weight_layout,softcap,with_keep,columns", [
+    ("dv", None, False, 384), ("vd", 20.0, False, 384), ("dv", 20.0, True, 384),
+    ("dv", 20.0, True, 400)])  # (V not a multiple of 128: the terms' partial last tile)
 def test_objective_gradients_from_the_kernels_terms_match_float64(weight_layout, softcap,
-                                                                  with_keep, monkeypatch):
+                                                                  with_keep, columns,
+                                                                  monkeypatch):
   """``linear_token_loss`` on the kernels: the fused head's kernel writes each row's
   ``exp(z - m_tile)`` terms in bf16 and ``mosaic_rows_grad.exp_overwrite`` writes ``d``
   over them. 700 tokens in three groups of 256 (the last clamped back), per-token
@@ -537,7 +556,7 @@ def test_objective_gradients_from_the_kernels_terms_match_float64(weight_layout,
   monkeypatch.setitem(jaxce.plan.LINEAR_OBJECTIVE_GRAD_BYTES, "gpu", 300 * 384 * 2)
   vocab_dim = 1 if weight_layout == "dv" else 0
   tokens = 700
-  rng, hidden, weight = _inputs(21, tokens, 128, 384, vocab_dim)
+  rng, hidden, weight = _inputs(21, tokens, 128, columns, vocab_dim)
   labels = rng.integers(0, 250, tokens)
   labels[:20] = -100
   hidden = hidden.at[3].set(jnp.nan)  # an ignored token's NaN stays out of the gradients
@@ -545,7 +564,7 @@ def test_objective_gradients_from_the_kernels_terms_match_float64(weight_layout,
   temperature[::7] = 0.02
   keep = None
   if with_keep:
-    mask = rng.random((tokens, 384)) < 0.3
+    mask = rng.random((tokens, columns)) < 0.3
     mask[np.arange(tokens), np.maximum(labels, 0)] = True
     keep = jaxce.keep.pack(mask)
   weight_logp, weight_entropy = rng.normal(size=tokens), rng.normal(size=tokens)
@@ -637,8 +656,8 @@ def test_exp_overwrite_is_the_logit_gradient_of_its_terms(softcap):
   f32 = lambda a: jnp.asarray(a, jnp.float32)
   got = mosaic_rows_grad.exp_overwrite(
       jnp.asarray(e, jnp.bfloat16), f32(tiles), tokens, tuple(map(f32, (m, log_sum, entropy))),
-      tuple(map(f32, (g_logp, g_entropy))), start, softcap=softcap,
-      interpret=kernel_device()["interpret"])
+      tuple(map(f32, (g_logp, g_entropy))), start, layout=mosaic_tile.segments(columns),
+      softcap=softcap, interpret=kernel_device()["interpret"])
   # float64: the gradient of the logits whose terms are e (log p = log e + m_tile - lse)
   with np.errstate(divide="ignore", invalid="ignore"):
     log_p = np.log(e) + np.repeat(tile_max, 128, axis=1) - (m + log_sum)[:, None]

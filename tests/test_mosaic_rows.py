@@ -13,11 +13,21 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from helpers import assert_close, count_primitives, devices, jaxce, kernel_device, reference
 from helpers import value_and_grads
-from jaxce._kernels import mosaic_merge, mosaic_rows
+from jaxce._kernels import mosaic_merge, mosaic_rows, mosaic_tile
 
 if jax.default_backend() != "gpu" and not hasattr(plgpu, "InterpretGPUParams"):
   pytest.skip(f"the Mosaic GPU interpreter needs JAX >= 0.11 (this is {jax.__version__}); "
               ".ci/run runs these tests on Python 3.12", allow_module_level=True)
+
+
+def _group_columns(columns):
+  """``[(first, stop)]``: each group's columns, in order, as ``mosaic_rows`` groups a
+  single call's ``columns`` (the groups of each segment of whole tiles, the last tile of
+  a ragged width partial)."""
+  layout = mosaic_tile.segments(columns)
+  size = mosaic_rows.tiles_per_group(layout) * mosaic_rows.TILE
+  return [(s * layout.width + k, min(s * layout.width + k + size, (s + 1) * layout.width))
+          for s in range(layout.count) for k in range(0, layout.width, size)]
 
 
 def _logits(rng, tokens, columns, dtype):
@@ -33,6 +43,9 @@ def _logits(rng, tokens, columns, dtype):
     (300, 384, jnp.float32, 300, 1),      # a ragged row count (padded to 8), 3 groups, a limit
     (136, 256, jnp.float16, None, 1),     # the last row block moved back, 2 groups
     (64, 1152, jnp.bfloat16, 1100, 4),    # a short last group
+    (136, 400, jnp.bfloat16, None, 2),    # V not a multiple of 128: a partial last tile
+    (300, 1008, jnp.float32, 1000, 4),    # (in a short last group, behind a limit)
+    (64, 1024, jnp.bfloat16, None, 1),    # 8 segments of one tile each: a group each
 ])
 def test_group_statistics_match_float64(tokens, columns, dtype, limit, min_tiles, monkeypatch):
   monkeypatch.setattr(mosaic_rows, "MIN_TILES_PER_GROUP", min_tiles)
@@ -41,16 +54,16 @@ def test_group_statistics_match_float64(tokens, columns, dtype, limit, min_tiles
   inv_temp = rng.uniform(0.5, 2.0, tokens).astype(np.float32)
   picked = rng.normal(size=tokens).astype(np.float32)
   tiles = mosaic_rows.statistics(x, jnp.asarray(inv_temp), jnp.asarray(picked), limit,
-                                 with_entropy=True, interpret=kernel_device()["interpret"])
-  group = mosaic_rows.tiles_per_group(columns) * mosaic_rows.TILE
-  num_groups = -(-columns // group)
-  assert tiles.shape == (num_groups, 4, tokens)
+                                 layout=mosaic_tile.segments(columns), with_entropy=True,
+                                 interpret=kernel_device()["interpret"])
+  groups = _group_columns(columns)
+  assert tiles.shape == (len(groups), 4, tokens)
   z = np.asarray(x.astype(jnp.float32), np.float64) * inv_temp[:, None].astype(np.float64)
   if limit is not None:
     z[:, limit:] = -np.inf
   tiles = np.asarray(tiles, np.float64)
-  for g in range(num_groups):
-    part = z[:, g * group:(g + 1) * group]
+  for g, (first, stop) in enumerate(groups):
+    part = z[:, first:stop]
     m = np.maximum(part.max(axis=1), np.finfo(np.float32).min)
     e = np.exp(part - m[:, None])
     q = np.sum(e * np.where(np.isfinite(part), part - m[:, None], 0), axis=1)
@@ -64,6 +77,7 @@ def test_group_statistics_match_float64(tokens, columns, dtype, limit, min_tiles
 @pytest.mark.parametrize("tokens,columns,dtype,limit", [
     (136, 384, jnp.bfloat16, None),  # the last row block moved back, 3 groups
     (300, 256, jnp.float32, 200),    # a ragged row count (padded to 8), a limit
+    (136, 400, jnp.bfloat16, None),  # a partial last tile: its words past V are zeros
 ])
 def test_group_statistics_over_kept_sets(tokens, columns, dtype, limit, monkeypatch):
   """Kept sets read with the tiles: ~5 % kept at random, a row keeping its label alone (or
@@ -80,8 +94,9 @@ def test_group_statistics_over_kept_sets(tokens, columns, dtype, limit, monkeypa
   words = jaxce.keep.pack(kept)
   tiles = mosaic_rows.statistics(x, jnp.asarray(inv_temp), jnp.zeros(tokens, jnp.float32),
                                  limit, words, jnp.asarray(label_column),
-                                 with_entropy=True, interpret=kernel_device()["interpret"])
-  group = mosaic_rows.tiles_per_group(columns) * mosaic_rows.TILE
+                                 layout=mosaic_tile.segments(columns), with_entropy=True,
+                                 interpret=kernel_device()["interpret"])
+  groups = _group_columns(columns)
   z = np.asarray(x.astype(jnp.float32), np.float64) * inv_temp[:, None].astype(np.float64)
   owned = (label_column >= 0) & (label_column < columns)
   kept[np.arange(tokens), np.clip(label_column, 0, columns - 1)] |= owned
@@ -89,8 +104,9 @@ def test_group_statistics_over_kept_sets(tokens, columns, dtype, limit, monkeypa
   if limit is not None:
     z[:, limit:] = -np.inf
   tiles = np.asarray(tiles, np.float64)
-  for g in range(tiles.shape[0]):
-    part = z[:, g * group:(g + 1) * group]
+  assert tiles.shape[0] == len(groups)
+  for g, (first, stop) in enumerate(groups):
+    part = z[:, first:stop]
     m = np.maximum(part.max(axis=1), np.finfo(np.float32).min)
     e = np.exp(part - m[:, None])
     q = np.sum(e * np.where(np.isfinite(part), part - m[:, None], 0), axis=1)
@@ -101,13 +117,13 @@ def test_group_statistics_over_kept_sets(tokens, columns, dtype, limit, monkeypa
     assert_close(tiles[g, 2], q, 2e-6 * max(e.sum(axis=1).max(), 1) * (1 + scale), f"q {g}")
 
 
-@pytest.mark.parametrize("tokens", [40, 300])
-def test_matches_xla_and_reference(tokens):
+@pytest.mark.parametrize("tokens,columns", [(40, 384), (300, 384), (300, 400)])
+def test_matches_xla_and_reference(tokens, columns):
   """bf16 logits, per-token temperature, a padded vocabulary, ignored and masked tokens,
   random cotangents for both outputs: the Mosaic forward as exact as XLA's, the same
-  gradient."""
+  gradient; also at a width that is not a multiple of 128 (a partial last tile)."""
   rng = np.random.default_rng(tokens)
-  x = _logits(rng, tokens, 384, jnp.bfloat16)
+  x = _logits(rng, tokens, columns, jnp.bfloat16)
   labels = rng.integers(0, 370, tokens)
   labels[rng.random(tokens) < 0.1] = -100
   loss_kw = dict(labels=labels, cot_logp=rng.normal(size=tokens),
@@ -182,7 +198,8 @@ def _weighted_sum(outputs, cot):
     (40, True, False, False, True),     # below ROWS rows: a padded copy
     (60, True, False, True, False),     # T not a multiple of 8: XLA's fused pass
 ])
-def test_gradient_kernels_match_xla(tokens, keep, in_place, entropy_cotangent, kernel):
+@pytest.mark.parametrize("columns", [384, 400])  # (400: the last tile partial)
+def test_gradient_kernels_match_xla(tokens, keep, in_place, entropy_cotangent, kernel, columns):
   """The gradient kernel on the Mosaic plan, over the logits (``backward_in_place=True``:
   its output aliases them) or, with a kept set, into a new array, with a padded
   vocabulary, per-token temperature, ignored tokens and random cotangents; the same
@@ -190,7 +207,7 @@ def test_gradient_kernels_match_xla(tokens, keep, in_place, entropy_cotangent, k
   ignored rows. ``kernel``: whether the backward runs the kernel (one more Pallas call in
   the fwd+bwd's jaxpr than in the forward's)."""
   rng = np.random.default_rng(tokens)
-  columns, vocab = 384, 370
+  vocab = 370
   x = _logits(rng, tokens, columns, jnp.bfloat16)
   labels = rng.integers(0, vocab, tokens)
   where = rng.random(tokens) < 0.9
@@ -322,7 +339,8 @@ def test_merge_takes_the_groups_in_order():
   z = np.asarray(x, np.float64)
   labels = rng.integers(0, 512, 64)
   picked = jnp.asarray(z[np.arange(64), labels], jnp.float32)
-  tiles = mosaic_rows.statistics(x, inv_temp, picked, None, with_entropy=True,
+  tiles = mosaic_rows.statistics(x, inv_temp, picked, None, layout=mosaic_tile.segments(512),
+                                 with_entropy=True,
                                  interpret=kernel_device()["interpret"])
   logp = mosaic_merge.merge(tiles, with_entropy=True, interpret=kernel_device()["interpret"])[0]
   m = z.max(axis=1)

@@ -406,20 +406,20 @@ def statistics(hidden, weight, labels, inv_temp, limit, kept=None, *, column_sta
       limit=jnp.broadcast_to(jnp.asarray(num_columns if limit is None else limit, jnp.float32),
                              inv_temp.shape)))
   out = _tile_statistics(hidden, weight, row_inputs,
-                         _words(kept, label_column, hidden.shape[0], layout.num_tiles),
+                         _words(kept, label_column, hidden.shape[0], num_columns),
                          layout=layout, vocab_dim=vocab_dim, softcap=softcap, with_entropy=with_entropy,
                          with_exp=with_exp, masked=limit is not None, interpret=interpret,
                          num_cores=num_cores)
   return out if with_exp else out[0]
 
 
-def _words(kept, label_column, num_rows, num_tiles):
-  """uint32 ``[num_tiles * WORDS, C]``: the kept sets ``[C, >= ceil(V_local / 32)]``'s
-  words of each tile with each row's label column's bit set, a row per word
+def _words(kept, label_column, num_rows, num_columns):
+  """uint32 ``[tiles * WORDS, C]``: the kept sets ``[C, >= ceil(V_local / 32)]``'s words
+  of each tile with each row's label column's bit set, a row per word
   (``mosaic_tile.kept_words``, read by ``_tiles``); or None."""
   if kept is None:
     return None
-  return mosaic_tile.kept_words(kept, label_column, num_rows, num_tiles)
+  return mosaic_tile.kept_words(kept, label_column, num_rows, num_columns)
 
 
 def logits_grad(hidden, weight, label_column, inv_temp, saved, cotangents, row_mask,
@@ -464,7 +464,7 @@ def logits_grad(hidden, weight, label_column, inv_temp, saved, cotangents, row_m
       row_mask=row_mask.astype(jnp.float32)))
   layout = mosaic_tile.whole(num_columns)
   return _tile_logits_grad(hidden, weight, row_inputs,
-                           _words(kept, label_column, hidden.shape[0], layout.num_tiles),
+                           _words(kept, label_column, hidden.shape[0], num_columns),
                            layout=layout, vocab_dim=vocab_dim,
                            softcap=softcap, masked=limit is not None or first_kept is not None,
                            interpret=interpret, num_cores=num_cores)

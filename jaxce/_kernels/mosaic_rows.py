@@ -240,7 +240,7 @@ def _part_statistics(x, inv_temp, picked, kept, label_column, *, layout, bound, 
   padded = max(-(-num_rows // 8) * 8, ROWS)  # (TMA reads rows in tiles of 8)
   x = chunking.pad_rows(x, padded)  # (a copy when padded)
   if kept is not None:
-    kept = mosaic_tile.kept_words(kept, label_column, padded, layout.num_tiles)
+    kept = mosaic_tile.kept_words(kept, label_column, padded, x.shape[1])
   pad = lambda v, fill: chunking.pad_rows(v.astype(jnp.float32), padded, fill)
   row_inputs = mosaic_tile.stack(mosaic_tile.RowsStatisticsInputs(
       inv_temp=pad(inv_temp, 1.0), picked=pad(picked, 0.0),

@@ -183,7 +183,7 @@ def overwrite(x, tokens: Tokens, saved, cotangents, column_start, limit, tail_gr
     rows = _row_inputs(tokens, saved, cotangents, column_start, bound)[:, :whole]
     rows = _by_block(rows, whole // ROWS)
     words = None if tokens.kept is None else mosaic_tile.kept_words(
-        tokens.kept[:whole], tokens.labels[:whole] - column_start, whole, layout.num_tiles)
+        tokens.kept[:whole], tokens.labels[:whole] - column_start, whole, num_columns)
     x = _kernel(x, rows, words, layout=layout, in_place=True, masked=limit is not None,
                 stages=stages, interpret=interpret)
   if whole < num_rows:
@@ -210,7 +210,7 @@ def gradient(x, tokens: Tokens, saved, cotangents, column_start, limit, *, layou
   rows = _row_inputs(tokens, saved, cotangents, column_start, bound)
   rows = chunking.pad_rows(rows.T, padded, 0).T[:, blocks].transpose(1, 0, 2)
   words = None if tokens.kept is None else mosaic_tile.kept_words(
-      tokens.kept, tokens.labels - column_start, padded, layout.num_tiles)
+      tokens.kept, tokens.labels - column_start, padded, num_columns)
   grad = _kernel(chunking.pad_rows(x, padded), rows, words, layout=layout, in_place=False,
                  masked=limit is not None, stages=stages, interpret=interpret)
   return grad[:num_rows]

@@ -145,16 +145,20 @@ def array_swizzle(num_columns: int, dtype) -> int:
   return next((b for b in (128, 64, 32) if row_bytes % b == 0), 0)
 
 
-def kept_words(kept, label_column, num_rows, num_tiles):
-  """uint32 ``[num_tiles * WORDS, num_rows]``: the kept sets ``kept [T, >= ceil(V_local /
-  32)]`` (bit ``v % 32`` of word ``v // 32``) with each row's label column's bit set
-  (``label_column [T]`` int; none outside ``[0, V_local)``: the label lies elsewhere),
-  zero words past the columns and zero rows past ``T``, transposed so that a word is a
-  per-row vector (``kept_columns``). One XLA fusion; memory: ``num_rows * num_tiles *
-  WORDS * 4`` bytes (about ``num_rows * V_local / 8``)."""
-  words = kept.astype(jnp.uint32)[:, :num_tiles * WORDS]
-  words = jnp.pad(words, [(0, 0), (0, num_tiles * WORDS - words.shape[1])])
+def kept_words(kept, label_column, num_rows, num_columns):
+  """uint32 ``[tiles * WORDS, num_rows]``: the kept sets ``kept [T, >= ceil(num_columns /
+  32)]`` (bit ``v % 32`` of word ``v // 32``) of each tile of ``TILE`` of the
+  ``num_columns`` columns, with each row's label column's bit set (``label_column [T]``
+  int; none outside ``[0, num_columns)``: the label lies elsewhere), zero words past the
+  last word and zero rows past ``T``, transposed so that a word is a per-row vector
+  (``kept_columns``). One XLA fusion; memory: ``num_rows * tiles * WORDS * 4`` bytes
+  (about ``num_rows * num_columns / 8``)."""
+  num_words = -(-num_columns // TILE) * WORDS
+  words = kept.astype(jnp.uint32)[:, :-(-num_columns // 32)]
+  words = jnp.pad(words, [(0, 0), (0, num_words - words.shape[1])])
   label_column = label_column.astype(jnp.int32)[:, None]
+  label_column = jnp.where((label_column >= 0) & (label_column < num_columns), label_column,
+                           -32)
   label_bit = jnp.left_shift(jnp.uint32(1), (label_column % 32).astype(jnp.uint32))
   index = lax.broadcasted_iota(jnp.int32, words.shape, 1)
   words = jnp.where(index == label_column // 32, words | label_bit, words)

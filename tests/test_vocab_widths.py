@@ -1,0 +1,97 @@
+"""Every vocabulary on every GPU count: the widths real vocabularies give a device when
+they are split over 1, 2, 4 or 8 GPUs, planned on the Mosaic kernels (a kernel sees only
+its shard's ``V_local``), the columns' tiling (``mosaic_tile.segments``) and the kept-set
+words of a partial last tile. The kernels themselves run at such widths in
+``test_mosaic_linear.py`` and ``test_mosaic_rows.py`` (the interpreter, and the GPU)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from helpers import jaxce
+from jaxce import plan
+from jaxce._kernels import mosaic_tile
+
+HOPPER = plan.Target("gpu", "9.0", 132)
+# (vocabulary, shard count): each shard's columns are not a multiple of 128.
+RAGGED = [(151936, 2), (151936, 4), (151936, 8), (128256, 4), (128256, 8), (129280, 4),
+          (129280, 8)]
+
+
+@pytest.mark.parametrize("vocab,shards", RAGGED)
+def test_the_kernels_run_every_shard_of_a_real_vocabulary(vocab, shards, monkeypatch):
+  """On a Hopper GPU the planner says Mosaic for what each shard runs (a local call at
+  ``V / n`` columns), on the fused head, the objective path and the logits path."""
+  monkeypatch.setattr(plan, "target", lambda *a, mesh=None: HOPPER)
+  columns = vocab // shards
+  assert columns % 128
+  hidden = jax.ShapeDtypeStruct((8184, 1024), jnp.bfloat16)
+  weight = jax.ShapeDtypeStruct((1024, columns), jnp.bfloat16)
+  logits = jax.ShapeDtypeStruct((8184, columns), jnp.bfloat16)
+  labels = jax.ShapeDtypeStruct((8184,), jnp.int32)
+  objective = lambda logp, entropy: logp
+  plans = {
+      "fused": plan.of(jaxce.linear_logprobs_and_entropy, hidden, weight, labels),
+      "objective": plan.of(jaxce.linear_token_loss, objective, hidden, weight, labels),
+      "logits": plan.of(jaxce.logprobs_and_entropy, logits, labels),
+      "token_loss": plan.of(jaxce.token_loss, objective, logits, labels),
+  }
+  for name, got in plans.items():
+    assert got.backend == "mosaic", (name, got.reason)
+  assert plans["objective"].kernel_chunk is not None, plans["objective"]
+
+
+def test_widths_no_kernel_can_take_say_why(monkeypatch):
+  """An unpadded vocabulary whose rows TMA cannot tile (151643 columns: not a multiple of
+  16) stays on XLA, and the plan says why; asked for by name, a ValueError."""
+  monkeypatch.setattr(plan, "target", lambda *a, mesh=None: HOPPER)
+  hidden = jax.ShapeDtypeStruct((256, 1024), jnp.bfloat16)
+  weight = jax.ShapeDtypeStruct((1024, 151643), jnp.bfloat16)
+  labels = jax.ShapeDtypeStruct((256,), jnp.int32)
+  got = plan.of(jaxce.linear_logprobs_and_entropy, hidden, weight, labels)
+  assert got.backend == "xla" and "multiple of 16" in got.reason, got
+  with pytest.raises(ValueError, match="multiple of 16.*151643"):
+    plan.of(jaxce.linear_logprobs_and_entropy, hidden, weight, labels,
+            implementation="mosaic")
+
+
+@pytest.mark.parametrize("columns,shards,want", [
+    (151936, 1, (151936, 1, 1)),   # Qwen3 on one GPU: one segment (151936 / 2 is ragged)
+    (75968, 2, (75968, 1, 2)),     # ... and its shards: one each, their last tile partial
+    (37984, 4, (37984, 1, 4)),
+    (248320, 1, (62080, 4, 4)),    # Qwen3.5: four segments of whole tiles
+    (124160, 2, (62080, 2, 4)),    # ... the same four over two GPUs
+    (62080, 4, (62080, 1, 4)),
+    (31040, 8, (31040, 1, 8)),     # ... eight GPUs: shards narrower than a segment
+    (131072, 1, (16384, 8, 8)),
+    (400, 1, (400, 1, 1)),
+])
+def test_segments_are_fixed_by_the_vocabulary(columns, shards, want):
+  """Segments of whole tiles fixed by ``V`` alone, the same at every shard count whose
+  shards hold whole segments; a shard that is not whole tiles is one segment."""
+  layout = mosaic_tile.segments(columns, shards)
+  assert (layout.width, layout.count, layout.total) == want
+  assert layout.num_tiles == -(-columns // 128)
+  assert layout.partial == bool(columns % 128)
+
+
+def test_kept_words_of_a_partial_tile():
+  """The kept words the kernels read for ``V`` columns that are not a multiple of 128:
+  each tile's four words, the label's bit set, zeros past the columns and past the
+  rows."""
+  rng = np.random.default_rng(0)
+  rows, columns = 5, 400
+  mask = rng.random((rows, columns)) < 0.3
+  label_column = np.array([3, 399, -1, 450, 131])  # (-1 and 450: the label lies elsewhere)
+  words = jaxce.keep.pack(mask)
+  assert words.shape == (rows, 13)
+  got = np.asarray(mosaic_tile.kept_words(words, jnp.asarray(label_column), 8, columns))
+  assert got.shape == (16, 8) and got.dtype == np.uint32
+  want = mask.copy()
+  owned = (label_column >= 0) & (label_column < columns)
+  want[np.arange(rows)[owned], label_column[owned]] = True
+  padded = np.zeros((8, 512), bool)
+  padded[:rows, :columns] = want
+  bits = (got.T[:, :, None] >> np.arange(32, dtype=np.uint32)) & 1
+  np.testing.assert_array_equal(bits.reshape(8, 512).astype(bool), padded)

@@ -59,7 +59,8 @@ def logprobs_and_entropy(logits: ArrayLike, labels: ArrayLike, *, temperature=1.
     return_entropy: when False the entropy is neither computed nor returned (``None``).
     implementation: forward statistics by ``"xla"`` (two fused passes per chunk of
       tokens), ``"mosaic"`` (one pass, a Pallas Mosaic GPU kernel for Hopper; bf16, f16 or
-      f32 logits, a vocabulary per device that is a multiple of 128) or ``"triton"`` (one
+      f32 logits, a vocabulary per device whose rows are a multiple of 32 bytes: 16
+      columns in 16 bits, 8 in f32) or ``"triton"`` (one
       pass, a Pallas Triton kernel, on JAX's deprecated Triton backend: only when asked
       for; ``"pallas"`` is its old name). The kernels run interpreted off GPUs (tests).
       ``None``: ``"mosaic"`` on a Hopper GPU where it can run the call, else ``"xla"``,
@@ -213,7 +214,7 @@ def linear_logprobs_and_entropy(hidden: ArrayLike, weight: ArrayLike, labels: Ar
       Mosaic GPU kernel (Hopper, sm90) that folds each tile of the matmul into the
       statistics in registers, so no f32 tile reaches device memory; for 16-bit
       ``hidden`` and ``weight`` of one dtype, no bias, ``D`` a multiple of 64, a
-      vocabulary per device that is a multiple of 128 (a ``ValueError`` says which is
+      vocabulary per device that is a multiple of 16 (a ``ValueError`` says which is
       missing; any number of tokens, padded with up to 7 ignored rows to a multiple of
       8, or to 256). Off GPUs the kernels run interpreted (tests).
       ``None``: ``"mosaic"`` on a Hopper GPU where it can run, else ``"xla"``, the same

@@ -35,7 +35,13 @@ def _calls(labels, **kw):
   keep = jaxce.keep.from_csr(jnp.arange(T * 3) % V, jnp.arange(T + 1) * 3)
   kept_ids = lambda h, w: (lambda o: (jnp.sum(o[0]), o[0]))(
       jaxce.linear_logprobs_and_entropy(h, w, labels, keep=keep, **kw))
-  return dict(per_token=per_token, objective=objective_path, kept_ids=kept_ids)
+  # A kept id every other token: few enough that the kept ids themselves run (the
+  # kept-ids kernel, linear_kept_ids), not their packed words (``kept_ids`` above).
+  sparse = jaxce.keep.from_csr(jnp.arange(T // 2) * 7 % V, jnp.arange(T + 1) // 2)
+  sparse_kept_ids = lambda h, w: (lambda o: (jnp.sum(o[0]), o[0]))(
+      jaxce.linear_logprobs_and_entropy(h, w, labels, keep=sparse, **kw))
+  return dict(per_token=per_token, objective=objective_path, kept_ids=kept_ids,
+              sparse_kept_ids=sparse_kept_ids)
 
 
 def _dot_precisions(jaxpr):
@@ -63,6 +69,7 @@ def test_every_fused_matmul_takes_the_calls_precision(setting, argument, want):
   with jax.default_matmul_precision(setting):
     for name, loss in _calls(labels, precision=argument).items():
       assert jaxce.plan.of(loss, hidden, weight).precision == want, name
+      assert jaxce.plan.of(loss, hidden, weight).kept_ids == (name == "sparse_kept_ids"), name
       grad = jax.grad(lambda h, w: loss(h, w)[0], (0, 1))
       precisions = _dot_precisions(jax.make_jaxpr(grad)(hidden, weight))
       assert precisions, name

@@ -95,3 +95,27 @@ def test_kept_words_of_a_partial_tile():
   padded[:rows, :columns] = want
   bits = (got.T[:, :, None] >> np.arange(32, dtype=np.uint32)) & 1
   np.testing.assert_array_equal(bits.reshape(8, 512).astype(bool), padded)
+
+
+@pytest.mark.parametrize("tokens", [8184, 16192, 32760, 100000, 262144])
+@pytest.mark.parametrize("columns", [151936, 37984])
+def test_objective_groups_at_the_shapes_users_run(tokens, columns, monkeypatch):
+  """The fused objective path's groups on a Hopper GPU at real shapes (D = 4096; a whole
+  Qwen3 head, and one shard of four): each group's ``[group, V]`` terms fit the budget,
+  there are as few groups as the budget allows, and their rows exceed ``T`` by less than
+  a row block each (the last group clamped back): no group's work is done twice."""
+  monkeypatch.setattr(plan, "target", lambda *a, mesh=None: HOPPER)
+  depth, block = 4096, 64
+  hidden = jax.ShapeDtypeStruct((tokens, depth), jnp.bfloat16)
+  weight = jax.ShapeDtypeStruct((depth, columns), jnp.bfloat16)
+  labels = jax.ShapeDtypeStruct((tokens,), jnp.int32)
+  got = plan.of(jaxce.linear_token_loss, lambda logp, entropy: logp, hidden, weight, labels)
+  assert got.backend == "mosaic" and got.kernel_chunk == got.grad_chunk, got
+  group = got.grad_chunk
+  budget = min(plan.LINEAR_OBJECTIVE_GRAD_BYTES["gpu"],
+               plan.LINEAR_OBJECTIVE_GRAD_PER_SUM["gpu"] * 4 * depth * columns)
+  fits = lambda rows: rows * columns * 2 <= budget
+  count = -(-tokens // group)
+  assert group % block == 0 and fits(group), (group, budget)
+  assert count == 1 or not fits(-(-tokens // (count - 1) // block) * block), (count, group)
+  assert count * group - tokens < block * count, (count, group)

@@ -1,0 +1,83 @@
+"""The Mosaic GPU kernels lowered for CUDA on this machine, at the vocabulary widths a
+device holds when real vocabularies are split over GPUs: lowering builds every TMA copy
+and refuses one the hardware cannot make (an array whose rows are not tiled as the
+tile's swizzle, a row block that is not 16-byte aligned), which the interpreter does not
+check. The public calls as a user's ``jit`` traces them (fwd+bwd), planned for a Hopper
+GPU, ragged token counts (T % 4 != 0: the merge kernel's padded rows); inside
+``shard_map`` too. What the kernels compute is tested in the interpreter
+(``test_mosaic_linear.py``, ``test_mosaic_rows.py``) and on the GPU (the tally)."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.experimental.pallas import mosaic_gpu as plgpu
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from helpers import devices, jaxce
+from jaxce import plan
+
+if not hasattr(plgpu, "InterpretGPUParams"):
+  pytest.skip(f"lowering the Mosaic GPU kernels needs JAX >= 0.11 (this is {jax.__version__});"
+              " .ci/run runs these tests on Python 3.12", allow_module_level=True)
+
+HOPPER = plan.Target("gpu", "9.0", 132)
+S = jax.ShapeDtypeStruct
+TOKENS, DEPTH = 1001, 256
+# Qwen3's 151936 over 2, 4, 8 GPUs; DeepSeek-V3's 129280 over 8 (a 32-byte swizzle).
+WIDTHS = (75968, 37984, 18992, 16160)
+
+
+def _fused(h, w, labels, g, **kw):
+  def loss(h, w):
+    logp, entropy = jaxce.linear_logprobs_and_entropy(h, w, labels, **kw)
+    return jnp.sum(logp * g + 0.1 * entropy)
+  return jax.grad(loss, (0, 1))(h, w)
+
+
+def _objective(h, w, labels, g, **kw):
+  objective = lambda logp, entropy, a: a * logp + 0.01 * entropy
+  return jax.grad(lambda h, w: jaxce.linear_token_loss(objective, h, w, labels, g, **kw)[0],
+                  (0, 1))(h, w)
+
+
+def _logits(x, labels, g, **kw):
+  loss = lambda x: jnp.sum(jaxce.logprobs_and_entropy(x, labels, **kw)[0] * g)
+  return jax.grad(loss)(x)
+
+
+def _lowered_kernels(f, *args):
+  """The number of Mosaic GPU kernel calls in ``f``'s program lowered for CUDA."""
+  text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  return text.count("mosaic_gpu")
+
+
+@pytest.mark.parametrize("columns", WIDTHS)
+def test_every_path_lowers_for_cuda(columns, monkeypatch):
+  monkeypatch.setattr(plan, "target", lambda *a, mesh=None: HOPPER)
+  hidden, weight = S((TOKENS, DEPTH), jnp.bfloat16), S((DEPTH, columns), jnp.bfloat16)
+  labels, g = S((TOKENS,), jnp.int32), S((TOKENS,), jnp.float32)
+  logits = S((TOKENS, columns), jnp.bfloat16)
+  keep = S((TOKENS, -(-columns // 32)), jnp.uint32)
+  assert _lowered_kernels(_fused, hidden, weight, labels, g)
+  assert _lowered_kernels(lambda *a: _fused(*a, weight_layout="vd"), hidden,
+                          S((columns, DEPTH), jnp.bfloat16), labels, g)
+  assert _lowered_kernels(_objective, hidden, weight, labels, g)
+  assert _lowered_kernels(lambda x, l, g, k: _logits(x, l, g, keep=k), logits, labels, g, keep)
+  whole_rows = S((1000, columns), jnp.bfloat16)  # (in place: rows a multiple of 8)
+  assert _lowered_kernels(lambda *a: _logits(*a, backward_in_place=True), whole_rows,
+                          S((1000,), jnp.int32), S((1000,), jnp.float32))
+
+
+def test_a_shard_of_a_sharded_call_lowers_for_cuda(monkeypatch):
+  """Qwen3's 151936 columns over 4 devices inside ``shard_map``: each shard's 37984."""
+  monkeypatch.setattr(plan, "target", lambda *a, mesh=None: HOPPER)
+  mesh = Mesh(devices(4), ("v",))
+  labels, g = S((TOKENS,), jnp.int32), S((TOKENS,), jnp.float32)
+
+  def fused(h, w, labels, g):
+    return jax.shard_map(lambda h, w, labels, g: _fused(h, w, labels, g, vocab_axis="v"),
+                         mesh=mesh, in_specs=(P(), P(None, "v"), P(), P()),
+                         out_specs=(P(), P(None, "v")))(h, w, labels, g)
+
+  weight = S((DEPTH, 151936), jnp.bfloat16, sharding=NamedSharding(mesh, P(None, "v")))
+  assert _lowered_kernels(fused, S((TOKENS, DEPTH), jnp.bfloat16), weight, labels, g)

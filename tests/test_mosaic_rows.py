@@ -189,16 +189,18 @@ def _weighted_sum(outputs, cot):
   return jnp.sum(cot[0] * outputs[0]) + jnp.sum(cot[1] * outputs[1])
 
 
-@pytest.mark.parametrize("tokens,keep,in_place,entropy_cotangent,kernel", [
-    (200, False, True, True, True),     # 3 whole blocks of rows, then 8 rows by XLA
-    (128, True, True, True, True),      # kept sets read with the tiles
-    (64, False, True, False, True),     # no entropy cotangent (a symbolic zero)
-    (60, False, True, True, False),     # T not a multiple of 8: XLA's loop
-    (200, True, False, True, True),     # kept sets, a new array: the last block moved back
-    (40, True, False, False, True),     # below ROWS rows: a padded copy
-    (60, True, False, True, False),     # T not a multiple of 8: XLA's fused pass
+@pytest.mark.parametrize("tokens,keep,in_place,entropy_cotangent,kernel,columns", [
+    (200, False, True, True, True, 384),     # 3 whole blocks of rows, then 8 rows by XLA
+    (128, True, True, True, True, 384),      # kept sets read with the tiles
+    (64, False, True, False, True, 384),     # no entropy cotangent (a symbolic zero)
+    (60, False, True, True, False, 384),     # T not a multiple of 8: XLA's loop
+    (200, True, False, True, True, 384),     # kept sets, a new array: the last block moved back
+    (40, True, False, False, True, 384),     # below ROWS rows: a padded copy
+    (60, True, False, True, False, 384),     # T not a multiple of 8: XLA's fused pass
+    (200, False, True, True, True, 400),     # the last tile partial: in place,
+    (128, True, True, True, True, 400),      # with kept sets,
+    (200, True, False, True, True, 400),     # into a new array
 ])
-@pytest.mark.parametrize("columns", [384, 400])  # (400: the last tile partial)
 def test_gradient_kernels_match_xla(tokens, keep, in_place, entropy_cotangent, kernel, columns):
   """The gradient kernel on the Mosaic plan, over the logits (``backward_in_place=True``:
   its output aliases them) or, with a kept set, into a new array, with a padded

@@ -128,9 +128,10 @@ def _tiles(hidden, weight, row_inputs, words, *, layout, inputs_type, vocab_dim,
   columns tiled as ``layout`` (``mosaic_tile.Segments``) says (a partial last tile reads
   zeros past ``V``, and its stores past ``V`` are dropped);
   ``row_inputs [R, C]`` f32: the rows' record of ``inputs_type`` (``mosaic_tile.stack``),
-  handed to ``finish`` as that record of ``[TILE_M]`` vectors; ``words``: uint32 ``[V /
-  32, C]`` kept sets, a row per word (``mosaic_tile.kept_words``), or None. ``finish(x, inputs, column, kept, scratch,
-  outs, n_idx, row_slice)`` (``column``: the tile's first column; ``kept``: its kept
+  handed to ``finish`` as that record of ``[TILE_M]`` vectors; ``words``: uint32 ``[tiles
+  * WORDS, C]`` kept sets, a row per word (``mosaic_tile.kept_words``), or None.
+  ``finish(x, inputs, column, kept, scratch, outs, n_idx, row_slice)`` (``column``: the
+  tile's first column; ``kept``: its kept
   columns, ``mosaic_tile.kept_columns``, or None) writes into ``outs``, the outputs (of the tuple
   of types ``out_type``), directly or with TMA through ``scratch``, this warpgroup's part
   of a shared-memory buffer of type ``scratch`` (leading dim 2; or a dict of them, handed
@@ -407,7 +408,8 @@ def statistics(hidden, weight, labels, inv_temp, limit, kept=None, *, column_sta
                              inv_temp.shape)))
   out = _tile_statistics(hidden, weight, row_inputs,
                          _words(kept, label_column, hidden.shape[0], num_columns),
-                         layout=layout, vocab_dim=vocab_dim, softcap=softcap, with_entropy=with_entropy,
+                         layout=layout, vocab_dim=vocab_dim, softcap=softcap,
+                         with_entropy=with_entropy,
                          with_exp=with_exp, masked=limit is not None, interpret=interpret,
                          num_cores=num_cores)
   return out if with_exp else out[0]

@@ -1,6 +1,17 @@
-"""Test setup: 8 simulated CPU devices and float64 for the references.
+"""Test setup: 8 simulated CPU devices, float64 for the references, a compilation cache
+shared by every process of a run, and how pytest-xdist spreads the tests.
 
-Both must be set before JAX initialises its backends, so they live here, at import.
+The environment must be set before JAX initialises its backends, so it is set here, at
+import.
+
+Compilation dominates the suite's time on CPU (docs/development.md, "Where the suite's
+time goes"). JAX's persistent compilation cache (``.jax_cache/`` in the checkout, every
+program however fast it compiled) lets a program compiled once be loaded, not compiled
+again, by the other xdist worker, by the subprocesses the tests start (they inherit the
+environment: the benchmark's smoke runs, the notebook's kernel, the two-process example)
+and by the next run in this checkout. A cached program is the one XLA compiled from the
+same HLO, options and JAX version, so the tests check the same programs either way.
+``JAX_COMPILATION_CACHE_DIR`` set beforehand chooses another folder.
 """
 
 import os
@@ -9,6 +20,10 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 flags = os.environ.get("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in flags:
   os.environ["XLA_FLAGS"] = (flags + " --xla_force_host_platform_device_count=8").strip()
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".jax_cache"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 import jax  # noqa: E402
 
@@ -27,3 +42,26 @@ def _float64_stays_on():
   where it happens."""
   yield
   assert jax.config.read("jax_enable_x64"), "this test left jax_enable_x64 off"
+
+
+# Modules whose tests run in one xdist worker: Tunix's cases share its eager programs (their
+# compiles are most of their time), the benchmark's tests share one smoke run (a
+# module-scoped fixture, which each worker would otherwise run again).
+ONE_WORKER = ("test_tunix.py", "test_bench.py")
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+  """Under ``-n`` (``--dist load``, the default): the tests of each ``ONE_WORKER`` module
+  go to one worker, first (the longest units first, so neither worker is left with one at
+  the end); the others are spread one by one, as ``--dist load`` does."""
+  if config.getvalue("dist") != "load":
+    return None
+  from xdist.scheduler import LoadScopeScheduling  # pylint: disable=import-outside-toplevel
+
+  class OneWorkerModules(LoadScopeScheduling):
+    def _split_scope(self, nodeid):
+      module = nodeid.split("::", 1)[0]
+      return module if os.path.basename(module) in ONE_WORKER else nodeid
+
+  return OneWorkerModules(config, log)

@@ -5,7 +5,8 @@ The environment must be set before JAX initialises its backends, so it is set he
 import.
 
 Compilation dominates the suite's time on CPU (docs/development.md, "Where the suite's
-time goes"). JAX's persistent compilation cache (``.jax_cache/`` in the checkout, every
+time goes"). On CPU (not on a GPU, where XLA autotunes per program), JAX's persistent
+compilation cache (``.jax_cache/`` in the checkout, every
 program however fast it compiled) lets a program compiled once be loaded, not compiled
 again, by the other xdist worker, by the subprocesses the tests start (they inherit the
 environment: the benchmark's smoke runs, the notebook's kernel, the two-process example)
@@ -20,10 +21,13 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 flags = os.environ.get("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in flags:
   os.environ["XLA_FLAGS"] = (flags + " --xla_force_host_platform_device_count=8").strip()
-os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(
-    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".jax_cache"))
-os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
-os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+if os.environ["JAX_PLATFORMS"] == "cpu":
+  # (CPU only: on a GPU the tests that compare separate compilations or processes, where
+  # XLA autotunes its GEMMs per program, must compile each program afresh)
+  os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(
+      os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".jax_cache"))
+  os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+  os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 import jax  # noqa: E402
 

@@ -184,15 +184,16 @@ def statistics(x, inv_temp, picked, limit, kept=None, label_column=None, *, layo
   in the columns' order.
 
   Args:
-    x: ``[T, V_local]`` logits, bf16, f16 or f32, a row a multiple of 16 bytes; read
+    x: ``[T, V_local]`` logits, bf16, f16 or f32, a row a multiple of 32 bytes; read
       once.
     inv_temp: ``[T]`` f32.
     picked: ``[T]`` f32: the label's ``z`` (0 when this shard does not own the label),
       carried into group 0.
     limit: int32 scalar: local columns at or beyond it are excluded (padded vocabulary),
       or None.
-    kept: uint32 ``[T, ceil(V_local / 32)]``, the rows' kept sets over the local columns (bit
-      ``v % 32`` of word ``v // 32``), read with the tiles; or None (every column kept).
+    kept: uint32 ``[T, ceil(V_local / 32)]``, the rows' kept sets over the local columns
+      (bit ``v % 32`` of word ``v // 32``), read with the tiles; or None (every column
+      kept).
     label_column: ``[T]`` int, each row's label column relative to ``x``'s first
       (always kept; any value when the label lies elsewhere); with ``kept`` only.
     layout: the tiling of the columns (``mosaic_tile.segments`` of ``V_local`` and the
@@ -204,16 +205,16 @@ def statistics(x, inv_temp, picked, limit, kept=None, label_column=None, *, layo
   Returns:
     ``[groups, 4, T]`` float32 ``(m, s, q, picked)`` per group of
     ``tiles_per_group(layout)`` tiles (``num_groups(layout)``). Memory: that array (16
-    bytes per row per group) and its blocked form; with ``kept``, its ``mosaic_tile.kept_words`` copy (``T * V_local / 8``
-    bytes). TMA reads rows in tiles of 8: when ``T`` is not a multiple of 8, the kernel
+    bytes per row per group) and its blocked form; with ``kept``, its
+    ``mosaic_tile.kept_words`` copy (``T * V_local / 8`` bytes). TMA reads rows in tiles of 8: when ``T`` is not a multiple of 8, the kernel
     reads the first ``T - T % 8`` rows (XLA's slice) and then a padded copy of the last
     ``T % 8`` (``ROWS`` rows); below ``ROWS`` rows, a padded copy of ``x``.
   """
   num_rows, num_columns = x.shape
   if (num_columns != layout.count * layout.width
       or not mosaic_tile.array_swizzle(num_columns, x.dtype)):
-    raise ValueError(f"{num_columns} columns: the layout's ({layout}), a segment a multiple "
-                     "of 32 bytes expected")
+    raise ValueError(f"{num_columns} columns: the layout's ({layout}), a row a multiple of "
+                     "32 bytes expected")
   if kept is not None and kept.shape != (num_rows, -(-num_columns // 32)):
     raise ValueError(f"kept: {kept.shape}, ({num_rows}, {-(-num_columns // 32)}) expected")
   if stages is None:

@@ -74,10 +74,12 @@ def _columns(shape, column):
   return (local + column).astype(jnp.float32)
 
 
-# Bits that do not depend on the shard count: a vocabulary of V columns is cut into up to
-# MAX_SHARDS equal segments of whole tiles (fixed by V alone), each folded on its own by
-# the logits rows' kernels, so every power-of-two shard count up to MAX_SHARDS that gives
-# whole segments sees the same tiles, groups and merge.
+# The logits rows' kernels fold a row's tiles in groups within segments: up to MAX_SHARDS
+# equal segments of whole tiles, fixed by V alone, so every power-of-two shard count up to
+# MAX_SHARDS whose shards are whole segments sees the same groups (as the fused head's
+# tiles are the same wherever the shards are whole tiles). Bits across shard counts are
+# not promised (docs/guides/reproducible.md): a shard that is not whole tiles has tiles of
+# its own.
 MAX_SHARDS = 8
 # TMA tiles an array in device memory as the tile's shared memory is tiled (its swizzle's
 # width): a [.., V_local] array of 16-bit values whose V_local is not a multiple of 64

@@ -18,8 +18,8 @@ from jaxce._kernels.config import Tokens
 
 def layout(num_columns: int, vocab_axis) -> mosaic_tile.Segments:
   """The Mosaic kernels' tiling of this shard's ``num_columns`` columns
-  (``mosaic_tile.segments``: fixed by the whole vocabulary, so a token's tiles, and its
-  bits, do not depend on the shard count)."""
+  (``mosaic_tile.segments``: segments fixed by the whole vocabulary where the shards are
+  whole tiles)."""
   return mosaic_tile.segments(num_columns, softmax.num_shards(vocab_axis))
 
 

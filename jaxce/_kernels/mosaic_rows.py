@@ -206,9 +206,10 @@ def statistics(x, inv_temp, picked, limit, kept=None, label_column=None, *, layo
     ``[groups, 4, T]`` float32 ``(m, s, q, picked)`` per group of
     ``tiles_per_group(layout)`` tiles (``num_groups(layout)``). Memory: that array (16
     bytes per row per group) and its blocked form; with ``kept``, its
-    ``mosaic_tile.kept_words`` copy (``T * V_local / 8`` bytes). TMA reads rows in tiles of 8: when ``T`` is not a multiple of 8, the kernel
-    reads the first ``T - T % 8`` rows (XLA's slice) and then a padded copy of the last
-    ``T % 8`` (``ROWS`` rows); below ``ROWS`` rows, a padded copy of ``x``.
+    ``mosaic_tile.kept_words`` copy (``T * V_local / 8`` bytes). TMA reads rows in tiles
+    of 8: when ``T`` is not a multiple of 8, the kernel reads the first ``T - T % 8`` rows
+    (XLA's slice) and then a padded copy of the last ``T % 8`` (``ROWS`` rows); below
+    ``ROWS`` rows, a padded copy of ``x``.
   """
   num_rows, num_columns = x.shape
   if (num_columns != layout.count * layout.width

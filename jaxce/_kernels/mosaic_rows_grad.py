@@ -154,7 +154,7 @@ def overwrite(x, tokens: Tokens, saved, cotangents, column_start, limit, tail_gr
 
   Args:
     x: logits, bf16, f16 or f32, ``T`` a multiple of 8 (TMA reads rows in tiles of 8;
-      a padded copy would not be in place), a row a multiple of 16 bytes.
+      a padded copy would not be in place), a row a multiple of 32 bytes.
     tokens: the rows' tokens (``inv_temp`` f32; rows not ``valid`` get zero gradient;
       ``kept``, the kept sets over the local columns, read with the tiles).
     saved: ``(m, log s, entropy or None)`` ``[T]`` each, the forward's statistics.
@@ -224,7 +224,8 @@ def exp_overwrite(e, tiles, tokens: Tokens, saved, cotangents, column_start, *, 
 
   Args:
     e: ``[G, V_local]`` 16-bit, ``mosaic_head.statistics``' terms (``with_exp``), ``G`` a
-      multiple of ``ROWS`` (every block whole: none is moved back), ``V_local`` of 8.
+      multiple of ``ROWS`` (every block whole: none is moved back), a row a multiple of
+      32 bytes.
     tiles: f32 ``[tiles, 4, G]``, the same call's tile statistics: each row's max over
       each tile (the ``m_tile`` of ``e``) and the label's ``z``.
     tokens: the rows' tokens (``inv_temp`` f32; rows not ``valid`` get exactly zero
@@ -264,7 +265,7 @@ def exp_overwrite(e, tiles, tokens: Tokens, saved, cotangents, column_start, *, 
 
 def _check_shape(x, layout):
   """A ``ValueError`` unless ``x``'s rows are a multiple of 8, its columns those of
-  ``layout`` and a row a multiple of 16 bytes."""
+  ``layout`` and a row a multiple of 32 bytes (``mosaic_tile.array_swizzle``)."""
   num_rows, num_columns = x.shape
   if (num_columns != layout.count * layout.width or num_rows % 8
       or not mosaic_tile.array_swizzle(num_columns, x.dtype)):

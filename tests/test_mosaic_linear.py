@@ -65,7 +65,7 @@ def _merged(tiles):
     (520, 128, 384, 0, 30.0, False),
     (264, 64, 400, 1, None, True),    # V not a multiple of 128: a partial last tile of 16
     (520, 128, 400, 0, 30.0, False),  # (and a 32-byte swizzle on the [D, V] weight)
-    (256, 64, 208, 1, None, False),   # one whole tile and a partial one of 80 (64-byte)
+    (256, 64, 224, 1, None, False),   # one whole tile and a partial one of 96 (64-byte)
 ])
 def test_tile_statistics_match_float64(tokens, dim, num_columns, vocab_dim, softcap, padded):
   rng, hidden, weight = _inputs(tokens + num_columns, tokens, dim, num_columns, vocab_dim)

@@ -72,8 +72,7 @@ def _skeleton(hidden, weight, **device):
     copy_out(scratch, (m, m, m, m), outs[0].at[n_idx, :, row_slice])
 
   return mh._tiles(  # pylint: disable=protected-access
-      hidden, weight, rows, None, layout=mosaic_tile.whole(weight.shape[1]),
-      inputs_type=mosaic_tile.HeadStatisticsInputs, vocab_dim=1,
+      hidden, weight, rows, None, inputs_type=mosaic_tile.HeadStatisticsInputs, vocab_dim=1,
       stages=mh.STAGES, finish=finish,
       out_type=(jax.ShapeDtypeStruct((n_tiles, 4, hidden.shape[0]), jnp.float32),),
       scratch=mh.plgpu.SMEM((2, 4, mh.TILE_M), jnp.float32), **device)[0]
@@ -112,8 +111,8 @@ def kernels(chunk, dim, columns, block, repeats):
   for softcap, entropy in ((None, True), (None, False), (30.0, True)):
     add(f"forward statistics N={columns} softcap={softcap} entropy={entropy}",
         lambda h, w, s=softcap, e=entropy: mh.statistics(
-            h, w, labels, ones, None, column_start=0, layout=mosaic_tile.segments(columns),
-            vocab_dim=1, softcap=s, with_entropy=e, **device), (hidden, weight), columns)
+            h, w, labels, ones, None, column_start=0, vocab_dim=1, softcap=s,
+            with_entropy=e, **device), (hidden, weight), columns)
   add(f"d logits N={block}", lambda h, w: mh.logits_grad(
       h, w, labels % block, ones, (ones, ones, ones), (cot[0], cot[1]), ones > 0,
       limit=block, first_kept=0, vocab_dim=1, softcap=None, **device), (hidden, w_block), block)

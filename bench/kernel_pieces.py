@@ -38,7 +38,6 @@ def profile(tokens, dim, columns, repeats):
   forward kernel, the backward's d-logits kernel over all tiles at once, and the two
   gradient GEMMs (XLA); plus the forward kernel with other L2 walk widths and depths."""
   from jaxce._kernels import mosaic_head as ml  # pylint: disable=import-outside-toplevel
-  from jaxce._kernels import mosaic_tile  # pylint: disable=import-outside-toplevel
   hidden, weight, labels, cot = problem(tokens, dim, columns)
   ones = jnp.ones((tokens,), jnp.float32)
   device = dict(interpret=jax.default_backend() != "gpu",
@@ -54,8 +53,8 @@ def profile(tokens, dim, columns, repeats):
   for width, stages in ((8, 4), (4, 4), (16, 4), (8, 3)):
     ml.SNAKE_WIDTH, ml.STAGES = width, stages
     add(f"forward kernel, snake {width}, {stages} stages", lambda h, w: ml.statistics(
-        h, w, labels, ones, None, column_start=0, layout=mosaic_tile.segments(columns),
-        vocab_dim=1, softcap=None, with_entropy=True, **device), hidden, weight)
+        h, w, labels, ones, None, column_start=0, vocab_dim=1, softcap=None,
+        with_entropy=True, **device), hidden, weight)
   ml.SNAKE_WIDTH, ml.STAGES = 8, 4
   grad = lambda h, w: ml.logits_grad(h, w, labels, ones, (ones, ones, ones), (cot[0], cot[1]),
                                      ones > 0, limit=columns, first_kept=0, vocab_dim=1,

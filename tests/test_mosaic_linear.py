@@ -73,11 +73,10 @@ def test_tile_statistics_match_float64(tokens, dim, num_columns, vocab_dim, soft
   labels = jnp.asarray(rng.integers(0, num_columns + 30, tokens), jnp.int32)
   inv_temp = jnp.asarray(rng.uniform(0.5, 2.0, tokens), jnp.float32)
   limit = num_columns - 9 if padded else None  # padded columns at the end, or none
-  layout = mosaic_tile.segments(num_columns)
   kw = dict(column_start=column_start, vocab_dim=vocab_dim, softcap=softcap,
-            with_entropy=True, layout=layout, **kernel_device())
+            with_entropy=True, **kernel_device())
   tiles = mosaic_head.statistics(hidden, weight, labels, inv_temp, limit, **kw)
-  assert tiles.shape == (-(-num_columns // 128), 4, tokens) == (layout.num_tiles, 4, tokens)
+  assert tiles.shape == (-(-num_columns // 128), 4, tokens)
   # With the exp(z - m) terms (the fused objective path's rows): the same statistics'
   # bits, and each column's exp(z - m_tile) in hidden's dtype, 0 past the limit; rounded
   # once from f32 terms whose z - m is off by the logits' rounding.
@@ -124,8 +123,7 @@ def test_unmasked_statistics_are_the_masked_ones():
   rng, hidden, weight = _inputs(3, tokens, 128, num_columns, 1)
   labels = jnp.asarray(rng.integers(0, num_columns, tokens), jnp.int32)
   inv_temp = jnp.asarray(rng.uniform(0.5, 2.0, tokens), jnp.float32)
-  kw = dict(column_start=0, vocab_dim=1, softcap=None, with_entropy=True,
-            layout=mosaic_tile.segments(num_columns), **kernel_device())
+  kw = dict(column_start=0, vocab_dim=1, softcap=None, with_entropy=True, **kernel_device())
   run = lambda limit: mosaic_head.statistics(hidden, weight, labels, inv_temp, limit, **kw)
   unmasked, masked = (np.asarray(a) for a in (jax.jit(lambda: run(None))(),
                                               jax.jit(run)(jnp.int32(num_columns))))

@@ -191,7 +191,7 @@ def _mosaic_statistics(hidden, weight, tokens, shard_start, config):
     h, chunk_tokens = chunking.take_rows((hidden, tokens), start, size)
     tiles = mosaic_head.statistics(
         h, weight, chunk_tokens.labels, chunk_tokens.inv_temp, limit, chunk_tokens.kept,
-        column_start=shard_start, layout=logits_rows.layout(num_columns, config.vocab_axis),
+        column_start=shard_start,
         vocab_dim=config.vocab_dim, softcap=config.softcap, with_entropy=config.with_entropy,
         interpret=config.plan.interpret, num_cores=config.plan.num_cores)
     return None, logits_rows.merge_tiles(tiles, config)

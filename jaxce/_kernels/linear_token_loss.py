@@ -97,10 +97,9 @@ def _run(objective, hidden, weight, bias, tokens, token_args, config, with_grads
     ``exp(z - m_tile)`` terms), then one kernel writing ``d`` over the terms."""
     h, group_tokens, group_args, fresh = group_rows
     limit = softmax.kernel_limit(config.mask_vocab, column_start, num_columns)
-    layout = logits_rows.layout(num_columns, config.vocab_axis)
     out = mosaic_head.statistics(
         h, weight, group_tokens.labels, group_tokens.inv_temp, limit, group_tokens.kept,
-        column_start=column_start, layout=layout, vocab_dim=vocab_dim, softcap=config.softcap,
+        column_start=column_start, vocab_dim=vocab_dim, softcap=config.softcap,
         with_entropy=config.with_entropy, interpret=config.plan.interpret,
         num_cores=config.plan.num_cores, with_exp=with_grads)
     tiles, e = out if with_grads else (out, None)
@@ -113,7 +112,8 @@ def _run(objective, hidden, weight, bias, tokens, token_args, config, with_grads
       return None, outputs
     d = mosaic_rows_grad.exp_overwrite(
         e, tiles, group_tokens._replace(valid=row_mask), (shift, log_sum, entropy),
-        (g_logp, g_entropy), column_start, layout=layout, softcap=config.softcap,
+        (g_logp, g_entropy), column_start,
+        layout=logits_rows.layout(num_columns, config.vocab_axis), softcap=config.softcap,
         interpret=config.plan.interpret)
     # (the kernels' outputs drop the shard_map axes: d varies like the weight's shard)
     return plumbing.unify_varying((d, weight), config.vocab_axis)[0], outputs

@@ -113,20 +113,26 @@ def padded_rows(num_rows: int) -> int:
   return max(-(-num_rows // ROW_TILE) * ROW_TILE, MIN_ROWS)
 
 
+def num_tiles(num_columns: int) -> int:
+  """The ``[rows, TILE_N]`` tiles of ``num_columns`` columns, the last one partial when
+  ``TILE_N`` does not divide them."""
+  return -(-num_columns // TILE_N)
+
+
 def row_blocks(num_rows: int) -> int:
   """The CTA row blocks of a kernel call on ``num_rows`` rows (``MIN_ROWS`` each, the last
   moved back inside): ``row_blocks(C) * MIN_ROWS`` rows of matmul work."""
   return -(-num_rows // MIN_ROWS)
 
 
-def _tiles(hidden, weight, row_inputs, words, *, layout, inputs_type, vocab_dim, stages,
-           finish, out_type, scratch, interpret, num_cores):
+def _tiles(hidden, weight, row_inputs, words, *, inputs_type, vocab_dim, stages, finish,
+           out_type, scratch, interpret, num_cores):
   """The kernel skeleton: every ``[TILE_M, TILE_N]`` tile of ``hidden @ weight`` (f32
   accumulation) handed to ``finish`` in registers, which writes what it makes of it.
 
-  ``hidden [C, D]``, ``weight [D, V]`` (``vocab_dim`` 1) or ``[V, D]`` (0), 16-bit, its
-  columns tiled as ``layout`` (``mosaic_tile.Segments``) says (a partial last tile reads
-  zeros past ``V``, and its stores past ``V`` are dropped);
+  ``hidden [C, D]``, ``weight [D, V]`` (``vocab_dim`` 1) or ``[V, D]`` (0), 16-bit, in
+  ``ceil(V / TILE_N)`` tiles (a partial last tile reads zeros past ``V``, and its stores
+  past ``V`` are dropped);
   ``row_inputs [R, C]`` f32: the rows' record of ``inputs_type`` (``mosaic_tile.stack``),
   handed to ``finish`` as that record of ``[TILE_M]`` vectors; ``words``: uint32 ``[tiles
   * WORDS, C]`` kept sets, a row per word (``mosaic_tile.kept_words``), or None.
@@ -142,11 +148,11 @@ def _tiles(hidden, weight, row_inputs, words, *, layout, inputs_type, vocab_dim,
   num_rows, depth = hidden.shape
   num_columns = weight.shape[vocab_dim]
   cta_rows = MIN_ROWS
-  if (num_rows < cta_rows or num_rows % ROW_TILE
-      or num_columns != layout.count * layout.width):
+  if num_rows < cta_rows or num_rows % ROW_TILE or num_columns % mosaic_tile.MIN_ALIGN:
     raise ValueError(f"{num_rows} rows, {num_columns} columns: at least {cta_rows} rows, a "
-                     f"multiple of {ROW_TILE}, and the layout's columns ({layout}) expected")
-  m_iters, n_iters = row_blocks(num_rows), layout.num_tiles
+                     f"multiple of {ROW_TILE}, and a multiple of {mosaic_tile.MIN_ALIGN} "
+                     "columns expected")
+  m_iters, n_iters = row_blocks(num_rows), num_tiles(num_columns)
   k_iters = depth // TILE_K
   stages = min(stages, k_iters)
   num_row_inputs = row_inputs.shape[0]
@@ -294,13 +300,13 @@ def _copy_out(scratch, value, out_slice):
   plgpu.copy_smem_to_gmem(scratch, out_slice)
 
 
-def _tile_statistics(hidden, weight, row_inputs, words, *, layout, vocab_dim, softcap,
-                     with_entropy, with_exp, masked, interpret, num_cores):
+def _tile_statistics(hidden, weight, row_inputs, words, *, vocab_dim, softcap, with_entropy,
+                     with_exp, masked, interpret, num_cores):
   """``[vocab tiles, 4, C]`` f32: ``(m, s, q, picked)`` of every ``[row, tile]``, and with
   ``with_exp`` the ``[C, V]`` ``exp(z - m)`` terms in hidden's dtype; ``row_inputs [3,
-  C]``: the rows' ``mosaic_tile.HeadStatisticsInputs``, stacked; ``words`` and ``layout``
-  as ``_tiles``; ``masked``: apply the rows' ``limit`` (``mosaic_tile.tile_statistics``;
-  a partial last tile also stops at ``V``)."""
+  C]``: the rows' ``mosaic_tile.HeadStatisticsInputs``, stacked; ``words`` as ``_tiles``;
+  ``masked``: apply the rows' ``limit`` (``mosaic_tile.tile_statistics``; a partial last
+  tile also stops at ``V``)."""
   num_rows, num_columns = hidden.shape[0], weight.shape[vocab_dim]
 
   def tile_finish(x, inputs, column, kept, scratch, outs, n_idx, row_slice, masked):
@@ -314,7 +320,7 @@ def _tile_statistics(hidden, weight, row_inputs, words, *, layout, vocab_dim, so
 
   def finish(x, inputs, column, kept, scratch, outs, n_idx, row_slice):
     args = (x, inputs, column, kept, scratch, outs, n_idx, row_slice)
-    if not layout.partial:
+    if not num_columns % TILE_N:
       return tile_finish(*args, masked)
     # The partial last tile reads zeros past V: its columns there are masked, in that tile
     # alone (the others keep the epilogue without column masks).
@@ -329,24 +335,24 @@ def _tile_statistics(hidden, weight, row_inputs, words, *, layout, vocab_dim, so
     def _whole():
       tile_finish(*args, masked)
 
-  n_iters = layout.num_tiles
+  n_iters = num_tiles(num_columns)
   stats_type = jax.ShapeDtypeStruct((n_iters, 4, num_rows), jnp.float32)
   exp_type = jax.ShapeDtypeStruct((num_rows, num_columns), hidden.dtype)
   scratch = dict(stats=plgpu.SMEM((2, 4, TILE_M), jnp.float32))
   if with_exp:
     scratch["exp"] = _piece_slots(hidden.dtype, num_columns)
-  return _tiles(hidden, weight, row_inputs, words, layout=layout,
+  return _tiles(hidden, weight, row_inputs, words,
                 inputs_type=mosaic_tile.HeadStatisticsInputs, vocab_dim=vocab_dim,
                 stages=EXP_STAGES if with_exp else STAGES, finish=finish,
                 out_type=(stats_type,) + ((exp_type,) if with_exp else ()),
                 scratch=scratch, interpret=interpret, num_cores=num_cores)
 
 
-def _tile_logits_grad(hidden, weight, row_inputs, words, *, layout, vocab_dim, softcap,
-                      masked, interpret, num_cores):
+def _tile_logits_grad(hidden, weight, row_inputs, words, *, vocab_dim, softcap, masked,
+                      interpret, num_cores):
   """``[C, V]`` ``d loss / d (hidden @ weight)`` in hidden's dtype; ``row_inputs [10, C]``:
-  the rows' ``mosaic_tile.HeadGradientInputs``, stacked; ``words`` and ``layout`` as
-  ``_tiles`` (a partial tile's columns past ``V`` are stored nowhere: no mask needed);
+  the rows' ``mosaic_tile.HeadGradientInputs``, stacked; ``words`` as ``_tiles`` (a
+  partial tile's columns past ``V`` are stored nowhere: no mask needed);
   ``masked``: apply the rows' ``[first_kept, limit)`` (``mosaic_tile.head_gradient``)."""
   num_rows, dtype = hidden.shape[0], hidden.dtype
 
@@ -355,7 +361,7 @@ def _tile_logits_grad(hidden, weight, row_inputs, words, *, layout, vocab_dim, s
     d = mosaic_tile.head_gradient(x, inputs, column, kept, softcap, masked).astype(dtype)
     _store_pieces(scratch, d, outs[0].at[row_slice, pl.ds(column, TILE_N)])
 
-  return _tiles(hidden, weight, row_inputs, words, layout=layout,
+  return _tiles(hidden, weight, row_inputs, words,
                 inputs_type=mosaic_tile.HeadGradientInputs, vocab_dim=vocab_dim,
                 stages=GRAD_STAGES, finish=finish,
                 out_type=(jax.ShapeDtypeStruct((num_rows, weight.shape[vocab_dim]), dtype),),
@@ -363,7 +369,7 @@ def _tile_logits_grad(hidden, weight, row_inputs, words, *, layout, vocab_dim, s
                 interpret=interpret, num_cores=num_cores)[0]
 
 
-def statistics(hidden, weight, labels, inv_temp, limit, kept=None, *, column_start, layout,
+def statistics(hidden, weight, labels, inv_temp, limit, kept=None, *, column_start,
                vocab_dim, softcap, with_entropy, interpret, num_cores, with_exp=False):
   """Per-tile ``(m, s, q, picked)`` of ``z = softcap(hidden @ weight) * inv_temp`` over
   this weight's columns below ``limit``, for ``mosaic_merge.merge`` to merge in the
@@ -376,8 +382,6 @@ def statistics(hidden, weight, labels, inv_temp, limit, kept=None, *, column_sta
     weight: ``[D, V_local]`` (``vocab_dim`` 1) or ``[V_local, D]`` (0), hidden's dtype,
       ``V_local`` a multiple of 16.
     labels: int32 ``[C]`` global label ids; ``column_start`` is this weight's first id.
-    layout: the columns' tiling (``mosaic_tile.segments`` of ``V_local`` and the shard
-      count).
     inv_temp: ``[C]`` float32.
     limit: int32 scalar: local columns at or beyond it are excluded (padded vocabulary);
       or None: none is, and the tiles are not masked (as ``mosaic_rows.statistics``).
@@ -408,7 +412,7 @@ def statistics(hidden, weight, labels, inv_temp, limit, kept=None, *, column_sta
                              inv_temp.shape)))
   out = _tile_statistics(hidden, weight, row_inputs,
                          _words(kept, label_column, hidden.shape[0], num_columns),
-                         layout=layout, vocab_dim=vocab_dim, softcap=softcap,
+                         vocab_dim=vocab_dim, softcap=softcap,
                          with_entropy=with_entropy,
                          with_exp=with_exp, masked=limit is not None, interpret=interpret,
                          num_cores=num_cores)
@@ -464,9 +468,8 @@ def logits_grad(hidden, weight, label_column, inv_temp, saved, cotangents, row_m
       shift=as_row(shift), log_sum=as_row(log_sum),
       entropy=as_row(entropy), g_logp=as_row(g_logp), g_entropy=as_row(g_entropy),
       row_mask=row_mask.astype(jnp.float32)))
-  layout = mosaic_tile.whole(num_columns)
   return _tile_logits_grad(hidden, weight, row_inputs,
                            _words(kept, label_column, hidden.shape[0], num_columns),
-                           layout=layout, vocab_dim=vocab_dim,
+                           vocab_dim=vocab_dim,
                            softcap=softcap, masked=limit is not None or first_kept is not None,
                            interpret=interpret, num_cores=num_cores)

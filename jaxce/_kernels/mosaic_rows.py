@@ -65,10 +65,8 @@ def tiles_per_group(layout: mosaic_tile.Segments) -> int:
 
 
 class Group(NamedTuple):
-  """A CTA's group of tiles: its segment, its first tile there, its first tile in the
-  tiles' order (``tile``: the words' and shifts' block) and its count of tiles."""
-  segment: jnp.ndarray
-  first: jnp.ndarray
+  """A CTA's group of tiles: its first tile in the tiles' order (the words' and shifts'
+  block too) and its count of tiles."""
   tile: jnp.ndarray
   count: jnp.ndarray
 
@@ -84,8 +82,7 @@ def group_at(index, layout: mosaic_tile.Segments) -> Group:
   per_segment = -(-layout.tiles_per_segment // group)
   segment = index // per_segment
   first = (index - segment * per_segment) * group
-  return Group(segment=segment, first=first,
-               tile=segment * layout.tiles_per_segment + first,
+  return Group(tile=segment * layout.tiles_per_segment + first,
                count=jnp.minimum(group, layout.tiles_per_segment - first))
 
 

@@ -132,12 +132,6 @@ def segments(num_columns: int, num_shards: int = 1) -> Segments:
   return Segments(width, num_columns // width, count)
 
 
-def whole(num_columns: int) -> Segments:
-  """One segment of ``num_columns`` columns (a call whose tiling no promise fixes: the
-  fused backward's vocab blocks)."""
-  return Segments(num_columns, 1, 1)
-
-
 def array_swizzle(num_columns: int, dtype) -> int:
   """The widest swizzle, in bytes (128, 64 or 32), of tiles read from or written to a
   ``[.., num_columns]`` array of ``dtype`` with TMA: a row must be a multiple of the

@@ -190,9 +190,11 @@ class Config:
         IMPLEMENTATION_VARIANTS):
       return f"{self.variant} is a jaxce (xla, triton) or tokamax (xla, chunked_xla) variant"
     if self.variant in OBJECTIVE_VARIANTS and (
-        self.mode != "fwd_bwd" or self.n_devices != 1 or self.impl not in (
-            ("jaxce", "jax_plain") if self.variant == "grpo" else ("jaxce",))):
-      return f"{self.variant} is a one-device fwd_bwd variant of jaxce (grpo: or jax_plain)"
+        self.mode != "fwd_bwd" or self.impl not in (
+            ("jaxce", "jax_plain") if self.variant == "grpo" else ("jaxce",))
+        or self.n_devices != 1 and self.impl != "jaxce"):
+      return (f"{self.variant} is a fwd_bwd variant of jaxce (grpo: or jax_plain, on one "
+              "device)")
     if self.variant == "batch_invariant" and self.impl != "jaxce":
       return "batch_invariant is a jaxce variant"
     if self.variant in KEEP_VARIANTS and self.impl != "jaxce":
@@ -316,6 +318,20 @@ def _shape_groups():
           + [Group("linear", ("jaxce", "liger_flsce"), (8184, 32760), 248320, 4096)])
 
 
+_SHARD_COUNTS = (1, 2, 4)
+
+
+def _shard_count_groups():
+  """Qwen3's vocabulary over 1, 2 and 4 GPUs of one host (each GPU's 151936 / n columns:
+  75968 and 37984, not multiples of 128), T = 32768, D = 4096: the fused path, the GRPO
+  objective path and the logits path, with one GPU's call as the baseline of each."""
+  return [g for n in _SHARD_COUNTS for g in (
+      Group("linear", ("jaxce",), (32768,), _GPU_V, _GPU_D, n_devices=n),
+      Group("linear", ("jaxce:objective_grpo",), (32768,), _GPU_V, _GPU_D, n_devices=n,
+            **_BWD),
+      Group("logits", ("jaxce",), (32768,), _GPU_V, n_devices=n, **_BWD))]
+
+
 SUITES = {
     # Default: a couple of minutes on 2 CPU cores; XLA's compiled memory plan and time.
     "cpu": _cpu_groups((128, 512, 2048), 16384, 64),
@@ -368,6 +384,8 @@ SUITES = {
         Group("logits", ("jaxce", "jax_plain"), (32768,), _GPU_V, **_BWD),
         Group("linear", ("jaxce", "jax_plain"), (32768,), _GPU_V, _GPU_D, **_BWD),
     ],
+    # 1, 2 and 4 GPUs of one host at Qwen3's vocabulary (README's sharded table).
+    "gpu-shards": _shard_count_groups(),
     "objective": _objective_groups(_GPU_T),
     # One GPU: the shape sweep behind README's headline (run with --resume across calls).
     "shapes": _shape_groups(),

@@ -257,7 +257,7 @@ def build(config: Config, devices) -> Built:
   if config.impl == "tokamax":
     return _tokamax(config, names)
   if config.variant in OBJECTIVE_VARIANTS:
-    return _objective_build(config, floats, names)
+    return _objective_build(config, floats, names, mesh)
   f, chunk_used, note = _per_token_fn(config, mesh, n_devices)
   if config.mode == "fwd":
     return Built(f, names, donate, chunk_used, note)
@@ -289,12 +289,15 @@ def _grpo(adv):
   return objective, (adv, -2.0 + 0.1 * adv, -2.0 - 0.1 * adv, weight)
 
 
-def _objective_build(config: Config, floats, names) -> Built:
+def _objective_build(config: Config, floats, names, mesh: Mesh) -> Built:
   """Value and gradients of a per-token objective: the row's loss (``objective``) or the
   GRPO objective, on jaxce's objective path (``objective*``) or, for ``grpo``, on the
-  per-token path (jaxce's, or plain JAX's) with autodiff."""
+  per-token path (jaxce's, or plain JAX's) with autodiff; jaxce's ``sharded_*`` forms
+  over ``mesh`` when it has several devices."""
   import jaxce
   linear, coef = config.input == "linear", config.coef
+  sharded = mesh.size > 1
+  shard_kw = dict(mesh=mesh, vocab_axis=VOCAB_AXIS) if sharded else {}
 
   def objective_and_args(adv):
     if config.variant == "objective":
@@ -305,11 +308,13 @@ def _objective_build(config: Config, floats, names) -> Built:
     *arrays, labels, adv = args
     objective, token_args = objective_and_args(adv)
     if config.variant != "grpo":
-      fn = jaxce.linear_token_loss if linear else jaxce.token_loss
-      return fn(objective, *arrays, labels, *token_args, chunk_size=config.chunk_size)[0]
+      fn = ((jaxce.sharded_linear_token_loss if linear else jaxce.sharded_token_loss)
+            if sharded else (jaxce.linear_token_loss if linear else jaxce.token_loss))
+      return fn(objective, *arrays, labels, *token_args, chunk_size=config.chunk_size,
+                **shard_kw)[0]
     if config.impl == "jaxce":
-      fn = jaxce.linear_logprobs_and_entropy if linear else jaxce.logprobs_and_entropy
-      logp, entropy = fn(*arrays, labels, chunk_size=config.chunk_size)
+      fn = _jaxce_fn(linear, sharded)
+      logp, entropy = fn(*arrays, labels, chunk_size=config.chunk_size, **shard_kw)
     else:
       logp, entropy = plain_logprobs_entropy(_matmul(*arrays) if linear else arrays[0], labels)
     return jnp.sum(objective(logp, entropy, *token_args))
@@ -317,7 +322,7 @@ def _objective_build(config: Config, floats, names) -> Built:
   chunk = None
   if config.impl == "jaxce":
     from jaxce import plan
-    columns = config.V
+    columns = config.V // mesh.size
     chunk = (plan.linear_objective_chunk(config.T, columns, config.chunk_size)
              if linear and config.variant != "grpo" else
              _planned_chunk(config, columns, dict(chunk_size=config.chunk_size), linear))

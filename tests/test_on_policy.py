@@ -5,7 +5,9 @@ each token's ratio ``exp(logp - old_logp)`` is exactly 1 and nothing is clipped:
 objective path's ``logp`` is the scoring pass's bits.
 
 Where that is promised: with the fused head's kernels (Hopper's default; off GPUs in JAX's
-GPU interpreter, which needs JAX >= 0.11) and with ``batch_invariant=True`` everywhere. On
+GPU interpreter, which needs JAX >= 0.11) and with ``batch_invariant=True`` everywhere, on one
+device and with the vocabulary split over 2 or 4 (``sharded_*``: on GPUs Qwen3's 151936
+columns give shards of 75968 and 37984, not multiples of 128). On
 GPUs the calls run at a real shape (T = 8 x 1023 tokens, D = 1024, V = 151936, bf16),
 where the objective path's groups of 2048 rows put each token at another place in the
 kernels' row blocks than the scoring pass's single call. Off GPUs at a small one whose
@@ -13,13 +15,16 @@ calls take the same row blocks (320 tokens in one group: two blocks of 256, the 
 moved back): the interpreter's matmul (XLA:CPU) can round a row differently by its place
 in a block, which the GPU's does not."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.experimental.pallas import mosaic_gpu as plgpu
+from jax.sharding import Mesh
 
-from helpers import jaxce
+from helpers import devices, jaxce
 
 ON_GPU = jax.default_backend() == "gpu"
 # (batch, sequence, D, columns, vocab_size): a shifted-label batch, the vocabulary padded
@@ -46,8 +51,9 @@ def _batch(seed=0):
   return hidden, weight, labels, mask, advantages, ref_logp
 
 
+@pytest.mark.parametrize("shards", [1, 2, 4])
 @pytest.mark.parametrize("case", CASES)
-def test_first_on_policy_step_has_ratio_exactly_one(case, monkeypatch):
+def test_first_on_policy_step_has_ratio_exactly_one(case, shards, monkeypatch):
   options = CASES[case]
   if not ON_GPU:  # (one group: the interpreter's rows in the scoring pass's blocks)
     monkeypatch.setitem(jaxce.plan.LINEAR_OBJECTIVE_GRAD_PER_SUM, "cpu", 64.0)
@@ -56,13 +62,24 @@ def test_first_on_policy_step_has_ratio_exactly_one(case, monkeypatch):
                 "paths (the 'mosaic' case runs Hopper's default in the interpreter)")
   if case == "mosaic" and not ON_GPU and not hasattr(plgpu, "InterpretGPUParams"):
     pytest.skip(f"the Mosaic GPU interpreter needs JAX >= 0.11 (this is {jax.__version__})")
+  if shards > 1:
+    mesh = Mesh(np.array(devices(shards)), ("vocab",))
+    score_fn = functools.partial(jaxce.sharded_linear_logprobs_and_entropy, mesh=mesh,
+                                 vocab_axis="vocab")
+    loss_fn_of = functools.partial(jaxce.sharded_linear_token_loss, mesh=mesh,
+                                   vocab_axis="vocab")
+  else:
+    score_fn, loss_fn_of = jaxce.linear_logprobs_and_entropy, jaxce.linear_token_loss
+  if case == "mosaic" and not ON_GPU and shards > 1:
+    pytest.skip("JAX's GPU interpreter fails on several simulated devices at once ('Barrier "
+                "remains allocated'): a GPU host runs the sharded kernels")
   hidden, weight, labels, mask, advantages, ref_logp = _batch()
   vocab_size = SHAPE[4]
   common = dict(temperature=0.9, where=mask, vocab_size=vocab_size, **options)
 
   @jax.jit
   def score(params, hidden):  # the rollout's scoring pass
-    return jaxce.linear_logprobs_and_entropy(hidden, params, labels, **common)[0]
+    return score_fn(hidden, params, labels, **common)[0]
 
   objective = jaxce.objectives.grpo(EPSILON_LOW, EPSILON_HIGH, beta=0.04, entropy_coef=0.01)
   weights = jaxce.objectives.token_weights(mask)
@@ -70,8 +87,8 @@ def test_first_on_policy_step_has_ratio_exactly_one(case, monkeypatch):
   @jax.jit
   def train_step(params, hidden, old_logp):
     def loss_fn(params):
-      return jaxce.linear_token_loss(objective, hidden, params, labels, advantages, old_logp,
-                                     ref_logp, weights, **common)
+      return loss_fn_of(objective, hidden, params, labels, advantages, old_logp, ref_logp,
+                        weights, **common)
     return jax.value_and_grad(loss_fn, has_aux=True)(params)
 
   old_logp = score(weight, hidden)
@@ -82,7 +99,7 @@ def test_first_on_policy_step_has_ratio_exactly_one(case, monkeypatch):
   differing = np.asarray(logp)[kept].view(np.uint32) != np.asarray(old_logp)[kept].view(
       np.uint32)
   assert not differing.any(), (
-      f"{case}: {differing.sum()} of {kept.sum()} tokens' log-probs differ from the scoring "
+      f"{case}, {shards} shard(s): {differing.sum()} of {kept.sum()} tokens' log-probs differ from the scoring "
       f"pass's, up to {float(jnp.max(jnp.abs(logp - old_logp))):.3g}")
   assert np.all(np.asarray(ratio)[kept] == 1.0) and not np.asarray(clipped)[kept].any()
   assert np.isfinite(float(loss)) and np.isfinite(np.asarray(grad, np.float32)).all()

@@ -1,4 +1,5 @@
-"""The kernels' bits across numbers of vocab shards, on a GPU host (the interpreter cannot
+"""The kernels over several vocab shards, on a GPU host: their bits across shard counts,
+and their gradients where shards end in partial tiles (the interpreter cannot
 run several simulated devices' kernels at once; off GPUs these tests skip).
 
 What holds (docs/guides/reproducible.md): on the kernel paths a token's ``logp`` and
@@ -103,3 +104,37 @@ def test_the_same_bits_on_shards_of_whole_tiles(path, options):
 def test_shards_of_partial_tiles_are_not_yet_bitwise(path):
   """Qwen3's 151936 columns: 1 against 2 (and 4) devices."""
   _check_same_bits(path, 151936, "plain")
+
+
+@pytest.mark.parametrize("shards", [2, 4])
+@pytest.mark.parametrize("layout", ["dv", "vd"])
+def test_sharded_gradients_where_shards_end_in_partial_tiles(shards, layout):
+  """``d hidden`` and ``d W`` of the sharded kernels when each shard's 192 columns end in
+  a partial tile, against one device's XLA call: a label owned by a later shard falls in
+  an earlier shard's padding columns (the bug: both gradients off by the order of their
+  size), with per-token cotangents for both outputs, a temperature and a padded vocabulary."""
+  mesh = Mesh(np.array(devices(shards)), ("v",))
+  rng = np.random.default_rng(shards)
+  tokens, dim, columns = 300, 128, 192 * shards
+  hidden = jnp.asarray(rng.normal(size=(tokens, dim)) * 0.5, jnp.bfloat16)
+  weight = rng.normal(size=(dim, columns)) * 2 / np.sqrt(dim)
+  weight = jnp.asarray(weight if layout == "dv" else weight.T, jnp.bfloat16)
+  labels = rng.integers(0, columns - 37, tokens).astype(np.int32)
+  labels[::13] = -100
+  cot = jnp.asarray(rng.normal(size=(2, tokens)), jnp.float32)
+  kw = dict(weight_layout=layout, vocab_size=columns - 37,
+            temperature=jnp.asarray(rng.uniform(0.6, 1.5, tokens), jnp.float32))
+
+  def grads(fn, w, **extra):
+    def loss(h, w):
+      logp, entropy = fn(h, w, labels, **kw, **extra)
+      return jnp.sum(cot[0] * logp) + jnp.sum(cot[1] * entropy)
+    return jax.jit(jax.grad(loss, (0, 1)))(hidden, w)
+
+  want = grads(jaxce.linear_logprobs_and_entropy, weight, implementation="xla")
+  got = grads(jaxce.sharded_linear_logprobs_and_entropy, weight, mesh=mesh, vocab_axis="v",
+              implementation="mosaic")
+  for what, a, b in zip(("d hidden", "d weight"), got, want):
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    error = np.max(np.abs(a - b)) / np.max(np.abs(b))
+    assert error <= 2 ** -7, f"{what}: max error {error:.3g} of its largest entry"

@@ -45,9 +45,10 @@ over 4 devices give 37984), the last tile is partial: it reads zeros past the ar
 (TMA's bounds), its statistics mask those columns (that tile alone: the others keep the
 epilogue without masks) and its stores past the end are dropped. No column is read from
 another shard, computed twice or written twice. TMA tiles the arrays whose rows are the
-vocabulary as the tiles' swizzle, so a ``V_local`` that is not a multiple of 64 takes a
-64- or 32-byte swizzle (``mosaic_tile.array_swizzle``), which costs time
-(bench/NOTES.md, entry 43).
+vocabulary as the tiles' swizzle, and a partial last tile's ``d logits`` came out wrong
+under the 128-byte one, so a ``V_local`` that is not a multiple of 128 takes a 64- or
+32-byte swizzle (``mosaic_tile.array_swizzle``), which costs time (bench/NOTES.md,
+entries 43 and 44).
 
 Off GPUs the kernel runs in Pallas' GPU interpreter (tests only).
 """

@@ -11,6 +11,7 @@ import importlib.util
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import time
@@ -406,6 +407,31 @@ def test_sweep_summary_compares_default_with_best_chunk():
   lines = report.sweep_summary(rows)
   assert len(lines) == 1
   assert "| 512 | 11.00 | 256 | 10.00 | 1.100 |" in lines[0]
+
+
+def test_every_result_file_is_read_by_the_docs():
+  """Each file in ``bench/results`` is named on the benchmarks page's list of result files
+  (docs/benchmarks.md, "The result files") and somewhere else in README or the docs, and
+  each file that list names exists: no row set that nothing reads, no dangling name."""
+  results = os.path.join(ROOT, "bench", "results")
+  with open(os.path.join(ROOT, "docs", "benchmarks.md")) as f:
+    page = f.read()
+  listed = set(re.findall(r"`([^`/ ]+\.(?:json|md|png|txt|log))`",
+                          page.split("## The result files", 1)[1]))
+  present = set(os.listdir(results))
+  assert present - listed == set(), f"not in the list of result files: {present - listed}"
+  assert listed - present == set(), f"listed but not in bench/results: {listed - present}"
+  pages = [os.path.join(ROOT, "README.md"), os.path.join(ROOT, "bench", "README.md")]
+  for folder, _, names in os.walk(os.path.join(ROOT, "docs")):
+    pages += [os.path.join(folder, n) for n in names if n.endswith(".md")]
+  text = ""
+  for path in pages:
+    with open(path) as f:
+      text += f.read().replace(page.split("## The result files", 1)[1], "")
+  companions = (".md", "_memory.png")  # written beside a rows file (``bench.report``)
+  unread = {name for name in present if name not in text and not any(
+      name.endswith(c) and name[:-len(c)] + ".json" in text for c in companions)}
+  assert not unread, f"named only in the list, read nowhere: {sorted(unread)}"
 
 
 def test_benchmark_tables_come_from_the_committed_results():

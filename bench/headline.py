@@ -1,14 +1,16 @@
-"""``python -m bench.headline``: README's headline, made from the committed results: the
-fused path at the shapes users run (``python -m bench --suite shapes``: jaxce, Liger's FLSCE
-and plain JAX in one machine session) as a table and one chart, and the GRPO step
-(``python -m bench.grpo_step``).
+"""``python -m bench.headline``: README's headline and the benchmarks page's full tables,
+made from the committed results: the fused path at the shapes users run (``python -m bench
+--suite shapes``: jaxce, Liger's FLSCE and plain JAX in one machine session) as a compact
+table (README), a full one (docs/benchmarks.md) and one chart; the vocabulary over 1 and
+4 GPUs (``--suite gpu-shards``, README); the GRPO step (``python -m bench.grpo_step``,
+docs/benchmarks.md).
 
     python -m bench.headline            # print the blocks
-    python -m bench.headline --write    # rewrite README's marked blocks and the chart
+    python -m bench.headline --write    # rewrite the marked blocks and the chart
 
-README marks each block with ``<!-- headline-shapes PATH -->`` or ``<!-- headline-grpo
-PATH -->`` on the line before it and ``<!-- /headline -->`` on the line after it;
-tests/test_bench.py checks that every marked block is what this module prints.
+A page marks each block with ``<!-- headline-KIND PATH -->`` on the line before it (KIND
+one of ``BLOCKS``) and ``<!-- /headline -->`` on the line after it; tests/test_bench.py
+checks that every marked block is what this module prints.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import statistics
 from bench import grpo_step
 from bench.__main__ import ROOT
 
+PAGES = ("README.md", "docs/benchmarks.md")
 SHAPES = "bench/results/nvidia-h100-x1-shapes.json"
 GRPO = "bench/results/nvidia-h100-x1-grpo_step.json"
 CHART = "bench/results/nvidia-h100-x1-shapes_headline.png"
@@ -105,6 +108,51 @@ def shapes_table(results: dict) -> str:
   return "\n".join(lines)
 
 
+COMPACT_T = 16192  # a ragged T (OpenRLHF's budget) at which plain JAX's logits still fit
+
+
+def compact_table(results: dict) -> str:
+  """README's table: the fused fwd+bwd at ``COMPACT_T`` tokens, V = 151936, one line per
+  hidden size: jaxce, FLSCE and plain JAX, time and extra memory (a ratio only between
+  rows of one run)."""
+  bwd = {impl: _rows(results, impl, "fwd_bwd") for impl, _ in PEERS}
+  ms = lambda row: "–" if row is None else f"{row['ms']:.1f}"
+  gib = lambda row: "–" if row is None else f"{row['peak_extra_bytes'] / 2**30:.2f}"
+  ratio = lambda a, b: ("–" if a is None or b is None or not _same_run(a, b)
+                        else f"{a['ms'] / b['ms']:.2f}")
+  lines = ["| D | jaxce ms | FLSCE ms | plain JAX ms | jaxce / FLSCE | jaxce / plain JAX | "
+           "extra GiB: jaxce / FLSCE / plain JAX |", "|---" * 7 + "|"]
+  for key in sorted(k for k in bwd["jaxce"] if k[0] == 151936 and k[2] == COMPACT_T):
+    ours, peer, plain = (bwd[impl].get(key) for impl, _ in PEERS)
+    lines.append("| " + " | ".join([
+        str(key[1]), ms(ours), ms(peer), ms(plain), ratio(ours, peer), ratio(ours, plain),
+        " / ".join(gib(r) for r in (ours, peer, plain))]) + " |")
+  return "\n".join(lines)
+
+
+SHARDED_PATHS = (("fused", "linear", "default"), ("GRPO objective", "linear", "objective_grpo"),
+                 ("logits", "logits", "default"))
+
+
+def shards_table(results: dict) -> str:
+  """README's sharded rows: each path's fwd+bwd on 1 GPU and on the most GPUs of the run,
+  time and extra memory per GPU, and their ratios."""
+  rows = {(r["input"], r["variant"], r["n_devices"]): r for r in results["rows"]
+          if r["impl"] == "jaxce" and r["mode"] == "fwd_bwd" and r["status"] == "ok"}
+  most = max(n for _, _, n in rows)
+  lines = [f"| path | 1 GPU ms | {most} GPUs ms | × | 1 GPU GiB | {most} GPUs GiB a GPU | × |",
+           "|---" * 7 + "|"]
+  for name, path, variant in SHARDED_PATHS:
+    one, many = rows.get((path, variant, 1)), rows.get((path, variant, most))
+    if one is None or many is None:
+      continue
+    gib = lambda r: r["peak_extra_bytes"] / 2**30
+    lines.append(f"| {name} | {one['ms']:.1f} | {many['ms']:.1f} | "
+                 f"{many['ms'] / one['ms']:.2f} | {gib(one):.2f} | {gib(many):.2f} | "
+                 f"{gib(many) / gib(one):.2f} |")
+  return "\n".join(lines)
+
+
 def grpo_tables(results: dict) -> str:
   """``bench.grpo_step``'s tables (one per model size, each under its size as a bold
   line, then the paths that failed), without its title paragraph."""
@@ -155,13 +203,14 @@ def chart(results: dict, path: str) -> None:
   plt.close(fig)
 
 
-BLOCKS = {"headline-shapes": shapes_table, "headline-grpo": grpo_tables}
+BLOCKS = {"headline-shapes": shapes_table, "headline-grpo": grpo_tables,
+          "headline-compact": compact_table, "headline-shards": shards_table}
 
 
-def blocks(readme: str) -> list[tuple[int, int, str]]:
-  """``(first line, end line, generated text)`` of each marked block of ``readme``: the
+def blocks(page: str) -> list[tuple[int, int, str]]:
+  """``(first line, end line, generated text)`` of each marked block of ``page``: the
   lines between its marker and the next ``<!-- /headline -->``."""
-  lines, out = readme.splitlines(), []
+  lines, out = page.splitlines(), []
   for i, line in enumerate(lines):
     found = re.match(r"<!-- (headline-\w+) (\S+) -->$", line)
     if not found:
@@ -175,23 +224,25 @@ def blocks(readme: str) -> list[tuple[int, int, str]]:
 def main(argv=None):
   p = argparse.ArgumentParser(prog="python -m bench.headline",
                               description=__doc__.splitlines()[0])
-  p.add_argument("--write", action="store_true", help="rewrite README's blocks and the chart")
+  p.add_argument("--write", action="store_true", help="rewrite the pages' blocks and the chart")
   args = p.parse_args(argv)
-  readme_path = os.path.join(ROOT, "README.md")
-  with open(readme_path) as f:
-    readme = f.read()
-  if not args.write:
-    for _, _, text in blocks(readme):
-      print(text + "\n")
-    return
-  lines = readme.splitlines()
-  for start, end, text in reversed(blocks(readme)):
-    lines[start:end] = text.splitlines()
-  with open(readme_path, "w") as f:
-    f.write("\n".join(lines) + "\n")
-  with open(os.path.join(ROOT, SHAPES)) as f:
-    chart(json.load(f), os.path.join(ROOT, CHART))
-  print(f"wrote README.md and {CHART}")
+  for page in PAGES:
+    path = os.path.join(ROOT, page)
+    with open(path) as f:
+      text = f.read()
+    if not args.write:
+      for _, _, block in blocks(text):
+        print(block + "\n")
+      continue
+    lines = text.splitlines()
+    for start, end, block in reversed(blocks(text)):
+      lines[start:end] = block.splitlines()
+    with open(path, "w") as f:
+      f.write("\n".join(lines) + "\n")
+  if args.write:
+    with open(os.path.join(ROOT, SHAPES)) as f:
+      chart(json.load(f), os.path.join(ROOT, CHART))
+    print(f"wrote {', '.join(PAGES)} and {CHART}")
 
 
 if __name__ == "__main__":

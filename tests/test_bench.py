@@ -457,20 +457,26 @@ def test_benchmark_tables_come_from_the_committed_results():
 
 
 def test_readme_headline_comes_from_the_committed_results():
-  """README's headline blocks (``<!-- headline-shapes|headline-grpo PATH -->`` ...
-  ``<!-- /headline -->``) are exactly what ``python -m bench.headline`` makes of the
-  committed shape sweep and GRPO-step rows, and the chart they cite is committed."""
+  """The headline blocks (``<!-- headline-KIND PATH -->`` ... ``<!-- /headline -->``) of
+  README (the compact table, the sharded rows) and of the benchmarks page (every shape,
+  the GRPO step) are exactly what ``python -m bench.headline`` makes of the committed
+  rows, and the chart they cite is committed."""
   from bench import headline
-  with open(os.path.join(ROOT, "README.md")) as f:
-    readme = f.read()
-  found = headline.blocks(readme)
-  assert len(found) == 2, "README's headline blocks are missing"
-  lines = readme.splitlines()
-  for start, end, text in found:
-    assert "\n".join(lines[start:end]) == text, "README's headline is stale: python -m " \
-        "bench.headline --write"
+  want = {"README.md": {"headline-compact", "headline-shards"},
+          "docs/benchmarks.md": {"headline-shapes", "headline-grpo"}}
+  assert set(headline.PAGES) == set(want)
+  for page, kinds in want.items():
+    with open(os.path.join(ROOT, page)) as f:
+      text = f.read()
+    found = headline.blocks(text)
+    assert {re.search(r"<!-- (headline-\w+) ", text.splitlines()[start - 1])[1]
+            for start, _, _ in found} == kinds, f"{page}'s headline blocks are missing"
+    lines = text.splitlines()
+    for start, end, block in found:
+      assert "\n".join(lines[start:end]) == block, (
+          f"{page}'s headline is stale: python -m bench.headline --write")
+    assert headline.CHART.split("/")[-1] in text
   assert os.path.exists(os.path.join(ROOT, headline.CHART))
-  assert headline.CHART in readme
 
 
 def _shapes_row(impl, T, ms, commit="aaaaaaa", mode="fwd_bwd", peak_gib=1.0):

@@ -6,13 +6,17 @@ Four layers, each importing only the ones below it:
 
 * operations, one module each, a ``jax.custom_vjp`` over chunks of tokens (and vocab
   blocks): ``logits`` (per-token, logits path), ``linear`` (per-token, fused LM head),
-  ``linear_kept_ids`` (the same over kept ids: only their columns), ``token_loss`` and
+  ``logits_kept_ids`` and ``linear_kept_ids`` (the same over kept ids: only their logits
+  or columns), ``token_loss`` and
   ``linear_token_loss`` (objectives, gradient formed in the forward);
 * shared by them: ``logits_rows`` (full logits rows: statistics by XLA, Mosaic GPU or
   Triton, the
   merge of per-tile statistics by the plan's backend, the gradient), ``head`` (the LM
-  head's tile matmuls), ``loss_terms`` (a chunk's loss terms and cotangents);
-* backends, one kernel a module, imported from JAX when first used: ``mosaic_rows`` /
+  head's tile matmuls), ``loss_terms`` (a chunk's loss terms and cotangents), ``merge``
+  (the merge contract: per-token outputs from per-tile statistics in one fixed order),
+  ``kept_entries`` (the kept-ids kernels' shared maths);
+* backends, one kernel a module, imported from JAX when first used (``mosaic_tile``: the
+  Mosaic kernels' tile maths, swizzles, column segments and kept-set words): ``mosaic_rows`` /
   ``triton_rows`` (row statistics of logits rows in one read; Triton only when asked
   for by name) and ``mosaic_head`` (Pallas Mosaic GPU: the fused head's tiles with a
   statistics or a ``d logits`` epilogue), each saying why it cannot run a call

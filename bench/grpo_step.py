@@ -6,12 +6,15 @@ path, written to bench/out/<device>-grpo_step.json (.md).
     python -m bench.grpo_step --tiny --sizes small           # CPU smoke (tests/test_bench.py)
     python -m bench.grpo_step --reports small=a.json,medium=b.json  # tabulate gpu_run's reports
     python -m bench.grpo_step --sizes medium --merge         # add a size to the file there
+    python -m bench.grpo_step --meshes 1x1,2x2               # 1 GPU, then 2 x 2 (data x vocab)
 
-Each size is one ``python -m examples.gpu_run`` (each path in its own fresh process: median
+Each size (and each mesh of ``--meshes``, ``DATAxVOCAB`` over the first ``DATA * VOCAB``
+devices; default: one ``1 x n`` mesh over every visible device) is one ``python -m
+examples.gpu_run`` (each path in its own fresh process: median
 step time, median scoring time, peak device memory; see examples/gpu_run.py), given
 ``--timeout`` seconds. The JSON holds one row per (size, path) and the raw gpu_run reports;
 the ``.md`` beside it (also printed) one table per size, each path against the ``plain``
-(``jax.nn.log_softmax``) row of the same size and run. With ``--largest-batch``, each path's
+(``jax.nn.log_softmax``) row of the same size, mesh and run. With ``--largest-batch``, each path's
 batch is then doubled, one fresh gpu_run per try, until it runs out of memory, reaches 8 x
 the size's sequences, or its share of a second ``--timeout`` seconds per size is spent
 (the paths share it evenly; time one leaves goes to the next). ``--reports`` tabulates
@@ -55,6 +58,8 @@ def parse_args(argv=None):
   p.add_argument("--tiny", action="store_true", help=f"every size becomes {TINY} (CPU)")
   p.add_argument("--reports", help="comma list of SIZE=FILE: tabulate these gpu_run reports "
                  "(the sizes' flags, JAXCE_COMMIT the commit they ran) instead of running")
+  p.add_argument("--meshes", default="", help="comma list of DATAxVOCAB meshes, each over "
+                 "the first DATA * VOCAB devices (default: 1 x every visible device)")
   p.add_argument("--merge", action="store_true", help="keep the destination file's sizes "
                  "that this run does not redo (a run made one size per call)")
   add_destination(p)
@@ -62,6 +67,14 @@ def parse_args(argv=None):
   if args.reports:
     args.reports = dict(item.split("=", 1) for item in args.reports.split(","))
     args.sizes = ",".join(args.reports)
+  try:
+    args.meshes = [tuple(int(n) for n in m.split("x")) for m in args.meshes.split(",") if m]
+  except ValueError:
+    p.error(f"--meshes takes DATAxVOCAB items (1x1,2x2), got {args.meshes!r}")
+  if any(len(m) != 2 or min(m) < 1 for m in args.meshes):
+    p.error(f"--meshes takes DATAxVOCAB items of positive sizes, got {args.meshes}")
+  if args.reports and args.meshes:
+    p.error("--reports tabulates gpu_run's reports as they ran: give no --meshes")
   unknown = [s for s in args.sizes.split(",") if s not in SIZES]
   unknown += [s for s in args.paths.split(",") if s not in PATHS]
   if unknown:
@@ -70,16 +83,20 @@ def parse_args(argv=None):
   return args
 
 
-def gpu_run(size: dict, paths, timeout: float) -> dict:
+def gpu_run(size: dict, paths, timeout: float, mesh=None) -> dict:
   """The report of ``python -m examples.gpu_run`` at ``size`` (its flags) for ``paths``,
-  or ``{"error": ...}`` when it wrote none."""
+  on ``mesh`` (``(data, vocab)`` over the first ``data * vocab`` devices; None: ``1 x``
+  every visible device), or ``{"error": ...}`` when it wrote none."""
   flags = [x for k, v in size.items() for x in (f"--{k.replace('_', '-')}", str(v))]
+  if mesh:
+    flags += ["--devices", str(mesh[0] * mesh[1]), "--data", str(mesh[0])]
   with tempfile.TemporaryDirectory() as tmp:
     out = os.path.join(tmp, "gpu_run.json")
     cmd = [sys.executable, "-m", "examples.gpu_run", *flags, "--paths", ",".join(paths),
            "--timeout", str(timeout), "--out", out]
     try:  # (its own --timeout ends it; the margin is for its start)
-      proc = subprocess.run(cmd, cwd=ROOT, env=child_env(1), stderr=subprocess.PIPE,
+      proc = subprocess.run(cmd, cwd=ROOT, env=child_env(mesh[0] * mesh[1] if mesh else 1),
+                            stderr=subprocess.PIPE,
                             text=True, timeout=timeout + 60)
     except subprocess.TimeoutExpired:
       return dict(error=f"timed out after {timeout + 60:.0f} s")
@@ -95,11 +112,12 @@ def is_oom(error) -> bool:
                                 "out of memory" in error.lower())
 
 
-def make_row(name: str, size: dict, path: str, result: dict, commit: str = "") -> dict:
+def make_row(name: str, size: dict, path: str, result: dict, commit: str = "",
+             mesh=None) -> dict:
   """One (size, path) row from gpu_run's result for the path (device 0's bytes), run at
-  ``commit``."""
+  ``commit``; with ``mesh`` (data, vocab) given, the row names it."""
   first = lambda key: (result.get(key) or [None])[0]
-  return dict(size=name, path=path, commit=commit, d_model=size["d_model"], layers=size["layers"],
+  return dict(size=name, path=path, commit=commit, **({"mesh": list(mesh)} if mesh else {}), d_model=size["d_model"], layers=size["layers"],
               heads=size["heads"], sequences=size["sequences"], seq_len=size["seq_len"],
               tokens_per_step=size["sequences"] * (size["seq_len"] - 1),
               step_ms_median=result.get("step_ms_median"),
@@ -110,7 +128,7 @@ def make_row(name: str, size: dict, path: str, result: dict, commit: str = "") -
               first_step_s=result.get("first_step_s"), error=result.get("error"))
 
 
-def largest_batch(size: dict, row: dict, deadline: float) -> dict:
+def largest_batch(size: dict, row: dict, deadline: float, mesh=None) -> dict:
   """``largest_sequences_ok``, ``first_sequences_failed`` (None if none failed) and
   ``largest_batch_stop`` (oom, cap, time budget or error, then ``largest_batch_error``) for
   the path of ``row``, whose sizes double from the size's ``sequences`` until ``deadline``."""
@@ -122,7 +140,7 @@ def largest_batch(size: dict, row: dict, deadline: float) -> dict:
     if left < 10:
       break
     print(f"largest batch: {row['path']} at {n} sequences", flush=True)
-    report = gpu_run(dict(size, sequences=n), [row["path"]], left)
+    report = gpu_run(dict(size, sequences=n), [row["path"]], left, mesh)
     error = report.get("error") or report["results"][0].get("error")
     ok, n = (ok, n) if error else (n, 2 * n)
   if (not error and n <= LARGEST_FACTOR * size["sequences"]) or (
@@ -146,22 +164,29 @@ def markdown(results: dict) -> str:
            "", f"JAX {results['jax']}, flax {results['flax']}, commit "
            f"{results['commit'][:7]}, {results['date']}; python -m bench.grpo_step "
            "(examples/gpu_run.py). Ratios: this path / the plain-JAX path "
-           "(`jax.nn.log_softmax`) of the same size and run. Peak: device 0's peak bytes in "
+           "(`jax.nn.log_softmax`) of the same size, mesh and run; × 1 device: this path on a "
+           "1 × 1 mesh of the same run. Peak: device 0's peak bytes in "
            "use over the run (scoring passes included); before steps: parameters, Adam "
            "state and the batch."]
   columns = ["path", "step ms", "× plain JAX step", "scoring ms", "× plain scoring",
              "peak GiB", "× plain peak", "peak − before steps GiB", "× plain"]
-  for name in dict.fromkeys(r["size"] for r in results["rows"]):
-    rows = [r for r in results["rows"] if r["size"] == name]
+  group = lambda r: (r["size"], tuple(r.get("mesh") or ()))
+  for name, mesh in dict.fromkeys(group(r) for r in results["rows"]):
+    rows = [r for r in results["rows"] if group(r) == (name, mesh)]
     plain = next((r for r in rows if r["path"] == "plain" and not r["error"]), {})
     batch = ["largest batch"] if any("largest_batch_stop" in r for r in rows) else []
+    one = {r["path"]: r for r in results["rows"] if group(r) == (name, (1, 1))}
+    versus_one = ["step × 1 device", "peak × 1 device"] if one and mesh != (1, 1) else []
     r0 = rows[0]
     lines += ["", f"## {name}: D = {r0['d_model']}, {r0['layers']} layer(s), {r0['heads']} "
               f"heads, {r0['sequences']} × {r0['seq_len']} tokens ({r0['tokens_per_step']} "
               f"a step), V = {results['vocab']}"
+              + (f", {mesh[0] * mesh[1]} device(s): {mesh[0]} × {mesh[1]} (data × vocab)"
+                 if mesh else "")
               + (f" (commit {r0['commit'][:7]})" if r0.get("commit", results["commit"])
                  != results["commit"] else ""), "",
-              "| " + " | ".join(columns + batch) + " |", "|---" * len(columns + batch) + "|"]
+              "| " + " | ".join(columns + versus_one + batch) + " |",
+              "|---" * len(columns + versus_one + batch) + "|"]
     for r in rows:
       cells = [r["path"]]
       for key, scale, fmt in (("step_ms_median", 1, "{:.1f}"), ("score_ms_median", 1, "{:.1f}"),
@@ -169,6 +194,9 @@ def markdown(results: dict) -> str:
                               ("peak_minus_before", 2**30, "{:.2f}")):
         value = "–" if r[key] is None else fmt.format(r[key] / scale)
         cells += [value, ratio(r[key], plain.get(key))]
+      if versus_one:  # (the same path and size on one device, same run)
+        alone = one.get(r["path"], {})
+        cells += [ratio(r[key], alone.get(key)) for key in ("step_ms_median", "peak_bytes_in_use")]
       if batch:
         stop, failed = r.get("largest_batch_stop"), r.get("first_sequences_failed")
         cells.append("–" if stop is None else f"{r['largest_sequences_ok'] or '–'} ("
@@ -192,10 +220,10 @@ def merged(previous: dict, results: dict) -> dict:
   kept = [name for name in previous["sizes"] if name not in results["sizes"]]
   for row in previous["rows"]:
     row.setdefault("commit", previous["commit"])
-  order = lambda names: sorted(names, key=list(SIZES).index)  # (small, then medium)
+  order = lambda names: sorted(names, key=lambda n: list(SIZES).index(n.split()[0]))
   sizes = {**{n: previous["sizes"][n] for n in kept}, **results["sizes"]}
   rows = [r for r in previous["rows"] if r["size"] in kept] + results["rows"]
-  runs = {**{n: previous["gpu_run"][n] for n in kept if n in previous["gpu_run"]},
+  runs = {**{n: run for n, run in previous["gpu_run"].items() if n.split()[0] in kept},
           **results["gpu_run"]}
   return dict(results, sizes={n: sizes[n] for n in order(sizes)},
               rows=[r for n in order(sizes) for r in rows if r["size"] == n],
@@ -208,7 +236,7 @@ def main(argv=None):
   overrides = TINY if args.tiny else dict(vocab=args.vocab)
   commit = os.environ.get("JAXCE_COMMIT") or git("rev-parse", "HEAD")
   rows, runs, facts = [], {}, {}
-  for name in args.sizes.split(","):
+  for name, mesh in [(n, m) for n in args.sizes.split(",") for m in (args.meshes or [None])]:
     size = dict(SIZES[name], **overrides)
     if args.reports:
       with open(args.reports[name]) as f:
@@ -216,18 +244,22 @@ def main(argv=None):
       if any(report["config"][key] != value for key, value in size.items()):
         raise SystemExit(f"{args.reports[name]} ran {report['config']}, not {name}: {size}")
     else:
-      print(f"{name}: python -m examples.gpu_run {size}", flush=True)
-      runs[name] = report = gpu_run(size, args.paths.split(","), args.timeout)
-    facts.update({k: report[k] for k in ("device", "num_devices", "platform", "jax", "flax")
+      print(f"{name}: python -m examples.gpu_run {size}"
+            + (f" on a {mesh[0]} x {mesh[1]} mesh" if mesh else ""), flush=True)
+      report = gpu_run(size, args.paths.split(","), args.timeout, mesh)
+      runs[name if mesh is None else f"{name} {mesh[0]}x{mesh[1]}"] = report
+    facts.update({k: report[k] for k in ("device", "platform", "jax", "flax")
                   if k in report and k not in facts})
+    if "num_devices" in report:  # (the run's most devices: its slug)
+      facts["num_devices"] = max(facts.get("num_devices", 0), report["num_devices"])
     facts.setdefault("platform", "cpu" if report.get("device") == "cpu" else "gpu")
     by_path = {r["path"]: r for r in report.get("results", [])}
     size_rows = [make_row(name, size, path, by_path.get(path, dict(error=report.get("error"))),
-                          commit) for path in args.paths.split(",")]
+                          commit, mesh) for path in args.paths.split(",")]
     deadline = time.monotonic() + args.timeout
     for i, row in enumerate(size_rows if args.largest_batch else []):
       share = (deadline - time.monotonic()) / (len(size_rows) - i)  # what is left, shared
-      row.update(largest_batch(size, row, time.monotonic() + share))
+      row.update(largest_batch(size, row, time.monotonic() + share, mesh))
     rows += size_rows
   slug = device_slug(dict(facts, n_devices=facts.get("num_devices"))) if facts else "unknown"
   results = dict(device=facts.get("device"), num_devices=facts.get("num_devices"),

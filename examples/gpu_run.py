@@ -50,8 +50,16 @@ def parse_args(argv=None):
   p.add_argument("--steps", type=int, default=5)
   p.add_argument("--timeout", type=float, default=170.0,
                  help="seconds for all paths; a path that would start past it is skipped")
+  p.add_argument("--devices", type=int, default=0,
+                 help="the first N visible devices (0: all of them)")
+  p.add_argument("--data", type=int, default=1,
+                 help="the mesh's data axis (the rest of the devices: its vocab axis)")
   p.add_argument("--child", default=None, help=argparse.SUPPRESS)  # path, in the child
-  return p.parse_args(argv)
+  args = p.parse_args(argv)
+  if args.data < 1 or args.sequences % args.data or args.devices < 0:
+    p.error(f"--data must be >= 1 and divide --sequences, got --data {args.data}, "
+            f"--sequences {args.sequences} (and --devices >= 0, got {args.devices})")
+  return args
 
 
 def timed(fn, *args):
@@ -73,8 +81,10 @@ def measure(args, path: str) -> dict:
   from examples.train import Runner, make_mesh, make_optimizer, param_shardings
   from examples.train import synthetic_rollouts
 
-  devices = jax.devices()
-  mesh = make_mesh(1, len(devices), devices)
+  devices = jax.devices()[:args.devices or None]
+  if len(devices) % args.data:
+    raise SystemExit(f"--data {args.data} does not divide the {len(devices)} devices")
+  mesh = make_mesh(args.data, len(devices) // args.data, devices)
   model_cfg = model_lib.ModelConfig(
       vocab_size=args.vocab, d_model=args.d_model, num_layers=args.layers,
       num_heads=args.heads, max_len=args.seq_len, dtype=jnp.bfloat16)
@@ -107,7 +117,7 @@ def measure(args, path: str) -> dict:
   before = [bytes_of(s, "bytes_in_use") for s in baseline]
   peak = [bytes_of(s, "peak_bytes_in_use") for s in peak]
   return dict(
-      path=path, tokens_per_step=int(np.prod(np.shape(rollouts[1]))),
+      path=path, mesh=[args.data, len(devices) // args.data], tokens_per_step=int(np.prod(np.shape(rollouts[1]))),
       valid_tokens=int(np.sum(rollouts[1])),
       step_ms_median=float(np.median(step_ms[args.warmup:])), step_ms=step_ms,
       first_step_s=step_ms[0] / 1e3, score_ms_median=float(np.median(score_ms)),
@@ -140,7 +150,8 @@ def gib(n):
 
 def child_argv(args, path: str, out: str):
   """The flags of this run for the child that measures ``path``."""
-  sizes = ("vocab", "d_model", "layers", "heads", "sequences", "seq_len", "warmup", "steps")
+  sizes = ("vocab", "d_model", "layers", "heads", "sequences", "seq_len", "warmup", "steps",
+           "devices", "data")
   argv = [x for k in sizes for x in (f"--{k.replace('_', '-')}", str(getattr(args, k)))]
   return argv + ["--child", path, "--out", out]
 
@@ -151,7 +162,8 @@ def main(argv=None):
     import flax
     import jax
     result = measure(args, args.child)
-    result.update(device=jax.devices()[0].device_kind, num_devices=jax.device_count(),
+    result.update(device=jax.devices()[0].device_kind,
+                  num_devices=len(jax.devices()[:args.devices or None]),
                   platform=jax.default_backend(), jax=jax.__version__, flax=flax.__version__)
     with open(args.out, "w") as f:
       json.dump(result, f)

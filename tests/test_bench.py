@@ -679,24 +679,32 @@ def test_torch_peers_are_timed_after_their_compiling_call():
 def test_grpo_step_suite_tiny(tmp_path):
   """``python -m bench.grpo_step --tiny``: the GRPO step of a tiny flax model on CPU, each
   path in its own process (the fused objective path, which the suite adds to
-  ``examples.gpu_run``, and plain JAX, the ratios' base: about 20 s on 2 cores; the other
-  paths' steps are tests/test_examples.py's); a row per path, the table against plain."""
+  ``examples.gpu_run``, and plain JAX, the ratios' base; the other paths' steps are
+  tests/test_examples.py's), on one device and on a 2 x 2 (data x vocab) mesh of simulated
+  devices: a row per mesh and path, a table per mesh against plain and, for the mesh,
+  against one device."""
   from examples.gpu_run import PATHS
   assert PATHS == ("objective", "linear", "plain", "logits")
   paths = ("objective", "plain")
   env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
   proc = subprocess.run([sys.executable, "-m", "bench.grpo_step", "--tiny", "--sizes", "small",
-                         "--paths", ",".join(paths), "--out", str(tmp_path)], cwd=ROOT,
-                        env=env, capture_output=True, text=True, timeout=240)
+                         "--paths", ",".join(paths), "--meshes", "1x1,2x2", "--out",
+                         str(tmp_path)], cwd=ROOT, env=env, capture_output=True, text=True,
+                        timeout=300)
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
   results = json.loads((tmp_path / "cpu-grpo_step.json").read_text())
-  assert [(r["size"], r["path"]) for r in results["rows"]] == [("small", p) for p in paths]
+  assert [(r["size"], r["mesh"], r["path"]) for r in results["rows"]] == [
+      ("small", mesh, p) for mesh in ([1, 1], [2, 2]) for p in paths]
   for r in results["rows"]:
     assert r["error"] is None and r["step_ms_median"] > 0 and r["score_ms_median"] > 0, r
     assert r["tokens_per_step"] == 4 * 63 and r["first_step_s"] > 0, r
+  assert set(results["gpu_run"]) == {"small 1x1", "small 2x2"}
+  assert [res["mesh"] for res in results["gpu_run"]["small 2x2"]["results"]] == [[2, 2]] * 2
   assert results["device"] == "cpu" and results["vocab"] == 4096 and results["jax"]
+  assert results["num_devices"] == 4
   md = (tmp_path / "cpu-grpo_step.md").read_text()
   assert "| path | step ms | × plain JAX step |" in md and "| plain | " in md
+  assert "4 device(s): 2 × 2 (data × vocab)" in md and "| step × 1 device |" in md
   assert md.strip() in proc.stdout
 
 
@@ -706,7 +714,7 @@ def test_grpo_step_largest_batch_doubles_until_out_of_memory(monkeypatch):
   from bench import grpo_step
   tries = []
 
-  def fake_gpu_run(size, paths, timeout):
+  def fake_gpu_run(size, paths, timeout, mesh=None):
     tries.append(size["sequences"])
     oom = size["sequences"] > limit
     return dict(results=[dict(path=paths[0], error="exit 1: RESOURCE_EXHAUSTED: Out of memory"

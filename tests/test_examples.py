@@ -15,6 +15,7 @@ Tolerances, float32 against the float64 reference (``helpers.TOLERANCE``):
 """
 
 import dataclasses
+import json
 
 import jax
 import jax.numpy as jnp
@@ -142,6 +143,19 @@ def test_two_processes(problem, reference, tmp_path):
   history = [{k: float(result[f"crossed/{k}"][s]) for k in keys} for s in range(STEPS)]
   assert_matches((jax.tree.unflatten(structure, leaves), history), reference,
                  problem["params"], what="two processes")
+
+
+def test_one_process_per_device_check(tmp_path, monkeypatch):
+  """``scripts/gpu_check_multiprocess.py --tiny``: 2 processes of one CPU device each
+  (jax.distributed on localhost, gloo) against one process of 2, the sharded fused head's
+  outputs and time on the same global inputs (on a GPU host: one process per GPU, the
+  outputs' bits compared on the kernel paths)."""
+  from scripts import gpu_check_multiprocess
+  monkeypatch.setenv("OUT", str(tmp_path))
+  assert gpu_check_multiprocess.main(["--tiny", "--repeats", "2", "--timeout", "150"]) == 0
+  report = json.loads((tmp_path / "multiprocess.json").read_text())
+  assert report["processes"] == 2 and report["devices"] == 2 and report["ok"], report
+  assert report["max_abs_error"] <= 1e-5 and report["processes_ms"] > 0, report
 
 
 def test_entropy_coef_zero(problem, reference):

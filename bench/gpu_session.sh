@@ -10,6 +10,9 @@
 #   bash bench/gpu_session.sh resume       # what main had no time for (same files, merged)
 #   bash bench/gpu_session.sh large        # T = 262144, then 1,048,576: one fresh process per row
 #   bash bench/gpu_session.sh large 262144 # one T only (each T ends within 10 minutes)
+#   bash bench/gpu_session.sh shards       # a host of several GPUs: the gpu-shards suite (1, 2,
+#                                          # 4 GPUs), the GRPO step on 1 x 1, 2 x 2 and 1 x n
+#                                          # meshes, one process per GPU against one process
 #
 # Writes bench/out/gpu-session/<main|large>/<device>.json (rows, device, versions, git commit,
 # floors, accuracy), .md, _memory.png, and session-<mode>.log (kept on a warm machine, so
@@ -26,7 +29,7 @@ RUN=bench/out/gpu-session
 PY=${PYTHON:-python3}
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
 export JAXCE_COMMIT=${JAXCE_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
-DIR=$RUN/$([[ $MODE == large ]] && echo large || echo main)
+DIR=$RUN/$(case $MODE in large|shards) echo "$MODE" ;; *) echo main ;; esac)
 mkdir -p "$DIR"
 LOG="$RUN/session-$MODE.log"
 start=$(date +%s)
@@ -60,8 +63,20 @@ case "$MODE" in
     "$PY" -m bench --suite gpu-large "${Ts[@]}" --fresh --repeats 1 --timeout 400 \
       --budget-s "$(left)" --out "$DIR" 2>>"$LOG" | tee -a "$LOG"
     ;;
+  shards)
+    # NVLink multicast off in every process this starts (NCCL's NVLS can take a shared host
+    # down); each step's rows are written as they finish, so a step cut short keeps its rows.
+    export NCCL_NVLS_ENABLE=0
+    n=$(nvidia-smi -L | grep -c "^GPU ")
+    "$PY" -m bench --suite gpu-shards --repeat-seconds 1 --timeout 150 \
+      --budget-s "$(( $(left) - 240 ))" --out "$DIR" 2>>"$LOG" | tee -a "$LOG"
+    "$PY" -m bench.grpo_step --sizes small --meshes "1x1,2x$(( n / 2 )),1x$n" \
+      --timeout 60 --out "$DIR" 2>>"$LOG" | tee -a "$LOG" || true
+    "$PY" -m scripts.gpu_check_multiprocess --timeout 120 2>>"$LOG" | tee -a "$LOG" || true
+    cp bench/out/multiprocess.json "$DIR"/ 2>/dev/null || true
+    ;;
   *)
-    echo "usage: bash bench/gpu_session.sh [main | resume | large [T ...]]" >&2
+    echo "usage: bash bench/gpu_session.sh [main | resume | large [T ...] | shards]" >&2
     exit 2
     ;;
 esac

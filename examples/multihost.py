@@ -130,6 +130,28 @@ def worker_env():
   return env
 
 
+def wait_all(procs, timeout: float) -> str | None:
+  """Waits for every process of ``procs``: None when all exit 0 within ``timeout``
+  seconds, else why not, every process still running then killed at once (the others
+  would wait for it in a collective)."""
+  deadline = time.monotonic() + timeout
+  failed = None
+  while failed is None and any(p.poll() is None for p in procs):
+    codes = [p.poll() for p in procs]
+    if any(code not in (None, 0) for code in codes):
+      failed = f"process {next(i for i, c in enumerate(codes) if c)} exited with an error"
+    elif time.monotonic() > deadline:
+      failed = f"still running after {timeout:.0f} s"
+    time.sleep(0.05)
+  for p in procs:
+    if p.poll() is None:
+      p.kill()
+    p.wait()
+  if failed is None and any(p.returncode for p in procs):
+    failed = "a process exited with an error"
+  return failed
+
+
 def launch(problem=(), *, num_processes=2, local_devices=4, layouts=LAYOUTS, timeout=120.0,
            out=None):
   """Run the workers to completion; returns each one's combined stdout/stderr.
@@ -147,21 +169,7 @@ def launch(problem=(), *, num_processes=2, local_devices=4, layouts=LAYOUTS, tim
   procs = [subprocess.Popen(base + ["--process-id", str(i), "--", *problem], env=worker_env(),
                             stdout=log, stderr=subprocess.STDOUT, text=True)
            for i, log in enumerate(logs)]
-  deadline = time.monotonic() + timeout
-  failed = None
-  while failed is None and any(p.poll() is None for p in procs):
-    codes = [p.poll() for p in procs]
-    if any(code not in (None, 0) for code in codes):
-      failed = f"process {next(i for i, c in enumerate(codes) if c)} exited with an error"
-    elif time.monotonic() > deadline:
-      failed = f"still running after {timeout:.0f} s"
-    time.sleep(0.05)
-  for p in procs:
-    if p.poll() is None:
-      p.kill()
-    p.wait()
-  if failed is None and any(p.returncode for p in procs):
-    failed = "a process exited with an error"
+  failed = wait_all(procs, timeout)
   outputs = []
   for log in logs:
     log.seek(0)

@@ -36,6 +36,8 @@ import time
 
 import numpy as np
 
+from examples import multihost
+
 SHAPES = dict(full=(8192, 4096, 151936), tiny=(64, 32, 256))  # T, D, V
 
 
@@ -144,19 +146,7 @@ def run(args, kind, out):
   procs = [subprocess.Popen(base + ["--process-id", str(i)], env=env_for(args, kind),
                             stdout=log, stderr=subprocess.STDOUT, text=True)
            for i, log in zip(ids, logs)]
-  deadline, failed = time.monotonic() + args.timeout, None
-  while failed is None and any(p.poll() is None for p in procs):
-    if any(p.poll() not in (None, 0) for p in procs):
-      failed = "a process exited with an error"
-    elif time.monotonic() > deadline:
-      failed = f"still running after {args.timeout:.0f} s"
-    time.sleep(0.05)
-  for p in procs:
-    if p.poll() is None:
-      p.kill()
-    p.wait()
-  if failed is None and any(p.returncode for p in procs):
-    failed = "a process exited with an error"
+  failed = multihost.wait_all(procs, args.timeout)
   if failed:
     text = ""
     for i, log in enumerate(logs):

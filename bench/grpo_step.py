@@ -117,7 +117,8 @@ def make_row(name: str, size: dict, path: str, result: dict, commit: str = "",
   """One (size, path) row from gpu_run's result for the path (device 0's bytes), run at
   ``commit``; with ``mesh`` (data, vocab) given, the row names it."""
   first = lambda key: (result.get(key) or [None])[0]
-  return dict(size=name, path=path, commit=commit, **({"mesh": list(mesh)} if mesh else {}), d_model=size["d_model"], layers=size["layers"],
+  return dict(size=name, path=path, commit=commit, **({"mesh": list(mesh)} if mesh else {}),
+              d_model=size["d_model"], layers=size["layers"],
               heads=size["heads"], sequences=size["sequences"], seq_len=size["seq_len"],
               tokens_per_step=size["sequences"] * (size["seq_len"] - 1),
               step_ms_median=result.get("step_ms_median"),
@@ -196,7 +197,8 @@ def markdown(results: dict) -> str:
         cells += [value, ratio(r[key], plain.get(key))]
       if versus_one:  # (the same path and size on one device, same run)
         alone = one.get(r["path"], {})
-        cells += [ratio(r[key], alone.get(key)) for key in ("step_ms_median", "peak_bytes_in_use")]
+        cells += [ratio(r[key], alone.get(key))
+                  for key in ("step_ms_median", "peak_bytes_in_use")]
       if batch:
         stop, failed = r.get("largest_batch_stop"), r.get("first_sequences_failed")
         cells.append("–" if stop is None else f"{r['largest_sequences_ok'] or '–'} ("

@@ -117,7 +117,8 @@ def measure(args, path: str) -> dict:
   before = [bytes_of(s, "bytes_in_use") for s in baseline]
   peak = [bytes_of(s, "peak_bytes_in_use") for s in peak]
   return dict(
-      path=path, mesh=[args.data, len(devices) // args.data], tokens_per_step=int(np.prod(np.shape(rollouts[1]))),
+      path=path, mesh=[args.data, len(devices) // args.data],
+      tokens_per_step=int(np.prod(np.shape(rollouts[1]))),
       valid_tokens=int(np.sum(rollouts[1])),
       step_ms_median=float(np.median(step_ms[args.warmup:])), step_ms=step_ms,
       first_step_s=step_ms[0] / 1e3, score_ms_median=float(np.median(score_ms)),

@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -112,24 +111,15 @@ def worker(args):
     jax.distributed.shutdown()
 
 
-def free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("localhost", 0))
-    return s.getsockname()[1]
-
-
 def env_for(args, kind):
-  """A worker's environment: this checkout importable, NVLink multicast off; on CPU the
-  simulated devices of a one-process run (``n``) or none (each worker sets one)."""
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false", NCCL_NVLS_ENABLE="0")
-  env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-  if args.tiny:
-    flags = [f for f in env.get("XLA_FLAGS", "").split()
-             if "xla_force_host_platform_device_count" not in f]
-    if kind == "one":
-      flags.append(f"--xla_force_host_platform_device_count={args.devices}")
-    env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=" ".join(flags))
+  """A worker's environment (``multihost.subprocess_env``: this checkout importable),
+  NVLink multicast off; on CPU (``multihost.worker_env``: no simulated-device flag) the
+  ``n`` devices of a one-process run, or none (each worker of many sets one)."""
+  env = (multihost.worker_env() if args.tiny else multihost.subprocess_env())
+  env.update(XLA_PYTHON_CLIENT_PREALLOCATE="false", NCCL_NVLS_ENABLE="0")
+  if args.tiny and kind == "one":
+    env["XLA_FLAGS"] = (f"{env['XLA_FLAGS']} "
+                        f"--xla_force_host_platform_device_count={args.devices}").strip()
   return env
 
 
@@ -140,7 +130,7 @@ def run(args, kind, out):
           "--devices", str(args.devices), "--repeats", str(args.repeats), "--out", out]
   base += ["--tiny"] if args.tiny else []
   if kind == "many":
-    base += ["--coordinator", f"localhost:{free_port()}"]
+    base += ["--coordinator", f"localhost:{multihost.free_port()}"]
   ids = range(args.devices) if kind == "many" else [0]
   logs = [tempfile.TemporaryFile("w+") for _ in ids]
   procs = [subprocess.Popen(base + ["--process-id", str(i)], env=env_for(args, kind),

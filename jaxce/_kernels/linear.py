@@ -295,10 +295,7 @@ def _tile_grads(bwd: _Backward, rows, w_cols, b_cols, col, first_column, width=N
   overlap = first_column is not None
   first_column = first_column if overlap else shard_start + col
   label_column = labels - (shard_start + col)
-  # (-1 unless the block owns the label: below, an earlier block does; at or past its
-  # width, a later block or shard, whose column may fall in a partial tile's padding)
-  label_column = jnp.where((labels >= first_column) & (label_column < width), label_column,
-                           -1)
+  label_column = jnp.where(labels >= first_column, label_column, -1)
   d_bias = None
   if config.plan.backend == "mosaic":  # d formed in the matmul's epilogue (no bias here)
     kept_words = None if chunk_tokens.kept is None else lax.dynamic_slice_in_dim(

@@ -440,7 +440,9 @@ def logits_grad(hidden, weight, label_column, inv_temp, saved, cotangents, row_m
     weight: the block's ``[D, Vb]`` (``vocab_dim`` 1) or ``[Vb, D]`` (0), ``Vb`` a
       multiple of 16 (a partial last tile: its stores past ``Vb`` are dropped).
     label_column: int32 ``[C]``: the label's column in this block, -1 when the label is
-      not this block's (below ``first_kept`` too: an earlier block owns it).
+      not this block's (below ``first_kept`` too: an earlier block owns it); a column at or
+      past ``Vb`` (a later block's or shard's label) counts as none, as in
+      ``statistics``: a partial last tile's padding columns must not take it.
     inv_temp: ``[C]`` f32.
     saved: ``(shift, log_sum, entropy)``, the forward's statistics, and ``cotangents``:
       ``(g_logp, g_entropy)``, ``[C]`` f32 each (``entropy``, ``g_logp`` and
@@ -462,6 +464,7 @@ def logits_grad(hidden, weight, label_column, inv_temp, saved, cotangents, row_m
   scalar = lambda v: jnp.broadcast_to(jnp.asarray(v, jnp.float32), inv_temp.shape)
   (shift, log_sum, entropy), (g_logp, g_entropy) = saved, cotangents
   num_columns = weight.shape[vocab_dim]
+  label_column = jnp.where(label_column < num_columns, label_column, -1)
   row_inputs = mosaic_tile.stack(mosaic_tile.HeadGradientInputs(
       inv_temp=as_row(inv_temp), label=label_column.astype(jnp.float32),
       limit=scalar(num_columns if limit is None else limit),

@@ -45,10 +45,9 @@ over 4 devices give 37984), the last tile is partial: it reads zeros past the ar
 (TMA's bounds), its statistics mask those columns (that tile alone: the others keep the
 epilogue without masks) and its stores past the end are dropped. No column is read from
 another shard, computed twice or written twice. TMA tiles the arrays whose rows are the
-vocabulary as the tiles' swizzle, and a partial last tile's ``d logits`` came out wrong
-under the 128-byte one, so a ``V_local`` that is not a multiple of 128 takes a 64- or
-32-byte swizzle (``mosaic_tile.array_swizzle``), which costs time (bench/NOTES.md,
-entries 43 and 44).
+vocabulary as the tiles' swizzle, so a ``V_local`` that is not a multiple of 64 takes a
+64- or 32-byte swizzle (``mosaic_tile.array_swizzle``), which costs time (bench/NOTES.md,
+entry 43).
 
 Off GPUs the kernel runs in Pallas' GPU interpreter (tests only).
 """
@@ -273,13 +272,20 @@ def _piece_slots(dtype, num_columns):
       columns, dtype, mosaic_tile.array_swizzle(num_columns, dtype)))
 
 
-def _store_pieces(slots, value, out_ref):
-  """Writes the register tile ``value [R, N]`` to the device-memory ``out_ref`` (``[R, N]``)
-  through this warpgroup's two shared-memory ``slots`` (``[2, R, n]``) with TMA, an
-  ``[R, n]`` piece at a time: a slot is written once the copy that last read it is done
-  (the copy from the other slot, or any later one, may still be reading)."""
+def _store_pieces(slots, value, out_ref, num_columns):
+  """Writes the register tile ``value [R, N]`` to the device-memory ``out_ref`` (``[R, N]``
+  from a tile's first column in an array of ``num_columns`` columns) through this
+  warpgroup's two shared-memory ``slots`` (``[2, R, n]``) with TMA, an ``[R, n]`` piece at
+  a time: a slot is written once the copy that last read it is done (the copy from the
+  other slot, or any later one, may still be reading).
+
+  A piece past the array's end is not issued where the array is narrower than a tile (its
+  one tile starts at column 0): TMA drops such a piece at a partial last tile, but not in
+  an array one 128-byte piece wide, whose unit dimension Mosaic leaves out of the TMA
+  descriptor, so the piece landed on columns 0 to 63 (wrong ``d logits`` on GPUs in a
+  fused backward's last vocab block of 64 columns; bench/NOTES.md, entry 45)."""
   columns = slots.shape[2]
-  for index, j in enumerate(range(0, value.shape[1], columns)):
+  for index, j in enumerate(range(0, min(value.shape[1], num_columns), columns)):
     slot = slots.at[index % 2]
     plgpu.wait_smem_to_gmem(1, wait_read_only=True)
     slot[...] = value[:, j:j + columns]
@@ -316,7 +322,7 @@ def _tile_statistics(hidden, weight, row_inputs, words, *, vocab_dim, softcap, w
     if with_exp:
       out, e = out
       _store_pieces(scratch["exp"], e.astype(hidden.dtype),
-                    outs[1].at[row_slice, pl.ds(column, TILE_N)])
+                    outs[1].at[row_slice, pl.ds(column, TILE_N)], num_columns)
     _copy_out(scratch["stats"], out, outs[0].at[n_idx, :, row_slice])
 
   def finish(x, inputs, column, kept, scratch, outs, n_idx, row_slice):
@@ -356,17 +362,18 @@ def _tile_logits_grad(hidden, weight, row_inputs, words, *, vocab_dim, softcap, 
   partial tile's columns past ``V`` are stored nowhere: no mask needed);
   ``masked``: apply the rows' ``[first_kept, limit)`` (``mosaic_tile.head_gradient``)."""
   num_rows, dtype = hidden.shape[0], hidden.dtype
+  num_columns = weight.shape[vocab_dim]
 
   def finish(x, inputs, column, kept, scratch, outs, n_idx, row_slice):
     del n_idx
     d = mosaic_tile.head_gradient(x, inputs, column, kept, softcap, masked).astype(dtype)
-    _store_pieces(scratch, d, outs[0].at[row_slice, pl.ds(column, TILE_N)])
+    _store_pieces(scratch, d, outs[0].at[row_slice, pl.ds(column, TILE_N)], num_columns)
 
   return _tiles(hidden, weight, row_inputs, words,
                 inputs_type=mosaic_tile.HeadGradientInputs, vocab_dim=vocab_dim,
                 stages=GRAD_STAGES, finish=finish,
-                out_type=(jax.ShapeDtypeStruct((num_rows, weight.shape[vocab_dim]), dtype),),
-                scratch=_piece_slots(dtype, weight.shape[vocab_dim]),
+                out_type=(jax.ShapeDtypeStruct((num_rows, num_columns), dtype),),
+                scratch=_piece_slots(dtype, num_columns),
                 interpret=interpret, num_cores=num_cores)[0]
 
 

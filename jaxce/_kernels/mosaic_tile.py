@@ -136,12 +136,9 @@ def array_swizzle(num_columns: int, dtype) -> int:
   """The widest swizzle, in bytes (128, 64 or 32), of tiles read from or written to a
   ``[.., num_columns]`` array of ``dtype`` with TMA: a row must be a multiple of the
   swizzle's width (TMA tiles the array as the tile's shared memory is tiled); 0 when
-  none fits. (The narrower swizzles cost time: bench/NOTES.md, entry 43.) At most 64 when
-  the last tile is partial: the fused backward's ``d logits`` came out wrong on GPUs with
-  the 128-byte swizzle there (192 and 320 columns of bf16; bench/NOTES.md, entry 44)."""
+  none fits. (The narrower swizzles cost time: bench/NOTES.md, entry 43.)"""
   row_bytes = num_columns * jnp.dtype(dtype).itemsize
-  widths = (128, 64, 32) if num_columns % TILE == 0 else (64, 32)
-  return next((b for b in widths if row_bytes % b == 0), 0)
+  return next((b for b in (128, 64, 32) if row_bytes % b == 0), 0)
 
 
 def kept_words(kept, label_column, num_rows, num_columns):

@@ -113,8 +113,9 @@ def test_sharded_gradients_where_shards_end_in_partial_tiles(path, shards, layou
   """``d hidden`` and ``d W`` of the sharded kernels when each shard's 192 columns end in
   a partial tile, against one device's XLA call: the per-token path (random cotangents for
   both outputs) and the objective path (its ``d logits`` formed from stored terms), a
-  temperature and a padded vocabulary. (The 128-byte swizzle got both gradients wrong by
-  the order of their size there: bench/NOTES.md, entry 44.)"""
+  temperature and a padded vocabulary. (Both gradients were wrong by the order of their
+  size there: the backward's last vocab block of 64 columns lost its ``d logits`` to the
+  tile's piece past its end; bench/NOTES.md, entries 44 and 45.)"""
   mesh = Mesh(np.array(devices(shards)), ("v",))
   rng = np.random.default_rng(shards)
   tokens, dim, columns = 300, 128, 192 * shards

@@ -135,21 +135,25 @@ SHARDED_PATHS = (("fused", "linear", "default"), ("GRPO objective", "linear", "o
 
 
 def shards_table(results: dict) -> str:
-  """README's sharded rows: each path's fwd+bwd on 1 GPU and on the most GPUs of the run,
-  time and extra memory per GPU, and their ratios."""
+  """README's sharded rows: each path's fwd+bwd on every GPU count of the run, time and
+  extra memory per GPU, each against the one-GPU row (×)."""
   rows = {(r["input"], r["variant"], r["n_devices"]): r for r in results["rows"]
           if r["impl"] == "jaxce" and r["mode"] == "fwd_bwd" and r["status"] == "ok"}
-  most = max(n for _, _, n in rows)
-  lines = [f"| path | 1 GPU ms | {most} GPUs ms | × | 1 GPU GiB | {most} GPUs GiB a GPU | × |",
-           "|---" * 7 + "|"]
+  counts = sorted({n for _, _, n in rows})
+  gpus = lambda n: "1 GPU" if n == 1 else f"{n} GPUs"
+  lines = ["| path | " + " | ".join(f"{gpus(n)} ms" for n in counts) + " | "
+           + " | ".join(f"{gpus(n)} GiB" for n in counts) + " |",
+           "|---" * (1 + 2 * len(counts)) + "|"]
+  gib = lambda r: r["peak_extra_bytes"] / 2**30
   for name, path, variant in SHARDED_PATHS:
-    one, many = rows.get((path, variant, 1)), rows.get((path, variant, most))
-    if one is None or many is None:
+    one = rows.get((path, variant, 1))
+    if one is None or any((path, variant, n) not in rows for n in counts):
       continue
-    gib = lambda r: r["peak_extra_bytes"] / 2**30
-    lines.append(f"| {name} | {one['ms']:.1f} | {many['ms']:.1f} | "
-                 f"{many['ms'] / one['ms']:.2f} | {gib(one):.2f} | {gib(many):.2f} | "
-                 f"{gib(many) / gib(one):.2f} |")
+    cell = lambda n, value, base, fmt: (f"{value:{fmt}}" if n == 1
+                                        else f"{value:{fmt}} ({value / base:.2f}×)")
+    times = [cell(n, rows[path, variant, n]["ms"], one["ms"], ".1f") for n in counts]
+    memory = [cell(n, gib(rows[path, variant, n]), gib(one), ".2f") for n in counts]
+    lines.append(f"| {name} | " + " | ".join(times + memory) + " |")
   return "\n".join(lines)
 
 

@@ -66,7 +66,14 @@ def run(op: Operation, operands, labels, request: _options.Request, *, objective
   if mesh is None:
     return _shard(op, options, objective, operands, labels, request.temperature, request.where,
                   keep, token_args, vocab_axis)
-  if isinstance(keep, KeptIds) and _sharded.token_axes(token_entries):
+  gathered = _sharded.gathered_axes(token_entries, vocab_axis)
+  if gathered and not op.fused:
+    raise ValueError(
+        f"batch_axis={token_entries[0]!r} and vocab_axis={vocab_axis!r} share the axes "
+        f"{gathered}: a token-split layout takes hidden states (linear_* functions); logits "
+        "split over the vocabulary hold every token")
+  if isinstance(keep, KeptIds) and _sharded.token_axes(_sharded.without(token_entries,
+                                                                        gathered)):
     # (tokens split too: packed over the global columns, then split like the logits; else
     # every shard gets all the ids and takes its columns' ones)
     num_columns = operands[1].shape[options.vocab_dim] if op.fused else operands[0].shape[-1]
@@ -83,7 +90,14 @@ def _on_mesh(op, options, objective, operands, labels, request, token_args, mesh
   (and the tokens), every per-token array (labels, array ``temperature`` / ``where``
   broadcast to the labels' shape, the objective's ``token_args``) split like the labels,
   and the kept sets (``operands``' last, when given) like both, or kept ids whole on
-  every shard."""
+  every shard.
+
+  Token-split layout (the tokens split over axes of the vocabulary too, as sequence
+  parallelism leaves the hidden states): each device gathers the hidden states of the
+  devices that share its tokens' axes, runs its columns over them, and keeps its own
+  tokens' outputs; ``d hidden`` is reduce-scattered back to the same split (the
+  gather's transpose: ``plumbing.sum_over_shards`` leaves each shard's part). The
+  per-token arrays come in whole over those axes (a few bytes a token)."""
   token_arrays = {"labels": labels}
   scalars = {}
   for name in ("temperature", "where"):
@@ -94,7 +108,9 @@ def _on_mesh(op, options, objective, operands, labels, request, token_args, mesh
     else:
       scalars[name] = value
   token_arrays.update({f"arg{k}": a for k, a in enumerate(token_args)})
-  keep_spec = P() if isinstance(operands[-1], KeptIds) else P(*token_entries, vocab_axis)
+  gathered = _sharded.gathered_axes(token_entries, vocab_axis)
+  token_in_entries = _sharded.without(token_entries, gathered)
+  keep_spec = P() if isinstance(operands[-1], KeptIds) else P(*token_in_entries, vocab_axis)
   if op.fused:
     bias = operands[2]
     arrays = operands[:2] + (() if bias is None else (bias,))
@@ -104,25 +120,34 @@ def _on_mesh(op, options, objective, operands, labels, request, token_args, mesh
     arrays, specs = operands[:1], (P(*token_entries, vocab_axis),)
   if options.has_keep:
     arrays, specs = arrays + operands[-1:], specs + (keep_spec,)
-  axes = _sharded.token_axes(token_entries)
+  axes = _sharded.token_axes(token_in_entries)  # (the loss of gathered tokens is whole)
 
   def shard_fn(*shard_arrays, labels, **token):
     args = [token.pop(f"arg{k}") for k in range(len(token_args))]
     keep = shard_arrays[-1] if options.has_keep else None
     shard_arrays = shard_arrays[:-1] if options.has_keep else shard_arrays
+    own_tokens = shard_arrays[0].shape[0]
+    if gathered:  # (varying over the gathered axes: its cotangent is reduce-scattered)
+      shard_arrays = (lax.all_gather(shard_arrays[0], gathered, axis=0, tiled=True),
+                      *shard_arrays[1:])
     shard_operands = shard_arrays + ((None,) if op.fused and len(shard_arrays) == 2 else ())
     out = _shard(op, options, objective, shard_operands, labels,
                  token.get("temperature", scalars.get("temperature")),
                  token.get("where", scalars.get("where")), keep, args, vocab_axis)
-    if not op.is_objective:
+    if op.is_objective:
+      loss, (logp, entropy) = out
+      out = (lax.psum(loss, axes) if axes else loss), logp, entropy
+    if not gathered:
       return out
-    loss, (logp, entropy) = out
-    return (lax.psum(loss, axes) if axes else loss), logp, entropy
+    start = lax.axis_index(gathered) * own_tokens  # this device's own tokens
+    own = lambda x: None if x is None else lax.dynamic_slice_in_dim(x, start, own_tokens, 0)
+    return (out[0], *map(own, out[1:])) if op.is_objective else tuple(map(own, out))
 
   kinds = ("token", "token") if options.return_entropy else ("token",)
   if op.is_objective:
     kinds = ("scalar",) + kinds
-  out = _sharded.run(shard_fn, arrays, specs, token_arrays, mesh, token_entries, kinds)
+  out = _sharded.run(shard_fn, arrays, specs, token_arrays, mesh, token_entries, kinds,
+                     token_in_entries)
   if op.is_objective:
     return out[0], _per_token_outputs(out[1:])
   return _per_token_outputs(out)

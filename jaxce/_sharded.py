@@ -99,21 +99,52 @@ def token_axes(token_entries):
   return tuple(n for entry in token_entries for n in plumbing.axis_names(entry))
 
 
-def run(shard_fn, arrays, specs, token_arrays, mesh, token_entries, out_kinds):
+def gathered_axes(token_entries, vocab_axis):
+  """The mesh axes that split both the tokens and the vocabulary (the token-split layout
+  of sequence parallelism: each device holds its tokens' hidden states and its columns of
+  the weight), in the order the first token dim's entry names them; ``()`` when none.
+  They must be that entry's last (minor) axes, so that gathering a device's hidden states
+  over them gives a contiguous block of tokens: a ValueError says so."""
+  vocab = set(plumbing.axis_names(vocab_axis))
+  entries = [plumbing.axis_names(entry) for entry in token_entries]
+  if not any(vocab & set(names) for names in entries):
+    return ()
+  first = entries[0]
+  shared = tuple(a for a in first if a in vocab)
+  if any(vocab & set(names) for names in entries[1:]) or first[len(first) - len(shared):] != shared:
+    raise ValueError(
+        f"batch_axis={token_entries[0]!r} shares axes with vocab_axis={vocab_axis!r} (the "
+        "token-split layout): those axes must be the last ones of batch_axis, which splits "
+        "the first token dim only")
+  return shared
+
+
+def without(token_entries, axes):
+  """``token_entries`` with the mesh ``axes`` left out (None where no axis is left)."""
+  def entry_without(entry):
+    names = tuple(a for a in plumbing.axis_names(entry) if a not in axes)
+    return names if len(names) > 1 else (names[0] if names else None)
+  return tuple(map(entry_without, token_entries))
+
+
+def run(shard_fn, arrays, specs, token_arrays, mesh, token_entries, out_kinds,
+        token_in_entries=None):
   """``shard_fn`` on each shard of ``arrays`` (split as ``specs``) and of the per-token
   ``token_arrays`` (a dict of arrays of the labels' shape, the labels first, split as
-  ``token_entries``): ``shard_fn(*arrays, **token_arrays)`` returns a tuple of arrays,
-  each ``"token"`` (the labels' shape, split like them) or ``"scalar"`` (the same on
-  every shard) as ``out_kinds`` says. Returns that tuple of global arrays."""
+  ``token_in_entries``, by default ``token_entries``): ``shard_fn(*arrays,
+  **token_arrays)`` returns a tuple of arrays, each ``"token"`` (the labels' shape, split
+  as ``token_entries``) or ``"scalar"`` (the same on every shard) as ``out_kinds`` says.
+  Returns that tuple of global arrays."""
   names = list(token_arrays)
   spec = P(*token_entries)
+  in_spec = spec if token_in_entries is None else P(*token_in_entries)
 
   def body(*args):  # outputs that are None (an entropy not asked for) are left out
     out = shard_fn(*args[:len(arrays)], **dict(zip(names, args[len(arrays):])))
     return tuple(o for o in out if o is not None)
 
   out_specs = tuple(spec if kind == "token" else P() for kind in out_kinds)
-  in_specs = tuple(specs) + (spec,) * len(names)
+  in_specs = tuple(specs) + (in_spec,) * len(names)
   # jit: an eager shard_map cannot run a custom_vjp with symbolic zeros; under an outer
   # jit this is inlined.
   f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs))

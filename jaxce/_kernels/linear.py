@@ -417,8 +417,7 @@ def _vocab_outer_grads(bwd: _Backward):
     carry = block_grads(carry, col, columns(weight, vocab_dim),
                         None if bias is None else columns(bias, 0), None, num_columns - col)
   (d_hidden, d_weight, d_bias), _ = lax.scan(block_step, carry, jnp.arange(full_blocks))
-  if config.vocab_axis is not None:
-    d_hidden = lax.psum(d_hidden, config.vocab_axis)  # partial sums over vocab shards
+  d_hidden = plumbing.sum_over_shards(d_hidden, config.vocab_axis, bwd.primals[0])
   return d_hidden.astype(hidden.dtype), d_weight, d_bias
 
 
@@ -491,8 +490,7 @@ def _token_outer_grads(bwd: _Backward):
     d_hidden, dw_sums, db_sums = carry
     blocks = unrolled_blocks if unrolled else scanned_blocks
     dh_rows, dw_sums, db_sums = blocks(_chunk_rows(bwd, start, size), dw_sums, db_sums)
-    if config.vocab_axis is not None:
-      dh_rows = lax.psum(dh_rows, config.vocab_axis)  # partial sums over vocab shards
+    dh_rows = plumbing.sum_over_shards(dh_rows, config.vocab_axis, bwd.primals[0])
     d_hidden = lax.dynamic_update_slice_in_dim(d_hidden, dh_rows.astype(d_hidden.dtype),
                                                start, 0)
     return (d_hidden, dw_sums, db_sums), None

@@ -123,6 +123,18 @@ def unify_varying(arrays, vocab_axis):
   return tuple(out)
 
 
+def sum_over_shards(partial, vocab_axis, primal):
+  """``partial``, a cotangent's partial sums over the vocabulary shards (``d hidden``:
+  each shard's columns' part), summed over the axes of ``vocab_axis`` that ``primal``
+  does not vary over. Hidden states replicated over the vocabulary axis (the usual
+  layout) get the whole sum on every shard; hidden states that vary over it (gathered
+  inside ``shard_map`` from a token-split layout) keep their shard's part, which the
+  gather's transpose sums as it scatters (a reduce-scatter). Under pmap (no varying
+  types) every axis of ``vocab_axis`` is summed; outside shard_map, none."""
+  axes = tuple(a for a in axis_names(vocab_axis) if a not in varying_axes(primal))
+  return lax.psum(partial, axes) if axes else partial
+
+
 def reduce_to_varying(cotangent, primal):
   """Sum a cotangent over the manual axes its primal does not vary over (the transpose
   of the implicit broadcast that made the primal varying)."""

@@ -282,14 +282,19 @@ def sharded_linear_logprobs_and_entropy(hidden: ArrayLike, weight: ArrayLike,
 
   Args:
     hidden: global ``[B, ..., D]``, the first dim split over ``batch_axis`` if given.
+      ``batch_axis`` may share axes with ``vocab_axis`` (last of its names): the
+      token-split layout of sequence parallelism, in which each device gathers the hidden
+      states of the devices it shares the vocabulary with and ``d hidden`` is
+      reduce-scattered back (docs/guides/sharded.md).
     weight: global ``[D, V]`` (``[V, D]`` with ``weight_layout="vd"``), the vocab split
       over ``vocab_axis``; ``bias`` (in ``kw``) ``[V]`` likewise.
     labels: global int ``[B, ...]``.
     **kw: any keyword of :func:`jaxce.linear_logprobs_and_entropy` but ``vocab_axis``.
 
   Returns:
-    ``(logp, entropy)`` global float32 arrays of ``labels.shape``. ``d hidden`` is
-    reduced over ``vocab_axis`` inside; ``d weight`` stays split.
+    ``(logp, entropy)`` global float32 arrays of ``labels.shape``, split like the labels.
+    ``d hidden`` is reduced over ``vocab_axis`` inside (reduce-scattered in the
+    token-split layout); ``d weight`` stays split.
 
   Example:
     >>> import jax

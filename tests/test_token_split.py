@@ -1,0 +1,129 @@
+"""The token-split layout of sequence parallelism: hidden states split by tokens over the
+devices that split the vocabulary (``batch_axis`` sharing axes with ``vocab_axis``), on
+simulated devices against the float64 reference; and hidden states gathered inside a
+user's own ``shard_map``."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, PartitionSpec as P
+
+from helpers import assert_close, devices, jaxce, reference, value_and_grads
+
+
+def _problem(seed, tokens=24, dim=8, num_columns=404, vocab_size=397):
+  """A padded fused problem: hidden ``[tokens, dim]``, a weight of ``num_columns``
+  columns, labels on every shard, per-token cotangents, a mask and temperatures."""
+  rng = np.random.default_rng(seed)
+  hidden = rng.normal(size=(tokens, dim))
+  weight = rng.normal(size=(dim, num_columns)) * 0.6
+  labels = rng.integers(0, vocab_size, tokens)
+  labels[:4] = (3, 101, 202, 396)  # (a label in each of 4 shards' columns)
+  labels[5] = -100
+  loss_kw = dict(labels=labels, cot_logp=rng.normal(size=tokens),
+                 cot_entropy=rng.normal(size=tokens))
+  kw = dict(vocab_size=vocab_size, where=rng.random(tokens) < 0.85,
+            temperature=rng.uniform(0.5, 1.5, tokens), logit_softcap=5.0)
+  return rng, hidden, weight, labels, loss_kw, kw
+
+
+MESHES = [((4,), ("v",), "v", "v", "dv"),
+          ((2, 4), ("data", "v"), ("data", "v"), "v", "dv"),
+          ((2, 2), ("data", "v"), ("data", "v"), ("v",), "vd")]
+
+
+@pytest.mark.parametrize("shape,names,batch_axis,vocab_axis,layout", MESHES)
+def test_token_split_matches_reference(shape, names, batch_axis, vocab_axis, layout):
+  """Outputs, ``d hidden`` and ``d W`` of the token-split layout equal the unsharded
+  float64 reference, and the outputs come back split like the tokens."""
+  mesh = Mesh(np.array(devices(int(np.prod(shape)))).reshape(shape), names)
+  _, hidden, weight, labels, loss_kw, kw = _problem(len(shape))
+  stored = (lambda w: w) if layout == "dv" else (lambda w: w.T)
+  f = lambda h, w, labels, **k: jaxce.sharded_linear_logprobs_and_entropy(
+      h, stored(w), labels, mesh=mesh, vocab_axis=vocab_axis, batch_axis=batch_axis,
+      weight_layout=layout, chunk_size=5, vocab_block_size=48, **k)
+  fr = lambda h, w, labels, **k: reference.linear_logprobs_and_entropy(h, w, labels, **k)
+  (logp, entropy), grads = jax.jit(lambda *a: value_and_grads(f, a, (0, 1), **loss_kw, **kw))(
+      hidden, weight)
+  (logp_ref, entropy_ref), grads_ref = value_and_grads(fr, (hidden, weight), (0, 1),
+                                                       **loss_kw, **kw)
+  assert_close(logp, logp_ref, 1e-10, "logp")
+  assert_close(entropy, entropy_ref, 1e-10, "entropy")
+  assert_close(grads[0], grads_ref[0], 1e-10, "d hidden")
+  assert_close(grads[1], grads_ref[1], 1e-10, "d weight")
+  logp = jax.jit(lambda h, w: f(h, w, labels, **kw))(hidden, weight)[0]
+  assert logp.sharding.spec[0] == batch_axis, logp.sharding
+
+
+@pytest.mark.parametrize("shape,names,batch_axis,vocab_axis,layout", MESHES[:2])
+def test_token_split_objective_matches_reference(shape, names, batch_axis, vocab_axis, layout):
+  """The fused objective path in the token-split layout: the loss (each token once) and
+  its gradients equal the unsharded call's in float64."""
+  mesh = Mesh(np.array(devices(int(np.prod(shape)))).reshape(shape), names)
+  rng, hidden, weight, labels, _, kw = _problem(10 + len(shape))
+  advantages = rng.normal(size=labels.shape)
+  objective = lambda logp, entropy, adv: -adv * logp - 0.01 * entropy
+  sharded = lambda h, w: jaxce.sharded_linear_token_loss(
+      objective, h, w, labels, advantages, mesh=mesh, vocab_axis=vocab_axis,
+      batch_axis=batch_axis, **kw)[0]
+  plain = lambda h, w: jaxce.linear_token_loss(objective, h, w, labels, advantages,
+                                               implementation="xla", **kw)[0]
+  loss, grads = jax.jit(jax.value_and_grad(sharded, (0, 1)))(hidden, weight)
+  loss_ref, grads_ref = jax.value_and_grad(plain, (0, 1))(hidden, weight)
+  assert_close(loss, loss_ref, 1e-10, "loss")
+  assert_close(grads[0], grads_ref[0], 1e-10, "d hidden")
+  assert_close(grads[1], grads_ref[1], 1e-10, "d weight")
+
+
+def test_token_split_reduce_scatters_d_hidden():
+  """``d hidden`` goes back to the token split by a reduce-scatter: the compiled backward
+  all-reduces no ``[T, D]`` array (the replicated layout's f32 sum is gone)."""
+  mesh = Mesh(np.array(devices(4)), ("v",))
+  _, hidden, weight, labels, loss_kw, kw = _problem(3, tokens=64, dim=16)
+  f = lambda h, w, labels, **k: jaxce.sharded_linear_logprobs_and_entropy(
+      h, w, labels, mesh=mesh, vocab_axis="v", batch_axis="v", **k)
+  step = jax.jit(lambda *a: value_and_grads(f, a, (0, 1), **loss_kw, **kw)[1])
+  text = step.lower(hidden, weight).compile().as_text()
+  assert "reduce-scatter" in text
+  all_reduces = [line for line in text.splitlines() if " all-reduce(" in line
+                 or " all-reduce-start(" in line]
+  assert not [line for line in all_reduces if "[64,16]" in line], all_reduces
+
+
+def test_hidden_gathered_in_own_shard_map():
+  """Hidden states gathered inside the caller's own ``shard_map`` (varying over the
+  vocabulary axis) get their own shard's part of ``d hidden``, which the gather's
+  transpose reduce-scatters: the gradient equals the unsharded one (it was 4 times too
+  large on 4 shards when every shard summed the parts)."""
+  mesh = Mesh(np.array(devices(4)), ("v",))
+  _, hidden, weight, labels, loss_kw, kw = _problem(4, num_columns=400, vocab_size=400)
+  del kw["where"]
+  cot = np.stack([loss_kw["cot_logp"], loss_kw["cot_entropy"]])
+
+  def body(h_own, w_own):
+    h_all = jax.lax.all_gather(h_own, "v", axis=0, tiled=True)
+    logp, entropy = jaxce.linear_logprobs_and_entropy(h_all, w_own, labels, vocab_axis="v",
+                                                      **kw)
+    return jnp.sum(cot[0] * logp) + jnp.sum(cot[1] * entropy)
+
+  sharded = jax.shard_map(body, mesh=mesh, in_specs=(P("v"), P(None, "v")), out_specs=P())
+  grads = jax.jit(jax.grad(sharded, (0, 1)))(hidden, weight)
+  fr = lambda h, w, labels, **k: reference.linear_logprobs_and_entropy(h, w, labels, **k)
+  _, grads_ref = value_and_grads(fr, (hidden, weight), (0, 1), **loss_kw, **kw)
+  assert_close(grads[0], grads_ref[0], 1e-10, "d hidden")
+  assert_close(grads[1], grads_ref[1], 1e-10, "d weight")
+
+
+def test_token_split_errors():
+  """A logits call cannot split its tokens over the vocabulary's axis, and the shared axes
+  must be batch_axis's last: each is a ValueError that says so."""
+  mesh = Mesh(np.array(devices(4)).reshape(2, 2), ("data", "v"))
+  logits = jnp.zeros((8, 16))
+  with pytest.raises(ValueError, match="token-split layout takes hidden states"):
+    jaxce.sharded_logprobs_and_entropy(logits, jnp.zeros(8, jnp.int32), mesh=mesh,
+                                       vocab_axis="v", batch_axis="v")
+  with pytest.raises(ValueError, match="must be the last ones of batch_axis"):
+    jaxce.sharded_linear_logprobs_and_entropy(
+        jnp.zeros((8, 4)), jnp.zeros((4, 16)), jnp.zeros(8, jnp.int32), mesh=mesh,
+        vocab_axis="v", batch_axis=("v", "data"))

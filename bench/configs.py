@@ -93,6 +93,8 @@ SUPPORTS = {
 # "triton" (``implementation="triton"``: the Triton kernel even where the default is
 # another; rows of runs before 2026-11-25 named it "pallas", relabelled in bench/results);
 # "hidden_grad_output" (fused: ``hidden_grad_accumulation="output"``, no f32 [T, D] sum);
+# "token_split" (fused, sharded: hidden, labels and cotangents split by tokens over the
+# vocabulary's devices, as sequence parallelism leaves them: ``batch_axis=vocab_axis``);
 # "objective" (jaxce.token_loss / linear_token_loss with the row's loss as the objective:
 # the gradient formed in the forward); "grpo" (jaxce's per-token path or plain JAX, then
 # the bench's GRPO objective, GRPO_NOTE, through autodiff); "objective_grpo" (the GRPO
@@ -110,7 +112,7 @@ TOKAMAX_VARIANTS = ("xla", "chunked_xla")
 OBJECTIVE_VARIANTS = ("objective", "grpo", "objective_grpo")
 KEEP_VARIANTS = ("keep", "kept_ids")
 KEPT_FRACTION = 0.05
-VARIANTS = ("default", "logp_only", "hidden_grad_output", "batch_invariant") + \
+VARIANTS = ("default", "logp_only", "hidden_grad_output", "batch_invariant", "token_split") + \
     IN_PLACE_VARIANTS + TRAIN_STEP_VARIANTS + IMPLEMENTATION_VARIANTS + ("chunked_xla",) + \
     OBJECTIVE_VARIANTS + KEEP_VARIANTS
 GRPO_NOTE = ("GRPO: clip 0.2 / 0.28, k3 KL to a reference with beta 0.04, entropy bonus 0.01, "
@@ -323,10 +325,12 @@ _SHARD_COUNTS = (1, 2, 4)
 
 def _shard_count_groups():
   """Qwen3's vocabulary over 1, 2 and 4 GPUs of one host (each GPU's 151936 / n columns:
-  75968 and 37984, not multiples of 128), T = 32768, D = 4096: the fused path, the GRPO
-  objective path and the logits path, with one GPU's call as the baseline of each."""
+  75968 and 37984, not multiples of 128), T = 32768, D = 4096: the fused path (on several
+  GPUs in both layouts: hidden states replicated, or split by tokens), the GRPO objective
+  path and the logits path, with one GPU's call as the baseline of each."""
   return [g for n in _SHARD_COUNTS for g in (
-      Group("linear", ("jaxce",), (32768,), _GPU_V, _GPU_D, n_devices=n),
+      Group("linear", ("jaxce",) + (("jaxce:token_split",) if n > 1 else ()), (32768,), _GPU_V,
+            _GPU_D, n_devices=n),
       Group("linear", ("jaxce:objective_grpo",), (32768,), _GPU_V, _GPU_D, n_devices=n,
             **_BWD),
       Group("logits", ("jaxce",), (32768,), _GPU_V, n_devices=n, **_BWD))]
@@ -344,8 +348,8 @@ SUITES = {
                          "jax_plain:train_step"), (200,), 1000, 32),
         Group("logits", ("jaxce", "jax_plain", "jaxce:batch_invariant"), (200,), 1000,
               n_devices=2, **_BWD),
-        Group("linear", ("jaxce", "jaxce:batch_invariant"), (200,), 1000, 32, n_devices=2,
-              **_BWD),
+        Group("linear", ("jaxce", "jaxce:batch_invariant", "jaxce:token_split"), (200,), 1000,
+              32, n_devices=2, **_BWD),
         Group("linear", ("jaxce:objective_grpo", "jaxce:grpo", "jax_plain:grpo"), (200,), 1000,
               32, **_BWD),
         Group("logits", ("jaxce:objective",), (200,), 1000, **_BWD),

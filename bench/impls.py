@@ -144,7 +144,7 @@ def _options_note(kw) -> str:
   """The non-default jaxce options of a variant, for the row's ``note``."""
   return ", ".join(f"{k}={v!r}" for k, v in kw.items()
                    if k in ("backward_in_place", "implementation", "hidden_grad_accumulation",
-                            "batch_invariant"))
+                            "batch_invariant", "batch_axis"))
 
 
 def _jaxce_fn(linear: bool, sharded: bool):
@@ -174,6 +174,10 @@ def _per_token_fn(config: Config, mesh: Mesh, n_devices: int):
     kw["hidden_grad_accumulation"] = "output"
   if config.variant == "batch_invariant":
     kw["batch_invariant"] = True
+  if config.variant == "token_split":
+    if not (sharded and linear):
+      raise ValueError("the token_split variant is a sharded fused call")
+    shard_kw["batch_axis"] = VOCAB_AXIS
   if config.variant in KEEP_VARIANTS:
     return _kept_sets_fn(config, kw, shard_kw, sharded, v_local)
   if config.variant in TRAIN_STEP_VARIANTS:
@@ -187,7 +191,7 @@ def _per_token_fn(config: Config, mesh: Mesh, n_devices: int):
     fn = _jaxce_fn(linear, sharded)
     if linear:
       f = lambda h, w, lab: fn(h, w, lab, **shard_kw, **kw)
-      return f, _planned_chunk(config, v_local, kw, True), _options_note(kw)
+      return f, _planned_chunk(config, v_local, kw, True), _options_note({**kw, **shard_kw})
     f = lambda x, lab: fn(x, lab, **shard_kw, **kw)
     note = _options_note(kw)
     if config.variant in IN_PLACE_VARIANTS:
@@ -331,7 +335,13 @@ def _objective_build(config: Config, floats, names, mesh: Mesh) -> Built:
                chunk_used=chunk, note=note)
 
 
-def shardings(names, devices) -> dict:
-  """``NamedSharding`` of each input over a 1-D mesh of ``devices``."""
+# The token-split layout's per-token inputs: split by tokens over the vocabulary's devices.
+TOKEN_SPLIT_SPECS = {"hidden": P(VOCAB_AXIS), "labels": P(VOCAB_AXIS), "adv": P(VOCAB_AXIS)}
+
+
+def shardings(names, devices, variant="default") -> dict:
+  """``NamedSharding`` of each input over a 1-D mesh of ``devices`` (``variant``
+  ``"token_split"``: the per-token inputs split by tokens too)."""
   mesh = Mesh(np.array(devices), (VOCAB_AXIS,))
-  return {name: NamedSharding(mesh, SPECS[name]) for name in names}
+  specs = {**SPECS, **(TOKEN_SPLIT_SPECS if variant == "token_split" else {})}
+  return {name: NamedSharding(mesh, specs[name]) for name in names}

@@ -153,3 +153,27 @@ def test_token_split_plan_holds_less_per_device():
   assert replicated.output_size_in_bytes - token_split.output_size_in_bytes == hidden_rows
   assert token_split.temp_size_in_bytes <= replicated.temp_size_in_bytes * 1.01, (
       token_split.temp_size_in_bytes, replicated.temp_size_in_bytes)
+
+
+def test_token_split_from_the_arrays_types():
+  """On a mesh of explicit axes, plain calls on hidden states split by tokens over the
+  weight's vocabulary axis take the token-split layout from the arrays' types: the
+  outputs and ``d hidden`` come back split like the hidden states, and equal the
+  unsharded call's."""
+  from jax.sharding import NamedSharding  # pylint: disable=import-outside-toplevel
+  devices(4)
+  mesh = jax.make_mesh((4,), ("v",), axis_types=(jax.sharding.AxisType.Explicit,),
+                       devices=jax.devices()[:4])
+  _, hidden, weight, labels, loss_kw, kw = _problem(6, num_columns=400, vocab_size=400)
+  put = lambda a, spec: jax.device_put(a, NamedSharding(mesh, spec))
+  args = (put(hidden, P("v")), put(weight, P(None, "v")))
+  fn = lambda h, w, labels, **k: jaxce.linear_logprobs_and_entropy(h, w, labels, **k)
+  with jax.set_mesh(mesh):
+    (logp, _), grads = jax.jit(lambda *a: value_and_grads(
+        fn, a, (0, 1), **{**loss_kw, "labels": put(labels, P("v"))}, **kw))(*args)
+  assert logp.sharding.spec[0] == "v" and grads[0].sharding.spec[0] == "v"
+  fr = lambda h, w, labels, **k: reference.linear_logprobs_and_entropy(h, w, labels, **k)
+  (logp_ref, _), grads_ref = value_and_grads(fr, (hidden, weight), (0, 1), **loss_kw, **kw)
+  assert_close(logp, logp_ref, 1e-10, "logp")
+  assert_close(grads[0], grads_ref[0], 1e-10, "d hidden")
+  assert_close(grads[1], grads_ref[1], 1e-10, "d weight")

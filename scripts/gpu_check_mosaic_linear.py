@@ -3,7 +3,8 @@
 1. Correctness of the compiled kernel: against ``implementation="xla"`` and the float64
    reference (bf16 inputs; ragged tokens and vocabulary, padded vocabulary, softcap,
    per-token temperature, masked rows, both weight layouts, inside ``shard_map`` over a
-   vocab axis); values and both gradients, with random per-token cotangents.
+   vocab axis of every power-of-two count of the devices present); values and both
+   gradients, with random per-token cotangents.
 2. No DeprecationWarning from the Mosaic forward (the Triton one warns on JAX 0.11+).
 3. Time (median of ``--repeats`` synchronized runs after a warm-up) of the forward and of
    forward + backward at V = 151936, D = 4096, bf16, for "mosaic", "triton" and "xla", and
@@ -44,6 +45,13 @@ def weighted(f, labels, cot, **kw):
   return loss
 
 
+def shard_counts():
+  """The vocab shard counts the shard_map case runs: every power of two from 2 up to the
+  devices present (1 on one device), so a host of 4 GPUs checks 2 shards as well as 4."""
+  count = len(jax.devices())
+  return [n for n in (2, 4, 8, 16) if n <= count] or [1]
+
+
 def correctness(tokens, dim, columns):
   """Max abs differences per case; raises SystemExit(1) past the tolerances."""
   jax.config.update("jax_enable_x64", True)  # the float64 reference only
@@ -65,15 +73,17 @@ def correctness(tokens, dim, columns):
       f = weighted(jaxce.linear_logprobs_and_entropy, labels, cot, implementation=name, **kw)
       out = jaxce.linear_logprobs_and_entropy(hidden, weight, labels, implementation=name, **kw)
       results[name] = out + jax.jit(jax.grad(f, (0, 1)))(hidden, weight)
-    mesh = Mesh(np.array(jax.devices()), ("vocab",))  # every GPU: V_local = columns / n
-    spec = P("vocab") if layout == "vd" else P(None, "vocab")
-    f = weighted(jaxce.sharded_linear_logprobs_and_entropy, labels, cot, mesh=mesh,
-                 vocab_axis="vocab", implementation="mosaic", **kw)
-    sharded_weight = jax.device_put(weight, jax.sharding.NamedSharding(mesh, spec))
-    out = jaxce.sharded_linear_logprobs_and_entropy(
-        hidden, sharded_weight, labels, mesh=mesh, vocab_axis="vocab", implementation="mosaic",
-        **kw)
-    results["mosaic in shard_map"] = out + jax.jit(jax.grad(f, (0, 1)))(hidden, sharded_weight)
+    for n in shard_counts():  # V_local = columns / n
+      mesh = Mesh(np.array(jax.devices()[:n]), ("vocab",))
+      spec = P("vocab") if layout == "vd" else P(None, "vocab")
+      f = weighted(jaxce.sharded_linear_logprobs_and_entropy, labels, cot, mesh=mesh,
+                   vocab_axis="vocab", implementation="mosaic", **kw)
+      sharded_weight = jax.device_put(weight, jax.sharding.NamedSharding(mesh, spec))
+      out = jaxce.sharded_linear_logprobs_and_entropy(
+          hidden, sharded_weight, labels, mesh=mesh, vocab_axis="vocab",
+          implementation="mosaic", **kw)
+      results[f"mosaic in shard_map, {n} shards"] = out + jax.jit(jax.grad(f, (0, 1)))(
+          hidden, sharded_weight)
     h64, w64 = (jnp.asarray(a, jnp.float64) for a in (hidden, weight))
     ref_kw = {k: v for k, v in kw.items()}
     exact = reference.linear_logprobs_and_entropy(h64, w64, labels, **ref_kw)

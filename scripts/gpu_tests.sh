@@ -2,7 +2,7 @@
 # The GPU test tally: the whole test suite on one GPU (JAX_PLATFORMS=cuda, pytest-xdist
 # workers sharing it) and the GPU checks (scripts/gpu_check_*.py at small shapes), then one line per part and a total. Exits 1 when anything failed.
 #
-#   bash scripts/gpu_tests.sh                 # everything (about 5 minutes on one H100)
+#   bash scripts/gpu_tests.sh                 # everything (about 9 minutes on one H200)
 #   WORKERS=4 bash scripts/gpu_tests.sh tests/test_batch_invariant.py   # some test files
 #
 # Logs go to $OUT (or bench/out/gpu-tests) as tests.log, checks.log and tally.txt.
@@ -10,7 +10,8 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-bench/out/gpu-tests}"
 mkdir -p "$out"
-export JAX_PLATFORMS=cuda XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
+# (NCCL_NVLS_ENABLE=0: no NVLink multicast, which can take a shared host down)
+export JAX_PLATFORMS=cuda XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 targets=("${@:-tests}")
 python -m pytest -q -n "${WORKERS:-6}" -p no:cacheprovider -rfEs "${targets[@]}" \
   2>&1 | tee "$out/tests.log"
@@ -20,8 +21,12 @@ summary=$(grep -E '^(=+ )?[0-9]+ (passed|failed)|[0-9]+ (passed|failed).* in [0-
 checks_failed=0
 : > "$out/checks.log"
 if [ "$#" -eq 0 ]; then
-  for check in "gpu_check_dispatch --tokens 2048 --repeats 2" "gpu_check_mosaic_linear --tiny" \
-               "gpu_check_sharded_triton"; do
+  checks=("gpu_check_dispatch --tokens 2048 --repeats 2" "gpu_check_mosaic_linear --tiny"
+          "gpu_check_sharded_triton")
+  if [ "$(nvidia-smi --list-gpus 2>/dev/null | wc -l)" -gt 1 ]; then
+    checks+=("gpu_check_multiprocess --repeats 3")  # one process per GPU (several GPUs)
+  fi
+  for check in "${checks[@]}"; do
     # shellcheck disable=SC2086  # (the check's name, then its arguments)
     if python -m scripts.$check >> "$out/checks.log" 2>&1; then
       echo "check $check: passed" | tee -a "$out/tally.txt.part"

@@ -111,7 +111,8 @@ def gathered_axes(token_entries, vocab_axis):
     return ()
   first = entries[0]
   shared = tuple(a for a in first if a in vocab)
-  if any(vocab & set(names) for names in entries[1:]) or first[len(first) - len(shared):] != shared:
+  minor = first[len(first) - len(shared):] == shared
+  if any(vocab & set(names) for names in entries[1:]) or not minor:
     raise ValueError(
         f"batch_axis={token_entries[0]!r} shares axes with vocab_axis={vocab_axis!r} (the "
         "token-split layout): those axes must be the last ones of batch_axis, which splits "

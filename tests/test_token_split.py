@@ -33,12 +33,18 @@ MESHES = [((4,), ("v",), "v", "v", "dv"),
           ((2, 2), ("data", "v"), ("data", "v"), ("v",), "vd")]
 
 
-@pytest.mark.parametrize("shape,names,batch_axis,vocab_axis,layout", MESHES)
-def test_token_split_matches_reference(shape, names, batch_axis, vocab_axis, layout):
+@pytest.mark.parametrize("shape,names,batch_axis,vocab_axis,layout,kept",
+                         [m + (False,) for m in MESHES] + [MESHES[1] + (True,)])
+def test_token_split_matches_reference(shape, names, batch_axis, vocab_axis, layout, kept):
   """Outputs, ``d hidden`` and ``d W`` of the token-split layout equal the unsharded
-  float64 reference, and the outputs come back split like the tokens."""
+  float64 reference, with and without kept sets, and the outputs come back split like
+  the tokens."""
   mesh = Mesh(np.array(devices(int(np.prod(shape)))).reshape(shape), names)
-  _, hidden, weight, labels, loss_kw, kw = _problem(len(shape))
+  rng, hidden, weight, labels, loss_kw, kw = _problem(len(shape), num_columns=512)
+  if kept:
+    sets = rng.random((labels.size, 512)) < 0.3
+    sets[np.arange(labels.size), np.maximum(labels, 0)] = True
+    kw["keep"] = np.asarray(jaxce.keep.pack(jnp.asarray(sets)))
   stored = (lambda w: w) if layout == "dv" else (lambda w: w.T)
   f = lambda h, w, labels, **k: jaxce.sharded_linear_logprobs_and_entropy(
       h, stored(w), labels, mesh=mesh, vocab_axis=vocab_axis, batch_axis=batch_axis,

@@ -183,3 +183,4 @@ def test_token_split_from_the_arrays_types():
   assert_close(logp, logp_ref, 1e-10, "logp")
   assert_close(grads[0], grads_ref[0], 1e-10, "d hidden")
   assert_close(grads[1], grads_ref[1], 1e-10, "d weight")
+

@@ -1,8 +1,8 @@
 """``python -m bench.headline``: README's headline and the benchmarks page's full tables,
 made from the committed results: the fused path at the shapes users run (``python -m bench
 --suite shapes``: jaxce, Liger's FLSCE and plain JAX in one machine session) as a compact
-table (README), a full one (docs/benchmarks.md) and one chart; the vocabulary over 1 and
-4 GPUs (``--suite gpu-shards``, README); the GRPO step (``python -m bench.grpo_step``,
+table (README), a full one (docs/benchmarks.md) and one chart; the vocabulary over every
+GPU count of a run (``--suite gpu-shards``, README); the GRPO step (``python -m bench.grpo_step``,
 docs/benchmarks.md).
 
     python -m bench.headline            # print the blocks

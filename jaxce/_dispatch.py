@@ -81,11 +81,11 @@ def run(op: Operation, operands, labels, request: _options.Request, *, objective
   if keep is not None:  # split like the tokens and, 32 columns a word, like the vocabulary
     operands += (keep,)
   return _on_mesh(op, options, objective, operands, labels, request, token_args, mesh,
-                  vocab_axis, token_entries)
+                  vocab_axis, token_entries, gathered)
 
 
 def _on_mesh(op, options, objective, operands, labels, request, token_args, mesh, vocab_axis,
-             token_entries):
+             token_entries, gathered):
   """``_shard`` in ``shard_map`` over ``mesh``: the operands split over the vocabulary
   (and the tokens), every per-token array (labels, array ``temperature`` / ``where``
   broadcast to the labels' shape, the objective's ``token_args``) split like the labels,
@@ -97,7 +97,8 @@ def _on_mesh(op, options, objective, operands, labels, request, token_args, mesh
   devices that share its tokens' axes, runs its columns over them, and keeps its own
   tokens' outputs; ``d hidden`` is reduce-scattered back to the same split (the
   gather's transpose: ``plumbing.sum_over_shards`` leaves each shard's part). The
-  per-token arrays come in whole over those axes (a few bytes a token)."""
+  per-token arrays come in whole over those axes (a few bytes a token). ``gathered``: those
+  axes (``_sharded.gathered_axes``), or ``()``."""
   token_arrays = {"labels": labels}
   scalars = {}
   for name in ("temperature", "where"):
@@ -108,7 +109,6 @@ def _on_mesh(op, options, objective, operands, labels, request, token_args, mesh
     else:
       scalars[name] = value
   token_arrays.update({f"arg{k}": a for k, a in enumerate(token_args)})
-  gathered = _sharded.gathered_axes(token_entries, vocab_axis)
   token_in_entries = _sharded.without(token_entries, gathered)
   keep_spec = P() if isinstance(operands[-1], KeptIds) else P(*token_in_entries, vocab_axis)
   if op.fused:

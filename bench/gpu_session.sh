@@ -11,8 +11,9 @@
 #   bash bench/gpu_session.sh large        # T = 262144, then 1,048,576: one fresh process per row
 #   bash bench/gpu_session.sh large 262144 # one T only (each T ends within 10 minutes)
 #   bash bench/gpu_session.sh shards       # a host of several GPUs: the gpu-shards suite (1, 2,
-#                                          # 4 GPUs), the GRPO step on 1 x 1, 2 x 2 and 1 x n
-#                                          # meshes, one process per GPU against one process
+#                                          # 4 GPUs), one process per GPU against one process
+#   bash bench/gpu_session.sh grpo-meshes [small|medium]  # the GRPO step on 1 x 1, 2 x n/2
+#                                          # (2 x 1 on 2 GPUs) and 1 x n meshes
 #
 # Writes bench/out/gpu-session/<main|large>/<device>.json (rows, device, versions, git commit,
 # floors, accuracy), .md, _memory.png, and session-<mode>.log (kept on a warm machine, so
@@ -29,7 +30,7 @@ RUN=bench/out/gpu-session
 PY=${PYTHON:-python3}
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
 export JAXCE_COMMIT=${JAXCE_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
-DIR=$RUN/$(case $MODE in large|shards) echo "$MODE" ;; *) echo main ;; esac)
+DIR=$RUN/$(case $MODE in large|shards|grpo-meshes) echo "$MODE" ;; *) echo main ;; esac)
 mkdir -p "$DIR"
 LOG="$RUN/session-$MODE.log"
 start=$(date +%s)
@@ -69,14 +70,21 @@ case "$MODE" in
     export NCCL_NVLS_ENABLE=0
     n=$(nvidia-smi -L | grep -c "^GPU ")
     "$PY" -m bench --suite gpu-shards --repeat-seconds 1 --timeout 150 \
-      --budget-s "$(( $(left) - 240 ))" --out "$DIR" 2>>"$LOG" | tee -a "$LOG"
-    "$PY" -m bench.grpo_step --sizes small --meshes "1x1,2x$(( n / 2 )),1x$n" \
-      --timeout 60 --out "$DIR" 2>>"$LOG" | tee -a "$LOG" || true
+      --budget-s "$(( $(left) - 120 ))" --out "$DIR" 2>>"$LOG" | tee -a "$LOG"
     "$PY" -m scripts.gpu_check_multiprocess --timeout 120 2>>"$LOG" | tee -a "$LOG" || true
     cp bench/out/multiprocess.json "$DIR"/ 2>/dev/null || true
     ;;
+  grpo-meshes)
+    # The GRPO step on 1 x 1, 2 x n/2 and 1 x n meshes (four paths' compiles per mesh).
+    export NCCL_NVLS_ENABLE=0
+    n=$(nvidia-smi -L | grep -c "^GPU ")
+    meshes="1x1,1x$n"
+    if [ "$n" -ge 4 ]; then meshes="1x1,2x$(( n / 2 )),1x$n"; elif [ "$n" -eq 2 ]; then meshes="1x1,2x1,1x2"; fi
+    "$PY" -m bench.grpo_step --sizes "${1:-small}" --meshes "$meshes" \
+      --timeout "$(left)" --out "$DIR" 2>>"$LOG" | tee -a "$LOG"
+    ;;
   *)
-    echo "usage: bash bench/gpu_session.sh [main | resume | large [T ...] | shards]" >&2
+    echo "usage: bash bench/gpu_session.sh [main | resume | large [T ...] | shards | grpo-meshes [SIZE]]" >&2
     exit 2
     ;;
 esac

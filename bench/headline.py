@@ -130,13 +130,18 @@ def compact_table(results: dict) -> str:
   return "\n".join(lines)
 
 
-SHARDED_PATHS = (("fused", "linear", "default"), ("GRPO objective", "linear", "objective_grpo"),
-                 ("logits", "logits", "default"))
+# (row name, input, variant, the variant of its one-GPU baseline): the token-split layout
+# has no one-GPU row of its own (one device holds every token either way).
+SHARDED_PATHS = (("fused", "linear", "default", "default"),
+                 ("fused, tokens split", "linear", "token_split", "default"),
+                 ("GRPO objective", "linear", "objective_grpo", "objective_grpo"),
+                 ("logits", "logits", "default", "default"))
 
 
 def shards_table(results: dict) -> str:
   """README's sharded rows: each path's fwd+bwd on every GPU count of the run, time and
-  extra memory per GPU, each against the one-GPU row (×)."""
+  extra memory per GPU, each against the one-GPU row (×; the token-split layout against
+  the fused path's one-GPU row). A path missing at some count of the run is left out."""
   rows = {(r["input"], r["variant"], r["n_devices"]): r for r in results["rows"]
           if r["impl"] == "jaxce" and r["mode"] == "fwd_bwd" and r["status"] == "ok"}
   counts = sorted({n for _, _, n in rows})
@@ -145,14 +150,15 @@ def shards_table(results: dict) -> str:
            + " | ".join(f"{gpus(n)} GiB" for n in counts) + " |",
            "|---" * (1 + 2 * len(counts)) + "|"]
   gib = lambda r: r["peak_extra_bytes"] / 2**30
-  for name, path, variant in SHARDED_PATHS:
-    one = rows.get((path, variant, 1))
-    if one is None or any((path, variant, n) not in rows for n in counts):
+  for name, path, variant, base_variant in SHARDED_PATHS:
+    one = rows.get((path, base_variant, 1))
+    if one is None or any((path, variant, n) not in rows for n in counts if n > 1):
       continue
+    row = lambda n: one if n == 1 else rows[path, variant, n]
     cell = lambda n, value, base, fmt: (f"{value:{fmt}}" if n == 1
                                         else f"{value:{fmt}} ({value / base:.2f}×)")
-    times = [cell(n, rows[path, variant, n]["ms"], one["ms"], ".1f") for n in counts]
-    memory = [cell(n, gib(rows[path, variant, n]), gib(one), ".2f") for n in counts]
+    times = [cell(n, row(n)["ms"], one["ms"], ".1f") for n in counts]
+    memory = [cell(n, gib(row(n)), gib(one), ".2f") for n in counts]
     lines.append(f"| {name} | " + " | ".join(times + memory) + " |")
   return "\n".join(lines)
 

@@ -113,6 +113,54 @@ def test_tile_statistics_match_float64(tokens, dim, num_columns, vocab_dim, soft
                  name)
 
 
+def test_column_blocks_of_the_widths_users_shard_to():
+  """The forward copies blocks out only where the whole array would take a narrower
+  swizzle: Qwen3's 151936 over 4 and 8 GPUs (and Llama 3's 128256 over 8), not over 1 or
+  2, nor Llama 3 or DeepSeek-V3 over 4; blocks stay within ``BLOCK_BYTES``."""
+  blocks = lambda v, d=4096: mosaic_head.column_blocks(v, depth=d, dtype=jnp.bfloat16)
+  assert blocks(37984) == (9472, 4) and blocks(18992) == (9472, 2)
+  assert blocks(16032) == (3200, 5) and blocks(37984, 8192) == (4736, 8)
+  assert blocks(37984, 1024) == (37888, 1)
+  for whole in (151936, 75968, 32064, 32320, 38016, 128 * 7 + 32):
+    assert blocks(whole) is None, whole
+  for depth in (1024, 4096, 5120, 8192):
+    width, _ = blocks(37984, depth)
+    assert width % 128 == 0 and width * depth * 2 <= mosaic_head.BLOCK_BYTES
+
+
+@pytest.mark.parametrize("softcap,padded,with_kept,vocab_dim", [
+    (None, False, False, 1), (30.0, True, True, 1), (None, True, False, 0)])
+def test_blockwise_statistics_are_the_whole_arrays_bits(softcap, padded, with_kept,
+                                                        vocab_dim, monkeypatch):
+  """A ``[D, V]`` weight of 8 tiles and 96 columns (not a multiple of 64: the whole array
+  takes the 64-byte swizzle) in two blocks of 4 tiles and the partial tile left: the
+  statistics are the whole array's call, bit for bit (on GPUs, 128-byte reads against
+  64-byte ones), with a temperature, labels in and out of the shard, a padded vocabulary,
+  kept sets; a ``[V, D]`` weight is never split."""
+  tokens, dim, num_columns = 264, 64, 8 * 128 + 96
+  rng, hidden, weight = _inputs(7, tokens, dim, num_columns, vocab_dim)
+  labels = jnp.asarray(rng.integers(0, num_columns + 30, tokens), jnp.int32)
+  inv_temp = jnp.asarray(rng.uniform(0.5, 2.0, tokens), jnp.float32)
+  limit = jnp.int32(num_columns - 200) if padded else None
+  kept = (jnp.asarray(rng.integers(0, 2**32, (tokens, -(-num_columns // 32)), dtype=np.uint32))
+          if with_kept else None)
+  kw = dict(column_start=10, vocab_dim=vocab_dim, softcap=softcap, with_entropy=True,
+            **kernel_device())
+  monkeypatch.setattr(mosaic_head, "BLOCK_BYTES", dim * 2 * 128 * 4)
+  monkeypatch.setattr(mosaic_head, "MIN_BLOCK_TILES", 4)
+  assert mosaic_head.column_blocks(num_columns, depth=dim, dtype=hidden.dtype) == (512, 2)
+  calls = []
+  blockwise = mosaic_head._blockwise_statistics
+  monkeypatch.setattr(mosaic_head, "_blockwise_statistics",
+                      lambda *a, **k: calls.append(1) or blockwise(*a, **k))
+  tiles = mosaic_head.statistics(hidden, weight, labels, inv_temp, limit, kept, **kw)
+  assert len(calls) == vocab_dim
+  monkeypatch.setattr(mosaic_head, "column_blocks", lambda *a, **k: None)
+  whole = mosaic_head.statistics(hidden, weight, labels, inv_temp, limit, kept, **kw)
+  assert tiles.shape == whole.shape == (9, 4, tokens)
+  assert np.array_equal(np.asarray(tiles).view(np.uint32), np.asarray(whole).view(np.uint32))
+
+
 def test_unmasked_statistics_are_the_masked_ones():
   """No limit leaves the columns unmasked (the default: no padded vocabulary); a limit at
   the last column masks them and excludes none. Both give the same ``m`` and picked logit,

@@ -45,9 +45,14 @@ over 4 devices give 37984), the last tile is partial: it reads zeros past the ar
 (TMA's bounds), its statistics mask those columns (that tile alone: the others keep the
 epilogue without masks) and its stores past the end are dropped. No column is read from
 another shard, computed twice or written twice. TMA tiles the arrays whose rows are the
-vocabulary as the tiles' swizzle, so a ``V_local`` that is not a multiple of 64 takes a
-64- or 32-byte swizzle (``mosaic_tile.array_swizzle``), which costs time (bench/NOTES.md,
-entry 43).
+vocabulary as the tiles' swizzle, so a ``V_local`` that is not a multiple of 64 would take
+a 64- or 32-byte swizzle (``mosaic_tile.array_swizzle``), 1.43x the forward's time per
+column (bench/NOTES.md, entry 43). The forward (``statistics``) reads such a ``[D,
+V_local]`` weight in vocab blocks of whole tiles copied out (``column_blocks``: at most
+``BLOCK_BYTES`` each) with the 128-byte swizzle, then the columns left (fewer than 128) as
+one partial tile: the same tiles, statistics and bits as one call over the whole array.
+The backward's vocab blocks are copies already (``linear``); only its narrow last block
+takes the narrower swizzle.
 
 Off GPUs the kernel runs in Pallas' GPU interpreter (tests only).
 """
@@ -78,6 +83,9 @@ ROW_TILE = 8  # TMA reads rows in tiles of 8: a call's rows are a multiple of it
 # tiles, no split-K, tiles merged in the columns' order by ``mosaic_merge``).
 INVARIANT_OPERATIONS = ("linear_logprobs_and_entropy", "linear_token_loss")
 SNAKE_WIDTH = 8  # row blocks walked together (L2 reuse of the hidden blocks)
+# The forward's vocab blocks where a weight's rows take a narrower swizzle (column_blocks):
+BLOCK_BYTES = 96 * 2**20  # the most bytes of weight a block copies out
+MIN_BLOCK_TILES = 8  # fewer tiles a block: one call over the whole array, narrower swizzle
 
 
 def unsupported(*, platform, capability, hidden_dtype, weight_dtype, has_bias, depth,
@@ -412,6 +420,12 @@ def statistics(hidden, weight, labels, inv_temp, limit, kept=None, *, column_sta
     ``kept``, its ``mosaic_tile.kept_words`` copy.
   """
   num_columns = weight.shape[vocab_dim]
+  blocks = None if with_exp or not vocab_dim else column_blocks(
+      num_columns, depth=hidden.shape[1], dtype=hidden.dtype)
+  if blocks is not None:
+    return _blockwise_statistics(
+        blocks, hidden, weight, labels, inv_temp, limit, kept, column_start=column_start,
+        softcap=softcap, with_entropy=with_entropy, interpret=interpret, num_cores=num_cores)
   label_column = labels - column_start
   label_column = jnp.where((label_column >= 0) & (label_column < num_columns), label_column, -1)
   row_inputs = mosaic_tile.stack(mosaic_tile.HeadStatisticsInputs(
@@ -425,6 +439,54 @@ def statistics(hidden, weight, labels, inv_temp, limit, kept=None, *, column_sta
                          with_exp=with_exp, masked=limit is not None, interpret=interpret,
                          num_cores=num_cores)
   return out if with_exp else out[0]
+
+
+def column_blocks(num_columns: int, *, depth: int, dtype) -> tuple[int, int] | None:
+  """``(width, count)``: the forward's ``count`` vocab blocks of ``width`` columns (whole
+  tiles, at most ``BLOCK_BYTES`` of a ``[D, V_local]`` weight, at least
+  ``MIN_BLOCK_TILES`` tiles), then the columns left (``V_local % 128``, one partial tile),
+  for a weight whose rows TMA reads only with a swizzle narrower than 128 bytes (a
+  ``V_local`` that is not a multiple of 64: Qwen3's 151936 over 4 GPUs gives 37984); None
+  where the whole array takes the 128-byte swizzle, or no such blocks exist."""
+  tiles = num_columns // TILE_N
+  if num_columns <= TILE_N or mosaic_tile.array_swizzle(num_columns, dtype) == 128:
+    return None
+  max_tiles = BLOCK_BYTES // (depth * jnp.dtype(dtype).itemsize * TILE_N)
+  count = next((c for c in range(1, tiles + 1) if not tiles % c and tiles // c <= max_tiles),
+               tiles)
+  if tiles // count < MIN_BLOCK_TILES:
+    return None
+  return tiles // count * TILE_N, count
+
+
+def _blockwise_statistics(blocks, hidden, weight, labels, inv_temp, limit, kept, *,
+                          column_start, **options):
+  """``statistics`` of a ``[D, V_local]`` weight in ``column_blocks``' blocks: each block's
+  columns copied out (``[D, width]``, at most ``BLOCK_BYTES``) and read with the 128-byte
+  swizzle, then the columns left as one partial tile. A tile's statistics are those of
+  the whole array's call, bit for bit (the same columns, rows and wgmma sequence); only
+  the swizzle differs. Memory: one block's copy, and the statistics twice (their
+  concatenation)."""
+  width, count = blocks
+  num_columns = weight.shape[1]
+
+  def piece(column, columns, piece_kept):
+    return statistics(hidden, columns, labels, inv_temp,
+                      None if limit is None else limit - column, piece_kept,
+                      column_start=column_start + column, vocab_dim=1, **options)
+
+  def block(_, j):
+    column = j * width
+    columns = lax.dynamic_slice_in_dim(weight, column, width, 1)
+    block_kept = (None if kept is None else
+                  lax.dynamic_slice_in_dim(kept, column // 32, width // 32, 1))
+    return None, piece(column, columns, block_kept)
+
+  _, whole = lax.scan(block, None, jnp.arange(count))
+  rest = width * count
+  rest_kept = None if kept is None else kept[:, rest // 32:]
+  last = piece(rest, weight[:, rest:], rest_kept)
+  return jnp.concatenate([whole.reshape(-1, *whole.shape[2:]), last])
 
 
 def _words(kept, label_column, num_rows, num_columns):

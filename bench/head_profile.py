@@ -40,8 +40,8 @@ import jax.numpy as jnp
 import jaxce
 from bench import impls, machine_floors
 from bench.timing import time_ms
-from jaxce._kernels import mosaic_head as mh
-from jaxce._kernels import mosaic_tile
+from jaxce._kernels.mosaic import head as mh
+from jaxce._kernels.mosaic import tile as mosaic_tile
 
 V, D = 151936, 4096
 

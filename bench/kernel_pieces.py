@@ -37,7 +37,7 @@ def profile(tokens, dim, columns, repeats):
   """Where the Mosaic path's fwd+bwd time goes, one whole-array piece at a time: the
   forward kernel, the backward's d-logits kernel over all tiles at once, and the two
   gradient GEMMs (XLA); plus the forward kernel with other L2 walk widths and depths."""
-  from jaxce._kernels import mosaic_head as ml  # pylint: disable=import-outside-toplevel
+  from jaxce._kernels.mosaic import head as ml  # pylint: disable=import-outside-toplevel
   hidden, weight, labels, cot = problem(tokens, dim, columns)
   ones = jnp.ones((tokens,), jnp.float32)
   device = dict(interpret=jax.default_backend() != "gpu",

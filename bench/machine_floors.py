@@ -54,7 +54,7 @@ def mosaic_config():
   """hopper_matmul_mgpu's TuningConfig at jaxce's Mosaic kernel tiling."""
   from jax.experimental.pallas.ops.gpu import hopper_matmul_mgpu as hm
   # jaxce internal (the lead may move it): the fused kernel's tile constants.
-  from jaxce._kernels import mosaic_head as mh  # pylint: disable=import-outside-toplevel
+  from jaxce._kernels.mosaic import head as mh  # pylint: disable=import-outside-toplevel
   return hm.TuningConfig(
       tile_m=mh.TILE_M, tile_n=mh.TILE_N, tile_k=mh.TILE_K, max_concurrent_steps=mh.STAGES,
       grid_minor_dim=hm.MatmulDimension.M, grid_tile_width=mh.SNAKE_WIDTH,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import jax
 
-from jaxce._kernels import mosaic_head, mosaic_rows_grad
+from jaxce._kernels.mosaic import head as mosaic_head, rows_grad as mosaic_rows_grad
 
 # Logits path: bytes of one f32 [chunk, V_local] tile of the XLA forward (fused into the
 # row reductions on GPUs, so the real working set is about 1% of it; materialized on

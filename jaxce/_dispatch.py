@@ -17,7 +17,8 @@ from jax.sharding import PartitionSpec as P
 
 from jaxce import _checks, _options, _sharded, keep as keep_mod, plan
 from jaxce._kernels import linear, linear_kept_ids, linear_token_loss, logits, logits_kept_ids
-from jaxce._kernels import loss_terms, mosaic_reciprocal, softmax, token_loss
+from jaxce._kernels import loss_terms, softmax, token_loss
+from jaxce._kernels.mosaic import reciprocal as mosaic_reciprocal
 from jaxce._kernels.config import Config, KeptIds, Operation, Tokens
 
 

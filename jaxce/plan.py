@@ -57,8 +57,10 @@ from jaxce._budgets import (  # noqa: F401  pylint: disable=unused-import
     LINEAR_TILE_BYTES, LOGITS_TILE_BYTES, budget_platform, chunk_size, linear_backward_order,
     linear_kernel_chunk, linear_kernel_tiles, linear_objective_chunk,
     linear_objective_grad_chunk, linear_objective_kernel_tiles, linear_tiles, logits_chunk)
-from jaxce._kernels import head, mosaic_head, mosaic_reciprocal, mosaic_rows, softmax
-from jaxce._kernels import triton_rows
+from jaxce._kernels import head, softmax
+from jaxce._kernels.mosaic import head as mosaic_head, reciprocal as mosaic_reciprocal
+from jaxce._kernels.mosaic import rows as mosaic_rows
+from jaxce._kernels.triton import rows as triton_rows
 from jaxce._kernels.config import BACKEND_NAMES, Backend, Plan
 
 __all__ = [

@@ -104,7 +104,7 @@ def test_the_package_has_no_import_cycle():
 
 
 def test_the_kernels_are_found_from_the_package():
-  assert {"jaxce._kernels.linear", "jaxce._kernels.mosaic_head", "jaxce._kernels.token_loss",
+  assert {"jaxce._kernels.linear", "jaxce._kernels.mosaic.head", "jaxce._kernels.token_loss",
           "jaxce._kernels.linear_token_loss", "jaxce._kernels.softmax"} <= set(kernels())
   assert all(m in import_graph() for m in TOP)
 

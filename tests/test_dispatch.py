@@ -196,7 +196,9 @@ def test_a_jax_without_pallas_backends_runs_on_xla(operation, monkeypatch):
   """The day JAX drops a Pallas backend, the default on a Hopper GPU falls back, saying
   why, and asking for it names what is missing."""
   # pylint: disable-next=import-outside-toplevel
-  from jaxce._kernels import mosaic_head, mosaic_rows, triton_rows
+  from jaxce._kernels.mosaic import head as mosaic_head, rows as mosaic_rows
+  # pylint: disable-next=import-outside-toplevel
+  from jaxce._kernels.triton import rows as triton_rows
   monkeypatch.setattr(plan, "target", lambda *arrays, mesh=None: HOPPER)
   monkeypatch.setattr(mosaic_head, "plgpu", None)
   monkeypatch.setattr(mosaic_rows, "plgpu", None)
@@ -239,7 +241,8 @@ def test_the_plan_holds_the_reciprocal_the_in_place_backward_and_the_rows(monkey
   Mosaic kernel where ``T`` is a multiple of 8, else chunk by chunk) and the rows the
   fused kernels run on (``T`` padded to the Mosaic kernels' multiple of 8, at least 256;
   the objective's at least one group)."""
-  from jaxce._kernels import mosaic_reciprocal  # pylint: disable=import-outside-toplevel
+  # pylint: disable-next=import-outside-toplevel
+  from jaxce._kernels.mosaic import reciprocal as mosaic_reciprocal
   inputs = _inputs(V_LOCAL)
   logits, labels = inputs["logits"], inputs["labels"]
   hidden, weight, adv = inputs["hidden"], inputs["weight"], inputs["adv"]

@@ -220,7 +220,7 @@ def test_pallas_forward_matches_reference(case):
 def test_pallas_row_statistics_column_ranges(num_columns, start, limit):
   """The kernel's ``(m, s, q)`` over ``[start, limit)`` (Pallas interpret mode) against
   float64: the log-sum-exp ``m + log s`` and the entropy ``log s - q / s``."""
-  from jaxce._kernels import triton_rows
+  from jaxce._kernels.triton import rows as triton_rows
   rng = np.random.default_rng(num_columns + start + limit)
   logits = adversarial_logits(rng, (3, num_columns), offset=-40.0, peak=0.0)
   # Peaks at the range's ends and inside it: a column counted twice or left out shows.

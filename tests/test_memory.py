@@ -40,8 +40,8 @@ def _row_bytes(tokens):
   x, labels, _ = _inputs(tokens)
   if jaxce.plan.of(jaxce.logprobs_and_entropy, x, labels).backend != "mosaic":
     return 0
-  from jaxce._kernels import mosaic_rows  # pylint: disable=import-outside-toplevel
-  from jaxce._kernels import mosaic_tile  # pylint: disable=import-outside-toplevel
+  from jaxce._kernels.mosaic import rows as mosaic_rows  # pylint: disable=import-outside-toplevel
+  from jaxce._kernels.mosaic import tile as mosaic_tile  # pylint: disable=import-outside-toplevel
   groups = mosaic_rows.num_groups(mosaic_tile.segments(V))
   return 2 * 16 * groups
 

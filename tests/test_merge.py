@@ -12,7 +12,8 @@ import pytest
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from helpers import assert_close, jaxce, kernel_device
-from jaxce._kernels import mosaic_merge, mosaic_reciprocal, triton_merge
+from jaxce._kernels.mosaic import merge as mosaic_merge, reciprocal as mosaic_reciprocal
+from jaxce._kernels.triton import merge as triton_merge
 
 
 def _mosaic(kernel):

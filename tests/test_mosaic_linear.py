@@ -10,7 +10,7 @@ import pytest
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from helpers import assert_close, jaxce, kernel_device, reference, value_and_grads
-from jaxce._kernels import mosaic_head, mosaic_tile
+from jaxce._kernels.mosaic import head as mosaic_head, tile as mosaic_tile
 
 if jax.default_backend() != "gpu" and not hasattr(plgpu, "InterpretGPUParams"):
   pytest.skip(f"the Mosaic GPU interpreter needs JAX >= 0.11 (this is {jax.__version__}); "
@@ -672,7 +672,8 @@ def test_exp_overwrite_is_the_logit_gradient_of_its_terms(softcap):
   (``e = 0``) and a whole tile excluded, a label whose term underflowed (its softcap
   factor from the label's own logit), an ignored row whose terms are NaN; two row
   blocks."""
-  from jaxce._kernels import mosaic_rows_grad  # pylint: disable=import-outside-toplevel
+  # pylint: disable-next=import-outside-toplevel
+  from jaxce._kernels.mosaic import rows_grad as mosaic_rows_grad
   from jaxce._kernels.config import Tokens  # pylint: disable=import-outside-toplevel
   rng = np.random.default_rng(5)
   rows, columns, start = 128, 384, 1000

@@ -13,7 +13,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from helpers import assert_close, count_primitives, devices, jaxce, kernel_device, reference
 from helpers import value_and_grads
-from jaxce._kernels import mosaic_merge, mosaic_rows, mosaic_tile
+from jaxce._kernels.mosaic import merge as mosaic_merge, rows as mosaic_rows
+from jaxce._kernels.mosaic import tile as mosaic_tile
 
 if jax.default_backend() != "gpu" and not hasattr(plgpu, "InterpretGPUParams"):
   pytest.skip(f"the Mosaic GPU interpreter needs JAX >= 0.11 (this is {jax.__version__}); "

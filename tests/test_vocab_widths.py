@@ -11,7 +11,7 @@ import pytest
 
 from helpers import jaxce
 from jaxce import plan
-from jaxce._kernels import mosaic_tile
+from jaxce._kernels.mosaic import tile as mosaic_tile
 
 HOPPER = plan.Target("gpu", "9.0", 132)
 # (vocabulary, shard count): each shard's columns are not a multiple of 128.

@@ -15,13 +15,15 @@ Four layers, each importing only the ones below it:
   head's tile matmuls), ``loss_terms`` (a chunk's loss terms and cotangents), ``merge``
   (the merge contract: per-token outputs from per-tile statistics in one fixed order),
   ``kept_entries`` (the kept-ids kernels' shared maths);
-* backends, one kernel a module, imported from JAX when first used (``mosaic_tile``: the
-  Mosaic kernels' tile maths, swizzles, column segments and kept-set words): ``mosaic_rows`` /
-  ``triton_rows`` (row statistics of logits rows in one read; Triton only when asked
-  for by name) and ``mosaic_head`` (Pallas Mosaic GPU: the fused head's tiles with a
-  statistics or a ``d logits`` epilogue), each saying why it cannot run a call
-  (``unsupported``); ``mosaic_merge`` / ``triton_merge`` (per-tile statistics merged in
-  column order) and ``mosaic_reciprocal`` (``1 / T`` on the device, Hopper); XLA is plain
+* backends, a package each (``mosaic/``, ``triton/``), one kernel a module, imported from
+  JAX when first used, imported by the others as ``mosaic_<module>`` / ``triton_<module>``
+  (``mosaic.tile``: the Mosaic kernels' tile maths, swizzles, column segments and kept-set
+  words): ``mosaic.rows`` / ``triton.rows`` (row statistics of logits rows in one read;
+  Triton only when asked for by name) and ``mosaic.head`` (Pallas Mosaic GPU: the fused
+  head's tiles with a statistics or a ``d logits`` epilogue), each saying why it cannot
+  run a call (``unsupported``); ``mosaic.rows_grad`` (the rows' gradient, over the logits
+  or into a new array); ``mosaic.merge`` / ``triton.merge`` (per-tile statistics merged in
+  column order) and ``mosaic.reciprocal`` (``1 / T`` on the device, Hopper); XLA is plain
   ``jax.numpy`` in the floor below;
 * the floor: ``softmax`` (the per-tile maths), ``chunking`` (ragged chunks without
   copies), ``plumbing`` (shard_map varying types, symbolic zeros, named custom_vjp

@@ -48,8 +48,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxce._kernels import chunking, head, logits_rows, mosaic_head, plumbing, softmax
-from jaxce._kernels import triton_rows
+from jaxce._kernels import chunking, head, logits_rows, plumbing, softmax
+from jaxce._kernels.mosaic import head as mosaic_head
+from jaxce._kernels.triton import rows as triton_rows
 from jaxce._kernels.config import Config, Tokens
 
 

@@ -34,8 +34,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxce._kernels import chunking, head, logits_rows, loss_terms, mosaic_head, plumbing
-from jaxce._kernels import mosaic_rows_grad, softmax
+from jaxce._kernels import chunking, head, logits_rows, loss_terms, plumbing, softmax
+from jaxce._kernels.mosaic import head as mosaic_head, rows_grad as mosaic_rows_grad
 from jaxce._kernels.config import Config, Tokens
 
 

@@ -17,7 +17,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxce._kernels import chunking, logits_rows, mosaic_rows_grad, plumbing, softmax
+from jaxce._kernels import chunking, logits_rows, plumbing, softmax
+from jaxce._kernels.mosaic import rows_grad as mosaic_rows_grad
 from jaxce._kernels.config import Config, Tokens
 
 

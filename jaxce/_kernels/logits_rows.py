@@ -10,9 +10,10 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
-from jaxce._kernels import chunking, mosaic_merge, mosaic_rows, mosaic_rows_grad, mosaic_tile
-from jaxce._kernels import softmax
-from jaxce._kernels import triton_merge, triton_rows
+from jaxce._kernels import chunking, softmax
+from jaxce._kernels.mosaic import merge as mosaic_merge, rows as mosaic_rows
+from jaxce._kernels.mosaic import rows_grad as mosaic_rows_grad, tile as mosaic_tile
+from jaxce._kernels.triton import merge as triton_merge, rows as triton_rows
 from jaxce._kernels.config import Tokens
 
 

@@ -66,7 +66,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from jaxce._kernels import mosaic_tile, plumbing
+from jaxce._kernels import plumbing
+from jaxce._kernels.mosaic import tile as mosaic_tile
 
 plgpu = plumbing.lazy_module("jax.experimental.pallas.mosaic_gpu")
 

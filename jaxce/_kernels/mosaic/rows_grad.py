@@ -33,7 +33,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from jaxce._kernels import chunking, mosaic_rows, mosaic_tile, plumbing
+from jaxce._kernels import chunking, plumbing
+from jaxce._kernels.mosaic import rows as mosaic_rows, tile as mosaic_tile
 from jaxce._kernels.config import Tokens
 
 plgpu = plumbing.lazy_module("jax.experimental.pallas.mosaic_gpu")

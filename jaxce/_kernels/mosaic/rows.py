@@ -41,7 +41,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from jaxce._kernels import chunking, mosaic_merge, mosaic_tile, plumbing
+from jaxce._kernels import chunking, plumbing
+from jaxce._kernels.mosaic import merge as mosaic_merge, tile as mosaic_tile
 
 plgpu = plumbing.lazy_module("jax.experimental.pallas.mosaic_gpu")
 

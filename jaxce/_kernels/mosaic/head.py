@@ -418,7 +418,9 @@ def statistics(hidden, weight, labels, inv_temp, limit, kept=None, *, column_sta
     column's ``exp(z - m)`` with ``m`` its row's max over the column's tile (0 at excluded
     columns), the terms of ``s`` rounded once; the statistics' bits are the same either
     way. Memory: that array, 1/32 of the bytes of the chunk's f32 logits (and ``e``); with
-    ``kept``, its ``mosaic_tile.kept_words`` copy.
+    ``kept``, its ``mosaic_tile.kept_words`` copy; for a ``[D, V_local]`` weight read in
+    ``column_blocks``' blocks (without ``with_exp``), one block's copy (at most
+    ``BLOCK_BYTES``) and the statistics twice (their concatenation).
   """
   num_columns = weight.shape[vocab_dim]
   blocks = None if with_exp or not vocab_dim else column_blocks(

@@ -78,8 +78,11 @@ case "$MODE" in
     # The GRPO step on 1 x 1, 2 x n/2 and 1 x n meshes (four paths' compiles per mesh).
     export NCCL_NVLS_ENABLE=0
     n=$(nvidia-smi -L | grep -c "^GPU ")
-    meshes="1x1,1x$n"
-    if [ "$n" -ge 4 ]; then meshes="1x1,2x$(( n / 2 )),1x$n"; elif [ "$n" -eq 2 ]; then meshes="1x1,2x1,1x2"; fi
+    case $n in
+      1) meshes="1x1" ;;
+      2) meshes="1x1,2x1,1x2" ;;
+      *) meshes="1x1,2x$(( n / 2 )),1x$n" ;;
+    esac
     "$PY" -m bench.grpo_step --sizes "${1:-small}" --meshes "$meshes" \
       --timeout "$(left)" --out "$DIR" 2>>"$LOG" | tee -a "$LOG"
     ;;

@@ -471,7 +471,6 @@ def _blockwise_statistics(blocks, hidden, weight, labels, inv_temp, limit, kept,
   the swizzle differs. Memory: one block's copy, and the statistics twice (their
   concatenation)."""
   width, count = blocks
-  num_columns = weight.shape[1]
 
   def piece(column, columns, piece_kept):
     return statistics(hidden, columns, labels, inv_temp,

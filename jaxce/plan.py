@@ -173,18 +173,21 @@ def _unsupported(backend, *, operation, target, dtypes, has_keep, num_columns,
       return head_reason
   if backend == "mosaic":  # (the statistics of logits rows; the fused objective's are f32)
     rows_dtype = jnp.float32 if operation == "linear_token_loss" else dtypes[0]
-    return mosaic_rows.unsupported(
+    reason = mosaic_rows.unsupported(
         operation=operation, platform=target.platform, capability=target.capability,
         dtypes=(*dtypes, rows_dtype), num_columns=num_columns,
         batch_invariant=batch_invariant)
+    return f"{head_reason}; nor from XLA's matmul: {reason}" if head_reason and reason else reason
   return None
 
 
-def _head_unsupported(target, dtypes, has_bias, depth, num_columns):
-  """Why the fused head's kernels (``mosaic_head``) cannot run a fused call, or None."""
+def _head_unsupported(target, dtypes, has_bias, depth, num_columns, exp_terms):
+  """Why the fused head's kernels (``mosaic_head``) cannot run a fused call (the objective
+  path's with its ``exp_terms``), or None."""
   return mosaic_head.unsupported(
       platform=target.platform, capability=target.capability, hidden_dtype=dtypes[0],
-      weight_dtype=dtypes[1], has_bias=has_bias, depth=depth or 1, num_columns=num_columns)
+      weight_dtype=dtypes[1], has_bias=has_bias, depth=depth or 1, num_columns=num_columns,
+      exp_terms=exp_terms)
 
 
 def _backend(operation, requested, **call):
@@ -279,7 +282,8 @@ def make(operation, options, shard: Shard) -> Plan:
           reciprocal=reciprocal, rows=num_tokens if operation.fused else None))
     packed_ids = f"; kept ids packed into words: {packed_ids}"
   head_reason = (_head_unsupported(target, shard.dtypes, shard.has_bias, shard.depth,
-                                   num_columns) if operation.fused else "")
+                                   num_columns, exp_terms=operation.is_objective)
+                 if operation.fused else "")
   chosen, reason = _backend(name, implementation, target=target, dtypes=shard.dtypes,
                             has_keep=options.has_keep, num_columns=num_columns,
                             batch_invariant=batch_invariant, head_reason=head_reason)

@@ -114,30 +114,40 @@ def test_tile_statistics_match_float64(tokens, dim, num_columns, vocab_dim, soft
 
 
 def test_column_blocks_of_the_widths_users_shard_to():
-  """The forward copies blocks out only where the whole array would take a narrower
-  swizzle: Qwen3's 151936 over 4 and 8 GPUs (and Llama 3's 128256 over 8), not over 1 or
-  2, nor Llama 3 or DeepSeek-V3 over 4; blocks stay within ``BLOCK_BYTES``."""
+  """A ``[D, V]`` weight that is not whole tiles is read in blocks of whole tiles: the
+  most equal blocks of at most ``BLOCK_BYTES`` that leave the fewest tiles over (a prime
+  number of tiles, as Qwen3's 151936 over 2 GPUs, leaves one), at least
+  ``MIN_BLOCK_TILES`` tiles each; none for fewer tiles. The vocabularies users shard:
+  Qwen3's 151936 over 2, 4 and 8 GPUs, Llama 3's 128256 and DeepSeek-V3's 129280 over 4
+  and 8, the unpadded 151643 and GPT-2's 50257."""
   blocks = lambda v, d=4096: mosaic_head.column_blocks(v, depth=d, dtype=jnp.bfloat16)
   assert blocks(37984) == (9472, 4) and blocks(18992) == (9472, 2)
+  assert blocks(75968) == (9472, 8)  # (593 tiles: 8 blocks of 74, one tile and 64 left)
   assert blocks(16032) == (3200, 5) and blocks(37984, 8192) == (4736, 8)
+  assert blocks(32064) == (6400, 5) and blocks(32320) == (10752, 3)
+  assert blocks(151643) == (9472, 16) and blocks(50257) == (7168, 7)
   assert blocks(37984, 1024) == (37888, 1)
-  for whole in (151936, 75968, 32064, 32320, 38016, 128 * 7 + 32):
-    assert blocks(whole) is None, whole
+  assert blocks(128 * 7 + 32) == (128, 0)
   for depth in (1024, 4096, 5120, 8192):
-    width, _ = blocks(37984, depth)
-    assert width % 128 == 0 and width * depth * 2 <= mosaic_head.BLOCK_BYTES
+    for columns in (37984, 75968, 16160, 151643):
+      width, count = blocks(columns, depth)
+      assert width % 128 == 0 and width * depth * 2 <= mosaic_head.BLOCK_BYTES
+      assert columns - width * count < width + 128, (columns, depth)
 
 
-@pytest.mark.parametrize("softcap,padded,with_kept,vocab_dim", [
-    (None, False, False, 1), (30.0, True, True, 1), (None, True, False, 0)])
+@pytest.mark.parametrize("softcap,padded,with_kept,vocab_dim,num_columns", [
+    (None, False, False, 1, 8 * 128 + 96), (30.0, True, True, 1, 9 * 128 + 96),
+    (None, False, True, 1, 8 * 128 + 91), (None, True, False, 0, 8 * 128 + 91)])
 def test_blockwise_statistics_are_the_whole_arrays_bits(softcap, padded, with_kept,
-                                                        vocab_dim, monkeypatch):
-  """A ``[D, V]`` weight of 8 tiles and 96 columns (not a multiple of 64: the whole array
-  takes the 64-byte swizzle) in two blocks of 4 tiles and the partial tile left: the
-  statistics are the whole array's call, bit for bit (on GPUs, 128-byte reads against
-  64-byte ones), with a temperature, labels in and out of the shard, a padded vocabulary,
-  kept sets; a ``[V, D]`` weight is never split."""
-  tokens, dim, num_columns = 264, 64, 8 * 128 + 96
+                                                        vocab_dim, num_columns, monkeypatch):
+  """A ``[D, V]`` weight that is not whole tiles, in blocks of 4 tiles and the columns
+  left (a partial tile; or a whole tile and a partial one; or an odd width, whose rows TMA
+  cannot read at all): the statistics are one call's over the whole array, bit for bit
+  (that array zero-padded to a multiple of 16 columns, the padding masked as a partial
+  tile's columns past the array are; on GPUs, 128-byte reads against 64- or 32-byte
+  ones), with a temperature, labels in and out of the shard, a padded vocabulary, kept
+  sets. A ``[V, D]`` weight is never split (its partial tile reads zeros past the array)."""
+  tokens, dim = 264, 64
   rng, hidden, weight = _inputs(7, tokens, dim, num_columns, vocab_dim)
   labels = jnp.asarray(rng.integers(0, num_columns + 30, tokens), jnp.int32)
   inv_temp = jnp.asarray(rng.uniform(0.5, 2.0, tokens), jnp.float32)
@@ -155,9 +165,11 @@ def test_blockwise_statistics_are_the_whole_arrays_bits(softcap, padded, with_ke
                       lambda *a, **k: calls.append(1) or blockwise(*a, **k))
   tiles = mosaic_head.statistics(hidden, weight, labels, inv_temp, limit, kept, **kw)
   assert len(calls) == vocab_dim
-  monkeypatch.setattr(mosaic_head, "column_blocks", lambda *a, **k: None)
-  whole = mosaic_head.statistics(hidden, weight, labels, inv_temp, limit, kept, **kw)
-  assert tiles.shape == whole.shape == (9, 4, tokens)
+  aligned = jnp.pad(weight, [(0, -num_columns % 16) if dim == vocab_dim else (0, 0)
+                             for dim in range(2)])
+  whole = mosaic_head._statistics(hidden, aligned, labels, inv_temp, limit, kept,
+                                  num_columns=num_columns, with_exp=False, **kw)[0]
+  assert tiles.shape == whole.shape == (-(-num_columns // 128), 4, tokens)
   assert np.array_equal(np.asarray(tiles).view(np.uint32), np.asarray(whole).view(np.uint32))
 
 
@@ -241,7 +253,9 @@ def test_logits_grad_tile_matches_float64(vocab_dim, softcap, first_kept, limit,
     ("dv", 300, 64, None, 400), ("vd", 700, 64, None, 400),  # (V: 3 tiles and 16 columns)
     # a last vocab block of 64 columns (blocks of 128), one 128-byte piece wide: its
     # d logits were overwritten on GPUs by the piece past its end (bench/NOTES.md, 45)
-    ("dv", 300, 64, None, 192), ("vd", 300, 64, None, 320)])
+    ("dv", 300, 64, None, 192), ("vd", 300, 64, None, 320),
+    # odd widths (an unpadded vocabulary: rows TMA cannot read), its last tile padded
+    ("dv", 300, 64, None, 401), ("vd", 700, 64, None, 401)])
 def test_matches_xla_path_and_reference(weight_layout, tokens, max_unrolled, chunk, columns,
                                         monkeypatch):
   """bf16 inputs, ragged tokens and vocabulary, padded vocabulary, per-token temperature,
@@ -399,7 +413,7 @@ def test_kept_sets_match_xla_path_and_reference(weight_layout, tokens, columns, 
     (dict(dtype=jnp.float32), "16-bit float dtype"),
     (dict(bias=True), "bias"),
     (dict(dim=96), "multiple of 64"),
-    (dict(columns=200), "multiple of 16"),
+    (dict(columns=201, objective=True), "multiple of 16 for the objective path's exp terms"),
 ])
 def test_unsupported_calls_say_why(change, message):
   tokens, dim = change.get("tokens", 256), change.get("dim", 64)
@@ -407,9 +421,14 @@ def test_unsupported_calls_say_why(change, message):
   columns = change.get("columns", 128)
   weight = jnp.ones((dim, columns), change.get("dtype", jnp.bfloat16))
   bias = jnp.zeros(columns) if change.get("bias") else None
+  labels = jnp.zeros(tokens, jnp.int32)
   with pytest.raises(ValueError, match=f'implementation="mosaic".*{message}'):
-    jaxce.linear_logprobs_and_entropy(hidden, weight, jnp.zeros(tokens, jnp.int32), bias=bias,
-                                      implementation="mosaic")
+    if change.get("objective"):
+      jaxce.linear_token_loss(lambda logp, entropy: logp, hidden, weight, labels,
+                              implementation="mosaic")
+    else:
+      jaxce.linear_logprobs_and_entropy(hidden, weight, labels, bias=bias,
+                                        implementation="mosaic")
 
 
 def test_each_tokens_bits_do_not_depend_on_the_call():

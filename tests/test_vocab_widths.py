@@ -42,18 +42,31 @@ def test_the_kernels_run_every_shard_of_a_real_vocabulary(vocab, shards, monkeyp
   assert plans["objective"].kernel_chunk is not None, plans["objective"]
 
 
-def test_widths_no_kernel_can_take_say_why(monkeypatch):
-  """An unpadded vocabulary whose rows TMA cannot tile (151643 columns: not a multiple of
-  16) stays on XLA, and the plan says why; asked for by name, a ValueError."""
+@pytest.mark.parametrize("columns", [151643, 50257])
+def test_widths_no_kernel_can_take_say_why(columns, monkeypatch):
+  """An unpadded vocabulary (Qwen's 151643 tokens, GPT-2's 50257: rows TMA cannot read,
+  not a multiple of 16 columns) runs the fused head's kernels in either layout (its
+  weight read in blocks copied out: ``test_mosaic_linear.py``); the objective path, whose
+  kernels write ``[T, V]`` terms, and the logits path, whose kernels read ``[T, V]``
+  logits, stay on XLA, and the plan says why; asked for by name, a ValueError."""
   monkeypatch.setattr(plan, "target", lambda *a, mesh=None: HOPPER)
   hidden = jax.ShapeDtypeStruct((256, 1024), jnp.bfloat16)
-  weight = jax.ShapeDtypeStruct((1024, 151643), jnp.bfloat16)
+  weight = jax.ShapeDtypeStruct((1024, columns), jnp.bfloat16)
   labels = jax.ShapeDtypeStruct((256,), jnp.int32)
-  got = plan.of(jaxce.linear_logprobs_and_entropy, hidden, weight, labels)
-  assert got.backend == "xla" and "multiple of 16" in got.reason, got
-  with pytest.raises(ValueError, match="multiple of 16.*151643"):
-    plan.of(jaxce.linear_logprobs_and_entropy, hidden, weight, labels,
-            implementation="mosaic")
+  for layout, w in (("dv", weight), ("vd", jax.ShapeDtypeStruct((columns, 1024), jnp.bfloat16))):
+    got = plan.of(jaxce.linear_logprobs_and_entropy, hidden, w, labels, weight_layout=layout)
+    assert got.backend == "mosaic", got
+  objective = lambda logp, entropy: logp
+  logits = jax.ShapeDtypeStruct((256, columns), jnp.bfloat16)
+  calls = {"objective": (jaxce.linear_token_loss, objective, hidden, weight, labels),
+           "logits": (jaxce.logprobs_and_entropy, logits, labels)}
+  for name, call in calls.items():
+    got = plan.of(*call)
+    why = "multiple of 16 for the objective path's exp terms" if name == "objective" else (
+        "multiple of 16 for bfloat16 logits")
+    assert got.backend == "xla" and why in got.reason, got
+    with pytest.raises(ValueError, match=f"multiple of .*{columns}"):
+      plan.of(*call, implementation="mosaic")
 
 
 @pytest.mark.parametrize("columns,shards,want", [

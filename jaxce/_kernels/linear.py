@@ -301,9 +301,19 @@ def _tile_grads(bwd: _Backward, rows, w_cols, b_cols, col, first_column, width=N
   if config.plan.backend == "mosaic":  # d formed in the matmul's epilogue (no bias here)
     kept_words = None if chunk_tokens.kept is None else lax.dynamic_slice_in_dim(
         chunk_tokens.kept, col // 32, -(-width // 32), axis=1)  # (col: a multiple of 128)
+    limit = softmax.kernel_limit(config.mask_vocab, shard_start + col, width)
+    # A block that is not whole tiles (a ragged vocabulary's last; the block is a copy
+    # already) is zero-padded to whole tiles, its padding masked as past the limit: every
+    # tile then takes the 128-byte swizzle, at any width. Its d W columns are the
+    # padded matmul's first ``width``.
+    padding = -width % mosaic_head.TILE_N
+    if padding:
+      w_cols = jnp.pad(w_cols, [(0, padding) if dim == vocab_dim else (0, 0)
+                                for dim in range(2)])
+      limit = width if limit is None else jnp.minimum(limit, width)
     d = mosaic_head.logits_grad(
         h, w_cols, label_column, inv_temp, chunk_saved, chunk_cotangents, row_mask,
-        kept_words, limit=softmax.kernel_limit(config.mask_vocab, shard_start + col, width),
+        kept_words, limit=limit,
         first_kept=first_column - (shard_start + col) if overlap else None,
         vocab_dim=vocab_dim, softcap=config.softcap, interpret=config.plan.interpret,
         num_cores=config.plan.num_cores)
@@ -318,6 +328,8 @@ def _tile_grads(bwd: _Backward, rows, w_cols, b_cols, col, first_column, width=N
     d_bias = None if bwd.bias is None else jnp.sum(dx, axis=0)
   dw_tile = head.weight_grad(h, d, vocab_dim, config.plan.precision, dw_dtype)
   dh_rows = head.contract(d, w_cols, 1, vocab_dim, config.plan.precision)
+  if dw_tile.shape[vocab_dim] > width:  # (a padded block's)
+    dw_tile = lax.slice_in_dim(dw_tile, 0, width, axis=vocab_dim)
   return dh_rows, dw_tile, d_bias
 
 

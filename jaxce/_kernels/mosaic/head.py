@@ -90,14 +90,16 @@ MIN_BLOCK_TILES = 8  # fewer tiles a block: one call over the whole array, narro
 
 
 def unsupported(*, platform, capability, hidden_dtype, weight_dtype, has_bias, depth,
-                num_columns) -> str | None:
+                num_columns, exp_terms=False) -> str | None:
   """Why the kernels cannot run a fused call (a sentence), or None when they can.
 
   Args:
     platform, capability: the call's platform and its GPUs' compute capability.
     hidden_dtype, weight_dtype, has_bias: the operands.
-    depth, num_columns: ``D`` and this device's ``V_local``. (Any number of tokens runs:
-      the caller pads it to ``padded_rows``.)
+    depth, num_columns: ``D`` and this device's ``V_local``, any width (Any number of
+      tokens runs too: the caller pads it to ``padded_rows``.)
+    exp_terms: the call keeps the ``exp(z - m)`` terms (the fused objective path:
+      ``statistics(with_exp=True)``), a ``[C, V_local]`` array that TMA writes.
   """
   platform_reason = plumbing.mosaic_gpu_unsupported(plgpu, platform, capability)
   if platform_reason:
@@ -109,9 +111,10 @@ def unsupported(*, platform, capability, hidden_dtype, weight_dtype, has_bias, d
     return "a bias is not supported"
   if depth % TILE_K:
     return f"the hidden dim must be a multiple of {TILE_K}, got {depth}"
-  if num_columns % mosaic_tile.MIN_ALIGN:
+  if exp_terms and num_columns % mosaic_tile.MIN_ALIGN:
     return (f"the vocabulary (per device) must be a multiple of {mosaic_tile.MIN_ALIGN} "
-            f"(TMA tiles the weight's rows as the tiles' 32-byte swizzle), got {num_columns}")
+            f"for the objective path's exp terms (TMA writes rows of whole 32-byte "
+            f"swizzles), got {num_columns}")
   return None
 
 
@@ -157,7 +160,10 @@ def _tiles(hidden, weight, row_inputs, words, *, inputs_type, vocab_dim, stages,
   num_rows, depth = hidden.shape
   num_columns = weight.shape[vocab_dim]
   cta_rows = MIN_ROWS
-  if num_rows < cta_rows or num_rows % ROW_TILE or num_columns % mosaic_tile.MIN_ALIGN:
+  # (TMA reads and writes rows of whole swizzles: a [D, V] weight's, a [C, V] output's)
+  strided = vocab_dim or any(len(t.shape) == 2 for t in out_type)
+  if num_rows < cta_rows or num_rows % ROW_TILE or (strided and
+                                                     num_columns % mosaic_tile.MIN_ALIGN):
     raise ValueError(f"{num_rows} rows, {num_columns} columns: at least {cta_rows} rows, a "
                      f"multiple of {ROW_TILE}, and a multiple of {mosaic_tile.MIN_ALIGN} "
                      "columns expected")
@@ -316,14 +322,15 @@ def _copy_out(scratch, value, out_slice):
   plgpu.copy_smem_to_gmem(scratch, out_slice)
 
 
-def _tile_statistics(hidden, weight, row_inputs, words, *, vocab_dim, softcap, with_entropy,
-                     with_exp, masked, interpret, num_cores):
-  """``[vocab tiles, 4, C]`` f32: ``(m, s, q, picked)`` of every ``[row, tile]``, and with
-  ``with_exp`` the ``[C, V]`` ``exp(z - m)`` terms in hidden's dtype; ``row_inputs [3,
-  C]``: the rows' ``mosaic_tile.HeadStatisticsInputs``, stacked; ``words`` as ``_tiles``;
-  ``masked``: apply the rows' ``limit`` (``mosaic_tile.tile_statistics``; a partial last
-  tile also stops at ``V``)."""
-  num_rows, num_columns = hidden.shape[0], weight.shape[vocab_dim]
+def _tile_statistics(hidden, weight, row_inputs, words, *, num_columns, vocab_dim, softcap,
+                     with_entropy, with_exp, masked, interpret, num_cores):
+  """``[vocab tiles, 4, C]`` f32: ``(m, s, q, picked)`` of every ``[row, tile]`` of the
+  weight's first ``num_columns`` columns (``V``: the array's, or its last tile's zero
+  padding left out), and with ``with_exp`` the ``[C, V]`` ``exp(z - m)`` terms in
+  hidden's dtype; ``row_inputs [3, C]``: the rows' ``mosaic_tile.HeadStatisticsInputs``,
+  stacked; ``words`` as ``_tiles``; ``masked``: apply the rows' ``limit``
+  (``mosaic_tile.tile_statistics``; a partial last tile also stops at ``V``)."""
+  num_rows = hidden.shape[0]
 
   def tile_finish(x, inputs, column, kept, scratch, outs, n_idx, row_slice, masked):
     out = mosaic_tile.tile_statistics(mosaic_tile.cap(x, softcap), inputs, column, kept,
@@ -397,7 +404,7 @@ def statistics(hidden, weight, labels, inv_temp, limit, kept=None, *, column_sta
   Args:
     hidden: ``[C, D]`` bf16 or f16, ``C >= 256`` a multiple of 8, ``D`` of 64.
     weight: ``[D, V_local]`` (``vocab_dim`` 1) or ``[V_local, D]`` (0), hidden's dtype,
-      ``V_local`` a multiple of 16.
+      ``V_local`` any width (a multiple of 16 with ``with_exp``).
     labels: int32 ``[C]`` global label ids; ``column_start`` is this weight's first id.
     inv_temp: ``[C]`` float32.
     limit: int32 scalar: local columns at or beyond it are excluded (padded vocabulary);
@@ -418,76 +425,89 @@ def statistics(hidden, weight, labels, inv_temp, limit, kept=None, *, column_sta
     column's ``exp(z - m)`` with ``m`` its row's max over the column's tile (0 at excluded
     columns), the terms of ``s`` rounded once; the statistics' bits are the same either
     way. Memory: that array, 1/32 of the bytes of the chunk's f32 logits (and ``e``); with
-    ``kept``, its ``mosaic_tile.kept_words`` copy; for a ``[D, V_local]`` weight read in
-    ``column_blocks``' blocks (without ``with_exp``), one block's copy (at most
-    ``BLOCK_BYTES``) and the statistics twice (their concatenation).
+    ``kept``, its ``mosaic_tile.kept_words`` copy; for a ``[D, V_local]`` weight that is
+    not whole tiles (without ``with_exp``), one vocab block's copy (``column_blocks``: at
+    most ``BLOCK_BYTES``) and the statistics twice (their concatenation).
   """
   num_columns = weight.shape[vocab_dim]
-  blocks = None if with_exp or not vocab_dim else column_blocks(
-      num_columns, depth=hidden.shape[1], dtype=hidden.dtype)
-  if blocks is not None:
+  if vocab_dim and not with_exp and num_columns % TILE_N:
     return _blockwise_statistics(
-        blocks, hidden, weight, labels, inv_temp, limit, kept, column_start=column_start,
-        softcap=softcap, with_entropy=with_entropy, interpret=interpret, num_cores=num_cores)
+        column_blocks(num_columns, depth=hidden.shape[1], dtype=hidden.dtype), hidden,
+        weight, labels, inv_temp, limit, kept, column_start=column_start, softcap=softcap,
+        with_entropy=with_entropy, interpret=interpret, num_cores=num_cores)
+  out = _statistics(hidden, weight, labels, inv_temp, limit, kept, num_columns=num_columns,
+                    column_start=column_start, vocab_dim=vocab_dim, softcap=softcap,
+                    with_entropy=with_entropy, with_exp=with_exp, interpret=interpret,
+                    num_cores=num_cores)
+  return out if with_exp else out[0]
+
+
+def _statistics(hidden, weight, labels, inv_temp, limit, kept, *, num_columns, column_start,
+                vocab_dim, **options):
+  """``_tile_statistics`` of the weight's first ``num_columns`` columns (the columns past
+  them, zeros that pad the last tile, are masked as a partial tile's are)."""
   label_column = labels - column_start
   label_column = jnp.where((label_column >= 0) & (label_column < num_columns), label_column, -1)
   row_inputs = mosaic_tile.stack(mosaic_tile.HeadStatisticsInputs(
       inv_temp=inv_temp.astype(jnp.float32), label=label_column.astype(jnp.float32),
       limit=jnp.broadcast_to(jnp.asarray(num_columns if limit is None else limit, jnp.float32),
                              inv_temp.shape)))
-  out = _tile_statistics(hidden, weight, row_inputs,
-                         _words(kept, label_column, hidden.shape[0], num_columns),
-                         vocab_dim=vocab_dim, softcap=softcap,
-                         with_entropy=with_entropy,
-                         with_exp=with_exp, masked=limit is not None, interpret=interpret,
-                         num_cores=num_cores)
-  return out if with_exp else out[0]
+  return _tile_statistics(hidden, weight, row_inputs,
+                          _words(kept, label_column, hidden.shape[0], num_columns),
+                          num_columns=num_columns, vocab_dim=vocab_dim,
+                          masked=limit is not None, **options)
 
 
-def column_blocks(num_columns: int, *, depth: int, dtype) -> tuple[int, int] | None:
+def column_blocks(num_columns: int, *, depth: int, dtype) -> tuple[int, int]:
   """``(width, count)``: the forward's ``count`` vocab blocks of ``width`` columns (whole
   tiles, at most ``BLOCK_BYTES`` of a ``[D, V_local]`` weight, at least
-  ``MIN_BLOCK_TILES`` tiles), then the columns left (``V_local % 128``, one partial tile),
-  for a weight whose rows TMA reads only with a swizzle narrower than 128 bytes (a
-  ``V_local`` that is not a multiple of 64: Qwen3's 151936 over 4 GPUs gives 37984); None
-  where the whole array takes the 128-byte swizzle, or no such blocks exist."""
+  ``MIN_BLOCK_TILES`` tiles), the count that leaves the fewest whole tiles over (then the
+  widest), for a weight that is not whole tiles: its rows take a swizzle narrower than 128
+  bytes or none (a ``V_local`` that is not a multiple of 64: Qwen3's 151936 over 4 GPUs
+  gives 37984; GPT-2's 50257), or its last tile is partial. ``count`` is 0 where the
+  weight has fewer than ``MIN_BLOCK_TILES`` whole tiles."""
   tiles = num_columns // TILE_N
-  if num_columns <= TILE_N or mosaic_tile.array_swizzle(num_columns, dtype) == 128:
-    return None
-  max_tiles = BLOCK_BYTES // (depth * jnp.dtype(dtype).itemsize * TILE_N)
-  count = next((c for c in range(1, tiles + 1) if not tiles % c and tiles // c <= max_tiles),
-               tiles)
-  if tiles // count < MIN_BLOCK_TILES:
-    return None
-  return tiles // count * TILE_N, count
+  max_tiles = max(BLOCK_BYTES // (depth * jnp.dtype(dtype).itemsize * TILE_N), 1)
+  least = min(MIN_BLOCK_TILES, max_tiles)
+  if tiles < least:
+    return TILE_N, 0
+  per_block = min(range(least, min(max_tiles, tiles) + 1), key=lambda b: (tiles % b, -b))
+  return per_block * TILE_N, tiles // per_block
 
 
 def _blockwise_statistics(blocks, hidden, weight, labels, inv_temp, limit, kept, *,
                           column_start, **options):
-  """``statistics`` of a ``[D, V_local]`` weight in ``column_blocks``' blocks: each block's
-  columns copied out (``[D, width]``, at most ``BLOCK_BYTES``) and read with the 128-byte
-  swizzle, then the columns left as one partial tile. A tile's statistics are those of
-  the whole array's call, bit for bit (the same columns, rows and wgmma sequence); only
-  the swizzle differs. Memory: one block's copy, and the statistics twice (their
+  """``statistics`` of a ``[D, V_local]`` weight that is not whole tiles, in
+  ``column_blocks``' blocks: each block's columns copied out (``[D, width]``, at most
+  ``BLOCK_BYTES``) and read with the 128-byte swizzle, then the columns left (fewer than a
+  block) copied out as whole tiles, zero-padded: the last tile's padding is masked as a
+  partial tile's columns past the array are. A tile's statistics are those of one call
+  over the whole array, bit for bit (the same columns, rows, wgmma sequence and masks);
+  only the swizzle differs. Memory: one block's copy, and the statistics twice (their
   concatenation)."""
   width, count = blocks
+  num_columns = weight.shape[1]
 
-  def piece(column, columns, piece_kept):
-    return statistics(hidden, columns, labels, inv_temp,
-                      None if limit is None else limit - column, piece_kept,
-                      column_start=column_start + column, vocab_dim=1, **options)
+  def piece(column, columns, piece_kept, piece_columns):
+    return _statistics(hidden, columns, labels, inv_temp,
+                       None if limit is None else limit - column, piece_kept,
+                       num_columns=piece_columns, column_start=column_start + column,
+                       vocab_dim=1, with_exp=False, **options)[0]
 
   def block(_, j):
     column = j * width
     columns = lax.dynamic_slice_in_dim(weight, column, width, 1)
     block_kept = (None if kept is None else
                   lax.dynamic_slice_in_dim(kept, column // 32, width // 32, 1))
-    return None, piece(column, columns, block_kept)
+    return None, piece(column, columns, block_kept, width)
 
-  _, whole = lax.scan(block, None, jnp.arange(count))
   rest = width * count
-  rest_kept = None if kept is None else kept[:, rest // 32:]
-  last = piece(rest, weight[:, rest:], rest_kept)
+  rest_columns = num_columns - rest
+  last = piece(rest, jnp.pad(weight[:, rest:], [(0, 0), (0, -rest_columns % TILE_N)]),
+               None if kept is None else kept[:, rest // 32:], rest_columns)
+  if not count:
+    return last
+  _, whole = lax.scan(block, None, jnp.arange(count))
   return jnp.concatenate([whole.reshape(-1, *whole.shape[2:]), last])
 
 

@@ -51,6 +51,20 @@ def _lowered_kernels(f, *args):
   return text.count("mosaic_gpu")
 
 
+@pytest.mark.parametrize("columns", [151643, 50257])
+def test_the_fused_head_lowers_for_cuda_at_unpadded_widths(columns, monkeypatch):
+  """Unpadded vocabularies (Qwen's 151643 tokens, GPT-2's 50257; odd widths, whose rows TMA
+  cannot read: a ``[D, V]`` weight's in whole swizzles, a ``[V, D]`` one's in tiles of 8
+  rows) run the fused head's kernels in both layouts, fwd+bwd: read in blocks copied
+  out, the last one zero-padded to whole tiles."""
+  monkeypatch.setattr(plan, "target", lambda *a, mesh=None: HOPPER)
+  hidden, labels = S((TOKENS, DEPTH), jnp.bfloat16), S((TOKENS,), jnp.int32)
+  g = S((TOKENS,), jnp.float32)
+  assert _lowered_kernels(_fused, hidden, S((DEPTH, columns), jnp.bfloat16), labels, g)
+  assert _lowered_kernels(lambda *a: _fused(*a, weight_layout="vd"), hidden,
+                          S((columns, DEPTH), jnp.bfloat16), labels, g)
+
+
 @pytest.mark.parametrize("columns", WIDTHS)
 def test_every_path_lowers_for_cuda(columns, monkeypatch):
   monkeypatch.setattr(plan, "target", lambda *a, mesh=None: HOPPER)

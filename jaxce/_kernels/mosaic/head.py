@@ -430,11 +430,13 @@ def statistics(hidden, weight, labels, inv_temp, limit, kept=None, *, column_sta
     most ``BLOCK_BYTES``) and the statistics twice (their concatenation).
   """
   num_columns = weight.shape[vocab_dim]
-  if vocab_dim and not with_exp and num_columns % TILE_N:
+  # (TMA reads a [D, V] weight's rows in whole swizzles, a [V, D] one's in tiles of 8 rows)
+  if not with_exp and num_columns % (TILE_N if vocab_dim else ROW_TILE):
     return _blockwise_statistics(
         column_blocks(num_columns, depth=hidden.shape[1], dtype=hidden.dtype), hidden,
         weight, labels, inv_temp, limit, kept, column_start=column_start, softcap=softcap,
-        with_entropy=with_entropy, interpret=interpret, num_cores=num_cores)
+        vocab_dim=vocab_dim, with_entropy=with_entropy, interpret=interpret,
+        num_cores=num_cores)
   out = _statistics(hidden, weight, labels, inv_temp, limit, kept, num_columns=num_columns,
                     column_start=column_start, vocab_dim=vocab_dim, softcap=softcap,
                     with_entropy=with_entropy, with_exp=with_exp, interpret=interpret,
@@ -476,34 +478,37 @@ def column_blocks(num_columns: int, *, depth: int, dtype) -> tuple[int, int]:
 
 
 def _blockwise_statistics(blocks, hidden, weight, labels, inv_temp, limit, kept, *,
-                          column_start, **options):
-  """``statistics`` of a ``[D, V_local]`` weight that is not whole tiles, in
-  ``column_blocks``' blocks: each block's columns copied out (``[D, width]``, at most
-  ``BLOCK_BYTES``) and read with the 128-byte swizzle, then the columns left (fewer than a
-  block) copied out as whole tiles, zero-padded: the last tile's padding is masked as a
+                          column_start, vocab_dim, **options):
+  """``statistics`` of a weight that TMA cannot read whole at its widest swizzle (a ``[D,
+  V_local]`` one that is not whole tiles, a ``[V_local, D]`` one that is not whole tiles
+  of 8 rows), in ``column_blocks``' blocks: each block's columns copied out (at most
+  ``BLOCK_BYTES``) and read with the 128-byte swizzle, then the columns left (fewer than
+  a block) copied out as whole tiles, zero-padded: the last tile's padding is masked as a
   partial tile's columns past the array are. A tile's statistics are those of one call
   over the whole array, bit for bit (the same columns, rows, wgmma sequence and masks);
   only the swizzle differs. Memory: one block's copy, and the statistics twice (their
   concatenation)."""
   width, count = blocks
-  num_columns = weight.shape[1]
+  num_columns = weight.shape[vocab_dim]
 
   def piece(column, columns, piece_kept, piece_columns):
     return _statistics(hidden, columns, labels, inv_temp,
                        None if limit is None else limit - column, piece_kept,
                        num_columns=piece_columns, column_start=column_start + column,
-                       vocab_dim=1, with_exp=False, **options)[0]
+                       vocab_dim=vocab_dim, with_exp=False, **options)[0]
 
   def block(_, j):
     column = j * width
-    columns = lax.dynamic_slice_in_dim(weight, column, width, 1)
+    columns = lax.dynamic_slice_in_dim(weight, column, width, vocab_dim)
     block_kept = (None if kept is None else
                   lax.dynamic_slice_in_dim(kept, column // 32, width // 32, 1))
     return None, piece(column, columns, block_kept, width)
 
   rest = width * count
   rest_columns = num_columns - rest
-  last = piece(rest, jnp.pad(weight[:, rest:], [(0, 0), (0, -rest_columns % TILE_N)]),
+  padding = [(0, -rest_columns % TILE_N) if dim == vocab_dim else (0, 0) for dim in range(2)]
+  last = piece(rest, jnp.pad(lax.slice_in_dim(weight, rest, num_columns, axis=vocab_dim),
+                             padding),
                None if kept is None else kept[:, rest // 32:], rest_columns)
   if not count:
     return last

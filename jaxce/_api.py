@@ -213,10 +213,10 @@ def linear_logprobs_and_entropy(hidden: ArrayLike, weight: ArrayLike, labels: Ar
       asked for; ``"pallas"`` is its old name), or the whole forward by ``"mosaic"``: one
       Mosaic GPU kernel (Hopper, sm90) that folds each tile of the matmul into the
       statistics in registers, so no f32 tile reaches device memory; for 16-bit
-      ``hidden`` and ``weight`` of one dtype, no bias, ``D`` a multiple of 64, a
-      vocabulary per device that is a multiple of 16 (a ``ValueError`` says which is
-      missing; any number of tokens, padded with up to 7 ignored rows to a multiple of
-      8, or to 256). Off GPUs the kernels run interpreted (tests).
+      ``hidden`` and ``weight`` of one dtype, no bias, ``D`` a multiple of 64 (a
+      ``ValueError`` says which is missing; any vocabulary per device; any number of
+      tokens, padded with up to 7 ignored rows to a multiple of 8, or to 256). Off GPUs
+      the kernels run interpreted (tests).
       ``None``: ``"mosaic"`` on a Hopper GPU where it can run, else ``"xla"``, the same
       for every way of calling it (``jaxce.plan.of`` tells which a call takes, and why).
     hidden_grad_accumulation: where the backward sums ``d hidden`` over the vocab blocks
@@ -396,7 +396,8 @@ def linear_token_loss(objective: Callable[..., Array], hidden: ArrayLike, weight
     implementation: the statistics of each chunk's rows by ``"xla"``, ``"mosaic"`` or
       ``"triton"``, as in :func:`jaxce.logprobs_and_entropy`. Where the fused head's
       kernels run (``"mosaic"`` on Hopper, with the operands
-      :func:`jaxce.linear_logprobs_and_entropy` takes there) one kernel call per group
+      :func:`jaxce.linear_logprobs_and_entropy` takes there and a vocabulary per device
+      that is a multiple of 16) one kernel call per group
       makes its rows' statistics and their ``exp(z - m)`` terms in the operand dtype, and
       a second writes ``d`` over those terms, so ``logp`` and ``entropy`` are the
       per-token path's bits in either mode (the first on-policy step's ratio is exactly

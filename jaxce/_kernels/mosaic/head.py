@@ -39,20 +39,22 @@ other counts, ``padded_rows``) is covered by ``ceil(C / 256)`` row blocks, the l
 moved back inside the array: a ragged ``C`` costs the rows of its last block, never a
 chunk done twice. The rows two blocks share get the same numbers from both (a row's
 results depend on its own inputs alone) and are written twice, with the same bits.
-``V_local`` is any multiple of 16 (``mosaic_tile.MIN_ALIGN``). When it is not a multiple
-of 128 (a vocabulary split over shards that are not whole tiles: Qwen3's 151936 columns
-over 4 devices give 37984), the last tile is partial: it reads zeros past the array's end
-(TMA's bounds), its statistics mask those columns (that tile alone: the others keep the
-epilogue without masks) and its stores past the end are dropped. No column is read from
-another shard, computed twice or written twice. TMA tiles the arrays whose rows are the
-vocabulary as the tiles' swizzle, so a ``V_local`` that is not a multiple of 64 would take
-a 64- or 32-byte swizzle (``mosaic_tile.array_swizzle``), 1.43x the forward's time per
-column (bench/NOTES.md, entry 43). The forward (``statistics``) reads such a ``[D,
-V_local]`` weight in vocab blocks of whole tiles copied out (``column_blocks``: at most
-``BLOCK_BYTES`` each) with the 128-byte swizzle, then the columns left (fewer than 128) as
-one partial tile: the same tiles, statistics and bits as one call over the whole array.
-The backward's vocab blocks are copies already (``linear``); only its narrow last block
-takes the narrower swizzle.
+``V_local`` is any width. Where it is not a multiple of 128 (a vocabulary split over
+shards that are not whole tiles: Qwen3's 151936 columns over 4 devices give 37984; an
+unpadded vocabulary, 151643), the last tile is partial: it reads zeros past the array's
+end (TMA's bounds) or zeros the caller padded it with, its statistics mask those columns
+(that tile alone: the others keep the epilogue without masks) and its stores past the end
+are dropped. No column is read from another shard, computed twice or written twice. TMA
+tiles the arrays whose rows are the vocabulary as the tiles' swizzle (a row a multiple
+of 32 to 128 bytes, ``mosaic_tile.array_swizzle``; a narrower swizzle costs 1.43x the
+forward's time per column, bench/NOTES.md entry 43) and a ``[V_local, D]`` weight in
+tiles of 8 rows. So the forward (``statistics``) reads a weight that is not whole tiles
+in vocab blocks of whole tiles copied out (``column_blocks``: at most ``BLOCK_BYTES``
+each) with the 128-byte swizzle, then the columns left copied out and zero-padded to
+whole tiles: the same tiles, statistics and bits as one call over the whole array
+(entry 49). The backward's vocab blocks are copies already (``linear``); a ragged last
+one is zero-padded to whole tiles the same way. The objective path's forward (with its
+``exp`` terms, ``[C, V_local]``) takes the array whole: a multiple of 16 columns.
 
 Off GPUs the kernel runs in Pallas' GPU interpreter (tests only).
 """

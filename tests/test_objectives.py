@@ -117,6 +117,27 @@ def test_objective_grad_chunk_plan():
   assert grad_chunk(32768, budget, 1024) == 1024
 
 
+@pytest.mark.parametrize("depth", [1024, 4096, 5120])
+@pytest.mark.parametrize("columns", [151936, 37984, 248320, 62080])
+def test_objective_kernel_groups_at_the_shapes_users_run(columns, depth):
+  """The fused objective path's groups on the GPU's budgets (one head kernel call per
+  group, its ``[group, V_local]`` terms held): each a multiple of the gradient kernel's 64
+  rows, at least 256, its terms within both budgets; the fewest groups those allow; and
+  their rows cover ``T`` with less than a block per group over (a group twice the size,
+  or twice as many, fails). Ragged and round ``T`` from 1000 to 262144 tokens."""
+  budget = min(jaxce.plan.LINEAR_OBJECTIVE_GRAD_BYTES["gpu"],
+               int(jaxce.plan.LINEAR_OBJECTIVE_GRAD_PER_SUM["gpu"] * 4 * depth * columns))
+  most = budget // (2 * columns) // 64 * 64  # (rows of bf16 terms within the budget)
+  for tokens in (1000, 8184, 32768, 100000, 262144):
+    chunk, group = jaxce.plan.linear_objective_kernel_tiles(tokens, columns, None, "gpu", 2,
+                                                           depth)
+    assert chunk == group and group % 64 == 0 and group >= 256, (tokens, group)
+    assert group * columns * 2 <= max(budget, 256 * columns * 2), (tokens, group)
+    groups = -(-tokens // group)
+    assert groups == -(-tokens // max(most, 256)), (tokens, group, most)
+    assert groups * group - tokens < 64 * groups or group == 256, (tokens, group)
+
+
 @pytest.mark.parametrize("name", list(OBJECTIVES))
 @pytest.mark.parametrize("chunk_size", [None, 4])
 def test_logits_objective_matches_reference(name, chunk_size):

@@ -56,7 +56,7 @@ def run(op: Operation, operands, labels, request: _options.Request, *, objective
       split = _sharded.logits_split(*operands, labels, *others[1:])
     if split is not None:  # split over a mesh's explicit axes: as their types say
       mesh, vocab_axis, token_entries = split
-  options, operands = _options.check(op.name, operands, labels, request, vocab_axis=vocab_axis,
+  options, operands = _options.check(op, operands, labels, request, vocab_axis=vocab_axis,
                                      mesh=mesh, batch_axis=batch_axis)
   if op.is_objective:
     token_args, options = _options.check_objective(objective, labels, token_args,

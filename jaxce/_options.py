@@ -87,14 +87,14 @@ def check(operation, operands, labels, request: Request, *, vocab_axis, mesh=Non
   (a fused call's ``(hidden, weight, bias or None)``: the bias from the request).
 
   Args:
-    operation: the public operation's name (``jaxce.plan.BACKENDS``' keys).
+    operation: the public operation, a ``jaxce._kernels.config.Operation`` record.
     operands: ``(logits,)`` or ``(hidden, weight)``, as arrays.
     labels: int array.
     request: the call's keyword options.
     vocab_axis: the vocabulary's mesh axis, inside ``shard_map`` when ``mesh`` is None.
     mesh, batch_axis: the mesh of a call on global arrays.
   """
-  fused = operation.startswith("linear")
+  fused = operation.fused
   if fused:
     hidden, weight = operands
     _checks.check_float("hidden", hidden)
@@ -120,7 +120,7 @@ def check(operation, operands, labels, request: Request, *, vocab_axis, mesh=Non
   _checks.check_columns("weight" if fused else "logits", num_columns)
   extra = {}
   if fused:
-    if operation == "linear_logprobs_and_entropy":  # (the per-token path's options)
+    if not operation.is_objective:  # (the per-token path's options)
       _checks.check_size(request.vocab_block_size, "vocab_block_size")
       _checks.check_choice("hidden_grad_accumulation", request.hidden_grad_accumulation,
                            HIDDEN_GRAD_ACCUMULATIONS)

@@ -61,10 +61,12 @@ from jaxce._kernels import head, softmax
 from jaxce._kernels.mosaic import head as mosaic_head, reciprocal as mosaic_reciprocal
 from jaxce._kernels.mosaic import rows as mosaic_rows
 from jaxce._kernels.triton import rows as triton_rows
-from jaxce._kernels.config import BACKEND_NAMES, Backend, Plan
+from jaxce._kernels.config import (BACKEND_NAMES, Backend, FusedPlan, LinearPlan, LogitsPlan,
+                                   ObjectivePlan, Plan)
 
 __all__ = [
-    "IMPLEMENTATIONS", "INVARIANCES", "Plan", "Shard", "Target", "budget_platform", "chunk_size",
+    "IMPLEMENTATIONS", "INVARIANCES", "FusedPlan", "LinearPlan", "LogitsPlan", "ObjectivePlan",
+    "Plan", "Shard", "Target", "budget_platform", "chunk_size",
     "invariances", "kept_ids_unsupported", "linear_backward_order",
     "linear_kernel_chunk", "linear_kernel_tiles", "linear_objective_chunk",
     "linear_objective_grad_chunk", "linear_objective_kernel_tiles", "linear_tiles",
@@ -161,20 +163,20 @@ def _unsupported(backend, *, operation, target, dtypes, has_keep, num_columns,
                  batch_invariant, head_reason):
   """Why ``backend``'s kernel cannot run a call (a sentence), or None: each backend's
   module says for itself (XLA runs every call: with ``batch_invariant``, by exact sums).
-  ``head_reason``: why the fused head's kernels cannot run it (None: they can; "" for the
-  logits paths)."""
+  ``operation``: the ``Operation`` record; ``head_reason``: why the fused head's kernels
+  cannot run it (None: they can; "" for the logits paths)."""
   if backend == "triton":
-    return triton_rows.unsupported(operation=operation, dtypes=dtypes, has_keep=has_keep,
+    return triton_rows.unsupported(operation=operation.name, dtypes=dtypes, has_keep=has_keep,
                                    batch_invariant=batch_invariant)
-  if backend == "mosaic" and operation.startswith("linear"):
+  if backend == "mosaic" and operation.fused:
     # (the fused head's kernels; the objective path's rows from them, or else from XLA's
     # matmul with their statistics by the logits rows' kernel)
-    if operation == "linear_logprobs_and_entropy" or head_reason is None:
+    if not operation.is_objective or head_reason is None:
       return head_reason
   if backend == "mosaic":  # (the statistics of logits rows; the fused objective's are f32)
-    rows_dtype = jnp.float32 if operation == "linear_token_loss" else dtypes[0]
+    rows_dtype = jnp.float32 if operation.fused else dtypes[0]
     reason = mosaic_rows.unsupported(
-        operation=operation, platform=target.platform, capability=target.capability,
+        operation=operation.name, platform=target.platform, capability=target.capability,
         dtypes=(*dtypes, rows_dtype), num_columns=num_columns,
         batch_invariant=batch_invariant)
     return f"{head_reason}; nor from XLA's matmul: {reason}" if head_reason and reason else reason
@@ -191,13 +193,13 @@ def _head_unsupported(target, dtypes, has_bias, depth, num_columns, exp_terms):
 
 
 def _backend(operation, requested, **call):
-  """``(backend, reason)`` of a call: the requested one (a ``ValueError`` when it cannot
-  run the call, with the reason), else on GPUs the first of the operation's backends that
-  can run it, else XLA."""
-  backends = BACKENDS[operation]
+  """``(backend, reason)`` of a call (``operation``: its ``Operation`` record): the
+  requested one (a ``ValueError`` when it cannot run the call, with the reason), else on
+  GPUs the first of the operation's backends that can run it, else XLA."""
+  backends = BACKENDS[operation.name]
   if requested is not None:
     if requested not in backends:
-      return _refuse(requested, f"{operation} has no {requested} kernel (it has "
+      return _refuse(requested, f"{operation.name} has no {requested} kernel (it has "
                                 f"{', '.join(backends)})")
     reason = _unsupported(requested, operation=operation, **call)
     if reason:
@@ -243,12 +245,13 @@ class Shard(NamedTuple):
 
 
 def make(operation, options, shard: Shard) -> Plan:
-  """The :class:`Plan` of one shard's call.
+  """The plan of one shard's call: the operation's record (:class:`LogitsPlan`,
+  :class:`FusedPlan` or :class:`ObjectivePlan`).
 
   Args:
     operation: the public operation, a ``jaxce._kernels.config.Operation`` record (private,
       hence no annotation): ``name``, the public function's name without ``sharded_``;
-      ``fused``, it takes ``(hidden, weight)``.
+      ``fused``, it takes ``(hidden, weight)``; ``is_objective``, it is an objective.
     options: the call's checked options (``jaxce._options.Options``, which imports this
       module, hence no annotation): the implementation
       asked for (``"pallas"`` is read as ``"triton"``), the target, ``chunk_size``,
@@ -260,90 +263,111 @@ def make(operation, options, shard: Shard) -> Plan:
   Raises:
     ValueError: the requested implementation cannot run the call (the message says why).
   """
-  name, target, num_tokens, num_columns = (operation.name, options.target, shard.num_tokens,
-                                           shard.num_columns)
+  target, num_tokens, num_columns = options.target, shard.num_tokens, shard.num_columns
+  record = ((ObjectivePlan if operation.is_objective else FusedPlan) if operation.fused
+            else LogitsPlan)
   implementation = options.implementation
   if implementation is not None:
     implementation = ALIASES.get(implementation, implementation)
   batch_invariant = bool(options.batch_invariant)
-  precision = matmul_precision(options.precision) if operation.fused else None
-  reciprocal = _reciprocal(target, shard)
+  head = dict(interpret=target.platform != "gpu", num_cores=target.num_cores,
+              reciprocal=_reciprocal(target, shard))
+  if operation.fused:
+    head.update(precision=matmul_precision(options.precision))
   packed_ids = ""  # (kept ids packed into words: why)
   if shard.num_kept_ids is not None:
-    packed_ids = (kept_ids_unsupported(name, num_tokens, num_columns, shard.num_kept_ids,
-                                       batch_invariant)
+    packed_ids = (kept_ids_unsupported(operation.fused, num_tokens, num_columns,
+                                       shard.num_kept_ids, batch_invariant)
                   or (None if implementation in (None, "xla") else
                       f'implementation="{implementation}" takes packed words'))
     if packed_ids is None:
-      return _recorded_plan(Plan(
+      return _recorded_plan(record(
           backend="xla", reason=f"kept ids: {shard.num_kept_ids} entries for {num_tokens} "
-          "tokens, only their columns' logits", interpret=target.platform != "gpu",
-          num_cores=target.num_cores, kept_ids=True, precision=precision,
-          reciprocal=reciprocal, rows=num_tokens if operation.fused else None))
+          "tokens, only their columns' logits", kept_ids=True, **head,
+          **(dict(rows=num_tokens) if operation.fused else {})))
     packed_ids = f"; kept ids packed into words: {packed_ids}"
   head_reason = (_head_unsupported(target, shard.dtypes, shard.has_bias, shard.depth,
                                    num_columns, exp_terms=operation.is_objective)
                  if operation.fused else "")
-  chosen, reason = _backend(name, implementation, target=target, dtypes=shard.dtypes,
+  chosen, reason = _backend(operation, implementation, target=target, dtypes=shard.dtypes,
                             has_keep=options.has_keep, num_columns=num_columns,
                             batch_invariant=batch_invariant, head_reason=head_reason)
-  reason += packed_ids
-  platform = target.platform
   exact = batch_invariant and chosen == "xla"  # XLA's exact sums
-  matmul_tile = None
-  if exact and operation.fused:
-    matmul_tile = INVARIANT_MATMUL_TILE[budget_platform(platform)]
-  common = dict(backend=chosen, reason=reason, interpret=platform != "gpu", precision=precision,
-                num_cores=target.num_cores, exact_sums=exact, matmul_tile=matmul_tile,
-                invariant_to=invariances(name, chosen, batch_invariant), reciprocal=reciprocal)
-  one_pass = chosen in ("mosaic", "triton")  # (the logits path's kernels read every row)
-  chunk_size = options.chunk_size
-  if name == "logprobs_and_entropy":
-    in_place = None
-    if options.backward_in_place:  # (the Mosaic kernel takes T in TMA's tiles of 8 rows)
-      in_place = "kernel" if chosen == "mosaic" and num_tokens % 8 == 0 else "chunks"
-    uses_chunks = not one_pass or options.backward_in_place
-    chunk = logits_chunk(num_tokens, num_columns, chunk_size, platform) if uses_chunks else None
-    plan = Plan(chunk=chunk, in_place=in_place, **common)
-  elif name == "token_loss":
-    chunk = None if one_pass else logits_chunk(num_tokens, num_columns, chunk_size, platform)
-    plan = Plan(chunk=chunk, **common)
-  elif name == "linear_token_loss":  # (exact sums: the matmul's rows a chunk, a group)
-    itemsize = jnp.dtype(jnp.result_type(*shard.dtypes)).itemsize
-    if chosen != "mosaic":
-      head_reason = ""
-    if head_reason is None:  # the rows and their statistics from the fused head's kernel
-      chunk, grad_chunk = linear_objective_kernel_tiles(num_tokens, num_columns, chunk_size,
-                                                        platform, itemsize, shard.depth)
-      kernel_chunk = chunk
-    else:
-      if head_reason:
-        common.update(reason=f"{reason}; the rows from XLA's matmul: {head_reason}",
-                      invariant_to=())
-      chunk = (matmul_tile[0] if exact else
-               linear_objective_chunk(num_tokens, num_columns, chunk_size, platform))
-      grad_chunk = chunk if exact else linear_objective_grad_chunk(
-          num_tokens, num_columns, chunk, platform, itemsize)
-      kernel_chunk = None
-    plan = Plan(chunk=chunk, grad_chunk=grad_chunk, kernel_chunk=kernel_chunk,
-                rows=max(num_tokens, grad_chunk), **common)
+  head.update(backend=chosen, reason=reason + packed_ids, exact_sums=exact,
+              invariant_to=invariances(operation.name, chosen, batch_invariant))
+  if not operation.fused:
+    plan = _logits_plan(operation, options, shard, head)
   else:
-    rows = num_tokens
-    if chosen == "mosaic":  # (padded to the kernels' multiple of 8 rows, at least 256)
-      rows = mosaic_head.padded_rows(num_tokens)
-      chunk, block = linear_kernel_tiles(rows, num_columns, chunk_size,
-                                         options.vocab_block_size, platform,
-                                         depth=shard.depth or 1, num_cores=target.num_cores)
+    if exact:
+      head.update(matmul_tile=INVARIANT_MATMUL_TILE[budget_platform(target.platform)])
+    if operation.is_objective:
+      plan = _objective_plan(options, shard, head, head_reason if chosen == "mosaic" else "")
     else:
-      chunk, block = linear_tiles(num_tokens, num_columns, chunk_size,
-                                  options.vocab_block_size, platform)
-    plan = Plan(chunk=chunk, block=block, rows=rows,
-                kernel_chunk=(linear_kernel_chunk(rows, num_columns)
-                              if chosen == "mosaic" else None),
-                backward_order=linear_backward_order(rows, num_columns,
-                                                     options.hidden_grad_accumulation),
-                **common)
+      plan = _fused_plan(options, shard, head)
   return _recorded_plan(plan)
+
+
+def _logits_plan(operation, options, shard: Shard, head: dict) -> LogitsPlan:
+  """The logits paths' plan: the XLA forward's (and the in-place backward's) chunk; the
+  in-place backward by the Mosaic kernel where ``T`` is whole tiles of 8 rows."""
+  one_pass = head["backend"] in ("mosaic", "triton")  # (the kernels read every row)
+  in_place = None
+  if options.backward_in_place and not operation.is_objective:
+    in_place = ("kernel" if head["backend"] == "mosaic" and shard.num_tokens % 8 == 0
+                else "chunks")
+  chunk = None
+  if not one_pass or in_place:
+    chunk = logits_chunk(shard.num_tokens, shard.num_columns, options.chunk_size,
+                         options.target.platform)
+  return LogitsPlan(chunk=chunk, in_place=in_place, **head)
+
+
+def _objective_plan(options, shard: Shard, head: dict, head_reason) -> ObjectivePlan:
+  """The fused objective path's plan: groups for the fused head's kernel (``head_reason``
+  None), else chunks and gradient chunks of XLA's matmul (exact sums: the matmul's rows a
+  chunk, a group); ``head_reason`` (a sentence) is added to the reason where the kernels
+  run the rows' statistics but not the head."""
+  num_tokens, num_columns, platform = shard.num_tokens, shard.num_columns, options.target.platform
+  itemsize = jnp.dtype(jnp.result_type(*shard.dtypes)).itemsize
+  if head_reason is None:  # the rows and their statistics from the fused head's kernel
+    chunk, grad_chunk = linear_objective_kernel_tiles(num_tokens, num_columns,
+                                                      options.chunk_size, platform, itemsize,
+                                                      shard.depth)
+    kernel_chunk = chunk
+  else:
+    if head_reason:
+      head = dict(head, reason=f"{head['reason']}; the rows from XLA's matmul: {head_reason}",
+                  invariant_to=())
+    exact = head["exact_sums"]
+    chunk = (head["matmul_tile"][0] if exact else
+             linear_objective_chunk(num_tokens, num_columns, options.chunk_size, platform))
+    grad_chunk = chunk if exact else linear_objective_grad_chunk(
+        num_tokens, num_columns, chunk, platform, itemsize)
+    kernel_chunk = None
+  return ObjectivePlan(chunk=chunk, grad_chunk=grad_chunk, kernel_chunk=kernel_chunk,
+                       rows=max(num_tokens, grad_chunk), **head)
+
+
+def _fused_plan(options, shard: Shard, head: dict) -> FusedPlan:
+  """The fused per-token path's plan: tiles, the Mosaic forward's chunk (rows padded to the
+  kernels' multiple of 8, at least 256) and the backward's loop order."""
+  num_columns, platform = shard.num_columns, options.target.platform
+  rows = shard.num_tokens
+  kernel_chunk = None
+  if head["backend"] == "mosaic":
+    rows = mosaic_head.padded_rows(rows)
+    chunk, block = linear_kernel_tiles(rows, num_columns, options.chunk_size,
+                                       options.vocab_block_size, platform,
+                                       depth=shard.depth or 1,
+                                       num_cores=options.target.num_cores)
+    kernel_chunk = linear_kernel_chunk(rows, num_columns)
+  else:
+    chunk, block = linear_tiles(rows, num_columns, options.chunk_size,
+                                options.vocab_block_size, platform)
+  return FusedPlan(chunk=chunk, block=block, rows=rows, kernel_chunk=kernel_chunk,
+                   backward_order=linear_backward_order(rows, num_columns,
+                                                        options.hidden_grad_accumulation),
+                   **head)
 
 
 def _reciprocal(target: Target, shard: Shard) -> str:
@@ -377,15 +401,16 @@ def matmul_precision(precision: str | None = None) -> str:
     return str(precision)
 
 
-def kept_ids_unsupported(operation: str, num_tokens: int, num_columns: int, num_kept_ids: int,
+def kept_ids_unsupported(fused: bool, num_tokens: int, num_columns: int, num_kept_ids: int,
                          batch_invariant: bool) -> str | None:
   """Why a call with kept ids packs them into words (a sentence), or None when it computes
   only their columns' logits (every operation; the objectives through the per-token
   kept-ids kernels): ``N + T`` entries (the labels count) at most ``KEPT_IDS_FRACTION``
-  (the fused paths' or the logits paths') of the ``T x V_local`` logits."""
+  (the fused paths' when ``fused``, else the logits paths') of the ``T x V_local``
+  logits."""
   if batch_invariant:
     return "batch_invariant=True takes kept sets as packed words (exact sums)"
-  fraction = KEPT_IDS_FRACTION["fused" if operation.startswith("linear_") else "logits"]
+  fraction = KEPT_IDS_FRACTION["fused" if fused else "logits"]
   if (num_kept_ids + num_tokens) > fraction * num_tokens * num_columns:
     share = f"1/{round(1 / fraction)}" if fraction else "none"
     return (f"{num_kept_ids} kept ids for {num_tokens} tokens over {num_columns} columns "

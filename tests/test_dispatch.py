@@ -256,7 +256,8 @@ def test_the_plan_holds_the_reciprocal_the_in_place_backward_and_the_rows(monkey
   monkeypatch.setattr(plan, "target", lambda *arrays, mesh=None: plan.Target("cpu", None, 4))
   cpu = of_logits(temperature=temperature, backward_in_place=True)
   assert (cpu.reciprocal, cpu.in_place, of_logits().in_place) == ("xla", "chunks", None)
-  assert of_linear(100).rows == 100 and of_logits().rows is None
+  assert of_linear(100).rows == 100 and not hasattr(of_logits(), "rows")  # (fused only)
+  assert isinstance(of_logits(), plan.LogitsPlan) and isinstance(of_linear(), plan.FusedPlan)
   monkeypatch.setattr(plan, "target", lambda *arrays, mesh=None: HOPPER)
   hopper_kernel = "mosaic" if mosaic_reciprocal.plgpu is not None else "barrier"
   assert of_logits(temperature=temperature).reciprocal == hopper_kernel

@@ -2,12 +2,14 @@
 (``Tokens``, a pytree), the ``Plan`` the planner (``jaxce.plan``) made for one shard's
 shapes, and the ``Config`` of one call (the checked options and that plan).
 
-``Plan`` and ``Config`` are hashable NamedTuples: the kernels are jitted with them as
-static arguments, so a new value compiles a new program and an equal one reuses it.
+``Plan`` (a frozen dataclass, one per operation) and ``Config`` (a NamedTuple) are
+hashable: the kernels are jitted with them as static arguments, so a new value compiles
+a new program and an equal one reuses it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable, Literal, NamedTuple, get_args
 
 from jaxce._kernels import chunking
@@ -70,46 +72,29 @@ class KeptIds(NamedTuple):
   token: Any
 
 
-class Plan(NamedTuple):
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Plan:
   """How one shard's call runs, decided once by ``jaxce.plan.make``; kernels never
-  re-derive any of it.
+  re-derive any of it. The head every operation's plan shares: :class:`LogitsPlan`
+  (``logprobs_and_entropy``, ``token_loss``), :class:`FusedPlan`
+  (``linear_logprobs_and_entropy``) and :class:`ObjectivePlan` (``linear_token_loss``)
+  add their own fields, each with one meaning. Frozen and hashable: the kernels are
+  jitted with it as a static argument.
 
   Attributes:
     backend: ``"xla"``, ``"triton"`` (Pallas Triton) or ``"mosaic"`` (Pallas Mosaic GPU):
       the forward statistics' implementation (and, with ``"mosaic"``, the fused
       backward's ``d logits`` tiles).
     reason: why this backend (a sentence, for ``jaxce.plan.of``).
-    chunk: tokens per step, or ``None`` where no loop over tokens runs. Logits path: the
-      XLA forward's scan and the in-place backward's loop; fused per-token path: the
-      tile's rows (with ``"mosaic"``, all ``T`` or a multiple of 256: the backward walks
-      equal chunks, then the rows left in one call); objective paths: the rows whose
-      full vocabulary is held at once.
-    block: vocabulary columns per tile of the fused per-token path (else ``None``).
-    grad_chunk: the fused objective path's tokens per pair of gradient matmuls, a
-      multiple of ``chunk`` (else ``None``).
-    kernel_chunk: tokens per call of the Mosaic forward kernel (``mosaic_head``), else
-      ``None``. Fused per-token path: all ``T`` or a multiple of 256 (the rows left take
-      one call of their own); fused objective path: its ``chunk`` (a group), whose
-      ``exp(z - m)`` terms the kernel writes with their statistics.
-    backward_order: the fused per-token backward's outer loop, ``"vocab"`` or
-      ``"token"`` (else ``None``).
     interpret: run the Pallas kernels in JAX's interpreter (the call runs off GPUs).
     num_cores: streaming multiprocessors of the device (the Mosaic kernels' persistent
       grid).
     exact_sums: XLA's forward statistics take exact sums (``softmax.exact_statistics``):
       each token's bits depend on its own inputs only (``batch_invariant=True`` where no
       batch-invariant kernel runs the call).
-    matmul_tile: with ``exact_sums`` on the fused paths, ``(rows, columns)`` of every
-      forward ``hidden @ weight`` matmul, the same for every call on the platform (a
-      matmul's rows depend on its shape); else ``None``.
     invariant_to: what the call's per-token bits do not depend on (``jaxce.plan.
       invariances``): some of ``"tokens"``, ``"chunking"``, ``"differentiation"``,
       ``"constants"``, ``"shards"``; empty where nothing is promised.
-    precision: the fused paths' matmul precision, a ``jax.lax.Precision`` name
-      (``"default"``, ``"high"``, ``"highest"``): the call's ``precision=``, else JAX's
-      ``jax_default_matmul_precision`` when it was traced (``"default"`` when unset; on
-      GPUs TF32 for float32 operands). The Mosaic kernels multiply 16-bit operands, for
-      which every precision is exact; ``None`` on the logits paths.
     kept_ids: the call computes only the kept columns' logits (``linear_kept_ids``,
       ``logits_kept_ids``; an objective through them under autodiff); else kept ids, if
       any, are packed into words first.
@@ -117,38 +102,96 @@ class Plan(NamedTuple):
       number, or off GPUs, or not float32), ``"barrier"`` (XLA's division behind an
       optimization barrier, so a constant folds as an argument computes) or ``"mosaic"``
       (``mosaic_reciprocal``'s kernel, on Hopper).
-    in_place: the logits path's backward overwrites the logits (``backward_in_place``):
-      ``"kernel"`` (``mosaic_rows_grad.overwrite``: the Mosaic plan with ``T`` a multiple
-      of 8) or ``"chunks"`` (a loop over the plan's chunks); ``None``: the gradient is a
-      new array.
-    rows: the fused paths' tokens as the kernels run them: ``T``, or ``T`` with ignored
-      rows appended (the Mosaic per-token path: a multiple of 8, at least 256; the
-      objective path: at least one ``grad_chunk``); ``None`` on the logits paths.
   """
   backend: Backend
   reason: str
-  chunk: int | None = None
-  block: int | None = None
-  grad_chunk: int | None = None
-  kernel_chunk: int | None = None
-  backward_order: str | None = None
   interpret: bool = True
   num_cores: int = 4
   exact_sums: bool = False
-  matmul_tile: tuple[int, int] | None = None
   invariant_to: tuple[str, ...] = ()
   kept_ids: bool = False
-  precision: str | None = None
   reciprocal: str = "xla"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LogitsPlan(Plan):
+  """The logits paths' plan (``logprobs_and_entropy``, ``token_loss``): the head, and
+
+  Attributes:
+    chunk: tokens per step of the XLA forward's scan and of the in-place backward's loop,
+      or ``None`` where no loop over tokens runs (the one-pass kernels).
+    in_place: the backward overwrites the logits (``backward_in_place``): ``"kernel"``
+      (``mosaic_rows_grad.overwrite``: the Mosaic plan with ``T`` a multiple of 8) or
+      ``"chunks"`` (a loop over the chunks); ``None``: the gradient is a new array.
+  """
+  chunk: int | None = None
   in_place: str | None = None
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LinearPlan(Plan):
+  """What the fused paths' plans add to the head.
+
+  Attributes:
+    precision: the matmul precision, a ``jax.lax.Precision`` name (``"default"``,
+      ``"high"``, ``"highest"``): the call's ``precision=``, else JAX's
+      ``jax_default_matmul_precision`` when it was traced (``"default"`` when unset; on
+      GPUs TF32 for float32 operands). The Mosaic kernels multiply 16-bit operands, for
+      which every precision is exact.
+    matmul_tile: with ``exact_sums``, ``(rows, columns)`` of every forward ``hidden @
+      weight`` matmul, the same for every call on the platform (a matmul's rows depend on
+      its shape); else ``None``.
+    rows: the tokens as the kernels run them: ``T``, or ``T`` with ignored rows appended
+      (the Mosaic per-token path: a multiple of 8, at least 256; the objective path: at
+      least one ``grad_chunk``).
+  """
+  precision: str | None = None
+  matmul_tile: tuple[int, int] | None = None
   rows: int | None = None
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class FusedPlan(LinearPlan):
+  """The fused per-token path's plan (``linear_logprobs_and_entropy``): the head, the fused
+  paths' fields (:class:`LinearPlan`), and
+
+  Attributes:
+    chunk: the tile's rows (with ``"mosaic"``, all ``T`` or a multiple of 256: the
+      backward walks equal chunks, then the rows left in one call).
+    block: vocabulary columns per tile.
+    kernel_chunk: tokens per call of the Mosaic forward kernel (``mosaic_head``): all
+      ``T`` or a multiple of 256 (the rows left take one call of their own); ``None``
+      on the other backends.
+    backward_order: the backward's outer loop, ``"vocab"`` or ``"token"``.
+  """
+  chunk: int | None = None
+  block: int | None = None
+  kernel_chunk: int | None = None
+  backward_order: str | None = None
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ObjectivePlan(LinearPlan):
+  """The fused objective path's plan (``linear_token_loss``): the head, the fused paths'
+  fields (:class:`LinearPlan`), and
+
+  Attributes:
+    chunk: the rows whose full vocabulary is held at once.
+    grad_chunk: tokens per pair of gradient matmuls, a multiple of ``chunk``.
+    kernel_chunk: with the fused head's kernel, its tokens per call (``chunk``, a group,
+      whose ``exp(z - m)`` terms the kernel writes with their statistics); else ``None``.
+  """
+  chunk: int | None = None
+  grad_chunk: int | None = None
+  kernel_chunk: int | None = None
 
 
 class Config(NamedTuple):
   """The static configuration of one kernel call.
 
   Attributes:
-    plan: the shard's ``Plan``.
+    plan: the shard's plan (the operation's ``Plan``: ``LogitsPlan``, ``FusedPlan`` or
+      ``ObjectivePlan``).
     vocab_size: the logical vocabulary (kept labels at or above it give NaN).
     mask_vocab: ``vocab_size`` when some of the columns lie beyond it, else ``None``.
     vocab_axis: the mesh axis (or tuple) the columns are split over, or ``None``.

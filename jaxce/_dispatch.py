@@ -185,10 +185,8 @@ def _shard(op, options, objective, operands, labels, temperature, where, keep, t
     flat = (hidden.reshape(num_tokens, hidden.shape[-1]), weight, bias)
   else:
     flat = (primary.reshape(num_tokens, num_columns),)
-  mask_vocab = (options.vocab_size if options.vocab_size < num_columns * options.vocab_shards
-                else None)
   config = Config(
-      plan=shard_plan, vocab_size=options.vocab_size, mask_vocab=mask_vocab,
+      plan=shard_plan, vocab_size=options.vocab_size,
       vocab_axis=vocab_axis, with_entropy=with_entropy, softcap=options.logit_softcap,
       vocab_dim=options.vocab_dim,
       hidden_grad_in_output=options.hidden_grad_accumulation == "output")

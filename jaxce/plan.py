@@ -271,7 +271,9 @@ def make(operation, options, shard: Shard) -> Plan:
     implementation = ALIASES.get(implementation, implementation)
   batch_invariant = bool(options.batch_invariant)
   head = dict(interpret=target.platform != "gpu", num_cores=target.num_cores,
-              reciprocal=_reciprocal(target, shard))
+              reciprocal=_reciprocal(target, shard),
+              mask_vocab=(options.vocab_size
+                          if options.vocab_size < num_columns * options.vocab_shards else None))
   if operation.fused:
     head.update(precision=matmul_precision(options.precision))
   packed_ids = ""  # (kept ids packed into words: why)

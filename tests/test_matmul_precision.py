@@ -81,9 +81,10 @@ def test_precision_is_checked_and_only_fused_calls_have_one():
   hidden, weight, labels = _problem()
   with pytest.raises(ValueError, match="precision must be None"):
     jaxce.linear_logprobs_and_entropy(hidden, weight, labels, precision="exact")
-  logits = jnp.zeros((4, 8))
-  assert jaxce.plan.of(jaxce.logprobs_and_entropy, logits, jnp.zeros(4, jnp.int32)).precision \
-      is None
+  logits = jnp.zeros((4, 8))  # (a logits plan has no matmul, and no precision field)
+  assert not hasattr(jaxce.plan.of(jaxce.logprobs_and_entropy, logits, jnp.zeros(4, jnp.int32)),
+                     "precision")
+  assert jaxce.plan.of(jaxce.linear_logprobs_and_entropy, hidden, weight, labels).precision
 
 
 @pytest.mark.parametrize("path", ["per_token", "objective", "kept_ids"])

@@ -102,6 +102,8 @@ class Plan:
       number, or off GPUs, or not float32), ``"barrier"`` (XLA's division behind an
       optimization barrier, so a constant folds as an argument computes) or ``"mosaic"``
       (``mosaic_reciprocal``'s kernel, on Hopper).
+    mask_vocab: ``vocab_size=`` where some of the columns lie at or beyond it (a padded
+      vocabulary: the kernels mask them), else ``None`` (no column is masked).
   """
   backend: Backend
   reason: str
@@ -111,6 +113,7 @@ class Plan:
   invariant_to: tuple[str, ...] = ()
   kept_ids: bool = False
   reciprocal: str = "xla"
+  mask_vocab: int | None = None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -193,7 +196,6 @@ class Config(NamedTuple):
     plan: the shard's plan (the operation's ``Plan``: ``LogitsPlan``, ``FusedPlan`` or
       ``ObjectivePlan``).
     vocab_size: the logical vocabulary (kept labels at or above it give NaN).
-    mask_vocab: ``vocab_size`` when some of the columns lie beyond it, else ``None``.
     vocab_axis: the mesh axis (or tuple) the columns are split over, or ``None``.
     with_entropy: compute (and return) the entropy.
     softcap: ``c`` of ``c * tanh(x / c)`` (fused paths), or ``None``.
@@ -202,7 +204,6 @@ class Config(NamedTuple):
   """
   plan: Plan
   vocab_size: int
-  mask_vocab: int | None
   vocab_axis: object
   with_entropy: bool
   softcap: float | None = None

@@ -32,7 +32,7 @@ def entries(tokens: Tokens, num_columns: int, config: Config, multiple: int = 1)
   ids, token = tokens.kept
   num_tokens = tokens.labels.shape[0]
   shard_start = softmax.shard_column_start(num_columns, config.vocab_axis)
-  limit = num_columns if config.mask_vocab is None else config.mask_vocab - shard_start
+  limit = num_columns if config.plan.mask_vocab is None else config.plan.mask_vocab - shard_start
   safe_token = jnp.clip(token, 0, num_tokens - 1)
   column = ids - shard_start
   kept = ((ids >= 0) & (token >= 0) & (token < num_tokens) & (column >= 0)

@@ -132,7 +132,7 @@ def _forward(hidden, weight, bias, tokens, config):
                            config.plan.precision)
       if config.plan.backend == "triton":  # the tile's columns: ids in [first_column, mask_vocab)
         tile_start = shard_start + col
-        limit = softmax.column_limit(config.mask_vocab, tile_start, block)
+        limit = softmax.column_limit(config.plan.mask_vocab, tile_start, block)
         tile_m, tile_s, tile_q = triton_rows.row_statistics(
             x, chunk_tokens.inv_temp, limit, config.with_entropy,
             start=first_column - tile_start, interpret=config.plan.interpret)
@@ -141,7 +141,7 @@ def _forward(hidden, weight, bias, tokens, config):
       else:
         kept_tile = _tile_kept(chunk_tokens, col, block, shard_start)
         z = softmax.scaled_logits(x, chunk_tokens.inv_temp, shard_start + col,
-                                  config.mask_vocab, first_column, kept_tile)
+                                  config.plan.mask_vocab, first_column, kept_tile)
         new = softmax.accumulate_tile(m, s, q, z)
       new += (picked + softmax.label_logit(x, chunk_tokens.labels, chunk_tokens.inv_temp,
                                            shard_start + col, first_column),)
@@ -186,7 +186,7 @@ def _mosaic_statistics(hidden, weight, tokens, shard_start, config):
   order, every shard's tiles gathered in rank order first. Each token's bits depend on its
   own inputs alone."""
   num_tokens, num_columns = hidden.shape[0], weight.shape[config.vocab_dim]
-  limit = softmax.kernel_limit(config.mask_vocab, shard_start, num_columns)
+  limit = softmax.kernel_limit(config.plan.mask_vocab, shard_start, num_columns)
 
   def chunk_step(_, start, size):
     h, chunk_tokens = chunking.take_rows((hidden, tokens), start, size)
@@ -301,7 +301,7 @@ def _tile_grads(bwd: _Backward, rows, w_cols, b_cols, col, first_column, width=N
   if config.plan.backend == "mosaic":  # d formed in the matmul's epilogue (no bias here)
     kept_words = None if chunk_tokens.kept is None else lax.dynamic_slice_in_dim(
         chunk_tokens.kept, col // 32, -(-width // 32), axis=1)  # (col: a multiple of 128)
-    limit = softmax.kernel_limit(config.mask_vocab, shard_start + col, width)
+    limit = softmax.kernel_limit(config.plan.mask_vocab, shard_start + col, width)
     # A block that is not whole tiles (a ragged vocabulary's last; the block is a copy
     # already) is zero-padded to whole tiles, its padding masked as past the limit: every
     # tile then takes the 128-byte swizzle, at any width. Its d W columns are the
@@ -320,7 +320,7 @@ def _tile_grads(bwd: _Backward, rows, w_cols, b_cols, col, first_column, width=N
   else:
     x = head.tile_logits(h, w_cols, b_cols, config.softcap, vocab_dim, config.plan.precision)
     kept_tile = _tile_kept(chunk_tokens, col, width, shard_start)
-    z = softmax.scaled_logits(x, inv_temp, shard_start + col, config.mask_vocab,
+    z = softmax.scaled_logits(x, inv_temp, shard_start + col, config.plan.mask_vocab,
                               first_column, kept_tile)
     dz = softmax.logit_grad(z, label_column, *chunk_saved, *chunk_cotangents, row_mask)
     dx = head.logits_input_grad(dz, inv_temp, x, config.softcap, row_mask)

@@ -83,7 +83,7 @@ def _run(objective, hidden, weight, bias, tokens, token_args, config, with_grads
       return carry, outputs
     kept_tile = None if kept is None else softmax.kept_columns(
         kept, 0, num_columns, labels - column_start)
-    z = softmax.scaled_logits(x, inv_temp, column_start, config.mask_vocab, kept=kept_tile)
+    z = softmax.scaled_logits(x, inv_temp, column_start, config.plan.mask_vocab, kept=kept_tile)
     dz = softmax.logit_grad(z, labels - column_start, shift, log_sum, entropy, g_logp,
                             g_entropy, row_mask)
     dx = head.logits_input_grad(dz, inv_temp, x, config.softcap, row_mask)
@@ -96,7 +96,7 @@ def _run(objective, hidden, weight, bias, tokens, token_args, config, with_grads
     head's forward kernel (the rows' tile statistics and, when differentiating, their
     ``exp(z - m_tile)`` terms), then one kernel writing ``d`` over the terms."""
     h, group_tokens, group_args, fresh = group_rows
-    limit = softmax.kernel_limit(config.mask_vocab, column_start, num_columns)
+    limit = softmax.kernel_limit(config.plan.mask_vocab, column_start, num_columns)
     out = mosaic_head.statistics(
         h, weight, group_tokens.labels, group_tokens.inv_temp, limit, group_tokens.kept,
         column_start=column_start, vocab_dim=vocab_dim, softcap=config.softcap,

@@ -49,7 +49,7 @@ def _logprobs_entropy_fwd(x, tokens, config):
 
 def _logprobs_entropy_bwd(config, residuals, cotangents):
   x, tokens, saved = residuals
-  mask_vocab, chunk, vocab_axis = config.mask_vocab, config.plan.chunk, config.vocab_axis
+  mask_vocab, chunk, vocab_axis = config.plan.mask_vocab, config.plan.chunk, config.vocab_axis
   g_logp = plumbing.symbolic_zero_to_none(cotangents[0])
   g_entropy = plumbing.symbolic_zero_to_none(cotangents[1]) if config.with_entropy else None
   if g_logp is None and g_entropy is None:

@@ -37,11 +37,11 @@ def statistics(x, tokens: Tokens, column_start, config):
   labels, inv_temp, valid, kept = tokens
   backend, interpret = config.plan.backend, config.plan.interpret
   if backend in ("mosaic", "triton"):
-    limit = softmax.column_limit(config.mask_vocab, column_start, x.shape[1])
+    limit = softmax.column_limit(config.plan.mask_vocab, column_start, x.shape[1])
     picked = softmax.label_logit(x, labels, inv_temp, column_start)
     if backend == "mosaic":  # (groups of columns, picked in the first)
       tiles = mosaic_rows.statistics(x, inv_temp, picked,
-                                     None if config.mask_vocab is None else limit, kept,
+                                     None if config.plan.mask_vocab is None else limit, kept,
                                      None if kept is None else labels - column_start,
                                      layout=layout(x.shape[1], config.vocab_axis),
                                      with_entropy=config.with_entropy, interpret=interpret)
@@ -52,10 +52,10 @@ def statistics(x, tokens: Tokens, column_start, config):
     return tile_outputs(tiles, tokens, config)
   if config.plan.exact_sums:
     return softmax.exact_statistics(x, labels, inv_temp, valid, column_start,
-                                    config.vocab_size, config.mask_vocab, config.vocab_axis,
+                                    config.vocab_size, config.plan.mask_vocab, config.vocab_axis,
                                     config.with_entropy, kept, config.softcap)
   return softmax.chunk_statistics(x, labels, inv_temp, valid, column_start, config.vocab_size,
-                                  config.mask_vocab, config.vocab_axis, config.with_entropy,
+                                  config.plan.mask_vocab, config.vocab_axis, config.with_entropy,
                                   kept)
 
 

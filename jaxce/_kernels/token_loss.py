@@ -39,7 +39,7 @@ def _run(objective, x, tokens, token_args, config, with_grads):
   out = (loss, (logp, entropy))
   if not with_grads:
     return out, None
-  grad = logits_rows.gradient(x, tokens, saved, (g_logp, g_entropy), config.mask_vocab,
+  grad = logits_rows.gradient(x, tokens, saved, (g_logp, g_entropy), config.plan.mask_vocab,
                               softmax.shard_column_start(x.shape[1], config.vocab_axis),
                               config)
   # A zero-size slice carries x's type over shard_map axes to the backward, which sums

@@ -311,7 +311,8 @@ def make(operation, options, shard: Shard) -> Plan:
 
 def _logits_plan(operation, options, shard: Shard, head: dict) -> LogitsPlan:
   """The logits paths' plan: the XLA forward's (and the in-place backward's) chunk; the
-  in-place backward by the Mosaic kernel where ``T`` is whole tiles of 8 rows."""
+  in-place backward, and the gradient with kept sets, by the Mosaic kernels where ``T``
+  is whole tiles of 8 rows."""
   one_pass = head["backend"] in ("mosaic", "triton")  # (the kernels read every row)
   in_place = None
   if options.backward_in_place and not operation.is_objective:
@@ -321,7 +322,9 @@ def _logits_plan(operation, options, shard: Shard, head: dict) -> LogitsPlan:
   if not one_pass or in_place:
     chunk = logits_chunk(shard.num_tokens, shard.num_columns, options.chunk_size,
                          options.target.platform)
-  return LogitsPlan(chunk=chunk, in_place=in_place, **head)
+  kept_grad_kernel = (head["backend"] == "mosaic" and options.has_keep
+                      and shard.num_tokens % 8 == 0)  # (TMA's row tiling)
+  return LogitsPlan(chunk=chunk, in_place=in_place, kept_grad_kernel=kept_grad_kernel, **head)
 
 
 def _objective_plan(options, shard: Shard, head: dict, head_reason) -> ObjectivePlan:

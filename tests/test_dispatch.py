@@ -265,6 +265,10 @@ def test_the_plan_holds_the_reciprocal_the_in_place_backward_and_the_rows(monkey
   assert of_logits(temperature=0.7).reciprocal == "xla"
   assert of_logits(backward_in_place=True).in_place == "kernel"
   assert of_logits(T - 3, backward_in_place=True).in_place == "chunks"
+  keep = jaxce.keep.pack(np.ones((T, logits.shape[-1]), bool))
+  assert of_logits(keep=keep).kept_grad_kernel  # (kept sets: the gradient's kernel)
+  assert not of_logits(T - 3, keep=keep[:T - 3]).kept_grad_kernel  # (TMA's rows of 8)
+  assert not of_logits().kept_grad_kernel
   assert [of_linear(n).rows for n in (T, T - 3, 100)] == [T, T, 256]
   objective = plan.of(jaxce.linear_token_loss, OBJECTIVE, hidden[:100], weight, labels[:100],
                       adv[:100])
@@ -273,3 +277,4 @@ def test_the_plan_holds_the_reciprocal_the_in_place_backward_and_the_rows(monkey
       capability="8.0"))
   assert of_logits(temperature=temperature).reciprocal == "barrier"
   assert of_logits(backward_in_place=True).in_place == "chunks"
+  assert not of_logits(keep=keep).kept_grad_kernel  # (no Mosaic kernel off Hopper)

@@ -126,9 +126,14 @@ class LogitsPlan(Plan):
     in_place: the backward overwrites the logits (``backward_in_place``): ``"kernel"``
       (``mosaic_rows_grad.overwrite``: the Mosaic plan with ``T`` a multiple of 8) or
       ``"chunks"`` (a loop over the chunks); ``None``: the gradient is a new array.
+    kept_grad_kernel: the gradient's pass over the rows with kept sets (into a new array)
+      is ``mosaic_rows_grad.gradient``'s kernel, which reads the kept words with its
+      tiles (the Mosaic plan with ``T`` a multiple of 8: TMA's row tiling); else XLA's
+      fused pass.
   """
   chunk: int | None = None
   in_place: str | None = None
+  kept_grad_kernel: bool = False
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -114,12 +114,11 @@ def gradient(x, tokens: Tokens, saved, cotangents, mask_vocab, column_start, con
   tokens, the statistics the forward saved (``(m, log s, entropy or None)``) and the
   per-token cotangents (``(g_logp, g_entropy)``, ``[C]`` each; ``None`` for a symbolic
   zero): one elementwise pass. ``column_start``: the global id of ``x``'s first column.
-  With a kept set on ``config``'s Mosaic plan (``C`` a multiple of 8), the pass is
-  ``mosaic_rows_grad``'s kernel, which reads the kept words with its tiles; else XLA's
-  fused pass."""
+  Where ``config``'s plan says so (``kept_grad_kernel``: all the rows, with kept sets),
+  the pass is ``mosaic_rows_grad``'s kernel, which reads the kept words with its tiles;
+  else (or without ``config``: a chunk of rows) XLA's fused pass."""
   labels, inv_temp, valid, kept = tokens
-  if (kept is not None and config is not None and config.plan.backend == "mosaic"
-      and x.shape[0] % 8 == 0):  # (TMA's row tiling)
+  if config is not None and config.plan.kept_grad_kernel:
     limit = softmax.kernel_limit(mask_vocab, column_start, x.shape[1])
     return mosaic_rows_grad.gradient(x, tokens, saved, cotangents, column_start, limit,
                                      layout=layout(x.shape[1], config.vocab_axis),

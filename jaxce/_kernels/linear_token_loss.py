@@ -29,6 +29,7 @@ kernel, one chunk's f32 rows too), flat in T beyond ``d hidden``.
 from __future__ import annotations
 
 import functools
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -54,98 +55,47 @@ def _linear_token_loss(objective, hidden, weight, bias, tokens, token_args, conf
               with_grads=False)[0]
 
 
+class _Call(NamedTuple):
+  """What every group of a call reads: the ``objective``, the ``weight`` and ``bias`` (or
+  None), the call's ``config``, this shard's first global column, whether the gradients
+  are formed (``with_grads``), the padded rows (``hidden [rows, D]``, the ``tokens`` and
+  ``token_args``) and the primals as passed (the gradients take their types)."""
+  objective: Callable
+  weight: Any
+  bias: Any
+  config: Config
+  column_start: Any
+  with_grads: bool
+  hidden: Any
+  tokens: Tokens
+  token_args: tuple
+  primals: tuple
+
+  @property
+  def num_columns(self) -> int:
+    return self.weight.shape[self.config.vocab_dim]
+
+  @property
+  def operand_dtype(self):
+    return head.dtypes(self.hidden, self.weight)[0]
+
+
 def _run(objective, hidden, weight, bias, tokens, token_args, config, with_grads):
   """``((loss, (logp, entropy)), ((d hidden, d weight, d bias), type witnesses) or
   None)``: the gradients of this device's loss, not yet summed over shard_map axes."""
   num_tokens, num_columns = hidden.shape[0], weight.shape[config.vocab_dim]
-  chunk, group, vocab_dim = config.plan.chunk, config.plan.grad_chunk, config.vocab_dim
+  group = config.plan.grad_chunk
   operand_dtype, dtype = head.dtypes(hidden, weight)
-  column_start = softmax.shard_column_start(num_columns, config.vocab_axis)
   primals = (hidden, weight, bias)
   # (the plan's rows: fewer tokens than a group are padded to it, so the batch-invariant
   # matmul keeps its rows and the kernel takes at least its 256 and a multiple of 8)
   padded = config.plan.rows
-  hidden, tokens = chunking.pad_rows(hidden, padded), tokens.padded(padded)
-  token_args = tuple(chunking.pad_rows(a, padded) for a in token_args)
-
-  def chunk_step(group_rows, carry, i):
-    """Chunk ``i`` of a group's rows: its outputs and, when differentiating, its ``d``
-    written into the group's (the operand dtype) and the running ``d bias`` sum."""
-    h, chunk_tokens, chunk_args, fresh = chunking.take_rows(group_rows, i * chunk, chunk)
-    labels, inv_temp, valid, kept = chunk_tokens
-    x, (logp, shift, log_sum, entropy) = _rows(h, weight, bias, chunk_tokens, column_start,
-                                               config)
-    row_mask = valid & fresh  # a clamped group's overlap counts once
-    loss, g_logp, g_entropy = loss_terms.terms_and_cotangents(
-        objective, logp, entropy, list(chunk_args), row_mask, with_grads)
-    outputs = (loss, logp) + ((entropy,) if config.with_entropy else ())
-    if not with_grads:
-      return carry, outputs
-    kept_tile = None if kept is None else softmax.kept_columns(
-        kept, 0, num_columns, labels - column_start)
-    z = softmax.scaled_logits(x, inv_temp, column_start, config.plan.mask_vocab, kept=kept_tile)
-    dz = softmax.logit_grad(z, labels - column_start, shift, log_sum, entropy, g_logp,
-                            g_entropy, row_mask)
-    dx = head.logits_input_grad(dz, inv_temp, x, config.softcap, row_mask)
-    d_group, d_bias = carry
-    d_group = lax.dynamic_update_slice_in_dim(d_group, dx.astype(operand_dtype), i * chunk, 0)
-    return (d_group, None if d_bias is None else d_bias + jnp.sum(dx, axis=0)), outputs
-
-  def kernel_group(group_rows):
-    """A group's outputs and, when differentiating, its ``d``: one call of the fused
-    head's forward kernel (the rows' tile statistics and, when differentiating, their
-    ``exp(z - m_tile)`` terms), then one kernel writing ``d`` over the terms."""
-    h, group_tokens, group_args, fresh = group_rows
-    limit = softmax.kernel_limit(config.plan.mask_vocab, column_start, num_columns)
-    out = mosaic_head.statistics(
-        h, weight, group_tokens.labels, group_tokens.inv_temp, limit, group_tokens.kept,
-        column_start=column_start, vocab_dim=vocab_dim, softcap=config.softcap,
-        with_entropy=config.with_entropy, interpret=config.plan.interpret,
-        num_cores=config.plan.num_cores, with_exp=with_grads)
-    tiles, e = out if with_grads else (out, None)
-    logp, shift, log_sum, entropy = logits_rows.tile_outputs(tiles, group_tokens, config)
-    row_mask = group_tokens.valid & fresh  # a clamped group's overlap counts once
-    loss, g_logp, g_entropy = loss_terms.terms_and_cotangents(
-        objective, logp, entropy, list(group_args), row_mask, with_grads)
-    outputs = (jnp.sum(loss), logp) + ((entropy,) if config.with_entropy else ())
-    if not with_grads:
-      return None, outputs
-    d = mosaic_rows_grad.exp_overwrite(
-        e, tiles, group_tokens._replace(valid=row_mask), (shift, log_sum, entropy),
-        (g_logp, g_entropy), column_start,
-        layout=logits_rows.layout(num_columns, config.vocab_axis), softcap=config.softcap,
-        interpret=config.plan.interpret)
-    # (the kernels' outputs drop the shard_map axes: d varies like the weight's shard)
-    return plumbing.unify_varying((d, weight), config.vocab_axis)[0], outputs
-
-  def group_step(carry, g):
-    start = chunking.chunk_start(g, padded, group)
-    fresh = chunking.fresh_rows(g, start, group)
-    h, group_tokens, group_args = chunking.take_rows((hidden, tokens, token_args), start,
-                                                     group)
-    group_rows = (h, group_tokens, group_args, fresh)
-    # (the group's d: one buffer carried from group to group, written in place)
-    d_hidden, d_weight, d_bias, d = carry if with_grads else (None,) * 4
-    if config.plan.kernel_chunk is not None:
-      d, outputs = kernel_group(group_rows)
-    else:
-      (d, d_bias), (loss, *per_token) = lax.scan(functools.partial(chunk_step, group_rows),
-                                                 (d, d_bias), jnp.arange(group // chunk))
-      flat = lambda a: a.reshape((group,) + a.shape[2:])  # [chunks, chunk, ...] -> [group, ...]
-      outputs = (jnp.sum(loss), *map(flat, per_token))
-    if not with_grads:
-      return carry, outputs
-    row_mask = group_tokens.valid & fresh
-    h = jnp.where(row_mask[:, None], h, 0)  # an ignored row's NaN must not reach d W as 0 * NaN
-    dh_rows = head.contract(d, weight, 1, vocab_dim, config.plan.precision)
-    dh_rows = plumbing.sum_over_shards(dh_rows, config.vocab_axis, primals[0])
-    d_hidden = chunking.write_fresh(d_hidden, dh_rows, start, fresh)
-    d_weight_group = head.weight_grad(h, d, vocab_dim, config.plan.precision)
-    # (None before the first group, which writes the sum without reading zeros)
-    d_weight = d_weight_group if d_weight is None else d_weight + d_weight_group
-    # (the kernel's groups make their d afresh: none is carried)
-    return (d_hidden, d_weight, d_bias, None if config.plan.kernel_chunk else d), outputs
-
+  call = _Call(objective, weight, bias, config,
+               softmax.shard_column_start(num_columns, config.vocab_axis), with_grads,
+               chunking.pad_rows(hidden, padded), tokens.padded(padded),
+               tuple(chunking.pad_rows(a, padded) for a in token_args), primals)
+  hidden, tokens = call.hidden, call.tokens
+  group_step = functools.partial(_group_step, call)
   n_groups = chunking.num_chunks(padded, group)
   if with_grads:
     # d hidden's rows arrive summed over the vocab shards, so it varies like hidden; the
@@ -179,6 +129,96 @@ def _run(objective, hidden, weight, bias, tokens, token_args, config, with_grads
   # sums the scaled gradients over the axes the primal does not vary over.
   witnesses = tuple(None if p is None else p.reshape(-1)[:0] for p in primals)
   return out, (grads, witnesses)
+
+
+def _group_step(call: _Call, carry, g):
+  """Group ``g`` of the scan: its outputs and, when differentiating, the carry ``(d
+  hidden, d weight sum or None before the first group, d bias sum or None, the group's d
+  buffer or None)`` with the group's gradients added."""
+  config, weight, vocab_dim = call.config, call.weight, call.config.vocab_dim
+  padded, group, chunk = config.plan.rows, config.plan.grad_chunk, config.plan.chunk
+  start = chunking.chunk_start(g, padded, group)
+  fresh = chunking.fresh_rows(g, start, group)
+  h, group_tokens, group_args = chunking.take_rows((call.hidden, call.tokens, call.token_args),
+                                                   start, group)
+  group_rows = (h, group_tokens, group_args, fresh)
+  # (the group's d: one buffer carried from group to group, written in place)
+  d_hidden, d_weight, d_bias, d = carry if call.with_grads else (None,) * 4
+  if config.plan.kernel_chunk is not None:
+    d, outputs = _kernel_group(call, group_rows)
+  else:
+    (d, d_bias), (loss, *per_token) = lax.scan(functools.partial(_chunk_step, call, group_rows),
+                                               (d, d_bias), jnp.arange(group // chunk))
+    flat = lambda a: a.reshape((group,) + a.shape[2:])  # [chunks, chunk, ...] -> [group, ...]
+    outputs = (jnp.sum(loss), *map(flat, per_token))
+  if not call.with_grads:
+    return carry, outputs
+  row_mask = group_tokens.valid & fresh
+  h = jnp.where(row_mask[:, None], h, 0)  # an ignored row's NaN must not reach d W as 0 * NaN
+  dh_rows = head.contract(d, weight, 1, vocab_dim, config.plan.precision)
+  dh_rows = plumbing.sum_over_shards(dh_rows, config.vocab_axis, call.primals[0])
+  d_hidden = chunking.write_fresh(d_hidden, dh_rows, start, fresh)
+  d_weight_group = head.weight_grad(h, d, vocab_dim, config.plan.precision)
+  # (None before the first group, which writes the sum without reading zeros)
+  d_weight = d_weight_group if d_weight is None else d_weight + d_weight_group
+  # (the kernel's groups make their d afresh: none is carried)
+  return (d_hidden, d_weight, d_bias, None if config.plan.kernel_chunk else d), outputs
+
+
+def _chunk_step(call: _Call, group_rows, carry, i):
+  """Chunk ``i`` of a group's rows (XLA's matmul): its outputs and, when differentiating,
+  its ``d`` written into the group's (the operand dtype) and the running ``d bias``
+  sum."""
+  config, column_start, chunk = call.config, call.column_start, call.config.plan.chunk
+  h, chunk_tokens, chunk_args, fresh = chunking.take_rows(group_rows, i * chunk, chunk)
+  labels, inv_temp, valid, kept = chunk_tokens
+  x, (logp, shift, log_sum, entropy) = _rows(h, call.weight, call.bias, chunk_tokens,
+                                             column_start, config)
+  row_mask = valid & fresh  # a clamped group's overlap counts once
+  loss, g_logp, g_entropy = loss_terms.terms_and_cotangents(
+      call.objective, logp, entropy, list(chunk_args), row_mask, call.with_grads)
+  outputs = (loss, logp) + ((entropy,) if config.with_entropy else ())
+  if not call.with_grads:
+    return carry, outputs
+  kept_tile = None if kept is None else softmax.kept_columns(
+      kept, 0, call.num_columns, labels - column_start)
+  z = softmax.scaled_logits(x, inv_temp, column_start, config.plan.mask_vocab, kept=kept_tile)
+  dz = softmax.logit_grad(z, labels - column_start, shift, log_sum, entropy, g_logp,
+                          g_entropy, row_mask)
+  dx = head.logits_input_grad(dz, inv_temp, x, config.softcap, row_mask)
+  d_group, d_bias = carry
+  d_group = lax.dynamic_update_slice_in_dim(d_group, dx.astype(call.operand_dtype), i * chunk,
+                                            0)
+  return (d_group, None if d_bias is None else d_bias + jnp.sum(dx, axis=0)), outputs
+
+
+def _kernel_group(call: _Call, group_rows):
+  """A group's outputs and, when differentiating, its ``d``: one call of the fused head's
+  forward kernel (the rows' tile statistics and, when differentiating, their ``exp(z -
+  m_tile)`` terms), then one kernel writing ``d`` over the terms."""
+  config, column_start, with_grads = call.config, call.column_start, call.with_grads
+  h, group_tokens, group_args, fresh = group_rows
+  limit = softmax.kernel_limit(config.plan.mask_vocab, column_start, call.num_columns)
+  out = mosaic_head.statistics(
+      h, call.weight, group_tokens.labels, group_tokens.inv_temp, limit, group_tokens.kept,
+      column_start=column_start, vocab_dim=config.vocab_dim, softcap=config.softcap,
+      with_entropy=config.with_entropy, interpret=config.plan.interpret,
+      num_cores=config.plan.num_cores, with_exp=with_grads)
+  tiles, e = out if with_grads else (out, None)
+  logp, shift, log_sum, entropy = logits_rows.tile_outputs(tiles, group_tokens, config)
+  row_mask = group_tokens.valid & fresh  # a clamped group's overlap counts once
+  loss, g_logp, g_entropy = loss_terms.terms_and_cotangents(
+      call.objective, logp, entropy, list(group_args), row_mask, with_grads)
+  outputs = (jnp.sum(loss), logp) + ((entropy,) if config.with_entropy else ())
+  if not with_grads:
+    return None, outputs
+  d = mosaic_rows_grad.exp_overwrite(
+      e, tiles, group_tokens._replace(valid=row_mask), (shift, log_sum, entropy),
+      (g_logp, g_entropy), column_start,
+      layout=logits_rows.layout(call.num_columns, config.vocab_axis), softcap=config.softcap,
+      interpret=config.plan.interpret)
+  # (the kernels' outputs drop the shard_map axes: d varies like the weight's shard)
+  return plumbing.unify_varying((d, call.weight), config.vocab_axis)[0], outputs
 
 
 def _rows(hidden, weight, bias, tokens, column_start, config):

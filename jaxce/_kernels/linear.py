@@ -42,6 +42,7 @@ inside: a call's work is its rows rounded up to 256.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple
 
 import jax
@@ -375,47 +376,13 @@ def _vocab_outer_grads(bwd: _Backward):
   n_blocks, vocab_dim, block = bwd.num_blocks, config.vocab_dim, config.plan.block
   num_columns = weight.shape[vocab_dim]
   # With the Mosaic kernels a ragged vocabulary's last block is as wide as the columns left
-  # (a multiple of 128), before the scan (after it, XLA may run its kernel early and hold
-  # its tiles through the scan): no column is done twice, and no block masks any (no
-  # vocab_size or kept sets). Otherwise its clamped last block runs first: its overlap with
-  # the block before it gets exact zeros, which that block's own columns then overwrite
-  # (no read-back).
+  # (any width: ``_tile_grads`` pads it to whole tiles), before the scan (after it, XLA may
+  # run its kernel early and hold its tiles through the scan): no column is done twice,
+  # and no block masks any (no vocab_size or kept sets). Otherwise its clamped last block
+  # runs first: its overlap with the block before it gets exact zeros, which that block's
+  # own columns then overwrite (no read-back).
   narrow = config.plan.backend == "mosaic"
-  ragged = num_columns % block != 0
   whole = _chunk_rows(bwd, 0, chunks.total) if len(chunks.sizes) == 1 else None
-
-  def block_grads(grads, col, w_cols, b_cols, first_column, width):
-    d_hidden, d_weight, d_bias = grads
-    if whole is not None:
-      dh_rows, dw_block, db_block = _tile_grads(bwd, whole, w_cols, b_cols, col, first_column,
-                                                width, dw_dtype=weight.dtype)
-      return _write_block(bwd, (_add_rows(d_hidden, dh_rows, 0), d_weight, d_bias), col,
-                          dw_block, db_block)
-    step = lambda start, size: _tile_grads(bwd, _chunk_rows(bwd, start, size), w_cols, b_cols,
-                                           col, first_column, width)
-
-    def chunk_step(carry, start, size):
-      d_hidden, dw_block, db_block = carry
-      dh_rows, dw_tile, db_tile = step(start, size)
-      return (_add_rows(d_hidden, dh_rows, start), dw_block + dw_tile,
-              None if db_block is None else db_block + db_tile), None
-
-    # The first tile starts the block's f32 sums (no zero-filled accumulator to add to).
-    dh_rows, dw_block, db_block = step(0, chunks.sizes[0])
-    (d_hidden, dw_block, db_block), _ = chunking.scan_chunks(
-        chunk_step, (_add_rows(d_hidden, dh_rows, 0), dw_block, db_block), chunks, first=1)
-    return _write_block(bwd, (d_hidden, d_weight, d_bias), col, dw_block, db_block)
-
-  def block_step(grads, k):
-    if narrow:  # (blocks of their own columns: no overlap)
-      col = k * block
-      w_cols = lax.dynamic_slice_in_dim(weight, col, block, vocab_dim)
-      b_cols = None if bias is None else lax.dynamic_slice_in_dim(bias, col, block, 0)
-      return block_grads(grads, col, w_cols, b_cols, None, block), None
-    j = (k + n_blocks - 1) % n_blocks if ragged else k
-    col, w_cols, b_cols, first_column = _block_slices(bwd, j)
-    return block_grads(grads, col, w_cols, b_cols, first_column, block), None
-
   dtype = head.dtypes(hidden, weight)[1]
   accumulator_dtype = hidden.dtype if config.hidden_grad_in_output else dtype
   # (every column is written by a block: no zeros; the weight's varying type inside shard_map)
@@ -427,11 +394,54 @@ def _vocab_outer_grads(bwd: _Backward):
   if full_blocks * block < num_columns:  # (narrow: the columns left)
     col = full_blocks * block
     columns = lambda a, dim: lax.slice_in_dim(a, col, num_columns, axis=dim)
-    carry = block_grads(carry, col, columns(weight, vocab_dim),
-                        None if bias is None else columns(bias, 0), None, num_columns - col)
-  (d_hidden, d_weight, d_bias), _ = lax.scan(block_step, carry, jnp.arange(full_blocks))
+    carry = _block_grads(bwd, whole, carry, col, columns(weight, vocab_dim),
+                         None if bias is None else columns(bias, 0), None, num_columns - col)
+  (d_hidden, d_weight, d_bias), _ = lax.scan(
+      functools.partial(_vocab_block_step, bwd, whole, narrow), carry, jnp.arange(full_blocks))
   d_hidden = plumbing.sum_over_shards(d_hidden, config.vocab_axis, bwd.primals[0])
   return d_hidden.astype(hidden.dtype), d_weight, d_bias
+
+
+def _vocab_block_step(bwd: _Backward, whole, narrow, grads, k):
+  """The vocab-outer scan's step ``k``: block ``k`` of the blocks of their own columns
+  (``narrow``: the Mosaic kernels), or of the clamped blocks, the last one first."""
+  block, vocab_dim, n_blocks = bwd.config.plan.block, bwd.config.vocab_dim, bwd.num_blocks
+  if narrow:  # (blocks of their own columns: no overlap)
+    col = k * block
+    w_cols = lax.dynamic_slice_in_dim(bwd.weight, col, block, vocab_dim)
+    b_cols = None if bwd.bias is None else lax.dynamic_slice_in_dim(bwd.bias, col, block, 0)
+    return _block_grads(bwd, whole, grads, col, w_cols, b_cols, None, block), None
+  ragged = bwd.weight.shape[vocab_dim] % block != 0
+  j = (k + n_blocks - 1) % n_blocks if ragged else k
+  col, w_cols, b_cols, first_column = _block_slices(bwd, j)
+  return _block_grads(bwd, whole, grads, col, w_cols, b_cols, first_column, block), None
+
+
+def _block_grads(bwd: _Backward, whole, grads, col, w_cols, b_cols, first_column, width):
+  """``grads`` (``(d hidden, d weight, d bias)``) with a vocab block's added: its ``d W``
+  (and ``d bias``) columns summed over the token chunks and written once, its ``d
+  hidden`` rows added. ``whole``: the rows of the plan's one chunk (``_chunk_rows``),
+  taken once for every block, or None (several chunks, scanned)."""
+  d_hidden, d_weight, d_bias = grads
+  if whole is not None:
+    dh_rows, dw_block, db_block = _tile_grads(bwd, whole, w_cols, b_cols, col, first_column,
+                                              width, dw_dtype=bwd.weight.dtype)
+    return _write_block(bwd, (_add_rows(d_hidden, dh_rows, 0), d_weight, d_bias), col,
+                        dw_block, db_block)
+  step = lambda start, size: _tile_grads(bwd, _chunk_rows(bwd, start, size), w_cols, b_cols,
+                                         col, first_column, width)
+
+  def chunk_step(carry, start, size):
+    d_hidden, dw_block, db_block = carry
+    dh_rows, dw_tile, db_tile = step(start, size)
+    return (_add_rows(d_hidden, dh_rows, start), dw_block + dw_tile,
+            None if db_block is None else db_block + db_tile), None
+
+  # The first tile starts the block's f32 sums (no zero-filled accumulator to add to).
+  dh_rows, dw_block, db_block = step(0, bwd.chunks.sizes[0])
+  (d_hidden, dw_block, db_block), _ = chunking.scan_chunks(
+      chunk_step, (_add_rows(d_hidden, dh_rows, 0), dw_block, db_block), bwd.chunks, first=1)
+  return _write_block(bwd, (d_hidden, d_weight, d_bias), col, dw_block, db_block)
 
 
 # Token chunks outer with the Mosaic kernels: up to this many vocab blocks are unrolled,
@@ -440,6 +450,17 @@ def _vocab_outer_grads(bwd: _Backward):
 # added into one weight-shaped sum (XLA:CPU's schedule keeps unrolled blocks' tiles live
 # together).
 MAX_UNROLLED_BLOCKS = 64
+
+
+class _TokenOuter(NamedTuple):
+  """The token-outer backward's vocab blocks: with ``unrolled`` (the Mosaic kernels, up to
+  ``MAX_UNROLLED_BLOCKS``) the blocks' first local columns ``starts`` and ``widths`` (the
+  last as wide as the columns left), each with a sum of its own; else one sum like the
+  weight (``starts == (0,)``, ``widths == (V_local,)``) that scanned blocks add into."""
+  bwd: _Backward
+  unrolled: bool
+  starts: tuple
+  widths: tuple
 
 
 def _token_outer_grads(bwd: _Backward):
@@ -458,75 +479,95 @@ def _token_outer_grads(bwd: _Backward):
   Memory beyond the outputs: the sums (like the weight) and one chunk's tiles, whatever
   T. The token chunks are ``bwd.chunks`` (``row_chunks``): each row once."""
   config, weight, bias = bwd.config, bwd.weight, bwd.bias
-  block, n_blocks, dtype = config.plan.block, bwd.num_blocks, head.dtypes(bwd.hidden, weight)[1]
+  block, dtype = config.plan.block, head.dtypes(bwd.hidden, weight)[1]
   vocab_dim, num_columns = config.vocab_dim, weight.shape[config.vocab_dim]
-  unrolled = config.plan.backend == "mosaic" and n_blocks <= MAX_UNROLLED_BLOCKS
-  starts = range(0, num_columns, block) if unrolled else (0,)
-  widths = [min(block, num_columns - col) for col in starts] if unrolled else (num_columns,)
-  columns = lambda a, col, width, dim: lax.slice_in_dim(a, col, col + width, axis=dim)
-
-  def unrolled_blocks(rows, dw_sums, db_sums):
-    dh_rows, new_dw, new_db = None, [], []
-    for col, width, dw_sum, db_sum in zip(starts, widths, dw_sums, db_sums):
-      # The block's weight columns are sliced from a barrier on this chunk's values, so
-      # XLA cannot hoist the slices out of the chunk loop (a copy of the weight held for
-      # the whole backward); each block's tiles wait for the last block's GEMMs (one live).
-      if dh_rows is None:
-        weight_here, _ = lax.optimization_barrier((weight, rows[0]))
-      else:
-        weight_here, dh_rows, new_dw[-1] = lax.optimization_barrier((weight, dh_rows,
-                                                                     new_dw[-1]))
-      w_cols = columns(weight_here, col, width, vocab_dim)
-      b_cols = None if bias is None else columns(bias, col, width, 0)
-      dh_tile, dw_tile, db_tile = _tile_grads(bwd, rows, w_cols, b_cols, col, None, width)
-      dh_rows = dh_tile if dh_rows is None else dh_rows + dh_tile
-      new_dw.append(dw_sum + dw_tile)
-      new_db.append(None if db_sum is None else db_sum + db_tile)
-    return dh_rows, tuple(new_dw), tuple(new_db)
-
-  def scanned_blocks(rows, dw_sums, db_sums):
-    def block_step(carry, j):
-      dh_rows, d_weight, d_bias = carry
-      col, w_cols, b_cols, first_column = _block_slices(bwd, j)
-      dh_tile, dw_tile, db_tile = _tile_grads(bwd, rows, w_cols, b_cols, col, first_column)
-      add = lambda a, t, dim: lax.dynamic_update_slice_in_dim(
-          a, lax.dynamic_slice_in_dim(a, col, t.shape[dim], dim) + t, col, dim)
-      return (dh_rows + dh_tile, add(d_weight, dw_tile, vocab_dim),
-              None if d_bias is None else add(d_bias, db_tile, 0)), None
-
-    dh_rows = jnp.zeros_like(rows[0], dtype)  # (zeros_like: the varying type too)
-    (dh_rows, d_weight, d_bias), _ = lax.scan(block_step, (dh_rows, *dw_sums, *db_sums),
-                                              jnp.arange(n_blocks))
-    return dh_rows, (d_weight,), (d_bias,)
-
-  def chunk_step(carry, start, size):
-    d_hidden, dw_sums, db_sums = carry
-    blocks = unrolled_blocks if unrolled else scanned_blocks
-    dh_rows, dw_sums, db_sums = blocks(_chunk_rows(bwd, start, size), dw_sums, db_sums)
-    dh_rows = plumbing.sum_over_shards(dh_rows, config.vocab_axis, bwd.primals[0])
-    d_hidden = lax.dynamic_update_slice_in_dim(d_hidden, dh_rows.astype(d_hidden.dtype),
-                                               start, 0)
-    return (d_hidden, dw_sums, db_sums), None
-
+  unrolled = config.plan.backend == "mosaic" and bwd.num_blocks <= MAX_UNROLLED_BLOCKS
+  starts = tuple(range(0, num_columns, block)) if unrolled else (0,)
+  widths = tuple(min(block, num_columns - col) for col in starts) if unrolled else (num_columns,)
+  outer = _TokenOuter(bwd, unrolled, starts, widths)
   # d hidden's rows are all-reduced as they are written: the sum has hidden's own type.
   # (zeros_like: the sums take the weight's varying type too)
   carry = (jnp.zeros_like(bwd.primals[0]),
-           tuple(jnp.zeros_like(columns(weight, col, width, vocab_dim), dtype)
+           tuple(jnp.zeros_like(_columns(weight, col, width, vocab_dim), dtype)
                  for col, width in zip(starts, widths)),
-           tuple(None if bias is None else jnp.zeros_like(columns(bias, col, width, 0), dtype)
+           tuple(None if bias is None else jnp.zeros_like(_columns(bias, col, width, 0), dtype)
                  for col, width in zip(starts, widths)))
-  (d_hidden, dw_sums, db_sums), _ = chunking.scan_chunks(chunk_step, carry, bwd.chunks)
+  (d_hidden, dw_sums, db_sums), _ = chunking.scan_chunks(
+      functools.partial(_token_chunk_step, outer), carry, bwd.chunks)
+  return (d_hidden, _assemble(starts, dw_sums, weight, vocab_dim),
+          None if bias is None else _assemble(starts, db_sums, bias, 0))
 
-  def assemble(sums, like, dim):
-    """The sums written into one array like ``like`` in its dtype, each cast as it is
-    written (no cast pieces beside the output)."""
-    out = jnp.zeros_like(like)
-    for col, piece in zip(starts, sums):
-      out = lax.dynamic_update_slice_in_dim(out, piece.astype(like.dtype), col, dim)
-    return out
 
-  return (d_hidden, assemble(dw_sums, weight, vocab_dim),
-          None if bias is None else assemble(db_sums, bias, 0))
+def _columns(a, col, width, dim):
+  """``a``'s ``width`` columns from ``col`` along ``dim`` (a static slice)."""
+  return lax.slice_in_dim(a, col, col + width, axis=dim)
+
+
+def _token_chunk_step(outer: _TokenOuter, carry, start, size):
+  """The token-outer scan's step: the chunk of rows ``[start, start + size)`` over every
+  vocab block, its ``d hidden`` rows all-reduced and written once, the sums added to."""
+  bwd = outer.bwd
+  d_hidden, dw_sums, db_sums = carry
+  blocks = _unrolled_blocks if outer.unrolled else _scanned_blocks
+  dh_rows, dw_sums, db_sums = blocks(outer, _chunk_rows(bwd, start, size), dw_sums, db_sums)
+  dh_rows = plumbing.sum_over_shards(dh_rows, bwd.config.vocab_axis, bwd.primals[0])
+  d_hidden = lax.dynamic_update_slice_in_dim(d_hidden, dh_rows.astype(d_hidden.dtype),
+                                             start, 0)
+  return (d_hidden, dw_sums, db_sums), None
+
+
+def _unrolled_blocks(outer: _TokenOuter, rows, dw_sums, db_sums):
+  """A chunk's ``rows`` over the unrolled blocks: ``(d hidden rows, the d W sums, the d
+  bias sums)``, each block's sum added inside its GEMM."""
+  bwd = outer.bwd
+  vocab_dim = bwd.config.vocab_dim
+  dh_rows, new_dw, new_db = None, [], []
+  for col, width, dw_sum, db_sum in zip(outer.starts, outer.widths, dw_sums, db_sums):
+    # The block's weight columns are sliced from a barrier on this chunk's values, so
+    # XLA cannot hoist the slices out of the chunk loop (a copy of the weight held for
+    # the whole backward); each block's tiles wait for the last block's GEMMs (one live).
+    if dh_rows is None:
+      weight_here, _ = lax.optimization_barrier((bwd.weight, rows[0]))
+    else:
+      weight_here, dh_rows, new_dw[-1] = lax.optimization_barrier((bwd.weight, dh_rows,
+                                                                   new_dw[-1]))
+    w_cols = _columns(weight_here, col, width, vocab_dim)
+    b_cols = None if bwd.bias is None else _columns(bwd.bias, col, width, 0)
+    dh_tile, dw_tile, db_tile = _tile_grads(bwd, rows, w_cols, b_cols, col, None, width)
+    dh_rows = dh_tile if dh_rows is None else dh_rows + dh_tile
+    new_dw.append(dw_sum + dw_tile)
+    new_db.append(None if db_sum is None else db_sum + db_tile)
+  return dh_rows, tuple(new_dw), tuple(new_db)
+
+
+def _scanned_blocks(outer: _TokenOuter, rows, dw_sums, db_sums):
+  """A chunk's ``rows`` over the plan's blocks, scanned: ``(d hidden rows, (the d W sum,),
+  (the d bias sum,))``, each tile added into the one sum like the weight."""
+  bwd = outer.bwd
+  dtype = head.dtypes(bwd.hidden, bwd.weight)[1]
+
+  def block_step(carry, j):
+    dh_rows, d_weight, d_bias = carry
+    col, w_cols, b_cols, first_column = _block_slices(bwd, j)
+    dh_tile, dw_tile, db_tile = _tile_grads(bwd, rows, w_cols, b_cols, col, first_column)
+    add = lambda a, t, dim: lax.dynamic_update_slice_in_dim(
+        a, lax.dynamic_slice_in_dim(a, col, t.shape[dim], dim) + t, col, dim)
+    return (dh_rows + dh_tile, add(d_weight, dw_tile, bwd.config.vocab_dim),
+            None if d_bias is None else add(d_bias, db_tile, 0)), None
+
+  dh_rows = jnp.zeros_like(rows[0], dtype)  # (zeros_like: the varying type too)
+  (dh_rows, d_weight, d_bias), _ = lax.scan(block_step, (dh_rows, *dw_sums, *db_sums),
+                                            jnp.arange(bwd.num_blocks))
+  return dh_rows, (d_weight,), (d_bias,)
+
+
+def _assemble(starts, sums, like, dim):
+  """The sums (each from its column in ``starts``) written into one array like ``like`` in
+  its dtype, each cast as it is written (no cast pieces beside the output)."""
+  out = jnp.zeros_like(like)
+  for col, piece in zip(starts, sums):
+    out = lax.dynamic_update_slice_in_dim(out, piece.astype(like.dtype), col, dim)
+  return out
 
 
 _linear_logprobs_entropy.defvjp(_linear_logprobs_entropy_fwd, _linear_logprobs_entropy_bwd,

@@ -175,7 +175,7 @@ def linear_kernel_tiles(num_tokens: int, num_columns: int, requested_chunk: int 
                         depth: int = 4096, num_cores: int = 132) -> tuple[int, int]:
   """``(chunk, block)`` of the fused backward with the Mosaic GPU kernels.
 
-  The token chunks are walked exactly (``linear.row_chunks``: equal chunks, then the rows
+  The token chunks are walked exactly (the plan's ``chunks``: equal chunks, then the rows
   left in one call), so a chunk is all ``T`` tokens or a multiple of the kernel's row
   block (``mosaic_head.MIN_ROWS``, 256), and no row is computed twice. With vocab blocks
   outer (``T <= V_local``) and neither size requested, the chunk is all ``T`` tokens when
@@ -232,7 +232,7 @@ def _kernel_chunk(num_tokens: int, cap: int) -> int:
   """Tokens per chunk of the Mosaic kernels' calls: all ``T`` when they are at most
   ``cap``, else the least multiple of 256 rows (the kernels' row block) that covers ``T``
   in as few chunks as ``cap`` allows (at most ``cap`` rounded down to 256; at least 256).
-  The chunks are walked exactly (``linear.row_chunks``), the last taking the rows left."""
+  The chunks are walked exactly (the plan's ``chunks``), the last taking the rows left."""
   if num_tokens <= cap:
     return num_tokens
   step = mosaic_head.MIN_ROWS

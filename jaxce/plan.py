@@ -57,7 +57,7 @@ from jaxce._budgets import (  # noqa: F401  pylint: disable=unused-import
     LINEAR_TILE_BYTES, LOGITS_TILE_BYTES, budget_platform, chunk_size, linear_backward_order,
     linear_kernel_chunk, linear_kernel_tiles, linear_objective_chunk,
     linear_objective_grad_chunk, linear_objective_kernel_tiles, linear_tiles, logits_chunk)
-from jaxce._kernels import head, softmax
+from jaxce._kernels import chunking, head, softmax
 from jaxce._kernels.mosaic import head as mosaic_head, reciprocal as mosaic_reciprocal
 from jaxce._kernels.mosaic import rows as mosaic_rows
 from jaxce._kernels.triton import rows as triton_rows
@@ -80,6 +80,13 @@ __all__ = [
 # entry a D-long gather, dot and two scatter-adds; the head's logits cost a D-long matmul
 # column each), the logits path at about 1/150 (each entry one logit's read and write).
 KEPT_IDS_FRACTION = {"fused": 1 / 560, "logits": 1 / 150}
+
+# The fused per-token backward with token chunks outer and the Mosaic kernels: up to this
+# many vocab blocks are unrolled, each with its own f32 d W sum (added inside its GEMM);
+# more (a small requested vocab_block_size), and the other backends' blocks, are walked by
+# a scan, their tiles added into one weight-shaped sum (XLA:CPU's schedule keeps unrolled
+# blocks' tiles live together).
+MAX_UNROLLED_BLOCKS = 64
 
 # Batch-invariant fused paths: (rows, columns) of every forward hidden @ weight matmul,
 # one shape per platform whatever the call (a matmul's rows and columns depend on its
@@ -354,25 +361,38 @@ def _objective_plan(options, shard: Shard, head: dict, head_reason) -> Objective
 
 
 def _fused_plan(options, shard: Shard, head: dict) -> FusedPlan:
-  """The fused per-token path's plan: tiles, the Mosaic forward's chunk (rows padded to the
-  kernels' multiple of 8, at least 256) and the backward's loop order."""
+  """The fused per-token path's plan: tiles, the Mosaic forward's chunks (rows padded to
+  the kernels' multiple of 8, at least 256; the last chunk at least 256 rows too), the
+  backward's loop order and how it walks its vocab blocks."""
   num_columns, platform = shard.num_columns, options.target.platform
   rows = shard.num_tokens
-  kernel_chunk = None
-  if head["backend"] == "mosaic":
+  mosaic = head["backend"] == "mosaic"
+  kernel_chunk = kernel_chunks = None
+  if mosaic:
     rows = mosaic_head.padded_rows(rows)
     chunk, block = linear_kernel_tiles(rows, num_columns, options.chunk_size,
                                        options.vocab_block_size, platform,
                                        depth=shard.depth or 1,
                                        num_cores=options.target.num_cores)
     kernel_chunk = linear_kernel_chunk(rows, num_columns)
+    kernel_chunks = _row_chunks(rows, kernel_chunk, mosaic)
   else:
     chunk, block = linear_tiles(rows, num_columns, options.chunk_size,
                                 options.vocab_block_size, platform)
-  return FusedPlan(chunk=chunk, block=block, rows=rows, kernel_chunk=kernel_chunk,
-                   backward_order=linear_backward_order(rows, num_columns,
-                                                        options.hidden_grad_accumulation),
-                   **head)
+  order = linear_backward_order(rows, num_columns, options.hidden_grad_accumulation)
+  return FusedPlan(chunk=chunk, chunks=_row_chunks(rows, chunk, mosaic), block=block,
+                   own_blocks=mosaic,
+                   unrolled_blocks=(mosaic and order == "token"
+                                    and -(-num_columns // block) <= MAX_UNROLLED_BLOCKS),
+                   rows=rows, kernel_chunk=kernel_chunk, kernel_chunks=kernel_chunks,
+                   backward_order=order, **head)
+
+
+def _row_chunks(num_rows: int, chunk: int, mosaic: bool) -> chunking.RowChunks:
+  """Equal chunks of ``chunk`` rows, then the rows left (with the Mosaic kernels, at least
+  their ``MIN_ROWS``), every row in one chunk."""
+  min_last = mosaic_head.MIN_ROWS if mosaic else 1
+  return chunking.exact_chunks(num_rows, chunk, min(min_last, num_rows))
 
 
 def _reciprocal(target: Target, shard: Shard) -> str:

@@ -266,16 +266,17 @@ def test_matches_xla_path_and_reference(weight_layout, tokens, max_unrolled, chu
   or (past ``MAX_UNROLLED_BLOCKS``) scanned. With ``chunk_size=256`` the backward runs a
   chunk of 256 rows, then one call on the rows left (448 of 700 in token order; 344 of
   600 with vocab blocks outer over 640 columns)."""
-  from jaxce._kernels import linear  # pylint: disable=import-outside-toplevel
-  monkeypatch.setattr(linear, "MAX_UNROLLED_BLOCKS", max_unrolled)
+  monkeypatch.setattr(jaxce.plan, "MAX_UNROLLED_BLOCKS", max_unrolled)
   vocab_dim = 1 if weight_layout == "dv" else 0
   rng, hidden, weight = _inputs(7, tokens, 128, columns, vocab_dim)
   vocab = 250 if columns % 128 == 0 else columns - 9  # (live columns in the partial tile)
+  block = 128 if tokens > columns else None
   plan = jaxce.plan.of(jaxce.linear_logprobs_and_entropy, hidden, weight,
                        np.zeros(tokens, np.int32), implementation="mosaic",
-                       weight_layout=weight_layout, chunk_size=chunk)
+                       weight_layout=weight_layout, chunk_size=chunk, vocab_block_size=block)
   assert plan.backward_order == ("token" if tokens > columns else "vocab"), plan
-  assert linear.row_chunks(mosaic_head.padded_rows(tokens), plan.chunk, "mosaic").sizes == (
+  assert plan.unrolled_blocks == (tokens > columns and max_unrolled > 2), plan
+  assert plan.chunks.sizes == (
       (256, mosaic_head.padded_rows(tokens) - 256) if chunk else
       (mosaic_head.padded_rows(tokens),)), plan
   labels = rng.integers(0, vocab, tokens)
@@ -284,7 +285,6 @@ def test_matches_xla_path_and_reference(weight_layout, tokens, max_unrolled, chu
                  cot_entropy=rng.normal(size=tokens))
   kw = dict(temperature=rng.uniform(0.6, 1.5, tokens), logit_softcap=20.0, vocab_size=vocab,
             where=rng.random(tokens) < 0.9, weight_layout=weight_layout)
-  block = 128 if tokens > columns else None
   f = lambda h, w, labels, **k: jaxce.linear_logprobs_and_entropy(
       h, w, labels, vocab_block_size=block, chunk_size=chunk, **k)
   fr = lambda h, w, labels, **k: reference.linear_logprobs_and_entropy(h, w, labels, **k)

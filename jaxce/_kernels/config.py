@@ -166,15 +166,30 @@ class FusedPlan(LinearPlan):
   Attributes:
     chunk: the tile's rows (with ``"mosaic"``, all ``T`` or a multiple of 256: the
       backward walks equal chunks, then the rows left in one call).
+    chunks: the backward's token chunks over ``rows`` (``chunking.RowChunks``): equal
+      chunks of ``chunk`` rows, then the rows left (with ``"mosaic"``, at least its
+      kernels' 256), every row in one chunk.
     block: vocabulary columns per tile.
+    own_blocks: every vocab block holds columns of its own, the last as wide as the
+      columns left (``"mosaic"``); else a ragged vocabulary's last block is clamped back
+      over the one before, its overlap given exact zeros.
+    unrolled_blocks: the backward (token-outer) unrolls its blocks, each with a ``d W`` sum
+      of its own added inside its GEMM (``"mosaic"``, up to
+      ``jaxce.plan.MAX_UNROLLED_BLOCKS`` blocks); else it scans them into one sum like the
+      weight.
     kernel_chunk: tokens per call of the Mosaic forward kernel (``mosaic_head``): all
       ``T`` or a multiple of 256 (the rows left take one call of their own); ``None``
       on the other backends.
+    kernel_chunks: those calls' chunks over ``rows`` (as ``chunks``), or ``None``.
     backward_order: the backward's outer loop, ``"vocab"`` or ``"token"``.
   """
   chunk: int | None = None
+  chunks: chunking.RowChunks | None = None
   block: int | None = None
+  own_blocks: bool = False
+  unrolled_blocks: bool = False
   kernel_chunk: int | None = None
+  kernel_chunks: chunking.RowChunks | None = None
   backward_order: str | None = None
 
 

@@ -31,7 +31,7 @@ call around it.
 No ``[T, V]`` (or ``[T, V_local]``) buffer exists at any time. The forward's XLA and
 Triton loops clamp a ragged last chunk or block back inside the array (its overlap masked
 so nothing counts twice; the planner picks chunks that divide ``T`` where it can). The
-backward, and the Mosaic forward, walk exact token chunks (``row_chunks``): equal chunks,
+backward, and the Mosaic forward, walk exact token chunks (the plan's ``chunks``): equal chunks,
 then one call on the rows left, so no row is computed twice whatever ``T``; with the Mosaic
 kernels the backward's vocab blocks are exact too (the columns past the last whole block
 run as one narrower block), so no column is either. The Mosaic kernels take any count of
@@ -77,14 +77,6 @@ def logprobs_entropy(hidden, weight, bias, tokens: Tokens, config: Config):
                                           config=config)
     return tuple(o[:num_tokens] for o in out)
   return _jitted_linear_logprobs_entropy(hidden, weight, bias, tokens, config=config)
-
-
-def row_chunks(num_tokens: int, chunk: int, backend: str) -> chunking.RowChunks:
-  """The token chunks of the backward's loops and the Mosaic forward's kernel calls: equal
-  chunks of ``chunk`` rows, then the rows left (with ``"mosaic"``, at least its kernels'
-  ``MIN_ROWS``), every row in one chunk."""
-  min_last = mosaic_head.MIN_ROWS if backend == "mosaic" else 1
-  return chunking.exact_chunks(num_tokens, chunk, min(min_last, num_tokens))
 
 
 def _grid(num_tokens, num_columns, chunk, block):
@@ -182,7 +174,7 @@ def _invariant_forward(hidden, weight, bias, tokens, config):
 
 def _mosaic_statistics(hidden, weight, tokens, shard_start, config):
   """``(logp, m, log s, entropy or None)`` ``[T]`` (before masking) by the Mosaic GPU
-  kernel, one call per chunk of ``row_chunks`` of the plan's ``kernel_chunk`` tokens, and
+  kernel, one call per chunk of the plan's ``kernel_chunks``, and
   ``mosaic_merge`` (``logits_rows.merge_tiles``): each token's tiles merged in the columns'
   order, every shard's tiles gathered in rank order first. Each token's bits depend on its
   own inputs alone."""
@@ -198,7 +190,7 @@ def _mosaic_statistics(hidden, weight, tokens, shard_start, config):
         interpret=config.plan.interpret, num_cores=config.plan.num_cores)
     return None, logits_rows.merge_tiles(tiles, config)
 
-  chunks = row_chunks(num_tokens, config.plan.kernel_chunk, "mosaic")
+  chunks = config.plan.kernel_chunks
   return chunking.scan_chunks(chunk_step, None, chunks)[1]
 
 
@@ -261,7 +253,7 @@ def _linear_logprobs_entropy_bwd(config, residuals, cotangents):
   num_columns = weight.shape[config.vocab_dim]
   bwd = _Backward(primals, hidden, weight, bias, Tokens(*arrays[:4]), tuple(arrays[4:]),
                   (g_logp, g_entropy),
-                  row_chunks(hidden.shape[0], config.plan.chunk, config.plan.backend),
+                  config.plan.chunks,
                   softmax.shard_column_start(num_columns, config.vocab_axis), config)
   grads = (_token_outer_grads if config.plan.backward_order == "token" else
            _vocab_outer_grads)(bwd)
@@ -381,7 +373,7 @@ def _vocab_outer_grads(bwd: _Backward):
   # and no block masks any (no vocab_size or kept sets). Otherwise its clamped last block
   # runs first: its overlap with the block before it gets exact zeros, which that block's
   # own columns then overwrite (no read-back).
-  narrow = config.plan.backend == "mosaic"
+  narrow = config.plan.own_blocks
   whole = _chunk_rows(bwd, 0, chunks.total) if len(chunks.sizes) == 1 else None
   dtype = head.dtypes(hidden, weight)[1]
   accumulator_dtype = hidden.dtype if config.hidden_grad_in_output else dtype
@@ -444,17 +436,9 @@ def _block_grads(bwd: _Backward, whole, grads, col, w_cols, b_cols, first_column
   return _write_block(bwd, (d_hidden, d_weight, d_bias), col, dw_block, db_block)
 
 
-# Token chunks outer with the Mosaic kernels: up to this many vocab blocks are unrolled,
-# each with its own f32 d W sum (added inside its GEMM); more (a small requested
-# vocab_block_size), and the other backends' blocks, are walked by a scan, their tiles
-# added into one weight-shaped sum (XLA:CPU's schedule keeps unrolled blocks' tiles live
-# together).
-MAX_UNROLLED_BLOCKS = 64
-
-
 class _TokenOuter(NamedTuple):
-  """The token-outer backward's vocab blocks: with ``unrolled`` (the Mosaic kernels, up to
-  ``MAX_UNROLLED_BLOCKS``) the blocks' first local columns ``starts`` and ``widths`` (the
+  """The token-outer backward's vocab blocks: with ``unrolled`` (the plan's
+  ``unrolled_blocks``) the blocks' first local columns ``starts`` and ``widths`` (the
   last as wide as the columns left), each with a sum of its own; else one sum like the
   weight (``starts == (0,)``, ``widths == (V_local,)``) that scanned blocks add into."""
   bwd: _Backward
@@ -470,18 +454,19 @@ def _token_outer_grads(bwd: _Backward):
   over the vocab axis) and written once; ``d W`` (and ``d bias``) sum over the chunks in
   f32.
 
-  With the Mosaic kernels, up to ``MAX_UNROLLED_BLOCKS`` blocks are unrolled, the last one
+  With the Mosaic kernels, up to ``jaxce.plan.MAX_UNROLLED_BLOCKS`` blocks are unrolled
+  (the plan's ``unrolled_blocks``), the last one
   as wide as the columns left (no clamped overlap), each with its own sum, so the sum is
   added inside the block's GEMM; each block's tiles are made after the block before it is
   done (one block's tiles live at a time). Otherwise the blocks are scanned, each tile
   added into one sum like the weight (a clamped block's overlap adds exact zeros).
 
   Memory beyond the outputs: the sums (like the weight) and one chunk's tiles, whatever
-  T. The token chunks are ``bwd.chunks`` (``row_chunks``): each row once."""
+  T. The token chunks are the plan's ``chunks``: each row once."""
   config, weight, bias = bwd.config, bwd.weight, bwd.bias
   block, dtype = config.plan.block, head.dtypes(bwd.hidden, weight)[1]
   vocab_dim, num_columns = config.vocab_dim, weight.shape[config.vocab_dim]
-  unrolled = config.plan.backend == "mosaic" and bwd.num_blocks <= MAX_UNROLLED_BLOCKS
+  unrolled = config.plan.unrolled_blocks
   starts = tuple(range(0, num_columns, block)) if unrolled else (0,)
   widths = tuple(min(block, num_columns - col) for col in starts) if unrolled else (num_columns,)
   outer = _TokenOuter(bwd, unrolled, starts, widths)

@@ -187,9 +187,8 @@ def _shard(op, options, objective, operands, labels, temperature, where, keep, t
     flat = (primary.reshape(num_tokens, num_columns),)
   config = Config(
       plan=shard_plan, vocab_size=options.vocab_size,
-      vocab_axis=vocab_axis, with_entropy=with_entropy, softcap=options.logit_softcap,
-      vocab_dim=options.vocab_dim,
-      hidden_grad_in_output=options.hidden_grad_accumulation == "output")
+      vocab_axis=vocab_axis, with_entropy=with_entropy, logit_softcap=options.logit_softcap,
+      vocab_dim=options.vocab_dim, hidden_grad_accumulation=options.hidden_grad_accumulation)
   if isinstance(keep, KeptIds) and not shard_plan.kept_ids:  # this shard's columns, packed
     keep = keep_mod.pack_ids(keep, num_columns, shape=(num_tokens,),
                              first_column=softmax.shard_column_start(num_columns, vocab_axis))

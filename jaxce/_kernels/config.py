@@ -218,14 +218,16 @@ class Config(NamedTuple):
     vocab_size: the logical vocabulary (kept labels at or above it give NaN).
     vocab_axis: the mesh axis (or tuple) the columns are split over, or ``None``.
     with_entropy: compute (and return) the entropy.
-    softcap: ``c`` of ``c * tanh(x / c)`` (fused paths), or ``None``.
-    vocab_dim: the fused weight's vocabulary dim (1: ``[D, V]``, 0: ``[V, D]``).
-    hidden_grad_in_output: the fused backward sums ``d hidden`` in its own dtype.
+    logit_softcap: ``c`` of ``c * tanh(x / c)`` (fused paths), or ``None``.
+    vocab_dim: the fused weight's vocabulary dim (``weight_layout``: 1 for ``"dv"``,
+      ``[D, V]``; 0 for ``"vd"``, ``[V, D]``), the index its kernels take.
+    hidden_grad_accumulation: where the fused backward sums ``d hidden``: ``"float32"``
+      (an f32 buffer) or ``"output"`` (in its own dtype).
   """
   plan: Plan
   vocab_size: int
   vocab_axis: object
   with_entropy: bool
-  softcap: float | None = None
+  logit_softcap: float | None = None
   vocab_dim: int = 1
-  hidden_grad_in_output: bool = False
+  hidden_grad_accumulation: str = "float32"

@@ -64,7 +64,7 @@ def logprobs_entropy(hidden, weight, bias, tokens: Tokens, config: Config):
   Memory: no ``[T, V]`` array. Forward: two f32 ``[chunk, block]`` tiles, the weight
   block being read and O(T). Backward: ``d hidden`` and ``d weight`` (the outputs), two
   f32 tiles and either (vocab order) an f32 ``[T, D]`` accumulator for ``d hidden`` (none
-  with ``hidden_grad_in_output``) and an f32 ``[D, block]`` one for the weight block, or
+  with ``hidden_grad_accumulation="output"``) and an f32 ``[D, block]`` one for the weight block, or
   (``token_outer``) an f32 accumulator like the weight and an f32 ``[chunk, D]`` one.
   """
   num_tokens, padded = hidden.shape[0], config.plan.rows
@@ -121,7 +121,7 @@ def _forward(hidden, weight, bias, tokens, config):
       start = chunking.chunk_start(i, num_tokens, chunk)
       h, chunk_tokens, (m, s, q, picked) = chunking.take_rows(
           (hidden, tokens, carry), start, chunk)
-      x = head.tile_logits(h, w_cols, b_cols, config.softcap, config.vocab_dim,
+      x = head.tile_logits(h, w_cols, b_cols, config.logit_softcap, config.vocab_dim,
                            config.plan.precision)
       if config.plan.backend == "triton":  # the tile's columns: ids in [first_column, mask_vocab)
         tile_start = shard_start + col
@@ -186,7 +186,7 @@ def _mosaic_statistics(hidden, weight, tokens, shard_start, config):
     tiles = mosaic_head.statistics(
         h, weight, chunk_tokens.labels, chunk_tokens.inv_temp, limit, chunk_tokens.kept,
         column_start=shard_start,
-        vocab_dim=config.vocab_dim, softcap=config.softcap, with_entropy=config.with_entropy,
+        vocab_dim=config.vocab_dim, softcap=config.logit_softcap, with_entropy=config.with_entropy,
         interpret=config.plan.interpret, num_cores=config.plan.num_cores)
     return None, logits_rows.merge_tiles(tiles, config)
 
@@ -308,15 +308,15 @@ def _tile_grads(bwd: _Backward, rows, w_cols, b_cols, col, first_column, width=N
         h, w_cols, label_column, inv_temp, chunk_saved, chunk_cotangents, row_mask,
         kept_words, limit=limit,
         first_kept=first_column - (shard_start + col) if overlap else None,
-        vocab_dim=vocab_dim, softcap=config.softcap, interpret=config.plan.interpret,
+        vocab_dim=vocab_dim, softcap=config.logit_softcap, interpret=config.plan.interpret,
         num_cores=config.plan.num_cores)
   else:
-    x = head.tile_logits(h, w_cols, b_cols, config.softcap, vocab_dim, config.plan.precision)
+    x = head.tile_logits(h, w_cols, b_cols, config.logit_softcap, vocab_dim, config.plan.precision)
     kept_tile = _tile_kept(chunk_tokens, col, width, shard_start)
     z = softmax.scaled_logits(x, inv_temp, shard_start + col, config.plan.mask_vocab,
                               first_column, kept_tile)
     dz = softmax.logit_grad(z, label_column, *chunk_saved, *chunk_cotangents, row_mask)
-    dx = head.logits_input_grad(dz, inv_temp, x, config.softcap, row_mask)
+    dx = head.logits_input_grad(dz, inv_temp, x, config.logit_softcap, row_mask)
     d = dx.astype(head.dtypes(bwd.hidden, bwd.weight)[0])
     d_bias = None if bwd.bias is None else jnp.sum(dx, axis=0)
   dw_tile = head.weight_grad(h, d, vocab_dim, config.plan.precision, dw_dtype)
@@ -358,7 +358,7 @@ def _vocab_outer_grads(bwd: _Backward):
   bias or None)``, not yet reduced to the primals' varying types. Each block's ``d W``
   (and ``d bias``) columns sum over the chunks in f32 and are written once; ``d hidden``
   sums over the blocks in an f32 ``[T, D]`` array (in hidden's dtype with
-  ``hidden_grad_in_output``), all-reduced over the vocab axis at the end.
+  ``hidden_grad_accumulation="output"``), all-reduced over the vocab axis at the end.
 
   With one chunk (all ``T`` rows: the plan's default up to tens of thousands of tokens)
   its rows are the same for every block: they are taken and masked once, and each block's
@@ -376,7 +376,7 @@ def _vocab_outer_grads(bwd: _Backward):
   narrow = config.plan.own_blocks
   whole = _chunk_rows(bwd, 0, chunks.total) if len(chunks.sizes) == 1 else None
   dtype = head.dtypes(hidden, weight)[1]
-  accumulator_dtype = hidden.dtype if config.hidden_grad_in_output else dtype
+  accumulator_dtype = hidden.dtype if config.hidden_grad_accumulation == "output" else dtype
   # (every column is written by a block: no zeros; the weight's varying type inside shard_map)
   d_weight = plumbing.unify_varying((lax.empty(weight.shape, weight.dtype), weight),
                                     config.vocab_axis)[0]

@@ -83,7 +83,7 @@ def _logits(hidden, weight_rows, bias, tokens, entries, config):
                    precision=head.lax_precision(config.plan.precision))
     if bias is not None:
       x = x + jnp.take(bias, column, mode="clip").astype(dtype)
-    return None, head.cap(x, config.softcap)
+    return None, head.cap(x, config.logit_softcap)
 
   _, x = lax.scan(block, None, _blocks(_block_size(tokens), column, token))
   x = x.reshape(-1)
@@ -139,7 +139,7 @@ def _bwd(config, residuals, cotangents):
   dtype = z.dtype
   dz = kept_entries.logit_grad(z, entries, (m, log_s, entropy), g_logp, g_entropy)
   valid = active & tokens.valid[token]
-  dx = head.logits_input_grad(dz[:, None], tokens.inv_temp[token], x[:, None], config.softcap,
+  dx = head.logits_input_grad(dz[:, None], tokens.inv_temp[token], x[:, None], config.logit_softcap,
                               valid)[:, 0]
 
   def block(carry, arrays):

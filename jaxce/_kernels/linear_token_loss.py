@@ -185,7 +185,7 @@ def _chunk_step(call: _Call, group_rows, carry, i):
   z = softmax.scaled_logits(x, inv_temp, column_start, config.plan.mask_vocab, kept=kept_tile)
   dz = softmax.logit_grad(z, labels - column_start, shift, log_sum, entropy, g_logp,
                           g_entropy, row_mask)
-  dx = head.logits_input_grad(dz, inv_temp, x, config.softcap, row_mask)
+  dx = head.logits_input_grad(dz, inv_temp, x, config.logit_softcap, row_mask)
   d_group, d_bias = carry
   d_group = lax.dynamic_update_slice_in_dim(d_group, dx.astype(call.operand_dtype), i * chunk,
                                             0)
@@ -201,7 +201,7 @@ def _kernel_group(call: _Call, group_rows):
   limit = softmax.kernel_limit(config.plan.mask_vocab, column_start, call.num_columns)
   out = mosaic_head.statistics(
       h, call.weight, group_tokens.labels, group_tokens.inv_temp, limit, group_tokens.kept,
-      column_start=column_start, vocab_dim=config.vocab_dim, softcap=config.softcap,
+      column_start=column_start, vocab_dim=config.vocab_dim, softcap=config.logit_softcap,
       with_entropy=config.with_entropy, interpret=config.plan.interpret,
       num_cores=config.plan.num_cores, with_exp=with_grads)
   tiles, e = out if with_grads else (out, None)
@@ -215,7 +215,7 @@ def _kernel_group(call: _Call, group_rows):
   d = mosaic_rows_grad.exp_overwrite(
       e, tiles, group_tokens._replace(valid=row_mask), (shift, log_sum, entropy),
       (g_logp, g_entropy), column_start,
-      layout=logits_rows.layout(call.num_columns, config.vocab_axis), softcap=config.softcap,
+      layout=logits_rows.layout(call.num_columns, config.vocab_axis), softcap=config.logit_softcap,
       interpret=config.plan.interpret)
   # (the kernels' outputs drop the shard_map axes: d varies like the weight's shard)
   return plumbing.unify_varying((d, call.weight), config.vocab_axis)[0], outputs
@@ -226,7 +226,7 @@ def _rows(hidden, weight, bias, tokens, column_start, config):
   after the softcap (XLA's matmul), and their statistics as ``logits_rows.statistics``
   returns them."""
   if not config.plan.exact_sums:
-    x = head.tile_logits(hidden, weight, bias, config.softcap, config.vocab_dim,
+    x = head.tile_logits(hidden, weight, bias, config.logit_softcap, config.vocab_dim,
                          config.plan.precision)
     return x, logits_rows.statistics(x, tokens, column_start, config)
   # batch-invariant: matmuls of one shape (chunk = the tile's rows), no softcap yet (the
@@ -234,7 +234,7 @@ def _rows(hidden, weight, bias, tokens, column_start, config):
   x = head.invariant_logits(hidden, weight, bias, config.vocab_dim, config.plan.matmul_tile[1],
                             config.plan.precision)
   statistics = logits_rows.statistics(x, tokens, column_start, config)
-  return head.cap(x, config.softcap), statistics
+  return head.cap(x, config.logit_softcap), statistics
 
 
 def _fwd(objective, hidden, weight, bias, tokens, token_args, config):

@@ -31,7 +31,7 @@ def statistics(x, tokens: Tokens, column_start, config):
   sets) the row statistics by a one-pass kernel, every shard's gathered in rank order and
   merged by ``mosaic_merge`` or ``triton_merge`` (each row's bits depend on its own
   inputs alone); with XLA's exact sums (``plan.exact_sums``)
-  ``softmax.exact_statistics`` (then ``x`` is the logits before ``config.softcap``, which
+  ``softmax.exact_statistics`` (then ``x`` is the logits before ``config.logit_softcap``, which
   it applies); else ``softmax.chunk_statistics`` (one pmax and one psum over the vocab
   axis)."""
   labels, inv_temp, valid, kept = tokens
@@ -53,7 +53,7 @@ def statistics(x, tokens: Tokens, column_start, config):
   if config.plan.exact_sums:
     return softmax.exact_statistics(x, labels, inv_temp, valid, column_start,
                                     config.vocab_size, config.plan.mask_vocab, config.vocab_axis,
-                                    config.with_entropy, kept, config.softcap)
+                                    config.with_entropy, kept, config.logit_softcap)
   return softmax.chunk_statistics(x, labels, inv_temp, valid, column_start, config.vocab_size,
                                   config.plan.mask_vocab, config.vocab_axis, config.with_entropy,
                                   kept)

@@ -70,6 +70,8 @@ nitpicky = True
 nitpick_ignore_regex = [
     ("py:class", r"(int|float|str|bool|object|tuple|list|dict|None|NamedTuple)"),
     ("py:class", r"jax\..*|Array|ArrayLike|numpy\..*|Callable|Backend"),
+    # (a private record in the plans' annotations, described where it is used)
+    ("py:class", r"jaxce\._kernels\.chunking\.RowChunks"),
 ]
 
 # -- HTML -----------------------------------------------------------------------------------

@@ -385,9 +385,9 @@ def _vocab_outer_grads(bwd: _Backward):
   full_blocks = num_columns // block if narrow else n_blocks
   if full_blocks * block < num_columns:  # (narrow: the columns left)
     col = full_blocks * block
-    columns = lambda a, dim: lax.slice_in_dim(a, col, num_columns, axis=dim)
-    carry = _block_grads(bwd, whole, carry, col, columns(weight, vocab_dim),
-                         None if bias is None else columns(bias, 0), None, num_columns - col)
+    width = num_columns - col
+    carry = _block_grads(bwd, whole, carry, col, _columns(weight, col, width, vocab_dim),
+                         None if bias is None else _columns(bias, col, width, 0), None, width)
   (d_hidden, d_weight, d_bias), _ = lax.scan(
       functools.partial(_vocab_block_step, bwd, whole, narrow), carry, jnp.arange(full_blocks))
   d_hidden = plumbing.sum_over_shards(d_hidden, config.vocab_axis, bwd.primals[0])

@@ -85,7 +85,7 @@ def _run(objective, hidden, weight, bias, tokens, token_args, config, with_grads
   None)``: the gradients of this device's loss, not yet summed over shard_map axes."""
   num_tokens, num_columns = hidden.shape[0], weight.shape[config.vocab_dim]
   group = config.plan.grad_chunk
-  operand_dtype, dtype = head.dtypes(hidden, weight)
+  dtype = head.dtypes(hidden, weight)[1]
   primals = (hidden, weight, bias)
   # (the plan's rows: fewer tokens than a group are padded to it, so the batch-invariant
   # matmul keeps its rows and the kernel takes at least its 256 and a multiple of 8)
@@ -107,7 +107,8 @@ def _run(objective, hidden, weight, bias, tokens, token_args, config, with_grads
     # group's body compiles twice).
     d_bias, d_group = plumbing.unify_varying(
         (None if bias is None else jnp.zeros(bias.shape, dtype),
-         None if config.plan.kernel_chunk else lax.empty((group, num_columns), operand_dtype),
+         None if config.plan.kernel_chunk else lax.empty((group, num_columns),
+                                                          call.operand_dtype),
          hidden, weight, *tokens[:3]), config.vocab_axis)[:2]
     carry, first = group_step((jnp.zeros_like(hidden), None, d_bias, d_group), 0)
     outputs = jax.tree.map(lambda a: a[None], first)  # [1, ...]: as the scan stacks them

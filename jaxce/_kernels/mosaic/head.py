@@ -86,9 +86,9 @@ ROW_TILE = 8  # TMA reads rows in tiles of 8: a call's rows are a multiple of it
 # tiles, no split-K, tiles merged in the columns' order by ``mosaic_merge``).
 INVARIANT_OPERATIONS = ("linear_logprobs_and_entropy", "linear_token_loss")
 SNAKE_WIDTH = 8  # row blocks walked together (L2 reuse of the hidden blocks)
-# The forward's vocab blocks where a weight's rows take a narrower swizzle (column_blocks):
+# The forward's vocab blocks of a weight that is not whole tiles (column_blocks):
 BLOCK_BYTES = 96 * 2**20  # the most bytes of weight a block copies out
-MIN_BLOCK_TILES = 8  # fewer tiles a block: one call over the whole array, narrower swizzle
+MIN_BLOCK_TILES = 8  # fewer whole tiles: no block, one padded copy of the whole weight
 
 
 def unsupported(*, platform, capability, hidden_dtype, weight_dtype, has_bias, depth,

@@ -174,6 +174,46 @@ def test_blockwise_statistics_are_the_whole_arrays_bits(softcap, padded, with_ke
   assert np.array_equal(np.asarray(tiles).view(np.uint32), np.asarray(whole).view(np.uint32))
 
 
+@pytest.mark.parametrize("softcap,padded,with_kept,with_exp,vocab_dim,num_columns", [
+    (None, False, False, False, 1, 8 * 128 + 64), (30.0, True, True, True, 1, 8 * 128 + 64),
+    (None, False, True, True, 0, 8 * 128 + 48), (None, True, False, False, 0, 2 * 128 + 8)])
+def test_whole_tiles_then_rest_are_the_whole_arrays_bits(softcap, padded, with_kept, with_exp,
+                                                         vocab_dim, num_columns, monkeypatch):
+  """A weight that TMA reads in place at the 128-byte swizzle but whose last tile is
+  partial (a ``[D, V]`` one of a multiple of 64 columns, as Qwen3's 151936 over 2 GPUs
+  gives: 75968; a ``[V, D]`` one of whole tiles of 8 rows) runs its whole tiles in one
+  call over the array and the columns left in another, over one zero-padded tile: the
+  statistics and ``exp`` terms are one call's over the whole array (its partial tile
+  masked under a ``pl.when``), bit for bit, with a temperature, labels in and out of the
+  shard, a padded vocabulary, kept sets, a softcap."""
+  tokens, dim = 264, 64
+  rng, hidden, weight = _inputs(5, tokens, dim, num_columns, vocab_dim)
+  labels = jnp.asarray(rng.integers(0, num_columns + 30, tokens), jnp.int32)
+  inv_temp = jnp.asarray(rng.uniform(0.5, 2.0, tokens), jnp.float32)
+  limit = jnp.int32(num_columns - 100) if padded else None
+  kept = (jnp.asarray(rng.integers(0, 2**32, (tokens, -(-num_columns // 32)), dtype=np.uint32))
+          if with_kept else None)
+  kw = dict(column_start=10, vocab_dim=vocab_dim, softcap=softcap, with_entropy=True,
+            **kernel_device())
+  calls = []
+  split = mosaic_head._whole_tiles_then_rest
+  monkeypatch.setattr(mosaic_head, "_whole_tiles_then_rest",
+                      lambda *a, **k: calls.append(1) or split(*a, **k))
+  got = mosaic_head.statistics(hidden, weight, labels, inv_temp, limit, kept,
+                               with_exp=with_exp, **kw)
+  assert calls == [1]
+  whole = mosaic_head._statistics(hidden, weight, labels, inv_temp, limit, kept,
+                                  num_columns=num_columns, with_exp=with_exp, **kw)
+  got = got if with_exp else (got,)
+  assert got[0].shape == whole[0].shape == (-(-num_columns // 128), 4, tokens)
+  for g, w in zip(got, whole):
+    assert g.shape == w.shape
+    assert np.array_equal(np.asarray(g).view(np.uint16 if g.dtype.itemsize == 2 else
+                                             np.uint32),
+                          np.asarray(w).view(np.uint16 if w.dtype.itemsize == 2 else
+                                             np.uint32))
+
+
 def test_unmasked_statistics_are_the_masked_ones():
   """No limit leaves the columns unmasked (the default: no padded vocabulary); a limit at
   the last column masks them and excludes none. Both give the same ``m`` and picked logit,

@@ -75,6 +75,50 @@ def test_group_statistics_match_float64(tokens, columns, dtype, limit, min_tiles
     np.testing.assert_array_equal(tiles[g, 3], picked if g == 0 else 0)
 
 
+@pytest.mark.parametrize("columns,with_kept", [(400, False), (656, True)])
+def test_only_the_partial_tiles_group_is_masked(columns, with_kept, monkeypatch):
+  """A width whose last tile is partial runs its last group in a call of its own, the only
+  one whose fold masks columns: the groups' statistics are one call's that masks every
+  tile (the mask excludes no column of a whole tile), ``m`` and the picked logit bit for
+  bit, the sums up to rounding (without the mask's select, a compiler may fuse the fold
+  differently; the split is a function of the width alone, so each token's bits still
+  depend on its own inputs only)."""
+  monkeypatch.setattr(mosaic_rows, "MIN_TILES_PER_GROUP", 2)
+  rng = np.random.default_rng(columns)
+  tokens = 136
+  x = _logits(rng, tokens, columns, jnp.bfloat16)
+  inv_temp = jnp.asarray(rng.uniform(0.5, 2.0, tokens), jnp.float32)
+  layout = mosaic_tile.segments(columns)
+  assert layout.partial and mosaic_rows.num_groups(layout) > 1
+  words = None
+  if with_kept:
+    label_column = jnp.asarray(rng.integers(0, columns, tokens))
+    words = mosaic_tile.kept_words(jaxce.keep.pack(jnp.asarray(rng.random((tokens, columns))
+                                                               < 0.3)),
+                                   label_column, tokens, columns)
+  row_inputs = mosaic_tile.stack(mosaic_tile.RowsStatisticsInputs(
+      inv_temp=inv_temp, picked=jnp.asarray(rng.normal(size=tokens), jnp.float32),
+      limit=jnp.full((tokens,), float(columns), jnp.float32)))
+  row_inputs = row_inputs[:, mosaic_rows.block_rows(tokens)].transpose(1, 0, 2)
+  kw = dict(layout=layout, with_entropy=True, stages=2,
+            interpret=kernel_device()["interpret"])
+  calls = []
+  one_call = mosaic_rows._group_statistics
+  monkeypatch.setattr(mosaic_rows, "_group_statistics",
+                      lambda *a, **k: calls.append(k["masked"]) or one_call(*a, **k))
+  split = mosaic_rows._statistics(x, row_inputs, words, masked=False, **kw)
+  assert calls == [False, True]
+  whole = one_call(x, row_inputs, words, 0, mosaic_rows.num_groups(layout), masked=True, **kw)
+  split, whole = np.asarray(split), np.asarray(whole)  # [groups, row blocks, 4, ROWS]
+  for field in (0, 3):  # m, picked
+    assert np.array_equal(split[:, :, field].view(np.uint32), whole[:, :, field].view(np.uint32))
+  s, q = (split[:, :, i].astype(np.float64) for i in (1, 2))
+  want_s, want_q = (whole[:, :, i].astype(np.float64) for i in (1, 2))
+  assert_close(s / want_s, np.ones_like(s), 1e-5, "s")
+  scale = (np.abs(whole[:, :, 0]) + 1) * want_s  # (q's error is relative to this)
+  assert_close(q / scale, want_q / scale, 1e-6, "q")
+
+
 @pytest.mark.parametrize("tokens,columns,dtype,limit", [
     (136, 384, jnp.bfloat16, None),  # the last row block moved back, 3 groups
     (300, 256, jnp.float32, 200),    # a ragged row count (padded to 8), a limit

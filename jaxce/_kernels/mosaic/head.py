@@ -48,13 +48,16 @@ are dropped. No column is read from another shard, computed twice or written twi
 tiles the arrays whose rows are the vocabulary as the tiles' swizzle (a row a multiple
 of 32 to 128 bytes, ``mosaic_tile.array_swizzle``; a narrower swizzle costs 1.43x the
 forward's time per column, bench/NOTES.md entry 43) and a ``[V_local, D]`` weight in
-tiles of 8 rows. So the forward (``statistics``) reads a weight that is not whole tiles
-in vocab blocks of whole tiles copied out (``column_blocks``: at most ``BLOCK_BYTES``
-each) with the 128-byte swizzle, then the columns left copied out and zero-padded to
-whole tiles: the same tiles, statistics and bits as one call over the whole array
-(entry 49). The backward's vocab blocks are copies already (``linear``); a ragged last
-one is zero-padded to whole tiles the same way. The objective path's forward (with its
-``exp`` terms, ``[C, V_local]``) takes the array whole: a multiple of 16 columns.
+tiles of 8 rows. So the forward (``statistics``) reads a weight whose last tile is
+partial in two calls: its whole tiles, in place where TMA reads it at the 128-byte
+swizzle (75968 columns) and else in vocab blocks copied out (``column_blocks``: at most
+``BLOCK_BYTES`` each; 37984, 151643 columns), then the columns left copied out and
+zero-padded to one tile: the same tiles, statistics and bits as one call over the whole
+array, and no tile of a call runs the masked epilogue for a partial tile's sake (entry
+49). The backward's vocab blocks are copies already (``linear``); a ragged last one is
+zero-padded to whole tiles the same way. The objective path's forward writes its
+``exp`` terms to one ``[C, V_local]`` array: it takes the blocks only in place (a
+multiple of 16 columns else, its partial tile under a ``pl.when``).
 
 Off GPUs the kernel runs in Pallas' GPU interpreter (tests only).
 """
@@ -140,7 +143,7 @@ def row_blocks(num_rows: int) -> int:
 
 
 def _tiles(hidden, weight, row_inputs, words, *, inputs_type, vocab_dim, stages, finish,
-           out_type, scratch, interpret, num_cores):
+           out_type, scratch, interpret, num_cores, tiles=None):
   """The kernel skeleton: every ``[TILE_M, TILE_N]`` tile of ``hidden @ weight`` (f32
   accumulation) handed to ``finish`` in registers, which writes what it makes of it.
 
@@ -157,7 +160,8 @@ def _tiles(hidden, weight, row_inputs, words, *, inputs_type, vocab_dim, stages,
   of a shared-memory buffer of type ``scratch`` (leading dim 2; or a dict of them, handed
   on as a dict), once the warpgroup's last copy has read it (``_copy_out``,
   ``_store_pieces``). ``interpret``: run in JAX's GPU interpreter;
-  ``num_cores``: the persistent grid's size (one CTA per SM).
+  ``num_cores``: the persistent grid's size (one CTA per SM); ``tiles``: the tiles visited,
+  the first ones (default: all).
   """
   num_rows, depth = hidden.shape
   num_columns = weight.shape[vocab_dim]
@@ -169,7 +173,7 @@ def _tiles(hidden, weight, row_inputs, words, *, inputs_type, vocab_dim, stages,
     raise ValueError(f"{num_rows} rows, {num_columns} columns: at least {cta_rows} rows, a "
                      f"multiple of {ROW_TILE}, and a multiple of {mosaic_tile.MIN_ALIGN} "
                      "columns expected")
-  m_iters, n_iters = row_blocks(num_rows), num_tiles(num_columns)
+  m_iters, n_iters = row_blocks(num_rows), tiles or num_tiles(num_columns)
   k_iters = depth // TILE_K
   stages = min(stages, k_iters)
   num_row_inputs = row_inputs.shape[0]
@@ -328,8 +332,8 @@ def _tile_statistics(hidden, weight, row_inputs, words, *, num_columns, vocab_di
                      with_entropy, with_exp, masked, interpret, num_cores):
   """``[vocab tiles, 4, C]`` f32: ``(m, s, q, picked)`` of every ``[row, tile]`` of the
   weight's first ``num_columns`` columns (``V``: the array's, or its last tile's zero
-  padding left out), and with ``with_exp`` the ``[C, V]`` ``exp(z - m)`` terms in
-  hidden's dtype; ``row_inputs [3, C]``: the rows' ``mosaic_tile.HeadStatisticsInputs``,
+  padding left out, or its whole tiles), and with ``with_exp`` the ``exp(z - m)`` terms in
+  hidden's dtype, ``[C, weight's width]`` (the columns from ``V`` on not written); ``row_inputs [3, C]``: the rows' ``mosaic_tile.HeadStatisticsInputs``,
   stacked; ``words`` as ``_tiles``; ``masked``: apply the rows' ``limit``
   (``mosaic_tile.tile_statistics``; a partial last tile also stops at ``V``)."""
   num_rows = hidden.shape[0]
@@ -361,16 +365,17 @@ def _tile_statistics(hidden, weight, row_inputs, words, *, num_columns, vocab_di
       tile_finish(*args, masked)
 
   n_iters = num_tiles(num_columns)
+  exp_columns = weight.shape[vocab_dim]
   stats_type = jax.ShapeDtypeStruct((n_iters, 4, num_rows), jnp.float32)
-  exp_type = jax.ShapeDtypeStruct((num_rows, num_columns), hidden.dtype)
+  exp_type = jax.ShapeDtypeStruct((num_rows, exp_columns), hidden.dtype)
   scratch = dict(stats=plgpu.SMEM((2, 4, TILE_M), jnp.float32))
   if with_exp:
-    scratch["exp"] = _piece_slots(hidden.dtype, num_columns)
+    scratch["exp"] = _piece_slots(hidden.dtype, exp_columns)
   return _tiles(hidden, weight, row_inputs, words,
                 inputs_type=mosaic_tile.HeadStatisticsInputs, vocab_dim=vocab_dim,
                 stages=EXP_STAGES if with_exp else STAGES, finish=finish,
                 out_type=(stats_type,) + ((exp_type,) if with_exp else ()),
-                scratch=scratch, interpret=interpret, num_cores=num_cores)
+                scratch=scratch, interpret=interpret, num_cores=num_cores, tiles=n_iters)
 
 
 def _tile_logits_grad(hidden, weight, row_inputs, words, *, vocab_dim, softcap, masked,
@@ -427,22 +432,27 @@ def statistics(hidden, weight, labels, inv_temp, limit, kept=None, *, column_sta
     column's ``exp(z - m)`` with ``m`` its row's max over the column's tile (0 at excluded
     columns), the terms of ``s`` rounded once; the statistics' bits are the same either
     way. Memory: that array, 1/32 of the bytes of the chunk's f32 logits (and ``e``); with
-    ``kept``, its ``mosaic_tile.kept_words`` copy; for a ``[D, V_local]`` weight that is
-    not whole tiles (without ``with_exp``), one vocab block's copy (``column_blocks``: at
-    most ``BLOCK_BYTES``) and the statistics twice (their concatenation).
+    ``kept``, its ``mosaic_tile.kept_words`` copy. A weight whose last tile is partial:
+    that tile's copy and the statistics twice (their concatenation); where TMA cannot read
+    it in place at the 128-byte swizzle (without ``with_exp``), one vocab block's copy
+    too (``column_blocks``: at most ``BLOCK_BYTES``).
   """
   num_columns = weight.shape[vocab_dim]
+  options = dict(column_start=column_start, vocab_dim=vocab_dim, softcap=softcap,
+                 with_entropy=with_entropy, interpret=interpret, num_cores=num_cores)
   # (TMA reads a [D, V] weight's rows in whole swizzles, a [V, D] one's in tiles of 8 rows)
-  if not with_exp and num_columns % (TILE_N if vocab_dim else ROW_TILE):
-    return _blockwise_statistics(
-        column_blocks(num_columns, depth=hidden.shape[1], dtype=hidden.dtype), hidden,
-        weight, labels, inv_temp, limit, kept, column_start=column_start, softcap=softcap,
-        vocab_dim=vocab_dim, with_entropy=with_entropy, interpret=interpret,
-        num_cores=num_cores)
-  out = _statistics(hidden, weight, labels, inv_temp, limit, kept, num_columns=num_columns,
-                    column_start=column_start, vocab_dim=vocab_dim, softcap=softcap,
-                    with_entropy=with_entropy, with_exp=with_exp, interpret=interpret,
-                    num_cores=num_cores)
+  in_place = (mosaic_tile.array_swizzle(num_columns, hidden.dtype) == 128 if vocab_dim
+              else not num_columns % ROW_TILE)
+  if num_columns % TILE_N and num_columns > TILE_N and in_place:
+    out = _whole_tiles_then_rest(hidden, weight, labels, inv_temp, limit, kept,
+                                 with_exp=with_exp, **options)
+  elif num_columns % TILE_N and not with_exp:
+    out = (_blockwise_statistics(column_blocks(num_columns, depth=hidden.shape[1],
+                                               dtype=hidden.dtype),
+                                 hidden, weight, labels, inv_temp, limit, kept, **options),)
+  else:
+    out = _statistics(hidden, weight, labels, inv_temp, limit, kept, num_columns=num_columns,
+                      with_exp=with_exp, **options)
   return out if with_exp else out[0]
 
 
@@ -462,13 +472,56 @@ def _statistics(hidden, weight, labels, inv_temp, limit, kept, *, num_columns, c
                           masked=limit is not None, **options)
 
 
+def _whole_tiles_then_rest(hidden, weight, labels, inv_temp, limit, kept, *, column_start,
+                           vocab_dim, with_exp, **options):
+  """``statistics`` (with its ``exp`` terms when ``with_exp``) of a weight that TMA reads in
+  place at the 128-byte swizzle but whose last tile is partial (Qwen3's 151936 columns
+  over 2 GPUs: 75968): one call over its whole tiles, reading the array where it lies, with
+  the epilogue that masks no column (a partial tile under a ``pl.when`` slows every tile
+  of the call: bench/NOTES.md, entry 49), then the columns left copied out and
+  zero-padded to one tile (``_rest_statistics``). The same tiles, statistics and bits as one
+  call over the whole array; the ``exp`` terms of the columns left are written into the
+  first call's ``[C, V_local]`` array (XLA's update in place). Memory: one tile's copy of
+  the weight, the statistics twice (their concatenation)."""
+  num_columns = weight.shape[vocab_dim]
+  whole = num_columns // TILE_N * TILE_N
+  first = _statistics(hidden, weight, labels, inv_temp, limit,
+                      None if kept is None else kept[:, :whole // 32], num_columns=whole,
+                      column_start=column_start, vocab_dim=vocab_dim, with_exp=with_exp,
+                      **options)
+  rest = _rest_statistics(whole, hidden, weight, labels, inv_temp, limit, kept,
+                          column_start=column_start, vocab_dim=vocab_dim, with_exp=with_exp,
+                          **options)
+  stats = jnp.concatenate([first[0], rest[0]])
+  if not with_exp:
+    return (stats,)
+  return stats, lax.dynamic_update_slice_in_dim(first[1], rest[1][:, :num_columns - whole],
+                                                whole, 1)
+
+
+def _rest_statistics(start, hidden, weight, labels, inv_temp, limit, kept, *, column_start,
+                     vocab_dim, with_exp=False, **options):
+  """``_statistics`` of the weight's columns from ``start`` (a multiple of ``TILE_N``) on,
+  copied out and zero-padded to whole tiles: the padding is masked as a partial tile's
+  columns past the array are. With ``with_exp``, their ``exp`` terms ``[C, padded
+  width]`` (the padding's not written)."""
+  num_columns = weight.shape[vocab_dim]
+  rest_columns = num_columns - start
+  padding = [(0, -rest_columns % TILE_N) if dim == vocab_dim else (0, 0) for dim in range(2)]
+  columns = jnp.pad(lax.slice_in_dim(weight, start, num_columns, axis=vocab_dim), padding)
+  return _statistics(hidden, columns, labels, inv_temp, None if limit is None else limit - start,
+                     None if kept is None else kept[:, start // 32:],
+                     num_columns=rest_columns, column_start=column_start + start,
+                     vocab_dim=vocab_dim, with_exp=with_exp, **options)
+
+
 def column_blocks(num_columns: int, *, depth: int, dtype) -> tuple[int, int]:
   """``(width, count)``: the forward's ``count`` vocab blocks of ``width`` columns (whole
   tiles, at most ``BLOCK_BYTES`` of a ``[D, V_local]`` weight, at least
   ``MIN_BLOCK_TILES`` tiles), the count that leaves the fewest whole tiles over (then the
-  widest), for a weight that is not whole tiles: its rows take a swizzle narrower than 128
-  bytes or none (a ``V_local`` that is not a multiple of 64: Qwen3's 151936 over 4 GPUs
-  gives 37984; GPT-2's 50257), or its last tile is partial. ``count`` is 0 where the
+  widest), for a weight that TMA cannot read in place at the 128-byte swizzle: its rows
+  take a narrower swizzle or none (a ``V_local`` that is not a multiple of 64: Qwen3's
+  151936 over 4 GPUs gives 37984; GPT-2's 50257). ``count`` is 0 where the
   weight has fewer than ``MIN_BLOCK_TILES`` whole tiles."""
   tiles = num_columns // TILE_N
   max_tiles = max(BLOCK_BYTES // (depth * jnp.dtype(dtype).itemsize * TILE_N), 1)
@@ -481,9 +534,9 @@ def column_blocks(num_columns: int, *, depth: int, dtype) -> tuple[int, int]:
 
 def _blockwise_statistics(blocks, hidden, weight, labels, inv_temp, limit, kept, *,
                           column_start, vocab_dim, **options):
-  """``statistics`` of a weight that TMA cannot read whole at its widest swizzle (a ``[D,
-  V_local]`` one that is not whole tiles, a ``[V_local, D]`` one that is not whole tiles
-  of 8 rows), in ``column_blocks``' blocks: each block's columns copied out (at most
+  """``statistics`` of a weight that TMA cannot read in place at the 128-byte swizzle (a
+  ``[D, V_local]`` one whose rows are not whole 128-byte swizzles, a ``[V_local, D]`` one
+  that is not whole tiles of 8 rows), in ``column_blocks``' blocks: each block's columns copied out (at most
   ``BLOCK_BYTES``) and read with the 128-byte swizzle, then the columns left (fewer than
   a block) copied out as whole tiles, zero-padded: the last tile's padding is masked as a
   partial tile's columns past the array are. A tile's statistics are those of one call
@@ -491,27 +544,19 @@ def _blockwise_statistics(blocks, hidden, weight, labels, inv_temp, limit, kept,
   only the swizzle differs. Memory: one block's copy, and the statistics twice (their
   concatenation)."""
   width, count = blocks
-  num_columns = weight.shape[vocab_dim]
-
-  def piece(column, columns, piece_kept, piece_columns):
-    return _statistics(hidden, columns, labels, inv_temp,
-                       None if limit is None else limit - column, piece_kept,
-                       num_columns=piece_columns, column_start=column_start + column,
-                       vocab_dim=vocab_dim, with_exp=False, **options)[0]
 
   def block(_, j):
     column = j * width
     columns = lax.dynamic_slice_in_dim(weight, column, width, vocab_dim)
     block_kept = (None if kept is None else
                   lax.dynamic_slice_in_dim(kept, column // 32, width // 32, 1))
-    return None, piece(column, columns, block_kept, width)
+    return None, _statistics(hidden, columns, labels, inv_temp,
+                             None if limit is None else limit - column, block_kept,
+                             num_columns=width, column_start=column_start + column,
+                             vocab_dim=vocab_dim, with_exp=False, **options)[0]
 
-  rest = width * count
-  rest_columns = num_columns - rest
-  padding = [(0, -rest_columns % TILE_N) if dim == vocab_dim else (0, 0) for dim in range(2)]
-  last = piece(rest, jnp.pad(lax.slice_in_dim(weight, rest, num_columns, axis=vocab_dim),
-                             padding),
-               None if kept is None else kept[:, rest // 32:], rest_columns)
+  last = _rest_statistics(width * count, hidden, weight, labels, inv_temp, limit, kept,
+                          column_start=column_start, vocab_dim=vocab_dim, **options)[0]
   if not count:
     return last
   _, whole = lax.scan(block, None, jnp.arange(count))

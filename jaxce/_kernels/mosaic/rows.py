@@ -111,22 +111,38 @@ def _statistics(x, row_inputs, words, *, layout, masked, with_entropy, stages, i
   back inside), its columns tiled as ``layout`` says; ``row_inputs [row blocks, 3,
   ROWS]`` f32: each block's rows' (``block_rows``) ``mosaic_tile.RowsStatisticsInputs``;
   ``words``: uint32 ``[tiles * WORDS, T]`` kept sets of ``mosaic_tile.kept_words`` (read
-  with the tiles), or None."""
-  num_rows, num_columns = x.shape
+  with the tiles), or None. Where the last tile is partial (and no limit masks every
+  tile), the last group takes a call of its own, the only one that masks its columns:
+  a mask in every tile's fold cost 1.27x the time per column (bench/NOTES.md, entry 50);
+  the same groups and bits, the statistics concatenated (16 bytes per row per group)."""
   groups = num_groups(layout)
+  call = partial(_group_statistics, x, row_inputs, words, layout=layout,
+                 with_entropy=with_entropy, stages=stages, interpret=interpret)
+  if masked or not layout.partial or groups == 1:
+    return call(0, groups, masked=masked or layout.partial)
+  return jnp.concatenate([call(0, groups - 1, masked=False),
+                          call(groups - 1, 1, masked=True)])
+
+
+def _group_statistics(x, row_inputs, words, first_group, groups, *, layout, masked,
+                      with_entropy, stages, interpret):
+  """``_statistics`` of groups ``[first_group, first_group + groups)`` in one kernel call
+  (``masked``: every tile's fold applies the rows' limit, and a partial last tile's
+  columns past ``V_local``)."""
+  num_rows, num_columns = x.shape
   row_blocks = -(-num_rows // ROWS)
   has_words = words is not None
-  masked = masked or layout.partial
 
   def kernel(x_gmem, rows_gmem, *refs):
     *words_gmem, out_gmem = refs
-    block, group_index = lax.axis_index("rows"), lax.axis_index("groups")
+    block, local_group = lax.axis_index("rows"), lax.axis_index("groups")
+    group_index = local_group + first_group
     first_row = pl.multiple_of(jnp.minimum(block * ROWS, num_rows - ROWS), 8)
     rows = pl.ds(first_row, ROWS)
     inputs = mosaic_tile.load(mosaic_tile.RowsStatisticsInputs, rows_gmem, block,
                               optimized=False)
     group = group_at(group_index, layout)
-    if layout.partial:  # (the partial last tile's columns past V_local read zeros)
+    if layout.partial and masked:  # (the partial last tile's columns past V_local read zeros)
       inputs = inputs._replace(limit=jnp.minimum(inputs.limit, jnp.float32(num_columns)))
 
     def body(indices, x_smem, *smem):
@@ -156,7 +172,7 @@ def _statistics(x, row_inputs, words, *, layout, masked, with_entropy, stages, i
         out_smem[3] = inputs.picked
 
       plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(out_smem, out_gmem.at[group_index, block])
+      plgpu.copy_smem_to_gmem(out_smem, out_gmem.at[local_group, block])
       plgpu.wait_smem_to_gmem(0)
 
   return plgpu.kernel(

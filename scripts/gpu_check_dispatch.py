@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import json
 import os
 import re
@@ -32,13 +33,13 @@ def _custom_calls(compiled_text):
   return dict(collections.Counter(re.findall(r'custom_call_target="([^"]+)"', compiled_text)))
 
 
-def main():
+def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--tokens", type=int, default=32768)
   parser.add_argument("--dim", type=int, default=4096)
   parser.add_argument("--vocab", type=int, default=151936)
   parser.add_argument("--repeats", type=int, default=10)
-  args = parser.parse_args()
+  args = parser.parse_args(argv)
   rng = np.random.default_rng(0)
   t, d, v = args.tokens, args.dim, args.vocab
   hidden = jnp.asarray(rng.normal(size=(t, d)), jnp.bfloat16)
@@ -79,7 +80,7 @@ def main():
       call = (lambda *a: fn(objective, *a, labels[:n], cot[0, :n], **kw) if "token_loss" in name
               else fn(*a, labels[:n], **kw))
       step = jax.jit(jax.value_and_grad(loss, argnums=tuple(range(len(arrays)))))
-      row = dict(operation=name, way=way, tokens=n, plan=jaxce.plan.of(call, *arrays)._asdict(),
+      row = dict(operation=name, way=way, tokens=n, plan=dataclasses.asdict(jaxce.plan.of(call, *arrays)),
                  custom_calls=_custom_calls(step.lower(*arrays).compile().as_text()))
       if name == "linear_logprobs_and_entropy":
         row["fwd_bwd_ms"] = time_ms(step, arrays, args.repeats)

@@ -171,3 +171,15 @@ def test_entropy_coef_zero(problem, reference):
   diff = max(np.max(np.abs(a - b)) for a, b in
              zip(jax.tree.leaves(logged[0]), jax.tree.leaves(with_bonus)))
   assert diff > 100 * param_tolerance(problem["params"], jnp.float32)
+
+
+def test_dispatch_check(tmp_path, monkeypatch):
+  """``scripts/gpu_check_dispatch.py`` at tiny shapes: each operation plans and compiles
+  the same way locally and through ``sharded_*`` on a one-device mesh, and its report
+  (the plans as dicts, the custom calls) is written (on GPUs: the kernels' calls)."""
+  from scripts import gpu_check_dispatch
+  monkeypatch.setenv("OUT", str(tmp_path))
+  gpu_check_dispatch.main(["--tokens", "256", "--dim", "64", "--vocab", "1000", "--repeats", "1"])
+  report = json.loads((tmp_path / "dispatch.json").read_text())
+  assert report["summary"]["same_kernels_everywhere"], report["summary"]
+  assert len(report["rows"]) == 8 and all(r["plan"]["backend"] for r in report["rows"])

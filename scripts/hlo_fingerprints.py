@@ -135,6 +135,7 @@ def programs(only_mosaic=False):
 
   if _MOSAIC_INTERPRETER:
     out.update(_mosaic_programs(objective))
+    out.update(_cuda_programs(objective))
 
   explicit = jax.make_mesh((2,), ("v",), axis_types=(jax.sharding.AxisType.Explicit,),
                            devices=jax.devices()[:2])
@@ -185,6 +186,65 @@ def _mosaic_programs(objective):
   return out
 
 
+def _cuda_programs(objective):
+  """The public calls lowered for CUDA as the planner plans them for a Hopper GPU (JAX >=
+  0.11, on any machine): each Mosaic kernel call carries its compiled module's hash, so
+  a refactor of the kernels that changes no instruction keeps these fingerprints. Widths
+  of whole tiles and of a partial last tile (a multiple of 64, of 16, an odd one), ragged
+  ``T``, with the options that change the kernels; shapes only (nothing runs)."""
+  t, d = 1001, 256
+  S = jax.ShapeDtypeStruct
+  hidden, labels = S((t, d), jnp.bfloat16), S((t,), jnp.int32)
+  cot, row = S((2, t), jnp.float32), S((t,), jnp.float32)
+  out = {}
+
+  def fused(h, w, labels, c, temperature, **kw):
+    f = lambda h, w: jaxce.linear_logprobs_and_entropy(h, w, labels, **kw, **(
+        {"temperature": temperature} if temperature is not None else {}))
+    return jax.grad(_weighted(f, c), (0, 1))(h, w)
+
+  def objective_grads(h, w, labels, c, old, ref, weight):
+    f = lambda h, w: jaxce.linear_token_loss(objective, h, w, labels, c[0], old, ref,
+                                             weight)[0]
+    return jax.grad(f, (0, 1))(h, w)
+
+  def logits_grads(x, labels, c, keep=None, **kw):
+    f = lambda x: jaxce.logprobs_and_entropy(x, labels, keep=keep, **kw)
+    return jax.grad(_weighted(f, c))(x)
+
+  for v in (1024, 1088, 1040, 1115):
+    weight = S((d, v), jnp.bfloat16)
+    for name, kw in {"default": {}, "softcap": dict(logit_softcap=5.0)}.items():
+      out[f"cuda/linear/{v}/{name}/grad"] = (
+          lambda h, w, l, c, kw=kw: fused(h, w, l, c, None, **kw), (hidden, weight, labels, cot))
+    out[f"cuda/linear/{v}/temp/grad"] = (fused, (hidden, weight, labels, cot, row))
+    out[f"cuda/linear/{v}/vd/grad"] = (lambda h, w, l, c: fused(h, w, l, c, None,
+                                                                 weight_layout="vd"),
+                                       (hidden, S((v, d), jnp.bfloat16), labels, cot))
+    if v % 16:
+      continue
+    out[f"cuda/linear_token_loss/{v}/grad"] = (objective_grads,
+                                               (hidden, weight, labels, cot, row, row, row))
+    logits = S((t, v), jnp.bfloat16)
+    out[f"cuda/logits/{v}/default/grad"] = (logits_grads, (logits, labels, cot))
+    out[f"cuda/logits/{v}/keep/grad"] = (logits_grads,
+                                         (logits, labels, cot, S((t, -(-v // 32)), jnp.uint32)))
+    out[f"cuda/logits/{v}/in_place/grad"] = (
+        lambda x, l, c: logits_grads(x, l, c, backward_in_place=True),
+        (S((1000, v), jnp.bfloat16), S((1000,), jnp.int32), S((2, 1000), jnp.float32)))
+  return out
+
+
+def _lower_for_cuda(fn, arrays):
+  """``fn``'s StableHLO lowered for CUDA, planned for a Hopper GPU."""
+  target = jaxce.plan.target
+  jaxce.plan.target = lambda *a, mesh=None: jaxce.plan.Target("gpu", "9.0", 132)
+  try:
+    return jax.jit(fn).trace(*arrays).lower(lowering_platforms=("cuda",)).as_text()
+  finally:
+    jaxce.plan.target = target
+
+
 def fingerprint(text):
   names = {}
   normal = re.sub(r"@([\w.$-]+)", lambda m: "@" + names.setdefault(m.group(1), f"f{len(names)}"),
@@ -210,12 +270,17 @@ def main():
   args = parser.parse_args()
   result = {}
   for name, (fn, arrays, *mesh) in programs(args.only_mosaic).items():
-    if mesh:
+    if name.startswith("cuda/"):
+      text = _lower_for_cuda(fn, arrays)
+    elif mesh:
       with jax.set_mesh(mesh[0]):
         text = jax.jit(fn).lower(*arrays).as_text()
     else:
       text = jax.jit(fn).lower(*arrays).as_text()
     result[name] = fingerprint(text)
+    if name.startswith("cuda/"):
+      kernels = re.findall(r'kernel_hash = "([^"]*)"', text)
+      result[name]["kernels"] = len(kernels)
     if name.startswith("mosaic/"):
       result[name]["outputs"] = output_bits(fn, arrays)
     if args.dump:

@@ -135,6 +135,21 @@ def test_column_blocks_of_the_widths_users_shard_to():
       assert columns - width * count < width + 128, (columns, depth)
 
 
+def _split_inputs(seed, dim, num_columns, vocab_dim, softcap, limit, with_kept, tokens=264):
+  """The inputs of ``mosaic_head.statistics`` for a weight read in more than one call: labels
+  in and out of the shard (column 10 on), temperatures, a ``limit`` (or None), kept sets
+  (or None), and its keyword arguments."""
+  rng, hidden, weight = _inputs(seed, tokens, dim, num_columns, vocab_dim)
+  labels = jnp.asarray(rng.integers(0, num_columns + 30, tokens), jnp.int32)
+  inv_temp = jnp.asarray(rng.uniform(0.5, 2.0, tokens), jnp.float32)
+  kept = (jnp.asarray(rng.integers(0, 2**32, (tokens, -(-num_columns // 32)), dtype=np.uint32))
+          if with_kept else None)
+  kw = dict(column_start=10, vocab_dim=vocab_dim, softcap=softcap, with_entropy=True,
+            **kernel_device())
+  return (hidden, weight, labels, inv_temp, None if limit is None else jnp.int32(limit), kept,
+          kw)
+
+
 @pytest.mark.parametrize("softcap,padded,with_kept,vocab_dim,num_columns", [
     (None, False, False, 1, 8 * 128 + 96), (30.0, True, True, 1, 9 * 128 + 96),
     (None, False, True, 1, 8 * 128 + 91), (None, True, False, 0, 8 * 128 + 91)])
@@ -148,15 +163,9 @@ def test_blockwise_statistics_are_the_whole_arrays_bits(softcap, padded, with_ke
   ones), with a temperature, labels in and out of the shard, a padded vocabulary, kept
   sets. A ``[V, D]`` weight is split only where its rows are not whole tiles of 8 (TMA's
   tiling of dimension 0: 1115 rows); its partial tile reads zeros past the array."""
-  tokens, dim = 264, 64
-  rng, hidden, weight = _inputs(7, tokens, dim, num_columns, vocab_dim)
-  labels = jnp.asarray(rng.integers(0, num_columns + 30, tokens), jnp.int32)
-  inv_temp = jnp.asarray(rng.uniform(0.5, 2.0, tokens), jnp.float32)
-  limit = jnp.int32(num_columns - 200) if padded else None
-  kept = (jnp.asarray(rng.integers(0, 2**32, (tokens, -(-num_columns // 32)), dtype=np.uint32))
-          if with_kept else None)
-  kw = dict(column_start=10, vocab_dim=vocab_dim, softcap=softcap, with_entropy=True,
-            **kernel_device())
+  dim = 64
+  hidden, weight, labels, inv_temp, limit, kept, kw = _split_inputs(
+      7, dim, num_columns, vocab_dim, softcap, num_columns - 200 if padded else None, with_kept)
   monkeypatch.setattr(mosaic_head, "BLOCK_BYTES", dim * 2 * 128 * 4)
   monkeypatch.setattr(mosaic_head, "MIN_BLOCK_TILES", 4)
   assert mosaic_head.column_blocks(num_columns, depth=dim, dtype=hidden.dtype) == (512, 2)
@@ -170,7 +179,7 @@ def test_blockwise_statistics_are_the_whole_arrays_bits(softcap, padded, with_ke
                              for dim in range(2)])
   whole = mosaic_head._statistics(hidden, aligned, labels, inv_temp, limit, kept,
                                   num_columns=num_columns, with_exp=False, **kw)[0]
-  assert tiles.shape == whole.shape == (-(-num_columns // 128), 4, tokens)
+  assert tiles.shape == whole.shape == (-(-num_columns // 128), 4, hidden.shape[0])
   assert np.array_equal(np.asarray(tiles).view(np.uint32), np.asarray(whole).view(np.uint32))
 
 
@@ -186,15 +195,8 @@ def test_whole_tiles_then_rest_are_the_whole_arrays_bits(softcap, padded, with_k
   statistics and ``exp`` terms are one call's over the whole array (its partial tile
   masked under a ``pl.when``), bit for bit, with a temperature, labels in and out of the
   shard, a padded vocabulary, kept sets, a softcap."""
-  tokens, dim = 264, 64
-  rng, hidden, weight = _inputs(5, tokens, dim, num_columns, vocab_dim)
-  labels = jnp.asarray(rng.integers(0, num_columns + 30, tokens), jnp.int32)
-  inv_temp = jnp.asarray(rng.uniform(0.5, 2.0, tokens), jnp.float32)
-  limit = jnp.int32(num_columns - 100) if padded else None
-  kept = (jnp.asarray(rng.integers(0, 2**32, (tokens, -(-num_columns // 32)), dtype=np.uint32))
-          if with_kept else None)
-  kw = dict(column_start=10, vocab_dim=vocab_dim, softcap=softcap, with_entropy=True,
-            **kernel_device())
+  hidden, weight, labels, inv_temp, limit, kept, kw = _split_inputs(
+      5, 64, num_columns, vocab_dim, softcap, num_columns - 100 if padded else None, with_kept)
   calls = []
   split = mosaic_head._whole_tiles_then_rest
   monkeypatch.setattr(mosaic_head, "_whole_tiles_then_rest",
@@ -205,7 +207,7 @@ def test_whole_tiles_then_rest_are_the_whole_arrays_bits(softcap, padded, with_k
   whole = mosaic_head._statistics(hidden, weight, labels, inv_temp, limit, kept,
                                   num_columns=num_columns, with_exp=with_exp, **kw)
   got = got if with_exp else (got,)
-  assert got[0].shape == whole[0].shape == (-(-num_columns // 128), 4, tokens)
+  assert got[0].shape == whole[0].shape == (-(-num_columns // 128), 4, hidden.shape[0])
   for g, w in zip(got, whole):
     assert g.shape == w.shape
     assert np.array_equal(np.asarray(g).view(np.uint16 if g.dtype.itemsize == 2 else

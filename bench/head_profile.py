@@ -73,9 +73,9 @@ def _skeleton(hidden, weight, **device):
 
   return mh._tiles(  # pylint: disable=protected-access
       hidden, weight, rows, None, inputs_type=mosaic_tile.HeadStatisticsInputs, vocab_dim=1,
-      stages=mh.STAGES, finish=finish,
+      stages=mh.CONFIG.stages, finish=finish,
       out_type=(jax.ShapeDtypeStruct((n_tiles, 4, hidden.shape[0]), jnp.float32),),
-      scratch=mh.plgpu.SMEM((2, 4, mh.TILE_M), jnp.float32), **device)[0]
+      scratch=mh.plgpu.SMEM((2, 4, mh.CONFIG.tile_m), jnp.float32), **device)[0]
 
 
 def kernels(chunk, dim, columns, block, repeats):

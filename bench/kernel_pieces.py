@@ -13,6 +13,7 @@ Off GPUs the kernels run in JAX's GPU interpreter (small shapes only).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import jax
@@ -50,12 +51,13 @@ def profile(tokens, dim, columns, repeats):
     rows.append(dict(piece=name, tokens=tokens, ms=ms, tflops=flops / best / 1e9))
     print(json.dumps(rows[-1]), flush=True)
 
+  default = ml.CONFIG
   for width, stages in ((8, 4), (4, 4), (16, 4), (8, 3)):
-    ml.SNAKE_WIDTH, ml.STAGES = width, stages
+    ml.CONFIG = dataclasses.replace(default, snake_width=width, stages=stages)
     add(f"forward kernel, snake {width}, {stages} stages", lambda h, w: ml.statistics(
         h, w, labels, ones, None, column_start=0, vocab_dim=1, softcap=None,
         with_entropy=True, **device), hidden, weight)
-  ml.SNAKE_WIDTH, ml.STAGES = 8, 4
+  ml.CONFIG = default
   grad = lambda h, w: ml.logits_grad(h, w, labels, ones, (ones, ones, ones), (cot[0], cot[1]),
                                      ones > 0, limit=columns, first_kept=0, vocab_dim=1,
                                      softcap=None, **device)

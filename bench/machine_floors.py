@@ -56,8 +56,9 @@ def mosaic_config():
   # jaxce internal (the lead may move it): the fused kernel's tile constants.
   from jaxce._kernels.mosaic import head as mh  # pylint: disable=import-outside-toplevel
   return hm.TuningConfig(
-      tile_m=mh.TILE_M, tile_n=mh.TILE_N, tile_k=mh.TILE_K, max_concurrent_steps=mh.STAGES,
-      grid_minor_dim=hm.MatmulDimension.M, grid_tile_width=mh.SNAKE_WIDTH,
+      tile_m=mh.CONFIG.tile_m, tile_n=mh.TILE_N, tile_k=mh.CONFIG.tile_k,
+      max_concurrent_steps=mh.CONFIG.stages,
+      grid_minor_dim=hm.MatmulDimension.M, grid_tile_width=mh.CONFIG.snake_width,
       wg_dimension=hm.MatmulDimension.M)
 
 
@@ -250,8 +251,8 @@ def floor_ms(config, mf: dict, itemsize: int = 2):
   path = the fastest time of each GEMM at the row's T (scaled by T from the nearest
   measured T): fwd = h @ W, fwd_bwd = 2 (h @ W) + d hidden + d W; train step = 3 GEMMs +
   the logits path's fwd_bwd bytes. One device, bf16, the measured V and D only."""
-  if not mf.get("floors") or config.n_devices != 1 or config.dtype != "bfloat16" or config.V != mf["V"] or (
-      config.input == "linear" and config.D != mf["D"]):
+  if (not mf.get("floors") or config.n_devices != 1 or config.dtype != "bfloat16"
+      or config.V != mf["V"] or (config.input == "linear" and config.D != mf["D"])):
     return None
   rates = [c["GBps"] for c in mf.get("copy", []) if c.get("GBps")]
   memory = None

@@ -138,8 +138,8 @@ def linear_objective_kernel_tiles(num_tokens: int, num_columns: int,
   kernel call per group, whose terms become its ``d`` in place
   (``mosaic_rows_grad.exp_overwrite``).
 
-  A group is a multiple of that kernel's row block (``mosaic_rows_grad.ROWS``, 64), at
-  least the head kernel's (``mosaic_head.MIN_ROWS``, 256; a call's work is its rows
+  A group is a multiple of that kernel's row block (``mosaic_rows_grad.CONFIG.rows``, 64), at
+  least the head kernel's (``mosaic_head.CONFIG.min_rows``, 256; a call's work is its rows
   rounded up to 256). Its ``[group, num_columns]`` terms in the operand dtype
   (``itemsize`` bytes) fit ``LINEAR_OBJECTIVE_GRAD_BYTES`` of ``platform`` and, given the
   hidden dim ``depth``, ``LINEAR_OBJECTIVE_GRAD_PER_SUM`` of ``platform`` times the bytes
@@ -147,15 +147,16 @@ def linear_objective_kernel_tiles(num_tokens: int, num_columns: int,
   it fits, else the fewest equal groups, the last clamped back over the one before by
   less than a block (or ``T`` padded up to one group). A requested size is the group,
   rounded up to a block."""
-  block = mosaic_rows_grad.ROWS
-  round_up = lambda rows: max(-(-rows // block) * block, mosaic_head.MIN_ROWS)
+  block = mosaic_rows_grad.CONFIG.rows
+  round_up = lambda rows: max(-(-rows // block) * block, mosaic_head.CONFIG.min_rows)
   if requested is not None:
     return round_up(requested), round_up(requested)
   platform = budget_platform(platform)
   budget = LINEAR_OBJECTIVE_GRAD_BYTES[platform]
   if depth is not None:
     budget = min(budget, int(LINEAR_OBJECTIVE_GRAD_PER_SUM[platform] * 4 * depth * num_columns))
-  cap = max(budget // (itemsize * max(num_columns, 1)) // block * block, mosaic_head.MIN_ROWS)
+  cap = max(budget // (itemsize * max(num_columns, 1)) // block * block,
+            mosaic_head.CONFIG.min_rows)
   group = round_up(-(-num_tokens // -(-num_tokens // cap)))
   return group, group
 
@@ -177,7 +178,7 @@ def linear_kernel_tiles(num_tokens: int, num_columns: int, requested_chunk: int 
 
   The token chunks are walked exactly (the plan's ``chunks``: equal chunks, then the rows
   left in one call), so a chunk is all ``T`` tokens or a multiple of the kernel's row
-  block (``mosaic_head.MIN_ROWS``, 256), and no row is computed twice. With vocab blocks
+  block (``mosaic_head.CONFIG.min_rows``, 256), and no row is computed twice. With vocab blocks
   outer (``T <= V_local``) and neither size requested, the chunk is all ``T`` tokens when
   a block of at least ``LINEAR_KERNEL_MIN_BLOCK`` columns fits the budget
   (``LINEAR_KERNEL_GRAD_BYTES`` for the ``[T, block]`` d logits in the operand dtype):
@@ -209,7 +210,7 @@ def linear_kernel_tiles(num_tokens: int, num_columns: int, requested_chunk: int 
   elif planned:  # (vocab blocks outer, several chunks: linear_tiles' budget)
     chunk = _kernel_chunk(num_tokens, LINEAR_TILE_BYTES[budget_platform(platform)] // (4 * block))
   elif chunk < num_tokens:
-    chunk = _multiple(chunk, mosaic_head.MIN_ROWS, num_tokens)
+    chunk = _multiple(chunk, mosaic_head.CONFIG.min_rows, num_tokens)
   if planned:
     max_block = _kernel_max_block(depth) if whole else LINEAR_KERNEL_MAX_BLOCK
     cap = min(LINEAR_KERNEL_GRAD_BYTES // (2 * chunk), max_block, num_columns)
@@ -235,7 +236,7 @@ def _kernel_chunk(num_tokens: int, cap: int) -> int:
   The chunks are walked exactly (the plan's ``chunks``), the last taking the rows left."""
   if num_tokens <= cap:
     return num_tokens
-  step = mosaic_head.MIN_ROWS
+  step = mosaic_head.CONFIG.min_rows
   cap = max(step, cap - cap % step)
   count = -(-num_tokens // cap)
   return min(-(-num_tokens // (count * step)) * step, cap)
@@ -252,7 +253,7 @@ def _kernel_block_cost(num_tokens: int, num_columns: int, depth: int, block: int
   pass over the f32 sum, set-up)."""
   waves = lambda tiles: -(-tiles // max(num_cores, 1))
   column_tiles = block // mosaic_head.TILE_N
-  per_block = (waves(-(-num_tokens // mosaic_head.MIN_ROWS) * column_tiles) * depth
+  per_block = (waves(-(-num_tokens // mosaic_head.CONFIG.min_rows) * column_tiles) * depth
                + waves(-(-depth // 256) * column_tiles) * num_tokens
                + waves(-(-num_tokens * depth // (256 * 128))) * block
                + LINEAR_KERNEL_BLOCK_PASS * num_tokens * depth)

@@ -390,8 +390,8 @@ def _fused_plan(options, shard: Shard, head: dict) -> FusedPlan:
 
 def _row_chunks(num_rows: int, chunk: int, mosaic: bool) -> chunking.RowChunks:
   """Equal chunks of ``chunk`` rows, then the rows left (with the Mosaic kernels, at least
-  their ``MIN_ROWS``), every row in one chunk."""
-  min_last = mosaic_head.MIN_ROWS if mosaic else 1
+  their ``CONFIG.min_rows``), every row in one chunk."""
+  min_last = mosaic_head.CONFIG.min_rows if mosaic else 1
   return chunking.exact_chunks(num_rows, chunk, min(min_last, num_rows))
 
 

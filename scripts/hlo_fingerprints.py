@@ -191,7 +191,10 @@ def _cuda_programs(objective):
   0.11, on any machine): each Mosaic kernel call carries its compiled module's hash, so
   a refactor of the kernels that changes no instruction keeps these fingerprints. Widths
   of whole tiles and of a partial last tile (a multiple of 64, of 16, an odd one), ragged
-  ``T``, with the options that change the kernels; shapes only (nothing runs)."""
+  ``T``, with the options that change the kernels; shapes only (nothing runs). (The
+  reciprocal kernel's module also holds its source lines: a line moved in
+  ``mosaic/reciprocal.py`` changes the ``temp`` programs; its outputs' bits, in the
+  ``mosaic/`` programs, tell whether it computes the same.)"""
   t, d = 1001, 256
   S = jax.ShapeDtypeStruct
   hidden, labels = S((t, d), jnp.bfloat16), S((t,), jnp.int32)

@@ -5,6 +5,8 @@ and entropy, against float64, one, two and three stages, ragged groups and rows,
 masked-out tiles, and without the entropy, a token's bits not depending on the other
 tokens in the call; ``mosaic_reciprocal``, ``1 / temperature`` on the device."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -80,7 +82,7 @@ def test_merge_matches_float64(kernel, num_tiles, num_rows):
 @pytest.mark.parametrize("kernel", MERGES)
 def test_merge_in_groups_of_8(kernel, monkeypatch):
   """150 tiles in groups of 8: the Mosaic merge in three stages (19 groups, then 3)."""
-  monkeypatch.setattr(kernel, "GROUP", 8)
+  monkeypatch.setattr(kernel, "CONFIG", dataclasses.replace(kernel.CONFIG, group=8))
   _check_merge(kernel, 150, 256)
 
 

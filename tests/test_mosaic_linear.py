@@ -3,6 +3,8 @@ GPU interpreter: its tile statistics against float64, and the whole call against
 path and the float64 reference. On GPUs, ``scripts/gpu_check_mosaic_linear.py`` checks
 the compiled kernel the same way (and inside shard_map)."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -115,9 +117,9 @@ def test_tile_statistics_match_float64(tokens, dim, num_columns, vocab_dim, soft
 
 def test_column_blocks_of_the_widths_users_shard_to():
   """A ``[D, V]`` weight that is not whole tiles is read in blocks of whole tiles: the
-  most equal blocks of at most ``BLOCK_BYTES`` that leave the fewest tiles over (a prime
+  most equal blocks of at most ``CONFIG.block_bytes`` that leave the fewest tiles over (a prime
   number of tiles, as Qwen3's 151936 over 2 GPUs, leaves one), at least
-  ``MIN_BLOCK_TILES`` tiles each; none for fewer tiles. The vocabularies users shard:
+  ``CONFIG.min_block_tiles`` tiles each; none for fewer tiles. The vocabularies users shard:
   Qwen3's 151936 over 2, 4 and 8 GPUs, Llama 3's 128256 and DeepSeek-V3's 129280 over 4
   and 8, the unpadded 151643 and GPT-2's 50257."""
   blocks = lambda v, d=4096: mosaic_head.column_blocks(v, depth=d, dtype=jnp.bfloat16)
@@ -131,7 +133,7 @@ def test_column_blocks_of_the_widths_users_shard_to():
   for depth in (1024, 4096, 5120, 8192):
     for columns in (37984, 75968, 16160, 151643):
       width, count = blocks(columns, depth)
-      assert width % 128 == 0 and width * depth * 2 <= mosaic_head.BLOCK_BYTES
+      assert width % 128 == 0 and width * depth * 2 <= mosaic_head.CONFIG.block_bytes
       assert columns - width * count < width + 128, (columns, depth)
 
 
@@ -166,8 +168,8 @@ def test_blockwise_statistics_are_the_whole_arrays_bits(softcap, padded, with_ke
   dim = 64
   hidden, weight, labels, inv_temp, limit, kept, kw = _split_inputs(
       7, dim, num_columns, vocab_dim, softcap, num_columns - 200 if padded else None, with_kept)
-  monkeypatch.setattr(mosaic_head, "BLOCK_BYTES", dim * 2 * 128 * 4)
-  monkeypatch.setattr(mosaic_head, "MIN_BLOCK_TILES", 4)
+  monkeypatch.setattr(mosaic_head, "CONFIG", dataclasses.replace(
+      mosaic_head.CONFIG, block_bytes=dim * 2 * 128 * 4, min_block_tiles=4))
   assert mosaic_head.column_blocks(num_columns, depth=dim, dtype=hidden.dtype) == (512, 2)
   calls = []
   blockwise = mosaic_head._blockwise_statistics
@@ -549,7 +551,7 @@ def _kernel_rows(jaxpr, dim, times=1):
         and first.shape[1] == dim and first.dtype == jnp.bfloat16):
       out = eqn.outvars[0].aval.shape
       kind, columns = ("forward", 1) if len(out) == 3 else ("backward", out[1])
-      rows[kind] += times * mosaic_head.row_blocks(first.shape[0]) * mosaic_head.MIN_ROWS \
+      rows[kind] += times * mosaic_head.row_blocks(first.shape[0]) * mosaic_head.CONFIG.min_rows \
           * columns
       continue
     inner_times = times * eqn.params.get("length", 1) if eqn.primitive.name == "scan" else times
@@ -589,7 +591,7 @@ def test_ragged_tokens_cost_their_rows_rounded_up_to_a_row_block(columns, block,
     loss = lambda h, w: sum(jnp.sum(o) for o in jaxce.linear_logprobs_and_entropy(
         h, w, jnp.zeros(tokens, jnp.int32), **kw))
     rows = _kernel_rows(jax.make_jaxpr(jax.grad(loss, (0, 1)))(hidden, weight), dim)
-    rounded = -(-tokens // mosaic_head.MIN_ROWS) * mosaic_head.MIN_ROWS
+    rounded = -(-tokens // mosaic_head.CONFIG.min_rows) * mosaic_head.CONFIG.min_rows
     assert rows["forward"] == rounded, (tokens, chunk, plan, rows)
     assert rows["backward"] == rounded * columns, (tokens, chunk, plan, rows)
 

@@ -5,6 +5,8 @@ and the float64 reference with gradients, and a token's bits whatever the call a
 On GPUs the tally (``bash scripts/gpu_tests.sh``) runs these tests on the compiled kernel;
 the bench's logits-path rows (``python -m bench``) time it at full size."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -49,7 +51,8 @@ def _logits(rng, tokens, columns, dtype):
     (64, 1024, jnp.bfloat16, None, 1),    # 8 segments of one tile each: a group each
 ])
 def test_group_statistics_match_float64(tokens, columns, dtype, limit, min_tiles, monkeypatch):
-  monkeypatch.setattr(mosaic_rows, "MIN_TILES_PER_GROUP", min_tiles)
+  monkeypatch.setattr(mosaic_rows, "CONFIG", dataclasses.replace(mosaic_rows.CONFIG,
+                                                              min_tiles_per_group=min_tiles))
   rng = np.random.default_rng(tokens + columns)
   x = _logits(rng, tokens, columns, dtype)
   inv_temp = rng.uniform(0.5, 2.0, tokens).astype(np.float32)
@@ -83,7 +86,8 @@ def test_only_the_partial_tiles_group_is_masked(columns, with_kept, monkeypatch)
   bit, the sums up to rounding (without the mask's select, a compiler may fuse the fold
   differently; the split is a function of the width alone, so each token's bits still
   depend on its own inputs only)."""
-  monkeypatch.setattr(mosaic_rows, "MIN_TILES_PER_GROUP", 2)
+  monkeypatch.setattr(mosaic_rows, "CONFIG", dataclasses.replace(mosaic_rows.CONFIG,
+                                                              min_tiles_per_group=2))
   rng = np.random.default_rng(columns)
   tokens = 136
   x = _logits(rng, tokens, columns, jnp.bfloat16)
@@ -109,7 +113,7 @@ def test_only_the_partial_tiles_group_is_masked(columns, with_kept, monkeypatch)
   split = mosaic_rows._statistics(x, row_inputs, words, masked=False, **kw)
   assert calls == [False, True]
   whole = one_call(x, row_inputs, words, 0, mosaic_rows.num_groups(layout), masked=True, **kw)
-  split, whole = np.asarray(split), np.asarray(whole)  # [groups, row blocks, 4, ROWS]
+  split, whole = np.asarray(split), np.asarray(whole)  # [groups, row blocks, 4, rows]
   for field in (0, 3):  # m, picked
     assert np.array_equal(split[:, :, field].view(np.uint32), whole[:, :, field].view(np.uint32))
   s, q = (split[:, :, i].astype(np.float64) for i in (1, 2))
@@ -128,7 +132,8 @@ def test_group_statistics_over_kept_sets(tokens, columns, dtype, limit, monkeypa
   """Kept sets read with the tiles: ~5 % kept at random, a row keeping its label alone (or
   nothing: the label column still kept), a row keeping every column; each matches float64
   over exactly its kept columns and the label's."""
-  monkeypatch.setattr(mosaic_rows, "MIN_TILES_PER_GROUP", 1)
+  monkeypatch.setattr(mosaic_rows, "CONFIG", dataclasses.replace(mosaic_rows.CONFIG,
+                                                              min_tiles_per_group=1))
   rng = np.random.default_rng(tokens + 7)
   x = _logits(rng, tokens, columns, dtype)
   inv_temp = rng.uniform(0.5, 2.0, tokens).astype(np.float32)

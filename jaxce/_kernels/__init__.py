@@ -23,7 +23,8 @@ Four layers, each importing only the ones below it:
   head's tiles with a statistics or a ``d logits`` epilogue), each saying why it cannot
   run a call (``unsupported``); ``mosaic.rows_grad`` (the rows' gradient, over the logits
   or into a new array); ``mosaic.merge`` / ``triton.merge`` (per-tile statistics merged in
-  column order) and ``mosaic.reciprocal`` (``1 / T`` on the device, Hopper); XLA is plain
+  column order) and ``mosaic.reciprocal`` (``1 / T`` on the device, Hopper); each kernel's
+  tiling is a frozen ``Config`` of its module, read from its ``CONFIG``; XLA is plain
   ``jax.numpy`` in the floor below;
 * the floor: ``softmax`` (the per-tile maths), ``chunking`` (ragged chunks without
   copies), ``plumbing`` (shard_map varying types, symbolic zeros, named custom_vjp

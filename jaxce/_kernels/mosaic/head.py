@@ -11,7 +11,7 @@ statistics and writes them once, in the operand dtype. Layout of one CTA (three
 warpgroups):
 
 * a memory warpgroup streams ``[256, 64]`` hidden and ``[64, 128]`` weight blocks into
-  shared memory with TMA, ``STAGES`` steps ahead (``emit_pipeline_warp_specialized``);
+  shared memory with TMA, ``CONFIG.stages`` steps ahead (``emit_pipeline_warp_specialized``);
 * two compute warpgroups, 128 rows each, accumulate the tile over the hidden dim, then
   (forward epilogue) apply the softcap and the per-row temperature, mask columns outside
   ``[tile start, limit)`` (none without a limit: no padded vocabulary), and
@@ -51,7 +51,7 @@ forward's time per column, bench/NOTES.md entry 43) and a ``[V_local, D]`` weigh
 tiles of 8 rows. So the forward (``statistics``) reads a weight whose last tile is
 partial in two calls: its whole tiles, in place where TMA reads it at the 128-byte
 swizzle (75968 columns) and else in vocab blocks copied out (``column_blocks``: at most
-``BLOCK_BYTES`` each; 37984, 151643 columns), then the columns left copied out and
+``CONFIG.block_bytes`` each; 37984, 151643 columns), then the columns left copied out and
 zero-padded to one tile: the same tiles, statistics and bits as one call over the whole
 array, and no tile of a call runs the masked epilogue for a partial tile's sake (entry
 49). The backward's vocab blocks are copies already (``linear``); a ragged last one is
@@ -64,6 +64,7 @@ Off GPUs the kernel runs in Pallas' GPU interpreter (tests only).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -76,22 +77,48 @@ from jaxce._kernels.mosaic import tile as mosaic_tile
 
 plgpu = plumbing.lazy_module("jax.experimental.pallas.mosaic_gpu")
 
-TILE_M = 128  # rows per compute warpgroup; a CTA holds two
-TILE_N = mosaic_tile.TILE  # vocabulary columns per tile
-TILE_K = 64  # hidden dims per pipeline step
-STAGES = 4  # pipeline depth: 4 x 48 KiB of shared memory
-GRAD_STAGES = 3  # 3 x 48 KiB, next to the d logits pieces being stored
-EXP_STAGES = 3  # the forward that also stores its exp(z - m) terms
-PIECE_BYTES = 128  # a tile goes out in pieces of its rows x 128 bytes (16 KiB)
-MIN_ROWS = 2 * TILE_M  # rows per CTA: the least a call takes (fewer are padded)
+TILE_N = mosaic_tile.TILE  # vocabulary columns per tile (the grid the statistics merge on)
 ROW_TILE = 8  # TMA reads rows in tiles of 8: a call's rows are a multiple of it
 # The operations whose outputs these kernels make batch-invariant (all they run: fixed
 # tiles, no split-K, tiles merged in the columns' order by ``mosaic_merge``).
 INVARIANT_OPERATIONS = ("linear_logprobs_and_entropy", "linear_token_loss")
-SNAKE_WIDTH = 8  # row blocks walked together (L2 reuse of the hidden blocks)
-# The forward's vocab blocks of a weight that is not whole tiles (column_blocks):
-BLOCK_BYTES = 96 * 2**20  # the most bytes of weight a block copies out
-MIN_BLOCK_TILES = 8  # fewer whole tiles: no block, one padded copy of the whole weight
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Config:
+  """The head kernels' tiling and buffers: the kernels read ``CONFIG`` (tests swap in
+  another with ``dataclasses.replace``).
+
+  Attributes:
+    tile_m: rows per compute warpgroup; a CTA holds two.
+    tile_k: hidden dims per pipeline step.
+    stages: the forward's pipeline depth: 4 x 48 KiB of shared memory.
+    grad_stages: the backward's: 3 x 48 KiB, next to the ``d logits`` pieces being stored.
+    exp_stages: the forward that also stores its ``exp(z - m)`` terms.
+    piece_bytes: a tile goes out in pieces of its rows x this many bytes (16 KiB).
+    snake_width: row blocks walked together (L2 reuse of the hidden blocks).
+    block_bytes: the most bytes of weight one of the forward's vocab blocks copies out
+      (a weight TMA cannot read in place: ``column_blocks``).
+    min_block_tiles: fewer whole tiles than this: no block, one padded copy of the
+      whole weight.
+  """
+  tile_m: int = 128
+  tile_k: int = 64
+  stages: int = 4
+  grad_stages: int = 3
+  exp_stages: int = 3
+  piece_bytes: int = 128
+  snake_width: int = 8
+  block_bytes: int = 96 * 2**20
+  min_block_tiles: int = 8
+
+  @property
+  def min_rows(self) -> int:
+    """Rows per CTA: the least a call takes (fewer are padded)."""
+    return 2 * self.tile_m
+
+
+CONFIG = Config()
 
 
 def unsupported(*, platform, capability, hidden_dtype, weight_dtype, has_bias, depth,
@@ -114,8 +141,8 @@ def unsupported(*, platform, capability, hidden_dtype, weight_dtype, has_bias, d
             f"{weight_dtype}")
   if has_bias:
     return "a bias is not supported"
-  if depth % TILE_K:
-    return f"the hidden dim must be a multiple of {TILE_K}, got {depth}"
+  if depth % CONFIG.tile_k:
+    return f"the hidden dim must be a multiple of {CONFIG.tile_k}, got {depth}"
   if exp_terms and num_columns % mosaic_tile.MIN_ALIGN:
     return (f"the vocabulary (per device) must be a multiple of {mosaic_tile.MIN_ALIGN} "
             f"for the objective path's exp terms (TMA writes rows of whole 32-byte "
@@ -125,9 +152,9 @@ def unsupported(*, platform, capability, hidden_dtype, weight_dtype, has_bias, d
 
 def padded_rows(num_rows: int) -> int:
   """The rows a call of ``num_rows`` tokens runs the kernels on: ``num_rows`` rounded up
-  to a multiple of ``ROW_TILE``, at least ``MIN_ROWS`` (the caller pads with ignored
+  to a multiple of ``ROW_TILE``, at least ``CONFIG.min_rows`` (the caller pads with ignored
   rows)."""
-  return max(-(-num_rows // ROW_TILE) * ROW_TILE, MIN_ROWS)
+  return max(-(-num_rows // ROW_TILE) * ROW_TILE, CONFIG.min_rows)
 
 
 def num_tiles(num_columns: int) -> int:
@@ -137,21 +164,21 @@ def num_tiles(num_columns: int) -> int:
 
 
 def row_blocks(num_rows: int) -> int:
-  """The CTA row blocks of a kernel call on ``num_rows`` rows (``MIN_ROWS`` each, the last
-  moved back inside): ``row_blocks(C) * MIN_ROWS`` rows of matmul work."""
-  return -(-num_rows // MIN_ROWS)
+  """The CTA row blocks of a kernel call on ``num_rows`` rows (``CONFIG.min_rows`` each, the last
+  moved back inside): ``row_blocks(C) * CONFIG.min_rows`` rows of matmul work."""
+  return -(-num_rows // CONFIG.min_rows)
 
 
 def _tiles(hidden, weight, row_inputs, words, *, inputs_type, vocab_dim, stages, finish,
            out_type, scratch, interpret, num_cores, tiles=None):
-  """The kernel skeleton: every ``[TILE_M, TILE_N]`` tile of ``hidden @ weight`` (f32
+  """The kernel skeleton: every ``[CONFIG.tile_m, TILE_N]`` tile of ``hidden @ weight`` (f32
   accumulation) handed to ``finish`` in registers, which writes what it makes of it.
 
   ``hidden [C, D]``, ``weight [D, V]`` (``vocab_dim`` 1) or ``[V, D]`` (0), 16-bit, in
   ``ceil(V / TILE_N)`` tiles (a partial last tile reads zeros past ``V``, and its stores
   past ``V`` are dropped);
   ``row_inputs [R, C]`` f32: the rows' record of ``inputs_type`` (``mosaic_tile.stack``),
-  handed to ``finish`` as that record of ``[TILE_M]`` vectors; ``words``: uint32 ``[tiles
+  handed to ``finish`` as that record of ``[CONFIG.tile_m]`` vectors; ``words``: uint32 ``[tiles
   * WORDS, C]`` kept sets, a row per word (``mosaic_tile.kept_words``), or None.
   ``finish(x, inputs, column, kept, scratch, outs, n_idx, row_slice)`` (``column``: the
   tile's first column; ``kept``: its kept
@@ -165,7 +192,7 @@ def _tiles(hidden, weight, row_inputs, words, *, inputs_type, vocab_dim, stages,
   """
   num_rows, depth = hidden.shape
   num_columns = weight.shape[vocab_dim]
-  cta_rows = MIN_ROWS
+  cta_rows = CONFIG.min_rows
   # (TMA reads and writes rows of whole swizzles: a [D, V] weight's, a [C, V] output's)
   strided = vocab_dim or any(len(t.shape) == 2 for t in out_type)
   if num_rows < cta_rows or num_rows % ROW_TILE or (strided and
@@ -174,20 +201,20 @@ def _tiles(hidden, weight, row_inputs, words, *, inputs_type, vocab_dim, stages,
                      f"multiple of {ROW_TILE}, and a multiple of {mosaic_tile.MIN_ALIGN} "
                      "columns expected")
   m_iters, n_iters = row_blocks(num_rows), tiles or num_tiles(num_columns)
-  k_iters = depth // TILE_K
+  k_iters = depth // CONFIG.tile_k
   stages = min(stages, k_iters)
   num_row_inputs = row_inputs.shape[0]
   has_words = words is not None
   words_per_tile = TILE_N // 32
   # (hidden and weight blocks share wgmma's swizzle: a [D, V] weight's, as V allows)
   transforms = mosaic_tile.swizzle(
-      TILE_K, hidden.dtype,
+      CONFIG.tile_k, hidden.dtype,
       mosaic_tile.array_swizzle(num_columns, hidden.dtype) if vocab_dim else 128)
   if vocab_dim:
-    weight_spec = plgpu.BlockSpec((TILE_K, TILE_N), lambda k: (k, 0), transforms=transforms,
+    weight_spec = plgpu.BlockSpec((CONFIG.tile_k, TILE_N), lambda k: (k, 0), transforms=transforms,
                                   memory_space=plgpu.SMEM)
   else:
-    weight_spec = plgpu.BlockSpec((TILE_N, TILE_K), lambda k: (0, k), transforms=transforms,
+    weight_spec = plgpu.BlockSpec((TILE_N, CONFIG.tile_k), lambda k: (0, k), transforms=transforms,
                                   memory_space=plgpu.SMEM)
 
   def get_pipeline(body, compute_context):
@@ -195,8 +222,9 @@ def _tiles(hidden, weight, row_inputs, words, *, inputs_type, vocab_dim, stages,
         body,
         grid=(k_iters,),
         memory_registers=40,
-        in_specs=[plgpu.BlockSpec((cta_rows, TILE_K), lambda k: (0, k), transforms=transforms,
-                                  memory_space=plgpu.SMEM), weight_spec],
+        in_specs=[plgpu.BlockSpec((cta_rows, CONFIG.tile_k), lambda k: (0, k),
+                                  transforms=transforms, memory_space=plgpu.SMEM),
+                  weight_spec],
         wg_axis="wg",
         num_compute_wgs=2,
         max_concurrent_steps=stages,
@@ -207,13 +235,13 @@ def _tiles(hidden, weight, row_inputs, words, *, inputs_type, vocab_dim, stages,
     words_gmem, out_gmems = refs[:has_words], refs[has_words:]
     ignore = lambda *_, **__: None
     words_scratch = dict(
-        words_smem=plgpu.SMEM((2, words_per_tile, TILE_M), jnp.uint32),
+        words_smem=plgpu.SMEM((2, words_per_tile, CONFIG.tile_m), jnp.uint32),
         words_barrier=plgpu.Barrier(num_barriers=2)) if has_words else {}
 
     @functools.partial(
         pl.run_scoped,
         allocations=get_pipeline(ignore, ignore).get_allocations(hidden_gmem, weight_gmem),
-        rows_smem=plgpu.SMEM((2, num_row_inputs, TILE_M), jnp.float32),
+        rows_smem=plgpu.SMEM((2, num_row_inputs, CONFIG.tile_m), jnp.float32),
         out_smem=scratch,
         rows_barrier=plgpu.Barrier(num_barriers=2),
         collective_axes="wg",
@@ -226,13 +254,13 @@ def _tiles(hidden, weight, row_inputs, words, *, inputs_type, vocab_dim, stages,
       @plgpu.nd_loop((m_iters * n_iters,), collective_axes="sm")
       def _tile_loop(loop_info):
         (index,) = loop_info.index
-        m_idx, n_idx = plgpu.planar_snake(index, (m_iters, n_iters), 0, SNAKE_WIDTH)
+        m_idx, n_idx = plgpu.planar_snake(index, (m_iters, n_iters), 0, CONFIG.snake_width)
         # (the last row block moved back inside the array: its rows shared with the block
         # before get the same numbers from both)
         cta_row = pl.multiple_of(jnp.minimum(m_idx * cta_rows, num_rows - cta_rows), ROW_TILE)
         column = pl.multiple_of(n_idx * TILE_N, TILE_N)
-        wg_row = pl.multiple_of(wg * TILE_M, TILE_M)
-        row_slice = pl.ds(pl.multiple_of(cta_row + wg_row, ROW_TILE), TILE_M)
+        wg_row = pl.multiple_of(wg * CONFIG.tile_m, CONFIG.tile_m)
+        row_slice = pl.ds(pl.multiple_of(cta_row + wg_row, ROW_TILE), CONFIG.tile_m)
 
         def compute_context(eval_pipeline):
           plgpu.copy_gmem_to_smem(rows_gmem.at[:, row_slice], rows_smem.at[wg],
@@ -243,7 +271,7 @@ def _tiles(hidden, weight, row_inputs, words, *, inputs_type, vocab_dim, stages,
             plgpu.copy_gmem_to_smem(words_gmem[0].at[tile_words, row_slice],
                                     words_smem.at[wg], words_barrier.at[wg])
 
-          @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((TILE_M, TILE_N), jnp.float32))
+          @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((CONFIG.tile_m, TILE_N), jnp.float32))
           def _acc_scope(acc_ref):
             eval_pipeline(acc_ref)
             x = acc_ref[...]
@@ -259,7 +287,7 @@ def _tiles(hidden, weight, row_inputs, words, *, inputs_type, vocab_dim, stages,
 
         def mma_body(_, hidden_smem, weight_smem, acc_ref):
           rhs = weight_smem if vocab_dim else weight_smem.transpose((1, 0))
-          plgpu.wgmma(acc_ref, hidden_smem.at[pl.ds(wg_row, TILE_M)], rhs)
+          plgpu.wgmma(acc_ref, hidden_smem.at[pl.ds(wg_row, CONFIG.tile_m)], rhs)
           plgpu.wgmma_wait(0)
           return acc_ref
 
@@ -285,11 +313,11 @@ def _tiles(hidden, weight, row_inputs, words, *, inputs_type, vocab_dim, stages,
 
 
 def _piece_slots(dtype, num_columns):
-  """Shared memory for two warpgroups' two slots of ``[TILE_M, PIECE_BYTES]`` pieces of a
-  tile of ``dtype`` (``_store_pieces``), swizzled as an output of ``num_columns`` columns
-  allows (``mosaic_tile.array_swizzle``)."""
-  columns = PIECE_BYTES // jnp.dtype(dtype).itemsize
-  return plgpu.SMEM((2, 2, TILE_M, columns), dtype, transforms=mosaic_tile.swizzle(
+  """Shared memory for two warpgroups' two slots of ``[CONFIG.tile_m,
+  CONFIG.piece_bytes]`` pieces of a tile of ``dtype`` (``_store_pieces``), swizzled as an
+  output of ``num_columns`` columns allows (``mosaic_tile.array_swizzle``)."""
+  columns = CONFIG.piece_bytes // jnp.dtype(dtype).itemsize
+  return plgpu.SMEM((2, 2, CONFIG.tile_m, columns), dtype, transforms=mosaic_tile.swizzle(
       columns, dtype, mosaic_tile.array_swizzle(num_columns, dtype)))
 
 
@@ -333,9 +361,10 @@ def _tile_statistics(hidden, weight, row_inputs, words, *, num_columns, vocab_di
   """``[vocab tiles, 4, C]`` f32: ``(m, s, q, picked)`` of every ``[row, tile]`` of the
   weight's first ``num_columns`` columns (``V``: the array's, or its last tile's zero
   padding left out, or its whole tiles), and with ``with_exp`` the ``exp(z - m)`` terms in
-  hidden's dtype, ``[C, weight's width]`` (the columns from ``V`` on not written); ``row_inputs [3, C]``: the rows' ``mosaic_tile.HeadStatisticsInputs``,
-  stacked; ``words`` as ``_tiles``; ``masked``: apply the rows' ``limit``
-  (``mosaic_tile.tile_statistics``; a partial last tile also stops at ``V``)."""
+  hidden's dtype, ``[C, weight's width]`` (the columns from ``V`` on not written);
+  ``row_inputs [3, C]``: the rows' ``mosaic_tile.HeadStatisticsInputs``, stacked; ``words``
+  as ``_tiles``; ``masked``: apply the rows' ``limit`` (``mosaic_tile.tile_statistics``; a
+  partial last tile also stops at ``V``)."""
   num_rows = hidden.shape[0]
 
   def tile_finish(x, inputs, column, kept, scratch, outs, n_idx, row_slice, masked):
@@ -368,12 +397,12 @@ def _tile_statistics(hidden, weight, row_inputs, words, *, num_columns, vocab_di
   exp_columns = weight.shape[vocab_dim]
   stats_type = jax.ShapeDtypeStruct((n_iters, 4, num_rows), jnp.float32)
   exp_type = jax.ShapeDtypeStruct((num_rows, exp_columns), hidden.dtype)
-  scratch = dict(stats=plgpu.SMEM((2, 4, TILE_M), jnp.float32))
+  scratch = dict(stats=plgpu.SMEM((2, 4, CONFIG.tile_m), jnp.float32))
   if with_exp:
     scratch["exp"] = _piece_slots(hidden.dtype, exp_columns)
   return _tiles(hidden, weight, row_inputs, words,
                 inputs_type=mosaic_tile.HeadStatisticsInputs, vocab_dim=vocab_dim,
-                stages=EXP_STAGES if with_exp else STAGES, finish=finish,
+                stages=CONFIG.exp_stages if with_exp else CONFIG.stages, finish=finish,
                 out_type=(stats_type,) + ((exp_type,) if with_exp else ()),
                 scratch=scratch, interpret=interpret, num_cores=num_cores, tiles=n_iters)
 
@@ -394,7 +423,7 @@ def _tile_logits_grad(hidden, weight, row_inputs, words, *, vocab_dim, softcap, 
 
   return _tiles(hidden, weight, row_inputs, words,
                 inputs_type=mosaic_tile.HeadGradientInputs, vocab_dim=vocab_dim,
-                stages=GRAD_STAGES, finish=finish,
+                stages=CONFIG.grad_stages, finish=finish,
                 out_type=(jax.ShapeDtypeStruct((num_rows, num_columns), dtype),),
                 scratch=_piece_slots(dtype, num_columns),
                 interpret=interpret, num_cores=num_cores)[0]
@@ -435,7 +464,7 @@ def statistics(hidden, weight, labels, inv_temp, limit, kept=None, *, column_sta
     ``kept``, its ``mosaic_tile.kept_words`` copy. A weight whose last tile is partial:
     that tile's copy and the statistics twice (their concatenation); where TMA cannot read
     it in place at the 128-byte swizzle (without ``with_exp``), one vocab block's copy
-    too (``column_blocks``: at most ``BLOCK_BYTES``).
+    too (``column_blocks``: at most ``CONFIG.block_bytes``).
   """
   num_columns = weight.shape[vocab_dim]
   options = dict(column_start=column_start, vocab_dim=vocab_dim, softcap=softcap,
@@ -517,15 +546,15 @@ def _rest_statistics(start, hidden, weight, labels, inv_temp, limit, kept, *, co
 
 def column_blocks(num_columns: int, *, depth: int, dtype) -> tuple[int, int]:
   """``(width, count)``: the forward's ``count`` vocab blocks of ``width`` columns (whole
-  tiles, at most ``BLOCK_BYTES`` of a ``[D, V_local]`` weight, at least
-  ``MIN_BLOCK_TILES`` tiles), the count that leaves the fewest whole tiles over (then the
+  tiles, at most ``CONFIG.block_bytes`` of a ``[D, V_local]`` weight, at least
+  ``CONFIG.min_block_tiles`` tiles), the count that leaves the fewest whole tiles over (then the
   widest), for a weight that TMA cannot read in place at the 128-byte swizzle: its rows
   take a narrower swizzle or none (a ``V_local`` that is not a multiple of 64: Qwen3's
   151936 over 4 GPUs gives 37984; GPT-2's 50257). ``count`` is 0 where the
-  weight has fewer than ``MIN_BLOCK_TILES`` whole tiles."""
+  weight has fewer than ``CONFIG.min_block_tiles`` whole tiles."""
   tiles = num_columns // TILE_N
-  max_tiles = max(BLOCK_BYTES // (depth * jnp.dtype(dtype).itemsize * TILE_N), 1)
-  least = min(MIN_BLOCK_TILES, max_tiles)
+  max_tiles = max(CONFIG.block_bytes // (depth * jnp.dtype(dtype).itemsize * TILE_N), 1)
+  least = min(CONFIG.min_block_tiles, max_tiles)
   if tiles < least:
     return TILE_N, 0
   per_block = min(range(least, min(max_tiles, tiles) + 1), key=lambda b: (tiles % b, -b))
@@ -536,13 +565,13 @@ def _blockwise_statistics(blocks, hidden, weight, labels, inv_temp, limit, kept,
                           column_start, vocab_dim, **options):
   """``statistics`` of a weight that TMA cannot read in place at the 128-byte swizzle (a
   ``[D, V_local]`` one whose rows are not whole 128-byte swizzles, a ``[V_local, D]`` one
-  that is not whole tiles of 8 rows), in ``column_blocks``' blocks: each block's columns copied out (at most
-  ``BLOCK_BYTES``) and read with the 128-byte swizzle, then the columns left (fewer than
-  a block) copied out as whole tiles, zero-padded: the last tile's padding is masked as a
-  partial tile's columns past the array are. A tile's statistics are those of one call
-  over the whole array, bit for bit (the same columns, rows, wgmma sequence and masks);
-  only the swizzle differs. Memory: one block's copy, and the statistics twice (their
-  concatenation)."""
+  that is not whole tiles of 8 rows), in ``column_blocks``' blocks: each block's columns
+  copied out (at most ``CONFIG.block_bytes``) and read with the 128-byte swizzle, then the
+  columns left (fewer than a block) copied out as whole tiles, zero-padded: the last tile's
+  padding is masked as a partial tile's columns past the array are. A tile's statistics
+  are those of one call over the whole array, bit for bit (the same columns, rows, wgmma
+  sequence and masks); only the swizzle differs. Memory: one block's copy, and the
+  statistics twice (their concatenation)."""
   width, count = blocks
 
   def block(_, j):

@@ -4,19 +4,20 @@ Pallas Mosaic GPU kernel (the fused path's ``mosaic_head`` forward and the logit
 
 It keeps the merge contract (``merge``: the maths, the order, the outputs).
 
-One CTA (one warpgroup, a token per thread) per ``ROWS`` tokens and group of up to
-``GROUP`` consecutive tiles, copied into shared memory with one TMA copy. With more tiles
-than ``GROUP``, a stage merges each group into its ``(m, s, q, picked)`` and the next
+One CTA (one warpgroup, a token per thread) per ``CONFIG.rows`` tokens and group of up to
+``CONFIG.group`` consecutive tiles, copied into shared memory with one TMA copy. With more tiles
+than ``CONFIG.group``, a stage merges each group into its ``(m, s, q, picked)`` and the next
 stage merges the groups in their order (still one order, fixed by the number of tiles).
 The last group's copy is moved back to end at the last tile (no copy leaves the array);
 the tiles it shares with the group before are skipped. Likewise, when ``C`` is not a
-multiple of ``ROWS`` (but of 8, at least ``ROWS``), the last CTA's tokens are moved back
-to end at the last token: the tokens it shares with the CTA before get the same numbers
-from both, written twice. Off GPUs it runs in JAX's GPU interpreter (tests).
+multiple of ``CONFIG.rows`` (but of 8, at least ``CONFIG.rows``), the last CTA's tokens
+are moved back to end at the last token: the tokens it shares with the CTA before get the
+same numbers from both, written twice. Off GPUs it runs in JAX's GPU interpreter (tests).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from functools import partial
 
 import jax.numpy as jnp
@@ -28,13 +29,27 @@ from jaxce._kernels import plumbing, softmax
 
 plgpu = plumbing.lazy_module("jax.experimental.pallas.mosaic_gpu")
 
-ROWS = 128  # tokens per CTA: one per thread of a warpgroup
 ROW_TILE = 8  # a moved-back CTA starts at a multiple of 8 tokens (32-byte aligned copies)
-GROUP = 64  # tiles per CTA: 4 x 64 x 128 f32, 128 KiB of shared memory
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Config:
+  """The merge kernel's tiling: it reads ``CONFIG`` (tests swap in another with
+  ``dataclasses.replace``).
+
+  Attributes:
+    rows: tokens per CTA: one per thread of a warpgroup.
+    group: tiles per CTA: 4 x 64 x 128 f32, 128 KiB of shared memory.
+  """
+  rows: int = 128
+  group: int = 64
+
+
+CONFIG = Config()
 
 
 def _stage(tiles, *, group, with_entropy, finish, interpret):
-  """One kernel over ``tiles [G, 4, C]`` (``C >= ROWS`` a multiple of ``ROW_TILE``,
+  """One kernel over ``tiles [G, 4, C]`` (``C >= CONFIG.rows`` a multiple of ``ROW_TILE``,
   ``group <= G``):
   each group's ``(m, s, q, picked)``, ``[ceil(G / group), 4, C]``, or with ``finish``
   (``group == G``) ``(logp before masking, m, log s, entropy)``, ``[4, C]``."""
@@ -45,20 +60,20 @@ def _stage(tiles, *, group, with_entropy, finish, interpret):
   def kernel(tiles_gmem, out_gmem):
     group_index = lax.axis_index("groups")
     # (the last CTA's tokens moved back to end at the last token)
-    first_row = jnp.minimum(lax.axis_index("rows") * ROWS, num_rows - ROWS)
-    row_slice = pl.ds(pl.multiple_of(first_row, ROW_TILE), ROWS)
+    first_row = jnp.minimum(lax.axis_index("rows") * CONFIG.rows, num_rows - CONFIG.rows)
+    row_slice = pl.ds(pl.multiple_of(first_row, ROW_TILE), CONFIG.rows)
     first = group_index * group
     start = jnp.minimum(first, num_tiles - group)  # the last group's copy, moved back
 
-    @partial(pl.run_scoped, tiles_smem=plgpu.SMEM((group, 4, ROWS), jnp.float32),
-             out_smem=plgpu.SMEM((4, ROWS), jnp.float32), barrier=plgpu.Barrier())
+    @partial(pl.run_scoped, tiles_smem=plgpu.SMEM((group, 4, CONFIG.rows), jnp.float32),
+             out_smem=plgpu.SMEM((4, CONFIG.rows), jnp.float32), barrier=plgpu.Barrier())
     def _scope(tiles_smem, out_smem, barrier):
       plgpu.copy_gmem_to_smem(tiles_gmem.at[pl.ds(start, group), :, row_slice], tiles_smem,
                               barrier)
       plgpu.barrier_wait(barrier)
       skip = first - start  # tiles of the group before (the last group only)
       m = lax.fori_loop(skip, group, lambda k, m: jnp.maximum(m, tiles_smem[k, 0]),
-                        jnp.full((ROWS,), softmax.FLOOR, jnp.float32))
+                        jnp.full((CONFIG.rows,), softmax.FLOOR, jnp.float32))
 
       def fold(k, carry):  # tile k into the sums, in the tiles' order
         s, q, picked = carry
@@ -68,7 +83,7 @@ def _stage(tiles, *, group, with_entropy, finish, interpret):
           q = q + scale * (tiles_smem[k, 2] + (m_k - m) * s_k)
         return s + scale * s_k, q, picked + tiles_smem[k, 3]
 
-      zero = jnp.zeros((ROWS,), jnp.float32)
+      zero = jnp.zeros((CONFIG.rows,), jnp.float32)
       s, q, picked = lax.fori_loop(skip, group, fold, (zero, zero, zero))
       if finish:
         log_s = jnp.log(s)
@@ -86,7 +101,7 @@ def _stage(tiles, *, group, with_entropy, finish, interpret):
   return plgpu.kernel(
       kernel,
       out_type=plumbing.shape_dtype_like(tiles, out_shape, jnp.float32),
-      grid=(-(-num_rows // ROWS), num_groups),
+      grid=(-(-num_rows // CONFIG.rows), num_groups),
       grid_names=("rows", "groups"),
       interpret=plgpu.InterpretGPUParams() if interpret else None,
   )(tiles)
@@ -95,14 +110,14 @@ def _stage(tiles, *, group, with_entropy, finish, interpret):
 def merge(tiles, *, with_entropy, interpret):
   """A token's log-prob and entropy from its tiles' statistics ``[G, 4, C]``, in the
   tiles' order, as the contract says (``merge``); ``interpret``: run in JAX's GPU
-  interpreter (off GPUs: tests). Memory: the outputs, ``[G / GROUP, 4, C]`` partial sums
-    per extra stage (and, when ``C`` is not a multiple of 8 or is below ``ROWS``, one
+  interpreter (off GPUs: tests). Memory: the outputs, ``[G / CONFIG.group, 4, C]`` partial sums
+    per extra stage (and, when ``C`` is not a multiple of 8 or is below ``CONFIG.rows``, one
     padded copy of ``tiles``).
   """
   num_rows = tiles.shape[2]
-  tiles = merge_contract.padded_tiles(tiles, ROW_TILE, ROWS)
-  while tiles.shape[0] > GROUP:
-    tiles = _stage(tiles, group=GROUP, with_entropy=with_entropy, finish=False,
+  tiles = merge_contract.padded_tiles(tiles, ROW_TILE, CONFIG.rows)
+  while tiles.shape[0] > CONFIG.group:
+    tiles = _stage(tiles, group=CONFIG.group, with_entropy=with_entropy, finish=False,
                    interpret=interpret)
   merged = _stage(tiles, group=tiles.shape[0], with_entropy=with_entropy, finish=True,
                   interpret=interpret)

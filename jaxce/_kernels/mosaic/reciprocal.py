@@ -6,12 +6,13 @@ argument is divided on the device, and the two need not give the same bits. Ever
 that scales logits by ``1 / t`` takes it from here (on GPUs without Mosaic, from XLA's
 division behind an optimization barrier, which constant folding does not cross:
 ``_dispatch._inverse_temperature``), so a token's scale (and so its outputs) is the same
-whichever way the temperature arrives. A Pallas kernel is one program wherever it is called; XLA never
-folds it.
+whichever way the temperature arrives. A Pallas kernel is one program wherever it is
+called; XLA never folds it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from functools import partial
 
 import jax.numpy as jnp
@@ -22,13 +23,25 @@ from jaxce._kernels import chunking, plumbing
 
 plgpu = plumbing.lazy_module("jax.experimental.pallas.mosaic_gpu")
 
-BLOCK = 256  # tokens per CTA (one warpgroup; a TMA copy takes at most 256 a dimension)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Config:
+  """The reciprocal kernel's tiling (``CONFIG``).
+
+  Attributes:
+    block: tokens per CTA (one warpgroup; a TMA copy takes at most 256 a dimension).
+  """
+  block: int = 256
+
+
+CONFIG = Config()
 
 
 def _kernel(t_gmem, out_gmem):
-  block = pl.ds(pl.multiple_of(lax.axis_index("blocks") * BLOCK, BLOCK), BLOCK)
+  block = pl.ds(pl.multiple_of(lax.axis_index("blocks") * CONFIG.block, CONFIG.block), CONFIG.block)
 
-  @partial(pl.run_scoped, smem=plgpu.SMEM((BLOCK,), jnp.float32), barrier=plgpu.Barrier())
+  @partial(pl.run_scoped, smem=plgpu.SMEM((CONFIG.block,), jnp.float32), barrier=plgpu.Barrier())
   def _scope(smem, barrier):
     plgpu.copy_gmem_to_smem(t_gmem.at[block], smem, barrier)
     plgpu.barrier_wait(barrier)
@@ -47,15 +60,15 @@ def reciprocal(temperature, *, interpret):
 
   Returns:
     ``[T]`` float32. Memory: the output (and a padded copy of the input when ``T`` is not
-    a multiple of ``BLOCK``).
+    a multiple of ``CONFIG.block``).
   """
   (num_tokens,) = temperature.shape
-  padded = -(-num_tokens // BLOCK) * BLOCK
+  padded = -(-num_tokens // CONFIG.block) * CONFIG.block
   temperature = chunking.pad_rows(temperature.astype(jnp.float32), padded, 1.0)
   out = plgpu.kernel(
       _kernel,
       out_type=plumbing.shape_dtype_like(temperature, (padded,), jnp.float32),
-      grid=(padded // BLOCK,),
+      grid=(padded // CONFIG.block,),
       grid_names=("blocks",),
       interpret=plgpu.InterpretGPUParams() if interpret else None,
   )(temperature)

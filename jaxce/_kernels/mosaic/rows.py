@@ -1,8 +1,8 @@
 """Softmax statistics of logits rows ``[T, V_local]`` in one read, as a Pallas Mosaic GPU
 kernel (Hopper): the logits path's forward (``logits_rows``), merged by ``mosaic_merge``.
 
-Each CTA (one warpgroup) takes ``ROWS`` rows and one group of ``tiles_per_group(layout)``
-consecutive ``[ROWS, TILE]`` tiles of columns of one segment (``mosaic_tile.Segments``:
+Each CTA (one warpgroup) takes ``CONFIG.rows`` rows and one group of ``tiles_per_group(layout)``
+consecutive ``[CONFIG.rows, TILE]`` tiles of columns of one segment (``mosaic_tile.Segments``:
 fixed by the vocabulary alone; when ``V_local`` is not a multiple of ``TILE`` the last
 tile is partial, its columns past ``V_local`` read as zeros and masked), streamed into
 shared memory by TMA,
@@ -10,7 +10,7 @@ shared memory by TMA,
 its rows' running statistics, in the columns' order (``mosaic_tile.fold``: an online
 softmax).
 
-Kept sets (``keep=``) are read with the tiles: each tile's ``[WORDS, ROWS]`` block of
+Kept sets (``keep=``) are read with the tiles: each tile's ``[WORDS, CONFIG.rows]`` block of
 the packed words (transposed to a row per word, so a word is a per-row vector, with the
 label's bit set on the way: ``mosaic_tile.kept_words``) sets the columns outside the row's kept set
 to -inf before the fold.
@@ -22,11 +22,11 @@ numbers depend on its own logits, label and temperature only (not on ``T``, its
 neighbours, the program around the call or the shard count): batch-invariant by
 construction.
 
-Rows past a multiple of ``ROWS`` are covered by moving the last row block back inside
+Rows past a multiple of ``CONFIG.rows`` are covered by moving the last row block back inside
 the array (its rows overlap the block before and are written twice, with the same
 bits). TMA reads rows in tiles of 8: when ``T`` is not a multiple of 8, the kernel reads
 the first ``T - T % 8`` rows where they lie and, in a second call, a padded copy of the
-last ``T % 8`` (``ROWS`` rows; below ``ROWS`` rows, of the whole array). A row of
+last ``T % 8`` (``CONFIG.rows`` rows; below ``CONFIG.rows`` rows, of the whole array). A row of
 ``V_local`` columns must take a multiple of 32 bytes (TMA tiles the rows as the tiles'
 swizzle, ``mosaic_tile.array_swizzle``).
 Off GPUs the kernel runs in JAX's GPU interpreter (tests).
@@ -34,6 +34,7 @@ Off GPUs the kernel runs in JAX's GPU interpreter (tests).
 
 from __future__ import annotations
 
+import dataclasses
 from functools import partial
 from typing import NamedTuple
 
@@ -46,10 +47,25 @@ from jaxce._kernels.mosaic import merge as mosaic_merge, tile as mosaic_tile
 
 plgpu = plumbing.lazy_module("jax.experimental.pallas.mosaic_gpu")
 
-ROWS = 64  # rows per CTA (one warpgroup)
 TILE, WORDS = mosaic_tile.TILE, mosaic_tile.WORDS  # columns per pipeline step, their words
-MIN_TILES_PER_GROUP = 8
-STAGE_BYTES = 96 * 2**10  # shared memory of the pipeline's buffers, per CTA
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Config:
+  """The logits rows' kernels' tiling (this kernel's and ``mosaic_rows_grad``'s): they read
+  ``CONFIG`` (tests swap in another with ``dataclasses.replace``).
+
+  Attributes:
+    rows: rows per CTA (one warpgroup).
+    min_tiles_per_group: the fewest tiles a CTA folds (``tiles_per_group``).
+    stage_bytes: shared memory of the pipeline's buffers, per CTA.
+  """
+  rows: int = 64
+  min_tiles_per_group: int = 8
+  stage_bytes: int = 96 * 2**10
+
+
+CONFIG = Config()
 # The operations whose outputs this kernel makes batch-invariant: those that read whole
 # rows of logits (``linear_token_loss``'s rows come from XLA's matmuls).
 INVARIANT_OPERATIONS = ("logprobs_and_entropy", "token_loss")
@@ -57,12 +73,13 @@ INVARIANT_OPERATIONS = ("logprobs_and_entropy", "token_loss")
 
 def tiles_per_group(layout: mosaic_tile.Segments) -> int:
   """Tiles of ``TILE`` columns per CTA, all of one segment: at least
-  ``MIN_TILES_PER_GROUP``, few enough that the groups of a row fit one ``mosaic_merge``
+  ``CONFIG.min_tiles_per_group``, few enough that the groups of a row fit one ``mosaic_merge``
   stage. A function of the vocabulary's tiling only: a row's groups (and so its bits) do
   not depend on the number of rows or of shards."""
   per_segment = layout.tiles_per_segment
   all_tiles = layout.total * per_segment
-  return min(per_segment, max(MIN_TILES_PER_GROUP, -(-all_tiles // mosaic_merge.GROUP)))
+  return min(per_segment, max(CONFIG.min_tiles_per_group,
+                              -(-all_tiles // mosaic_merge.CONFIG.group)))
 
 
 class Group(NamedTuple):
@@ -89,27 +106,27 @@ def group_at(index, layout: mosaic_tile.Segments) -> Group:
 
 def tile_specs(group: Group, dtype, has_words, num_columns):
   """The pipeline's ``in_specs`` over ``group``'s tiles of ``[rows, num_columns]``: step
-  ``k``'s ``[ROWS, TILE]`` tile of ``dtype`` (a partial one padded with zeros) and, with
-  ``has_words``, its ``[WORDS, ROWS]`` block of the transposed kept-set words."""
-  specs = [plgpu.BlockSpec((ROWS, TILE), lambda k: (0, group.tile + k),
+  ``k``'s ``[CONFIG.rows, TILE]`` tile of ``dtype`` (a partial one padded with zeros) and, with
+  ``has_words``, its ``[WORDS, CONFIG.rows]`` block of the transposed kept-set words."""
+  specs = [plgpu.BlockSpec((CONFIG.rows, TILE), lambda k: (0, group.tile + k),
                            transforms=tile_swizzle(dtype, num_columns))]
   if has_words:
-    specs.append(plgpu.BlockSpec((WORDS, ROWS), lambda k: (group.tile + k, 0)))
+    specs.append(plgpu.BlockSpec((WORDS, CONFIG.rows), lambda k: (group.tile + k, 0)))
   return specs
 
 
 def tile_swizzle(dtype, num_columns: int):
-  """The shared-memory transforms of a ``[ROWS, TILE]`` tile of ``dtype`` read from (or
+  """The shared-memory transforms of a ``[CONFIG.rows, TILE]`` tile of ``dtype`` read from (or
   written to) a ``[rows, num_columns]`` array with TMA (``mosaic_tile.swizzle``, as wide
   as ``num_columns`` allows: ``mosaic_tile.array_swizzle``)."""
   return mosaic_tile.swizzle(TILE, dtype, mosaic_tile.array_swizzle(num_columns, dtype))
 
 
 def _statistics(x, row_inputs, words, *, layout, masked, with_entropy, stages, interpret):
-  """``[groups, row blocks, 4, ROWS]`` f32 group statistics of each block of rows of ``x
-  [T, V_local]`` (``T >= ROWS``, a multiple of 8: TMA's row tiling; the last block moved
+  """``[groups, row blocks, 4, CONFIG.rows]`` f32 group statistics of each block of rows of ``x
+  [T, V_local]`` (``T >= CONFIG.rows``, a multiple of 8: TMA's row tiling; the last block moved
   back inside), its columns tiled as ``layout`` says; ``row_inputs [row blocks, 3,
-  ROWS]`` f32: each block's rows' (``block_rows``) ``mosaic_tile.RowsStatisticsInputs``;
+  CONFIG.rows]`` f32: each block's rows' (``block_rows``) ``mosaic_tile.RowsStatisticsInputs``;
   ``words``: uint32 ``[tiles * WORDS, T]`` kept sets of ``mosaic_tile.kept_words`` (read
   with the tiles), or None. Where the last tile is partial (and no limit masks every
   tile), the last group takes a call of its own, the only one that masks its columns:
@@ -130,15 +147,15 @@ def _group_statistics(x, row_inputs, words, first_group, groups, *, layout, mask
   (``masked``: every tile's fold applies the rows' limit, and a partial last tile's
   columns past ``V_local``)."""
   num_rows, num_columns = x.shape
-  row_blocks = -(-num_rows // ROWS)
+  row_blocks = -(-num_rows // CONFIG.rows)
   has_words = words is not None
 
   def kernel(x_gmem, rows_gmem, *refs):
     *words_gmem, out_gmem = refs
     block, local_group = lax.axis_index("rows"), lax.axis_index("groups")
     group_index = local_group + first_group
-    first_row = pl.multiple_of(jnp.minimum(block * ROWS, num_rows - ROWS), 8)
-    rows = pl.ds(first_row, ROWS)
+    first_row = pl.multiple_of(jnp.minimum(block * CONFIG.rows, num_rows - CONFIG.rows), 8)
+    rows = pl.ds(first_row, CONFIG.rows)
     inputs = mosaic_tile.load(mosaic_tile.RowsStatisticsInputs, rows_gmem, block,
                               optimized=False)
     group = group_at(group_index, layout)
@@ -153,15 +170,15 @@ def _group_statistics(x, row_inputs, words, first_group, groups, *, layout, mask
       return mosaic_tile.fold(plgpu.load(x_smem, layout=plgpu.Layout.WGMMA), carry, inputs,
                               column, kept, masked=masked, with_entropy=with_entropy)
 
-    zero = jnp.zeros((ROWS,), jnp.float32)
-    init = (jnp.full((ROWS,), mosaic_tile.FLOOR, jnp.float32), zero, zero)
+    zero = jnp.zeros((CONFIG.rows,), jnp.float32)
+    init = (jnp.full((CONFIG.rows,), mosaic_tile.FLOOR, jnp.float32), zero, zero)
     pipeline = plgpu.emit_pipeline(body, grid=(group.count,),
                                    in_specs=tile_specs(group, x.dtype, has_words,
                                                        num_columns),
                                    max_concurrent_steps=stages, init_carry=init)
     m, s, q = pipeline(x_gmem.at[rows], *(w.at[:, rows] for w in words_gmem))
 
-    @partial(pl.run_scoped, out_smem=plgpu.SMEM((4, ROWS), jnp.float32))
+    @partial(pl.run_scoped, out_smem=plgpu.SMEM((4, CONFIG.rows), jnp.float32))
     def _store(out_smem):
       none = s * 0.0  # (s >= 0 is finite; a splat of zeros cannot be stored)
       for i, value in enumerate((m, s, q if with_entropy else none, none)):
@@ -177,7 +194,7 @@ def _group_statistics(x, row_inputs, words, first_group, groups, *, layout, mask
 
   return plgpu.kernel(
       kernel,
-      out_type=plumbing.shape_dtype_like(x, (groups, row_blocks, 4, ROWS), jnp.float32),
+      out_type=plumbing.shape_dtype_like(x, (groups, row_blocks, 4, CONFIG.rows), jnp.float32),
       grid=(row_blocks, groups),
       grid_names=("rows", "groups"),
       interpret=plgpu.InterpretGPUParams() if interpret else None,
@@ -185,10 +202,11 @@ def _group_statistics(x, row_inputs, words, first_group, groups, *, layout, mask
 
 
 def block_rows(num_rows):
-  """``[row blocks, ROWS]`` int32: the rows of each CTA (the last block moved back inside
-  ``num_rows >= ROWS``)."""
-  starts = jnp.minimum(jnp.arange(-(-num_rows // ROWS)) * ROWS, num_rows - ROWS)
-  return starts[:, None] + jnp.arange(ROWS)[None, :]
+  """``[row blocks, CONFIG.rows]`` int32: the rows of each CTA (the last block moved back inside
+  ``num_rows >= CONFIG.rows``)."""
+  rows = CONFIG.rows
+  starts = jnp.minimum(jnp.arange(-(-num_rows // rows)) * rows, num_rows - rows)
+  return starts[:, None] + jnp.arange(rows)[None, :]
 
 
 def statistics(x, inv_temp, picked, limit, kept=None, label_column=None, *, layout,
@@ -214,7 +232,7 @@ def statistics(x, inv_temp, picked, limit, kept=None, label_column=None, *, layo
       shard count).
     with_entropy: compute ``q`` (else zeros).
     interpret: run in JAX's GPU interpreter (off GPUs: tests).
-    stages: tiles in flight per CTA (default: ``STAGE_BYTES`` of them).
+    stages: tiles in flight per CTA (default: ``CONFIG.stage_bytes`` of them).
 
   Returns:
     ``[groups, 4, T]`` float32 ``(m, s, q, picked)`` per group of
@@ -222,8 +240,8 @@ def statistics(x, inv_temp, picked, limit, kept=None, label_column=None, *, layo
     bytes per row per group) and its blocked form; with ``kept``, its
     ``mosaic_tile.kept_words`` copy (``T * V_local / 8`` bytes). TMA reads rows in tiles
     of 8: when ``T`` is not a multiple of 8, the kernel reads the first ``T - T % 8`` rows
-    (XLA's slice) and then a padded copy of the last ``T % 8`` (``ROWS`` rows); below
-    ``ROWS`` rows, a padded copy of ``x``.
+    (XLA's slice) and then a padded copy of the last ``T % 8`` (``CONFIG.rows`` rows); below
+    ``CONFIG.rows`` rows, a padded copy of ``x``.
   """
   num_rows, num_columns = x.shape
   if (num_columns != layout.count * layout.width
@@ -233,12 +251,12 @@ def statistics(x, inv_temp, picked, limit, kept=None, label_column=None, *, layo
   if kept is not None and kept.shape != (num_rows, -(-num_columns // 32)):
     raise ValueError(f"kept: {kept.shape}, ({num_rows}, {-(-num_columns // 32)}) expected")
   if stages is None:
-    stages = max(2, STAGE_BYTES // (ROWS * TILE * jnp.dtype(x.dtype).itemsize))
+    stages = max(2, CONFIG.stage_bytes // (CONFIG.rows * TILE * jnp.dtype(x.dtype).itemsize))
   bound = jnp.float32(num_columns) if limit is None else jnp.asarray(limit, jnp.float32)
   part = partial(_part_statistics, layout=layout, bound=bound, masked=limit is not None,
                  with_entropy=with_entropy, stages=stages, interpret=interpret)
   aligned = num_rows // 8 * 8
-  if aligned == num_rows or aligned < ROWS:
+  if aligned == num_rows or aligned < CONFIG.rows:
     return part(x, inv_temp, picked, kept, label_column)
   # (Each row's numbers depend on its own inputs alone: the same bits in either part.)
   rows = lambda v, start, stop: None if v is None else v[start:stop]
@@ -250,10 +268,10 @@ def statistics(x, inv_temp, picked, limit, kept=None, label_column=None, *, layo
 def _part_statistics(x, inv_temp, picked, kept, label_column, *, layout, bound, masked,
                      with_entropy, stages, interpret):
   """``statistics`` of rows ``x [T, V_local]`` in one kernel call: a padded copy of ``x``
-  (and of the rows' inputs) when ``T`` is not a multiple of 8 or is below ``ROWS``;
+  (and of the rows' inputs) when ``T`` is not a multiple of 8 or is below ``CONFIG.rows``;
   ``bound`` is the limit as f32."""
   num_rows = x.shape[0]
-  padded = max(-(-num_rows // 8) * 8, ROWS)  # (TMA reads rows in tiles of 8)
+  padded = max(-(-num_rows // 8) * 8, CONFIG.rows)  # (TMA reads rows in tiles of 8)
   x = chunking.pad_rows(x, padded)  # (a copy when padded)
   if kept is not None:
     kept = mosaic_tile.kept_words(kept, label_column, padded, x.shape[1])
@@ -265,9 +283,9 @@ def _part_statistics(x, inv_temp, picked, kept, label_column, *, layout, bound, 
   tiles = _statistics(x, row_inputs, kept, layout=layout, masked=masked,
                       with_entropy=with_entropy, stages=stages, interpret=interpret)
   num_groups, row_blocks = tiles.shape[:2]
-  tiles = tiles.transpose(0, 2, 1, 3)  # [groups, 4, row blocks, ROWS]
-  whole = tiles[:, :, :-1].reshape(num_groups, 4, (row_blocks - 1) * ROWS)
-  last = tiles[:, :, -1, (row_blocks - 1) * ROWS - (padded - ROWS):]
+  tiles = tiles.transpose(0, 2, 1, 3)  # [groups, 4, row blocks, CONFIG.rows]
+  whole = tiles[:, :, :-1].reshape(num_groups, 4, (row_blocks - 1) * CONFIG.rows)
+  last = tiles[:, :, -1, (row_blocks - 1) * CONFIG.rows - (padded - CONFIG.rows):]
   return jnp.concatenate([whole, last], axis=2)[:, :, :num_rows]
 
 

@@ -9,14 +9,14 @@ In place, the kernel writes into the logits through a mutable reference
 (``jax.new_ref``), which reaches XLA as an output aliasing its input: XLA writes the
 gradient into the logits' buffer when the logits are dead after the backward (donated, or
 an intermediate of a jitted training step), and otherwise copies them first. Each CTA
-(one warpgroup) takes ``ROWS`` rows and a group of ``[ROWS, TILE]`` tiles, as
+(one warpgroup) takes ``CONFIG.rows`` rows and a group of ``[CONFIG.rows, TILE]`` tiles, as
 ``mosaic_rows``; TMA streams each tile in and its gradient back out, and every tile is
 read before it is overwritten, by the CTA that owns it. Per element, with the row's
 statistics and cotangents folded into per-row coefficients (``_row_inputs``), its
 ``mosaic_tile.rows_gradient``.
 
-In place, rows are taken in whole blocks of ``ROWS`` (a moved-back block would read rows
-that its neighbour has overwritten): the last ``T % ROWS`` rows are written by XLA in
+In place, rows are taken in whole blocks of ``CONFIG.rows`` (a moved-back block would read rows
+that its neighbour has overwritten): the last ``T % CONFIG.rows`` rows are written by XLA in
 place (``dynamic_update_slice``). Into a new array, the last block is moved back inside,
 as in ``mosaic_rows``. ``T`` must be a multiple of 8 and a row a multiple of 32 bytes;
 the columns are tiled as ``mosaic_rows`` tiles them (``mosaic_tile.Segments``): a partial
@@ -26,6 +26,7 @@ Off GPUs the kernel runs in JAX's GPU interpreter (tests).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -39,19 +40,35 @@ from jaxce._kernels.config import Tokens
 
 plgpu = plumbing.lazy_module("jax.experimental.pallas.mosaic_gpu")
 
-ROWS, TILE, WORDS = mosaic_rows.ROWS, mosaic_rows.TILE, mosaic_rows.WORDS
+TILE, WORDS = mosaic_rows.TILE, mosaic_rows.WORDS
 NUM_ROW_INPUTS = len(mosaic_tile.RowsGradientInputs._fields)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Config:
+  """The gradient kernels' tiling: they read ``CONFIG`` (tests swap in another with
+  ``dataclasses.replace``).
+
+  Attributes:
+    rows: rows per CTA (one warpgroup), as the statistics kernel's (``mosaic_rows``).
+    stage_bytes: shared memory of the pipeline's buffers on the way in, per CTA.
+  """
+  rows: int = 64
+  stage_bytes: int = 96 * 2**10
+
+
+CONFIG = Config()
 
 
 def _kernel(x, row_inputs, words, tile_shift=None, *, layout, in_place, masked, stages,
             interpret, softcap=None, with_log_p=True):
-  """The gradient of ``x [R, V_local]`` (``R`` a multiple of 8, at least ``ROWS``): over
-  the first ``row blocks * ROWS`` rows of ``x`` (``in_place``; the rest left as they
+  """The gradient of ``x [R, V_local]`` (``R`` a multiple of 8, at least ``CONFIG.rows``): over
+  the first ``row blocks * CONFIG.rows`` rows of ``x`` (``in_place``; the rest left as they
   were) or into a new array (the last row block moved back inside, as in
-  ``mosaic_rows``); ``row_inputs [row blocks, fields, ROWS]`` f32: each block's rows'
+  ``mosaic_rows``); ``row_inputs [row blocks, fields, CONFIG.rows]`` f32: each block's rows'
   ``mosaic_tile.RowsGradientInputs``; ``words``: uint32 ``[tiles * WORDS, R]`` kept sets
   of ``mosaic_tile.kept_words``, or None; ``layout``: the columns' tiling
-  (``mosaic_tile.Segments``). With ``tile_shift`` (f32 ``[row blocks, tiles, ROWS]``,
+  (``mosaic_tile.Segments``). With ``tile_shift`` (f32 ``[row blocks, tiles, CONFIG.rows]``,
   each row's ``m_tile - (m + log s)`` per tile, streamed beside
   the tiles), ``x`` holds the fused head's ``exp(z - m_tile)`` terms, ``row_inputs`` the
   rows' ``mosaic_tile.ExpGradientInputs``, and each tile's gradient is
@@ -65,21 +82,21 @@ def _kernel(x, row_inputs, words, tile_shift=None, *, layout, in_place, masked, 
     block, group_index = lax.axis_index("rows"), lax.axis_index("groups")
     if in_place:  # (whole blocks: a moved-back block would read overwritten rows)
       streams_gmem, out_gmem = refs, x_gmem
-      first_row = pl.multiple_of(block * ROWS, ROWS)
+      first_row = pl.multiple_of(block * CONFIG.rows, CONFIG.rows)
     else:
       *streams_gmem, out_gmem = refs
-      first_row = pl.multiple_of(jnp.minimum(block * ROWS, num_rows - ROWS), 8)
-    rows = pl.ds(first_row, ROWS)
+      first_row = pl.multiple_of(jnp.minimum(block * CONFIG.rows, num_rows - CONFIG.rows), 8)
+    rows = pl.ds(first_row, CONFIG.rows)
     inputs = mosaic_tile.load(inputs_type, rows_gmem, block, optimized=False)
     group = mosaic_rows.group_at(group_index, layout)
     in_specs = mosaic_rows.tile_specs(group, x.dtype, has_words, num_columns)
     streams = tuple(w.at[:, rows] for w in streams_gmem)
     if exp_rows:  # (the tile's shifts: one f32 per row, beside the tile)
-      in_specs = in_specs + [plgpu.BlockSpec((1, ROWS), lambda k: (group.tile + k, 0))]
+      in_specs = in_specs + [plgpu.BlockSpec((1, CONFIG.rows), lambda k: (group.tile + k, 0))]
       streams = (streams_gmem[0].at[block],)
 
     @functools.partial(pl.run_scoped,
-                       out_smem=plgpu.SMEM((2, ROWS, TILE), x.dtype, transforms=transforms))
+                       out_smem=plgpu.SMEM((2, CONFIG.rows, TILE), x.dtype, transforms=transforms))
     def _scoped(out_smem):
       def body(indices, x_smem, *stream_smem):
         (k,) = indices
@@ -133,9 +150,9 @@ def _cotangent_fields(valid, saved, cotangents) -> dict:
 
 
 def _by_block(a, blocks):
-  """``[fields, blocks * ROWS]`` -> ``[blocks, fields, ROWS]``: a kernel's per-row inputs,
-  one slab per CTA's rows."""
-  return a.reshape(a.shape[0], blocks, ROWS).transpose(1, 0, 2)
+  """``[fields, blocks * CONFIG.rows]`` -> ``[blocks, fields, CONFIG.rows]``: a kernel's
+  per-row inputs, one slab per CTA's rows."""
+  return a.reshape(a.shape[0], blocks, CONFIG.rows).transpose(1, 0, 2)
 
 
 def _row_inputs(tokens: Tokens, saved, cotangents, column_start, limit):
@@ -164,11 +181,11 @@ def overwrite(x, tokens: Tokens, saved, cotangents, column_start, limit, tail_gr
     limit: int32 scalar: local columns at or beyond it are excluded, or None.
     tail_gradient: ``(x, start, size) -> d x`` of rows ``[start, start + size)`` of
       ``x`` (XLA's elementwise pass), for the rows past the last whole block of
-      ``ROWS``, which the kernel leaves as they were.
+      ``CONFIG.rows``, which the kernel leaves as they were.
     layout: the columns' tiling (``mosaic_tile.segments``).
     interpret: run in JAX's GPU interpreter (off GPUs: tests).
     stages: tiles in flight per CTA on the way in (default: as many as fit in
-      ``mosaic_rows.STAGE_BYTES`` beside the two output tiles).
+      ``CONFIG.stage_bytes`` beside the two output tiles).
 
   Returns:
     the gradient, in ``x``'s buffer when ``x`` is dead. Memory: ``NUM_ROW_INPUTS``
@@ -178,11 +195,11 @@ def overwrite(x, tokens: Tokens, saved, cotangents, column_start, limit, tail_gr
   num_rows, num_columns = x.shape
   _check_shape(x, layout)
   stages = _default_stages(x.dtype) if stages is None else stages
-  whole = num_rows // ROWS * ROWS
+  whole = num_rows // CONFIG.rows * CONFIG.rows
   if whole:
     bound = num_columns if limit is None else limit
     rows = _row_inputs(tokens, saved, cotangents, column_start, bound)[:, :whole]
-    rows = _by_block(rows, whole // ROWS)
+    rows = _by_block(rows, whole // CONFIG.rows)
     words = None if tokens.kept is None else mosaic_tile.kept_words(
         tokens.kept[:whole], tokens.labels[:whole] - column_start, whole, num_columns)
     x = _kernel(x, rows, words, layout=layout, in_place=True, masked=limit is not None,
@@ -198,14 +215,14 @@ def overwrite(x, tokens: Tokens, saved, cotangents, column_start, limit, tail_gr
 def gradient(x, tokens: Tokens, saved, cotangents, column_start, limit, *, layout,
              interpret, stages=None):
   """``d loss / d x`` of ``x [T, V_local]`` into a new array like ``x``: as ``overwrite``
-  (the same arguments, and ``T`` a multiple of 8), the last block of ``ROWS`` rows moved
-  back inside (below ``ROWS`` rows, a padded copy of ``x``). Memory: the gradient,
+  (the same arguments, and ``T`` a multiple of 8), the last block of ``CONFIG.rows`` rows moved
+  back inside (below ``CONFIG.rows`` rows, a padded copy of ``x``). Memory: the gradient,
   ``NUM_ROW_INPUTS`` floats per row and, with kept sets, their ``mosaic_tile.kept_words``
   copy (``T * V_local / 8`` bytes)."""
   num_rows, num_columns = x.shape
   _check_shape(x, layout)
   stages = _default_stages(x.dtype) if stages is None else stages
-  padded = max(num_rows, ROWS)
+  padded = max(num_rows, CONFIG.rows)
   blocks = mosaic_rows.block_rows(padded)
   bound = num_columns if limit is None else limit
   rows = _row_inputs(tokens, saved, cotangents, column_start, bound)
@@ -225,7 +242,7 @@ def exp_overwrite(e, tiles, tokens: Tokens, saved, cotangents, column_start, *, 
 
   Args:
     e: ``[G, V_local]`` 16-bit, ``mosaic_head.statistics``' terms (``with_exp``), ``G`` a
-      multiple of ``ROWS`` (every block whole: none is moved back), a row a multiple of
+      multiple of ``CONFIG.rows`` (every block whole: none is moved back), a row a multiple of
       32 bytes.
     tiles: f32 ``[tiles, 4, G]``, the same call's tile statistics: each row's max over
       each tile (the ``m_tile`` of ``e``) and the label's ``z``.
@@ -246,8 +263,8 @@ def exp_overwrite(e, tiles, tokens: Tokens, saved, cotangents, column_start, *, 
   """
   num_rows, num_columns = e.shape
   _check_shape(e, layout)
-  if num_rows % ROWS:
-    raise ValueError(f"e: {e.shape}, rows a multiple of {ROWS} expected")
+  if num_rows % CONFIG.rows:
+    raise ValueError(f"e: {e.shape}, rows a multiple of {CONFIG.rows} expected")
   shift, log_sum, _ = saved
   valid = tokens.valid
   log_norm = jnp.where(valid, shift + log_sum, 0)
@@ -256,7 +273,7 @@ def exp_overwrite(e, tiles, tokens: Tokens, saved, cotangents, column_start, *, 
       **_cotangent_fields(valid, saved, cotangents),
       label_column=tokens.labels - column_start,
       label_capped=jnp.sum(tiles[:, 3], axis=0) / tokens.inv_temp, row_mask=valid))
-  blocks = num_rows // ROWS
+  blocks = num_rows // CONFIG.rows
   tile_shift = jnp.where(valid, tiles[:, 0] - log_norm, 0)
   stages = _default_stages(e.dtype) if stages is None else stages
   return _kernel(e, _by_block(rows, blocks), None, _by_block(tile_shift, blocks),
@@ -275,6 +292,6 @@ def _check_shape(x, layout):
 
 
 def _default_stages(dtype):
-  """Tiles in flight per CTA on the way in: as many as fit in ``mosaic_rows.STAGE_BYTES``
+  """Tiles in flight per CTA on the way in: as many as fit in ``CONFIG.stage_bytes``
   beside the two output tiles."""
-  return max(2, mosaic_rows.STAGE_BYTES // (ROWS * TILE * jnp.dtype(dtype).itemsize) - 2)
+  return max(2, CONFIG.stage_bytes // (CONFIG.rows * TILE * jnp.dtype(dtype).itemsize) - 2)

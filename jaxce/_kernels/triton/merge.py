@@ -3,14 +3,15 @@ Pallas (Triton) kernel on GPUs.
 
 It keeps the merge contract (``merge``: the maths, the order, the outputs).
 
-One program per ``ROWS`` tokens (one lane each) and, with many tiles, per group of
-``GROUP`` consecutive tiles, whose partial sums a second call merges in the groups' order
-(still one order, fixed by the number of tiles); each step loads ``UNROLL`` tiles before
+One program per ``CONFIG.rows`` tokens (one lane each) and, with many tiles, per group of
+``CONFIG.group`` consecutive tiles, whose partial sums a second call merges in the groups' order
+(still one order, fixed by the number of tiles); each step loads ``CONFIG.unroll`` tiles before
 folding them, so the loads overlap. Off GPUs it runs in Pallas' interpreter (tests).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from functools import partial
 
 import jax.numpy as jnp
@@ -22,16 +23,31 @@ from jaxce._kernels import plumbing, softmax
 
 plgpu = plumbing.lazy_module("jax.experimental.pallas.triton")
 
-ROWS = 128  # tokens per program
-GROUP = 64  # tiles per program of the first of two stages (more tiles than this)
-UNROLL = 8  # tiles loaded per loop step
-NUM_WARPS = 4
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Config:
+  """The Triton merge kernel's tiling (``CONFIG``).
+
+  Attributes:
+    rows: tokens per program.
+    group: tiles per program of the first of two stages (more tiles than this).
+    unroll: tiles loaded per loop step.
+    num_warps: warps per program.
+  """
+  rows: int = 128
+  group: int = 64
+  unroll: int = 8
+  num_warps: int = 4
+
+
+CONFIG = Config()
 
 
 def _merge_kernel(tiles_ref, *out_refs, num_tiles, group, with_entropy, finish):
   """Program ``(i, j)``: tiles ``[j * group, (j + 1) * group)`` (those below ``num_tiles``)
-  of ``tiles_ref [num_tiles, 4, ROWS]`` merged in order, into ``(m, s, q, picked)``
-  ``[ROWS]`` each (relative to the group's max; ``q`` 0 without ``with_entropy``), or,
+  of ``tiles_ref [num_tiles, 4, CONFIG.rows]`` merged in order, into ``(m, s, q, picked)``
+  ``[CONFIG.rows]`` each (relative to the group's max; ``q`` 0 without ``with_entropy``), or,
   with ``finish``, into ``(logp before masking, m, log s, entropy)``."""
   first = pl.program_id(1) * group
   ragged = num_tiles % group != 0
@@ -44,16 +60,16 @@ def _merge_kernel(tiles_ref, *out_refs, num_tiles, group, with_entropy, finish):
       return value
     return jnp.where(g < num_tiles, value, softmax.FLOOR if j == 0 else 0.0)
 
-  steps, rest = divmod(group, UNROLL)
+  steps, rest = divmod(group, CONFIG.unroll)
 
   def max_of(base, count, m):
     for m_g in [load(base + k, 0) for k in range(count)]:
       m = jnp.maximum(m, m_g)
     return m
 
-  m = jnp.full((ROWS,), softmax.FLOOR, jnp.float32)
-  m = lax.fori_loop(0, steps, lambda i, m: max_of(i * UNROLL, UNROLL, m), m)
-  m = max_of(steps * UNROLL, rest, m)
+  m = jnp.full((CONFIG.rows,), softmax.FLOOR, jnp.float32)
+  m = lax.fori_loop(0, steps, lambda i, m: max_of(i * CONFIG.unroll, CONFIG.unroll, m), m)
+  m = max_of(steps * CONFIG.unroll, rest, m)
 
   stats = (1, 2, 3) if with_entropy else (1, 3)
 
@@ -70,10 +86,10 @@ def _merge_kernel(tiles_ref, *out_refs, num_tiles, group, with_entropy, finish):
       carry = s + scale * s_g, q, picked + picked_g
     return carry
 
-  zero = jnp.zeros((ROWS,), jnp.float32)
-  carry = lax.fori_loop(0, steps, lambda i, c: sums_of(i * UNROLL, UNROLL, c),
+  zero = jnp.zeros((CONFIG.rows,), jnp.float32)
+  carry = lax.fori_loop(0, steps, lambda i, c: sums_of(i * CONFIG.unroll, CONFIG.unroll, c),
                         (zero, zero, zero))
-  s, q, picked = sums_of(steps * UNROLL, rest, carry)
+  s, q, picked = sums_of(steps * CONFIG.unroll, rest, carry)
   if not finish:
     for ref, value in zip(out_refs, (m, s, q, picked)):
       ref[...] = value
@@ -87,24 +103,24 @@ def _merge_kernel(tiles_ref, *out_refs, num_tiles, group, with_entropy, finish):
 
 
 def _stage(tiles, *, group, with_entropy, finish, interpret):
-  """One ``pallas_call`` over ``tiles [G, 4, C]`` (``C`` a multiple of ``ROWS``): four
+  """One ``pallas_call`` over ``tiles [G, 4, C]`` (``C`` a multiple of ``CONFIG.rows``): four
   ``[ceil(G / group), C]`` arrays (``finish``: ``group >= G``, four ``[C]`` arrays)."""
   num_tiles, _, num_rows = tiles.shape
   num_groups = -(-num_tiles // group)
   if finish:
     out = plumbing.shape_dtype_like(tiles, (num_rows,), jnp.float32)
-    out_spec = pl.BlockSpec((ROWS,), lambda i, j: (i,))
+    out_spec = pl.BlockSpec((CONFIG.rows,), lambda i, j: (i,))
   else:
     out = plumbing.shape_dtype_like(tiles, (num_groups, num_rows), jnp.float32)
-    out_spec = pl.BlockSpec((None, ROWS), lambda i, j: (j, i))
+    out_spec = pl.BlockSpec((None, CONFIG.rows), lambda i, j: (j, i))
   return pl.pallas_call(
       partial(_merge_kernel, num_tiles=num_tiles, group=group, with_entropy=with_entropy,
               finish=finish),
       out_shape=(out,) * 4,
-      grid=(num_rows // ROWS, num_groups),
-      in_specs=[pl.BlockSpec((num_tiles, 4, ROWS), lambda i, j: (0, 0, i))],
+      grid=(num_rows // CONFIG.rows, num_groups),
+      in_specs=[pl.BlockSpec((num_tiles, 4, CONFIG.rows), lambda i, j: (0, 0, i))],
       out_specs=(out_spec,) * 4,
-      compiler_params=plgpu.CompilerParams(num_warps=NUM_WARPS, num_stages=1),
+      compiler_params=plgpu.CompilerParams(num_warps=CONFIG.num_warps, num_stages=1),
       interpret=interpret,
       name="jaxce_merge_tiles",
   )(tiles)
@@ -113,15 +129,15 @@ def _stage(tiles, *, group, with_entropy, finish, interpret):
 def merge(tiles, *, with_entropy, interpret):
   """A token's log-prob and entropy from its tiles' statistics ``[G, 4, C]``, in the
   tiles' order, as the contract says (``merge``); ``interpret``: run in Pallas'
-  interpreter (off GPUs: tests). With more than ``GROUP`` tiles, two stages: groups of
-    ``GROUP`` consecutive tiles in parallel, then the groups in order (an order fixed by
-    ``G`` alone). Memory: the outputs, ``[G / GROUP, 4, C]`` partial sums (and, when ``C``
-    is not a multiple of ``ROWS``, one padded copy of ``tiles``).
+  interpreter (off GPUs: tests). With more than ``CONFIG.group`` tiles, two stages: groups of
+    ``CONFIG.group`` consecutive tiles in parallel, then the groups in order (an order fixed by
+    ``G`` alone). Memory: the outputs, ``[G / CONFIG.group, 4, C]`` partial sums (and, when ``C``
+    is not a multiple of ``CONFIG.rows``, one padded copy of ``tiles``).
   """
   num_tiles, _, num_rows = tiles.shape
-  tiles = merge_contract.padded_tiles(tiles, ROWS)
-  if num_tiles > GROUP:
-    tiles = jnp.stack(_stage(tiles, group=GROUP, with_entropy=with_entropy, finish=False,
+  tiles = merge_contract.padded_tiles(tiles, CONFIG.rows)
+  if num_tiles > CONFIG.group:
+    tiles = jnp.stack(_stage(tiles, group=CONFIG.group, with_entropy=with_entropy, finish=False,
                              interpret=interpret), axis=1)
   logp, m, log_s, entropy = (a[:num_rows] for a in _stage(
       tiles, group=tiles.shape[0], with_entropy=with_entropy, finish=True,

@@ -12,6 +12,7 @@ On other platforms the same kernel runs in Pallas interpret mode (for tests only
 
 from __future__ import annotations
 
+import dataclasses
 from functools import partial
 
 import jax
@@ -23,13 +24,25 @@ from jaxce._kernels import plumbing, softmax
 
 plgpu = plumbing.lazy_module("jax.experimental.pallas.triton")
 
-# Columns loaded per step and warps per program (bench/NOTES.md, entries 3, 9 and 13).
-MAX_BLOCK = 2048
 # The operations whose outputs this kernel makes batch-invariant: those that read whole
 # rows (their statistics merged by ``triton_merge``). The fused path merges its vocab
 # blocks' statistics in XLA and its objective path's logits come from XLA's matmuls.
 INVARIANT_OPERATIONS = ("logprobs_and_entropy", "token_loss")
-NUM_WARPS = 4
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Config:
+  """The Triton rows kernel's tiling (``CONFIG``; bench/NOTES.md, entries 3, 9 and 13).
+
+  Attributes:
+    max_block: columns loaded per step, at most.
+    num_warps: warps per program.
+  """
+  max_block: int = 2048
+  num_warps: int = 4
+
+
+CONFIG = Config()
 
 
 def _row_kernel(x_ref, inv_temp_ref, start_ref, limit_ref, m_ref, s_ref, q_ref, *, block,
@@ -120,13 +133,13 @@ def row_statistics(x, inv_temp, limit, with_entropy, start=0, *, interpret):
     no included column gives ``s = 0``. Memory: the three outputs only.
   """
   num_columns = x.shape[1]
-  block = min(MAX_BLOCK, 1 << (num_columns.bit_length() - 1))
+  block = min(CONFIG.max_block, 1 << (num_columns.bit_length() - 1))
   scalar = plumbing.shape_dtype_like(x, (), jnp.float32)
   call = pl.pallas_call(
       partial(_row_kernel, block=block, with_entropy=with_entropy),
       out_shape=(scalar, scalar, scalar),
       grid=(),
-      compiler_params=plgpu.CompilerParams(num_warps=NUM_WARPS if block >= 1024 else 2,
+      compiler_params=plgpu.CompilerParams(num_warps=CONFIG.num_warps if block >= 1024 else 2,
                                            num_stages=1),
       interpret=interpret,
       name="jaxce_row_statistics",

@@ -55,9 +55,10 @@ swizzle (75968 columns) and else in vocab blocks copied out (``column_blocks``: 
 zero-padded to one tile: the same tiles, statistics and bits as one call over the whole
 array, and no tile of a call runs the masked epilogue for a partial tile's sake (entry
 49). The backward's vocab blocks are copies already (``linear``); a ragged last one is
-zero-padded to whole tiles the same way. The objective path's forward writes its
-``exp`` terms to one ``[C, V_local]`` array: it takes the blocks only in place (a
-multiple of 16 columns else, its partial tile under a ``pl.when``).
+zero-padded to whole tiles the same way. The objective path's forward, which writes its
+``exp`` terms into one ``[C, V_local]`` array, splits only a weight it reads in place; at
+the other widths (a multiple of 16 columns) it takes the array whole, its partial tile
+under a ``pl.when``.
 
 Off GPUs the kernel runs in Pallas' GPU interpreter (tests only).
 """

@@ -52,8 +52,8 @@ TILE, WORDS = mosaic_tile.TILE, mosaic_tile.WORDS  # columns per pipeline step, 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Config:
-  """The logits rows' kernels' tiling (this kernel's and ``mosaic_rows_grad``'s): they read
-  ``CONFIG`` (tests swap in another with ``dataclasses.replace``).
+  """The row statistics kernel's tiling: it reads ``CONFIG`` (tests swap in another with
+  ``dataclasses.replace``).
 
   Attributes:
     rows: rows per CTA (one warpgroup).
@@ -130,8 +130,10 @@ def _statistics(x, row_inputs, words, *, layout, masked, with_entropy, stages, i
   ``words``: uint32 ``[tiles * WORDS, T]`` kept sets of ``mosaic_tile.kept_words`` (read
   with the tiles), or None. Where the last tile is partial (and no limit masks every
   tile), the last group takes a call of its own, the only one that masks its columns:
-  a mask in every tile's fold cost 1.27x the time per column (bench/NOTES.md, entry 50);
-  the same groups and bits, the statistics concatenated (16 bytes per row per group)."""
+  a mask in every tile's fold cost 1.27x the time per column (bench/NOTES.md, entry 50).
+  The same groups (a function of the width alone), the statistics concatenated (16 bytes
+  per row per group); a whole tile's sums may round otherwise than under a mask that
+  excludes none of its columns."""
   groups = num_groups(layout)
   call = partial(_group_statistics, x, row_inputs, words, layout=layout,
                  with_entropy=with_entropy, stages=stages, interpret=interpret)

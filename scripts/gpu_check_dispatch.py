@@ -80,7 +80,8 @@ def main(argv=None):
       call = (lambda *a: fn(objective, *a, labels[:n], cot[0, :n], **kw) if "token_loss" in name
               else fn(*a, labels[:n], **kw))
       step = jax.jit(jax.value_and_grad(loss, argnums=tuple(range(len(arrays)))))
-      row = dict(operation=name, way=way, tokens=n, plan=dataclasses.asdict(jaxce.plan.of(call, *arrays)),
+      row = dict(operation=name, way=way, tokens=n,
+                 plan=dataclasses.asdict(jaxce.plan.of(call, *arrays)),
                  custom_calls=_custom_calls(step.lower(*arrays).compile().as_text()))
       if name == "linear_logprobs_and_entropy":
         row["fwd_bwd_ms"] = time_ms(step, arrays, args.repeats)

@@ -35,6 +35,7 @@ import time
 
 import numpy as np
 
+from bench.__main__ import git
 from examples import multihost
 
 SHAPES = dict(full=(8192, 4096, 151936), tiny=(64, 32, 256))  # T, D, V
@@ -147,15 +148,6 @@ def run(args, kind, out):
     return {k: f[k] for k in f.files}
 
 
-def _commit():
-  """The commit the tree was sent from (``JAXCE_COMMIT``), else git's, else "unknown"."""
-  if os.environ.get("JAXCE_COMMIT"):
-    return os.environ["JAXCE_COMMIT"][:7]
-  found = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                         text=True, check=False)
-  return found.stdout.strip() or "unknown"
-
-
 def main(argv=None):
   args = parse_args(argv)
   if args.worker:
@@ -176,7 +168,7 @@ def main(argv=None):
       one_process_ms=float(one["ms"]), processes_ms=float(many["ms"]),
       ratio=float(many["ms"] / one["ms"]), bits_differ=differ, max_abs_error=error,
       processes=int(many["processes"]), ok=ok,
-      commit=_commit())
+      commit=os.environ.get("JAXCE_COMMIT") or git("rev-parse", "HEAD") or "unknown")
   out_dir = os.environ.get("OUT") or os.path.join(os.path.dirname(os.path.dirname(
       os.path.abspath(__file__))), "bench", "out")
   os.makedirs(out_dir, exist_ok=True)

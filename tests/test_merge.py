@@ -111,6 +111,41 @@ def test_a_rows_bits_do_not_depend_on_the_others(kernel, num_rows):
   np.testing.assert_array_equal(alone.view(np.uint32), among.view(np.uint32))
 
 
+def _bits(a):
+  return np.asarray(a).view(np.uint32)
+
+
+@pytest.mark.parametrize("kernel", MERGES)
+def test_shards_partial_sums_merge_to_one_devices_bits(kernel, monkeypatch):
+  """Over vocab shards each shard merges the groups of its segments where its tiles are
+  (``partial_sums``) and only those sums are gathered: with the segments fixed by the
+  vocabulary, 1, 2 and 4 shards give the same bits (4 segments of 45 tiles in groups of
+  16, a ragged last group each: 12 partial sums), close to float64; a lone segment's
+  partial sums merge to ``merge``'s own bits; one group's sums merge to its tiles' bits."""
+  monkeypatch.setattr(kernel, "CONFIG", dataclasses.replace(kernel.CONFIG, group=16))
+  interpret = kernel_device()["interpret"]
+  tiles = _tiles(np.random.default_rng(7), 180, 264)
+  merged = lambda parts: kernel.merge(jnp.concatenate(parts), with_entropy=True,
+                                      interpret=interpret)
+  sums = lambda t, segments: kernel.partial_sums(jnp.asarray(t), segments=segments,
+                                                 with_entropy=True, interpret=interpret)
+  one = merged([sums(tiles, 4)])
+  for name, g, w in zip(("logp", "m", "log s", "entropy"), one, _float64(tiles)):
+    assert_close(np.asarray(g), w, 2e-6 * max(1.0, float(np.max(np.abs(w)))), name)
+  for shards in (2, 4):
+    parts = np.split(tiles, shards)
+    got = merged([sums(part, 4 // shards) for part in parts])
+    for name, g, w in zip(("logp", "m", "log s", "entropy"), got, one):
+      np.testing.assert_array_equal(_bits(g), _bits(w), f"{name} at {shards} shards")
+  whole = kernel.merge(jnp.asarray(tiles), with_entropy=True, interpret=interpret)
+  for g, w in zip(merged([sums(tiles, 1)]), whole):
+    np.testing.assert_array_equal(_bits(g), _bits(w))
+  few = tiles[:12]
+  for g, w in zip(merged([sums(few, 1)]),
+                  kernel.merge(jnp.asarray(few), with_entropy=True, interpret=interpret)):
+    np.testing.assert_array_equal(_bits(g), _bits(w))
+
+
 @pytest.mark.parametrize("kernel", [_mosaic(mosaic_reciprocal)])
 @pytest.mark.parametrize("num_tokens", [1, 1024, 3000])
 def test_reciprocal(kernel, num_tokens):

@@ -4,9 +4,10 @@ run several simulated devices' kernels at once; off GPUs these tests skip).
 
 What holds (docs/guides/reproducible.md): on the kernel paths a token's ``logp`` and
 ``entropy`` are the same bits at every shard count ``n`` whose shards hold whole tiles
-of 128 columns (``V / n`` a multiple of 128): each tile's statistics are merged in the
-columns' order, whichever device computed them. Qwen3.5's 248320 columns at n = 1, 2
-and 4 are such a case. Qwen3's 151936 over 2 or 4 devices (75968, 37984 columns) is not:
+of 128 columns in whole segments of the vocabulary (``mosaic_tile.segments``): each
+segment's tiles are merged in groups fixed by the vocabulary where they lie, and the
+groups' sums in the columns' order, whichever device computed them. Qwen3.5's 248320
+columns at n = 1, 2 and 4 (4 segments of 62080) are such a case. Qwen3's 151936 over 2 or 4 devices (75968, 37984 columns) is not:
 a shard's last tile is partial, so the tiles differ from one device's (strict xfail
 below, which fails once they agree)."""
 

@@ -176,10 +176,11 @@ def _mosaic_statistics(hidden, weight, tokens, shard_start, config):
   """``(logp, m, log s, entropy or None)`` ``[T]`` (before masking) by the Mosaic GPU
   kernel, one call per chunk of the plan's ``kernel_chunks``, and
   ``mosaic_merge`` (``logits_rows.merge_tiles``): each token's tiles merged in the columns'
-  order, every shard's tiles gathered in rank order first. Each token's bits depend on its
-  own inputs alone."""
+  order, each shard's first stage where its tiles are and the partial sums gathered in rank
+  order. Each token's bits depend on its own inputs alone."""
   num_tokens, num_columns = hidden.shape[0], weight.shape[config.vocab_dim]
   limit = softmax.kernel_limit(config.plan.mask_vocab, shard_start, num_columns)
+  segments = logits_rows.layout(num_columns, config.vocab_axis)
 
   def chunk_step(_, start, size):
     h, chunk_tokens = chunking.take_rows((hidden, tokens), start, size)
@@ -188,7 +189,7 @@ def _mosaic_statistics(hidden, weight, tokens, shard_start, config):
         column_start=shard_start,
         vocab_dim=config.vocab_dim, softcap=config.logit_softcap, with_entropy=config.with_entropy,
         interpret=config.plan.interpret, num_cores=config.plan.num_cores)
-    return None, logits_rows.merge_tiles(tiles, config)
+    return None, logits_rows.merge_tiles(tiles, config, segments)
 
   chunks = config.plan.kernel_chunks
   return chunking.scan_chunks(chunk_step, None, chunks)[1]

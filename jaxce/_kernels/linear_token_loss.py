@@ -206,7 +206,9 @@ def _kernel_group(call: _Call, group_rows):
       with_entropy=config.with_entropy, interpret=config.plan.interpret,
       num_cores=config.plan.num_cores, with_exp=with_grads)
   tiles, e = out if with_grads else (out, None)
-  logp, shift, log_sum, entropy = logits_rows.tile_outputs(tiles, group_tokens, config)
+  segments = logits_rows.layout(call.num_columns, config.vocab_axis)
+  logp, shift, log_sum, entropy = logits_rows.tile_outputs(tiles, group_tokens, config,
+                                                           segments)
   row_mask = group_tokens.valid & fresh  # a clamped group's overlap counts once
   loss, g_logp, g_entropy = loss_terms.terms_and_cotangents(
       call.objective, logp, entropy, list(group_args), row_mask, with_grads)
@@ -216,7 +218,7 @@ def _kernel_group(call: _Call, group_rows):
   d = mosaic_rows_grad.exp_overwrite(
       e, tiles, group_tokens._replace(valid=row_mask), (shift, log_sum, entropy),
       (g_logp, g_entropy), column_start,
-      layout=logits_rows.layout(call.num_columns, config.vocab_axis), softcap=config.logit_softcap,
+      layout=segments, softcap=config.logit_softcap,
       interpret=config.plan.interpret)
   # (the kernels' outputs drop the shard_map axes: d varies like the weight's shard)
   return plumbing.unify_varying((d, call.weight), config.vocab_axis)[0], outputs

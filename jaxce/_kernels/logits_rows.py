@@ -39,17 +39,19 @@ def statistics(x, tokens: Tokens, column_start, config):
   if backend in ("mosaic", "triton"):
     limit = softmax.column_limit(config.plan.mask_vocab, column_start, x.shape[1])
     picked = softmax.label_logit(x, labels, inv_temp, column_start)
+    segments = layout(x.shape[1], config.vocab_axis)
     if backend == "mosaic":  # (groups of columns, picked in the first)
       tiles = mosaic_rows.statistics(x, inv_temp, picked,
                                      None if config.plan.mask_vocab is None else limit, kept,
                                      None if kept is None else labels - column_start,
-                                     layout=layout(x.shape[1], config.vocab_axis),
-                                     with_entropy=config.with_entropy, interpret=interpret)
+                                     layout=segments, with_entropy=config.with_entropy,
+                                     interpret=interpret)
     else:
       m, s, q = triton_rows.row_statistics(x, inv_temp, limit, config.with_entropy,
                                            interpret=interpret)
       tiles = jnp.stack([m, s, q, picked])[None]  # this shard's columns: one tile
-    return tile_outputs(tiles, tokens, config)
+      segments = mosaic_tile.Segments(x.shape[1], 1, segments.total // segments.count)
+    return tile_outputs(tiles, tokens, config, segments)
   if config.plan.exact_sums:
     return softmax.exact_statistics(x, labels, inv_temp, valid, column_start,
                                     config.vocab_size, config.plan.mask_vocab, config.vocab_axis,
@@ -59,26 +61,34 @@ def statistics(x, tokens: Tokens, column_start, config):
                                   kept)
 
 
-def tile_outputs(tiles, tokens: Tokens, config):
+def tile_outputs(tiles, tokens: Tokens, config, segments: mosaic_tile.Segments):
   """``(logp, m, log s, entropy or None)``, ``[C]`` each as :func:`statistics` returns
-  them, from this shard's tiles' statistics ``[G, 4, C]`` of the rows of ``tokens``
-  (``merge_tiles``, then ``softmax.finish_outputs``)."""
-  logp, m, log_s, entropy = merge_tiles(tiles, config)
+  them, from this shard's tiles' statistics ``[G, 4, C]`` of the rows of ``tokens``, in
+  ``segments`` (``merge_tiles``, then ``softmax.finish_outputs``)."""
+  logp, m, log_s, entropy = merge_tiles(tiles, config, segments)
   logp, entropy_out = softmax.finish_outputs(logp, entropy, tokens.labels, tokens.valid,
                                              config.vocab_size)
   return logp, m, log_s, entropy_out
 
 
-def merge_tiles(tiles, config):
+def merge_tiles(tiles, config, segments: mosaic_tile.Segments):
   """``(logp before masking, m, log s, entropy or None)`` ``[C]`` of this shard's tiles'
   statistics ``[G, 4, C]`` (by the plan's backend: ``mosaic_merge`` or ``triton_merge``),
-  every shard's tiles gathered in rank order first: the same bits on every shard, typed as
-  such (a ``pmax`` of equal values, exact)."""
+  cut into ``segments.count`` equal runs (``layout``: fixed by the whole vocabulary where
+  the shards are whole segments). Where one stage does not merge every shard's tiles
+  (more than the kernel's ``CONFIG.group``), each run's groups are merged on their shard
+  first (``partial_sums``) and only those partial sums are gathered, in rank order, and
+  merged (else the tiles themselves): the same bits on every shard, typed as such (a
+  ``pmax`` of equal values, exact), and at every shard count whose shards are whole
+  segments. Memory and traffic: the gathered partial sums, ``1 / CONFIG.group`` of the
+  tiles' bytes."""
+  kernel = mosaic_merge if config.plan.backend == "mosaic" else triton_merge
+  options = dict(with_entropy=config.with_entropy, interpret=config.plan.interpret)
+  if tiles.shape[0] * segments.total // segments.count > kernel.CONFIG.group:
+    tiles = kernel.partial_sums(tiles, segments=segments.count, **options)
   if config.vocab_axis is not None:
     tiles = lax.all_gather(tiles, config.vocab_axis, axis=0, tiled=True)
-  kernel = mosaic_merge if config.plan.backend == "mosaic" else triton_merge
-  merged = kernel.merge(tiles, with_entropy=config.with_entropy,
-                        interpret=config.plan.interpret)
+  merged = kernel.merge(tiles, **options)
   if config.vocab_axis is None:
     return merged
   return tuple(None if a is None else lax.pmax(a, config.vocab_axis) for a in merged)

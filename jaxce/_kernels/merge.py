@@ -24,7 +24,17 @@ Each backend's ``merge(tiles, *, with_entropy, interpret)`` takes ``tiles [G, 4,
 float32 ``(m, s, q, picked)`` (``q`` unused without ``with_entropy``) and returns
 ``(logp, m, log s, entropy or None)``, ``[C]`` float32 each: the log-prob before ignored
 tokens and labels beyond the vocabulary are masked (``softmax.finish_outputs``), and the
-backward's residuals.
+backward's residuals. More than ``CONFIG.group`` tiles take stages: each group of up to
+``CONFIG.group`` consecutive tiles is merged into its own ``(m, s, q, picked)`` (the same
+two passes over its tiles), then the groups are merged in their order.
+
+Over vocab shards the first stage runs where the tiles are
+(``partial_sums(tiles, *, segments, with_entropy, interpret)``: the groups within each of a
+shard's ``segments``, ``logits_rows.merge_tiles``), so only the groups' sums, ``1 /
+CONFIG.group`` of the tiles' bytes, are gathered in rank order and merged. The groups are
+fixed by the segments, and the segments by the vocabulary where the shards are whole
+segments (``mosaic_tile.segments``): there a token's bits are the same at every such shard
+count. Merging one group's sums gives that group's merge, bit for bit (``exp(0) = 1``).
 """
 
 from __future__ import annotations

@@ -48,28 +48,32 @@ class Config:
 CONFIG = Config()
 
 
-def _stage(tiles, *, group, with_entropy, finish, interpret):
-  """One kernel over ``tiles [G, 4, C]`` (``C >= CONFIG.rows`` a multiple of ``ROW_TILE``,
-  ``group <= G``):
-  each group's ``(m, s, q, picked)``, ``[ceil(G / group), 4, C]``, or with ``finish``
-  (``group == G``) ``(logp before masking, m, log s, entropy)``, ``[4, C]``."""
+def _stage(tiles, *, group, with_entropy, finish, interpret, segments=1):
+  """One kernel over ``tiles [G, 4, C]`` (``C >= CONFIG.rows`` a multiple of ``ROW_TILE``),
+  ``segments`` equal runs of ``G / segments`` tiles (``group`` at most one run's tiles):
+  each run's groups' ``(m, s, q, picked)``, ``[segments * ceil(G / segments / group), 4,
+  C]`` in order, or with ``finish`` (``group == G``) ``(logp before masking, m, log s,
+  entropy)``, ``[4, C]``."""
   num_tiles, _, num_rows = tiles.shape
-  num_groups = -(-num_tiles // group)
-  out_shape = (4, num_rows) if finish else (num_groups, 4, num_rows)
+  run = num_tiles // segments  # (a segment's tiles)
+  per_run = -(-run // group)
+  out_shape = (4, num_rows) if finish else (segments * per_run, 4, num_rows)
 
   def kernel(tiles_gmem, out_gmem):
     group_index = lax.axis_index("groups")
     # (the last CTA's tokens moved back to end at the last token)
     first_row = jnp.minimum(lax.axis_index("rows") * CONFIG.rows, num_rows - CONFIG.rows)
     row_slice = pl.ds(pl.multiple_of(first_row, ROW_TILE), CONFIG.rows)
-    first = group_index * group
-    start = jnp.minimum(first, num_tiles - group)  # the last group's copy, moved back
+    segment = group_index // per_run
+    first = (group_index - segment * per_run) * group
+    start = jnp.minimum(first, run - group)  # a run's last group's copy, moved back
 
     @partial(pl.run_scoped, tiles_smem=plgpu.SMEM((group, 4, CONFIG.rows), jnp.float32),
              out_smem=plgpu.SMEM((4, CONFIG.rows), jnp.float32), barrier=plgpu.Barrier())
     def _scope(tiles_smem, out_smem, barrier):
-      plgpu.copy_gmem_to_smem(tiles_gmem.at[pl.ds(start, group), :, row_slice], tiles_smem,
-                              barrier)
+      plgpu.copy_gmem_to_smem(
+          tiles_gmem.at[pl.ds(segment * run + start, group), :, row_slice], tiles_smem,
+          barrier)
       plgpu.barrier_wait(barrier)
       skip = first - start  # tiles of the group before (the last group only)
       m = lax.fori_loop(skip, group, lambda k, m: jnp.maximum(m, tiles_smem[k, 0]),
@@ -101,7 +105,7 @@ def _stage(tiles, *, group, with_entropy, finish, interpret):
   return plgpu.kernel(
       kernel,
       out_type=plumbing.shape_dtype_like(tiles, out_shape, jnp.float32),
-      grid=(-(-num_rows // CONFIG.rows), num_groups),
+      grid=(-(-num_rows // CONFIG.rows), segments * per_run),
       grid_names=("rows", "groups"),
       interpret=plgpu.InterpretGPUParams() if interpret else None,
   )(tiles)
@@ -123,3 +127,18 @@ def merge(tiles, *, with_entropy, interpret):
                   interpret=interpret)
   logp, m, log_s, entropy = (merged[i, :num_rows] for i in range(4))
   return logp, m, log_s, (entropy if with_entropy else None)
+
+
+def partial_sums(tiles, *, segments, with_entropy, interpret):
+  """The first stage of ``merge`` within each of ``segments`` equal runs of ``tiles [G, 4,
+  C]`` (a vocab shard's segments, ``merge``'s contract): each run's groups of up to
+  ``CONFIG.group`` consecutive tiles merged into ``(m, s, q, picked)``, ``[P, 4, C]`` f32 in
+  the tiles' order (``P``: ``segments`` times the groups of a run), to be gathered over the
+  shards and merged. Memory: the outputs (and, as ``merge``, a padded copy of ``tiles``
+  when ``C`` is not a multiple of 8 or is below ``CONFIG.rows``)."""
+  num_rows = tiles.shape[2]
+  padded = merge_contract.padded_tiles(tiles, ROW_TILE, CONFIG.rows)
+  group = min(CONFIG.group, tiles.shape[0] // segments)
+  sums = _stage(padded, group=group, with_entropy=with_entropy, finish=False,
+                interpret=interpret, segments=segments)
+  return sums if sums.shape[2] == num_rows else sums[:, :, :num_rows]

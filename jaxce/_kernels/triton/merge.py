@@ -44,21 +44,25 @@ class Config:
 CONFIG = Config()
 
 
-def _merge_kernel(tiles_ref, *out_refs, num_tiles, group, with_entropy, finish):
-  """Program ``(i, j)``: tiles ``[j * group, (j + 1) * group)`` (those below ``num_tiles``)
-  of ``tiles_ref [num_tiles, 4, CONFIG.rows]`` merged in order, into ``(m, s, q, picked)``
-  ``[CONFIG.rows]`` each (relative to the group's max; ``q`` 0 without ``with_entropy``), or,
-  with ``finish``, into ``(logp before masking, m, log s, entropy)``."""
-  first = pl.program_id(1) * group
-  ragged = num_tiles % group != 0
+def _merge_kernel(tiles_ref, *out_refs, num_tiles, group, with_entropy, finish, segments):
+  """Program ``(i, j)``: group ``j`` of ``group`` tiles, in order, of ``tiles_ref
+  [num_tiles, 4, CONFIG.rows]`` cut into ``segments`` equal runs (a group's tiles all of one
+  run, those past its run's end left out) merged into ``(m, s, q, picked)`` ``[CONFIG.rows]``
+  each (relative to the group's max; ``q`` 0 without ``with_entropy``), or, with ``finish``,
+  into ``(logp before masking, m, log s, entropy)``."""
+  run = num_tiles // segments
+  per_run = -(-run // group)
+  segment = pl.program_id(1) // per_run
+  first = (pl.program_id(1) - segment * per_run) * group
+  ragged = run % group != 0
 
   def load(k, j):
-    """Statistic ``j`` of the group's tile ``k`` (a neutral tile past the last)."""
+    """Statistic ``j`` of the group's tile ``k`` (a neutral tile past its run's last)."""
     g = first + k
-    value = tiles_ref[jnp.minimum(g, num_tiles - 1) if ragged else g, j, :]
+    value = tiles_ref[segment * run + (jnp.minimum(g, run - 1) if ragged else g), j, :]
     if not ragged:
       return value
-    return jnp.where(g < num_tiles, value, softmax.FLOOR if j == 0 else 0.0)
+    return jnp.where(g < run, value, softmax.FLOOR if j == 0 else 0.0)
 
   steps, rest = divmod(group, CONFIG.unroll)
 
@@ -102,11 +106,12 @@ def _merge_kernel(tiles_ref, *out_refs, num_tiles, group, with_entropy, finish):
   entropy_ref[...] = log_s - q / s if with_entropy else zero
 
 
-def _stage(tiles, *, group, with_entropy, finish, interpret):
-  """One ``pallas_call`` over ``tiles [G, 4, C]`` (``C`` a multiple of ``CONFIG.rows``): four
-  ``[ceil(G / group), C]`` arrays (``finish``: ``group >= G``, four ``[C]`` arrays)."""
+def _stage(tiles, *, group, with_entropy, finish, interpret, segments=1):
+  """One ``pallas_call`` over ``tiles [G, 4, C]`` (``C`` a multiple of ``CONFIG.rows``) in
+  ``segments`` equal runs: four ``[segments * ceil(G / segments / group), C]`` arrays
+  (``finish``: ``group >= G``, four ``[C]`` arrays)."""
   num_tiles, _, num_rows = tiles.shape
-  num_groups = -(-num_tiles // group)
+  num_groups = segments * -(-(num_tiles // segments) // group)
   if finish:
     out = plumbing.shape_dtype_like(tiles, (num_rows,), jnp.float32)
     out_spec = pl.BlockSpec((CONFIG.rows,), lambda i, j: (i,))
@@ -115,7 +120,7 @@ def _stage(tiles, *, group, with_entropy, finish, interpret):
     out_spec = pl.BlockSpec((None, CONFIG.rows), lambda i, j: (j, i))
   return pl.pallas_call(
       partial(_merge_kernel, num_tiles=num_tiles, group=group, with_entropy=with_entropy,
-              finish=finish),
+              finish=finish, segments=segments),
       out_shape=(out,) * 4,
       grid=(num_rows // CONFIG.rows, num_groups),
       in_specs=[pl.BlockSpec((num_tiles, 4, CONFIG.rows), lambda i, j: (0, 0, i))],
@@ -143,3 +148,18 @@ def merge(tiles, *, with_entropy, interpret):
       tiles, group=tiles.shape[0], with_entropy=with_entropy, finish=True,
       interpret=interpret))
   return logp, m, log_s, (entropy if with_entropy else None)
+
+
+def partial_sums(tiles, *, segments, with_entropy, interpret):
+  """The first stage of ``merge`` within each of ``segments`` equal runs of ``tiles [G, 4,
+  C]`` (a vocab shard's segments, ``merge``'s contract): each run's groups of up to
+  ``CONFIG.group`` consecutive tiles merged into ``(m, s, q, picked)``, ``[P, 4, C]`` f32 in
+  the tiles' order, to be gathered over the shards and merged. Memory: the outputs (and,
+  as ``merge``, a padded copy of ``tiles`` when ``C`` is not a multiple of
+  ``CONFIG.rows``)."""
+  num_rows = tiles.shape[2]
+  padded = merge_contract.padded_tiles(tiles, CONFIG.rows)
+  group = min(CONFIG.group, tiles.shape[0] // segments)
+  sums = jnp.stack(_stage(padded, group=group, with_entropy=with_entropy, finish=False,
+                          interpret=interpret, segments=segments), axis=1)
+  return sums if sums.shape[2] == num_rows else sums[:, :, :num_rows]

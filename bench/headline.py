@@ -2,11 +2,11 @@
 made from the committed results: the fused path at the shapes users run (``python -m bench
 --suite shapes``: jaxce, Liger's FLSCE and plain JAX in one machine session) as a compact
 table (README), a full one (docs/benchmarks.md) and one chart; the vocabulary over every
-GPU count of a run (``--suite gpu-shards``, README); the GRPO step (``python -m bench.grpo_step``,
-docs/benchmarks.md).
+GPU count of a run (``--suite gpu-shards``: README's table, and a scaling chart on the
+benchmarks page); the GRPO step (``python -m bench.grpo_step``, docs/benchmarks.md).
 
     python -m bench.headline            # print the blocks
-    python -m bench.headline --write    # rewrite the marked blocks and the chart
+    python -m bench.headline --write    # rewrite the marked blocks and the two charts
 
 A page marks each block with ``<!-- headline-KIND PATH -->`` on the line before it (KIND
 one of ``BLOCKS``) and ``<!-- /headline -->`` on the line after it; tests/test_bench.py
@@ -28,6 +28,8 @@ from bench.__main__ import ROOT
 PAGES = ("README.md", "docs/benchmarks.md")
 SHAPES = "bench/results/nvidia-h100-x1-shapes.json"
 GRPO = "bench/results/nvidia-h100-x1-grpo_step.json"
+SHARDS = "bench/results/nvidia-h200-x4-shards.json"
+SHARDS_CHART = "bench/results/nvidia-h200-x4-shards_scaling.png"
 CHART = "bench/results/nvidia-h100-x1-shapes_headline.png"
 PEERS = (("jaxce", "jaxce"), ("liger_flsce", "FLSCE"), ("jax_plain", "plain JAX"))
 ROW_BLOCK = 256  # the Mosaic kernels' rows per CTA: a T that divides by it is "round"
@@ -138,29 +140,73 @@ SHARDED_PATHS = (("fused", "linear", "default", "default"),
                  ("logits", "logits", "default", "default"))
 
 
+def _sharded_rows(results: dict):
+  """``({(input, variant, n): row}, sorted GPU counts)`` of a sharded run's ok fwd+bwd rows."""
+  rows = {(r["input"], r["variant"], r["n_devices"]): r for r in results["rows"]
+          if r["impl"] == "jaxce" and r["mode"] == "fwd_bwd" and r["status"] == "ok"}
+  return rows, sorted({n for _, _, n in rows})
+
+
+def _sharded_paths(rows, counts):
+  """``(name, {n: row})`` of each of ``SHARDED_PATHS`` measured at every count of the run
+  (``n = 1``: its one-GPU base row)."""
+  for name, path, variant, base_variant in SHARDED_PATHS:
+    one = rows.get((path, base_variant, 1))
+    if one is None or any((path, variant, n) not in rows for n in counts if n > 1):
+      continue
+    yield name, {n: one if n == 1 else rows[path, variant, n] for n in counts}
+
+
 def shards_table(results: dict) -> str:
   """README's sharded rows: each path's fwd+bwd on every GPU count of the run, time and
   extra memory per GPU, each against the one-GPU row (×; the token-split layout against
   the fused path's one-GPU row). A path missing at some count of the run is left out."""
-  rows = {(r["input"], r["variant"], r["n_devices"]): r for r in results["rows"]
-          if r["impl"] == "jaxce" and r["mode"] == "fwd_bwd" and r["status"] == "ok"}
-  counts = sorted({n for _, _, n in rows})
+  rows, counts = _sharded_rows(results)
   gpus = lambda n: "1 GPU" if n == 1 else f"{n} GPUs"
   lines = ["| path | " + " | ".join(f"{gpus(n)} ms" for n in counts) + " | "
            + " | ".join(f"{gpus(n)} GiB" for n in counts) + " |",
            "|---" * (1 + 2 * len(counts)) + "|"]
   gib = lambda r: r["peak_extra_bytes"] / 2**30
-  for name, path, variant, base_variant in SHARDED_PATHS:
-    one = rows.get((path, base_variant, 1))
-    if one is None or any((path, variant, n) not in rows for n in counts if n > 1):
-      continue
-    row = lambda n: one if n == 1 else rows[path, variant, n]
+  for name, by_count in _sharded_paths(rows, counts):
+    one = by_count[1]
     cell = lambda n, value, base, fmt: (f"{value:{fmt}}" if n == 1
                                         else f"{value:{fmt}} ({value / base:.2f}×)")
-    times = [cell(n, row(n)["ms"], one["ms"], ".1f") for n in counts]
-    memory = [cell(n, gib(row(n)), gib(one), ".2f") for n in counts]
+    times = [cell(n, by_count[n]["ms"], one["ms"], ".1f") for n in counts]
+    memory = [cell(n, gib(by_count[n]), gib(one), ".2f") for n in counts]
     lines.append(f"| {name} | " + " | ".join(times + memory) + " |")
   return "\n".join(lines)
+
+
+def shards_chart(results: dict, path: str) -> None:
+  """Time and extra memory per GPU of each sharded path's fwd+bwd against the GPU count,
+  each × its one-GPU row (``shards_table``'s numbers), beside the ideal ``1 / n``: one
+  figure, two panels, log-log; the title names the device and the commit."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  rows, counts = _sharded_rows(results)
+  fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+  for ax, key, label in ((axes[0], "ms", "fwd+bwd time"),
+                         (axes[1], "peak_extra_bytes", "extra memory per GPU")):
+    ax.plot(counts, [1 / n for n in counts], "k--", lw=1, label="ideal 1 / n")
+    for name, by_count in _sharded_paths(rows, counts):
+      ax.plot(counts, [by_count[n][key] / by_count[1][key] for n in counts], "o-", label=name)
+    ax.set(xscale="log", yscale="log", xlabel="GPUs (vocabulary shards)",
+           ylabel=f"{label}, × one GPU", xticks=counts)
+    ax.set_xticklabels([str(n) for n in counts])
+    ax.set_yticks([2.0**-k for k in range(len(counts) + 1)])
+    ax.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda y, _: f"{y:g}"))
+    for axis in (ax.xaxis, ax.yaxis):
+      axis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+    ax.grid(True, which="both", alpha=0.3)
+  axes[1].legend(fontsize=8)
+  commits = ", ".join(sorted({r.get("commit", "?") for r in rows.values()}))
+  fig.suptitle(f"V = 151936 split over GPUs, T = 32768, D = 4096, bf16: "
+               f"{results['n_devices']} × {results['device']}, JAX {results['jax']}, "
+               f"jaxce {commits}", fontsize=9)
+  fig.tight_layout()
+  fig.savefig(path, dpi=100)
+  plt.close(fig)
 
 
 def grpo_tables(results: dict) -> str:
@@ -252,7 +298,9 @@ def main(argv=None):
   if args.write:
     with open(os.path.join(ROOT, SHAPES)) as f:
       chart(json.load(f), os.path.join(ROOT, CHART))
-    print(f"wrote {', '.join(PAGES)} and {CHART}")
+    with open(os.path.join(ROOT, SHARDS)) as f:
+      shards_chart(json.load(f), os.path.join(ROOT, SHARDS_CHART))
+    print(f"wrote {', '.join(PAGES)}, {CHART} and {SHARDS_CHART}")
 
 
 if __name__ == "__main__":

@@ -477,6 +477,9 @@ def test_readme_headline_comes_from_the_committed_results():
           f"{page}'s headline is stale: python -m bench.headline --write")
     assert headline.CHART.split("/")[-1] in text
   assert os.path.exists(os.path.join(ROOT, headline.CHART))
+  with open(os.path.join(ROOT, "docs", "benchmarks.md")) as f:
+    assert headline.SHARDS_CHART.split("/")[-1] in f.read()
+  assert os.path.exists(os.path.join(ROOT, headline.SHARDS_CHART))
 
 
 def _shapes_row(impl, T, ms, commit="aaaaaaa", mode="fwd_bwd", peak_gib=1.0):

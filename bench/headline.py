@@ -201,12 +201,9 @@ def shards_chart(results: dict, path: str) -> None:
     ax.grid(True, which="both", alpha=0.3)
   axes[1].legend(fontsize=8)
   commits = ", ".join(sorted({r.get("commit", "?") for r in rows.values()}))
-  fig.suptitle(f"V = 151936 split over GPUs, T = 32768, D = 4096, bf16: "
-               f"{results['n_devices']} × {results['device']}, JAX {results['jax']}, "
-               f"jaxce {commits}", fontsize=9)
-  fig.tight_layout()
-  fig.savefig(path, dpi=100)
-  plt.close(fig)
+  _save(fig, f"V = 151936 split over GPUs, T = 32768, D = 4096, bf16: "
+        f"{results['n_devices']} × {results['device']}, JAX {results['jax']}, "
+        f"jaxce {commits}", path)
 
 
 def grpo_tables(results: dict) -> str:
@@ -251,9 +248,15 @@ def chart(results: dict, path: str) -> None:
   for ax in (time_ax, memory_ax):
     ax.grid(True, which="both", alpha=0.3)
   memory_ax.legend(fontsize=7, ncol=2)
-  fig.suptitle(f"fused LM head, V = 151936, bf16, fwd+bwd with entropy: {results['device']}, "
-               f"JAX {results['jax']}, jaxce {commits}, Liger-Kernel "
-               f"{results['versions'].get('liger-kernel')}", fontsize=9)
+  _save(fig, f"fused LM head, V = 151936, bf16, fwd+bwd with entropy: {results['device']}, "
+        f"JAX {results['jax']}, jaxce {commits}, Liger-Kernel "
+        f"{results['versions'].get('liger-kernel')}", path)
+
+
+def _save(fig, title, path):
+  """``fig`` under ``title``, written to ``path`` (100 dpi) and closed."""
+  import matplotlib.pyplot as plt
+  fig.suptitle(title, fontsize=9)
   fig.tight_layout()
   fig.savefig(path, dpi=100)
   plt.close(fig)

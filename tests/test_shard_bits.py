@@ -7,9 +7,9 @@ What holds (docs/guides/reproducible.md): on the kernel paths a token's ``logp``
 of 128 columns in whole segments of the vocabulary (``mosaic_tile.segments``): each
 segment's tiles are merged in groups fixed by the vocabulary where they lie, and the
 groups' sums in the columns' order, whichever device computed them. Qwen3.5's 248320
-columns at n = 1, 2 and 4 (4 segments of 62080) are such a case. Qwen3's 151936 over 2 or 4 devices (75968, 37984 columns) is not:
-a shard's last tile is partial, so the tiles differ from one device's (strict xfail
-below, which fails once they agree)."""
+columns at n = 1, 2 and 4 (4 segments of 62080) are such a case. Qwen3's 151936 over 2
+or 4 devices (75968, 37984 columns) is not: a shard's last tile is partial, so the tiles
+differ from one device's (strict xfail below, which fails once they agree)."""
 
 import functools
 

@@ -50,7 +50,7 @@ def statistics(x, tokens: Tokens, column_start, config):
       m, s, q = triton_rows.row_statistics(x, inv_temp, limit, config.with_entropy,
                                            interpret=interpret)
       tiles = jnp.stack([m, s, q, picked])[None]  # this shard's columns: one tile
-      segments = mosaic_tile.Segments(x.shape[1], 1, segments.total // segments.count)
+      segments = mosaic_tile.Segments(x.shape[1], 1, softmax.num_shards(config.vocab_axis))
     return tile_outputs(tiles, tokens, config, segments)
   if config.plan.exact_sums:
     return softmax.exact_statistics(x, labels, inv_temp, valid, column_start,
@@ -84,7 +84,7 @@ def merge_tiles(tiles, config, segments: mosaic_tile.Segments):
   tiles' bytes."""
   kernel = mosaic_merge if config.plan.backend == "mosaic" else triton_merge
   options = dict(with_entropy=config.with_entropy, interpret=config.plan.interpret)
-  if tiles.shape[0] * segments.total // segments.count > kernel.CONFIG.group:
+  if tiles.shape[0] * softmax.num_shards(config.vocab_axis) > kernel.CONFIG.group:
     tiles = kernel.partial_sums(tiles, segments=segments.count, **options)
   if config.vocab_axis is not None:
     tiles = lax.all_gather(tiles, config.vocab_axis, axis=0, tiled=True)

@@ -1,13 +1,19 @@
-"""``python -m bench.widths``: the fused head's time per vocabulary column at the widths a
+"""``python -m bench.widths``: each path's time per vocabulary column at the widths a
 device holds when a real vocabulary is split over GPUs (not multiples of 128), against
 the nearest multiple of 128 above, in one process on one GPU.
 
     python -m bench.widths                                  # the default widths and modes
     python -m bench.widths --V 37984,75968 --mode fwd --out bench/out/widths.json
+    python -m bench.widths --mode objective,logits          # the other two paths
+
+Modes: ``fwd`` and ``fwd_bwd``, the fused head (``linear_logprobs_and_entropy``, both
+outputs, random per-token cotangents); ``objective``, the GRPO objective path
+(``linear_token_loss``, the bench's GRPO objective) forward and backward; ``logits``, the
+logits path (``logprobs_and_entropy`` of ``[T, V]`` bf16 logits) forward and backward.
 
 A kernel sees only its shard: a local call at V = 37984 is what each GPU of a 4-way Qwen3
 call runs. Each row: the median of ``--repeats`` timed calls (``bench.timing``), inputs
-made on the host; ``per_column`` is the ragged width's time per column over its round
+made on the host (the logits mode's logits on the device); ``per_column`` is the ragged width's time per column over its round
 neighbour's, from the same process.
 """
 
@@ -25,24 +31,44 @@ import numpy as np
 WIDTHS = (37984, 75968, 18992, 32064)
 
 
-def _inputs(tokens, depth, columns, seed=0):
+def _inputs(tokens, depth, columns, mode="fwd", seed=0):
+  """``(hidden, weight, labels, cotangents)`` on the device, made on the host; for the
+  ``logits`` mode ``hidden`` is ``[T, columns]`` logits (shifted, some rows peaked), and
+  ``weight`` (unused) ``[1, columns]``."""
   import jax  # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   rng = np.random.default_rng(seed)
-  hidden = (rng.normal(size=(tokens, depth)) * 0.5).astype(np.float32)
+  if mode == "logits":  # (made on the device: a [T, V] f32 array on the host is slow)
+    logits = jax.random.normal(jax.random.key(seed), (tokens, columns), jnp.float32) * 2 + 10
+    logits = logits.at[::7, 0].add(40).astype(jnp.bfloat16)
+    depth = 1
+  else:
+    hidden = (rng.normal(size=(tokens, depth)) * 0.5).astype(np.float32)
   weight = (rng.normal(size=(depth, columns)) * 2 / np.sqrt(depth)).astype(np.float32)
   labels = rng.integers(0, columns, tokens).astype(np.int32)
   cotangents = rng.normal(size=(2, tokens)).astype(np.float32)
   put = lambda a: jax.device_put(jnp.asarray(a, jnp.bfloat16))
-  return put(hidden), put(weight), jax.device_put(labels), jax.device_put(cotangents)
+  return (logits if mode == "logits" else put(hidden), put(weight), jax.device_put(labels),
+          jax.device_put(cotangents))
 
 
 def _call(mode):
   import jax  # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   import jaxce  # pylint: disable=import-outside-toplevel
+  from bench.impls import _grpo  # pylint: disable=import-outside-toplevel
 
   def run(hidden, weight, labels, cotangents):
+    if mode == "objective":
+      objective, token_args = _grpo(cotangents[0])
+      loss = lambda h, w: jnp.sum(jaxce.linear_token_loss(objective, h, w, labels,
+                                                          *token_args)[0])
+      return jax.grad(loss, (0, 1))(hidden, weight)
+    if mode == "logits":  # (hidden is the [T, V] logits here)
+      def logits_loss(x):
+        logp, entropy = jaxce.logprobs_and_entropy(x, labels)
+        return jnp.sum(logp * cotangents[0] + entropy * cotangents[1])
+      return jax.grad(logits_loss)(hidden)
     def loss(h, w):
       logp, entropy = jaxce.linear_logprobs_and_entropy(h, w, labels)
       return jnp.sum(logp * cotangents[0] + entropy * cotangents[1]), (logp, entropy)
@@ -52,8 +78,9 @@ def _call(mode):
   return jax.jit(run)
 
 
-def measure(widths, modes, tokens, depth, repeats):
-  """Rows ``{mode, V, V_round, ms, ms_round, per_column, backend}``."""
+def measure(widths, modes, tokens, depth, repeats, on_row=lambda rows: None):
+  """Rows ``{mode, V, V_round, ms, ms_round, per_column, backend}``; ``on_row(rows)``
+  after each."""
   import jax  # pylint: disable=import-outside-toplevel
   import jaxce  # pylint: disable=import-outside-toplevel
   from bench.timing import time_calls  # pylint: disable=import-outside-toplevel
@@ -63,8 +90,8 @@ def measure(widths, modes, tokens, depth, repeats):
       round_columns = -(-columns // 128) * 128
       ms, backend = {}, {}
       for width in (columns, round_columns):
-        args = _inputs(tokens, depth, width)
-        backend[width] = jaxce.plan.of(jaxce.linear_logprobs_and_entropy, *args[:3]).backend
+        args = _inputs(tokens, depth, width, mode)
+        backend[width] = jaxce.plan.of(_call(mode), *args).backend
         ms[width] = statistics.median(time_calls(_call(mode), args, repeats=repeats, warmup=2))
         del args
         jax.clear_caches()
@@ -74,29 +101,34 @@ def measure(widths, modes, tokens, depth, repeats):
                  backend=backend[columns], backend_round=backend[round_columns])
       print(json.dumps(row), flush=True)
       rows.append(row)
+      on_row(rows)
   return rows
 
 
 def main(argv=None):
   p = argparse.ArgumentParser(prog="python -m bench.widths", description=__doc__.splitlines()[0])
   p.add_argument("--V", default=",".join(map(str, WIDTHS)), help="comma list of widths")
-  p.add_argument("--mode", default="fwd,fwd_bwd", help="comma list: fwd,fwd_bwd")
+  p.add_argument("--mode", default="fwd,fwd_bwd", help="comma list: fwd,fwd_bwd,objective,logits")
   p.add_argument("--T", type=int, default=32768)
   p.add_argument("--D", type=int, default=4096)
   p.add_argument("--repeats", type=int, default=7)
   p.add_argument("--out", help="write the rows here (json), with the device and versions")
   args = p.parse_args(argv)
   import jax  # pylint: disable=import-outside-toplevel
-  rows = measure([int(v) for v in args.V.split(",")], args.mode.split(","), args.T, args.D,
-                 args.repeats)
-  if args.out:
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    commit = os.environ.get("JAXCE_COMMIT") or subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True,
-        text=True).stdout.strip()
-    with open(args.out, "w", encoding="utf-8") as f:
-      json.dump(dict(device=jax.devices()[0].device_kind, jax=jax.__version__, commit=commit,
-                     rows=rows), f, indent=1)
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  commit = os.environ.get("JAXCE_COMMIT") or subprocess.run(
+      ["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True,
+      text=True).stdout.strip()
+
+  def save(rows):  # (after each row: a run cut short keeps what it measured)
+    if args.out:
+      with open(args.out, "w", encoding="utf-8") as f:
+        json.dump(dict(device=jax.devices()[0].device_kind, jax=jax.__version__,
+                       commit=commit, rows=[dict(r, commit=commit) for r in rows]), f,
+                  indent=1)
+
+  measure([int(v) for v in args.V.split(",")], args.mode.split(","), args.T, args.D,
+          args.repeats, save)
 
 
 if __name__ == "__main__":

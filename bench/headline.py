@@ -3,7 +3,9 @@ made from the committed results: the fused path at the shapes users run (``pytho
 --suite shapes``: jaxce, Liger's FLSCE and plain JAX in one machine session) as a compact
 table (README), a full one (docs/benchmarks.md) and one chart; the vocabulary over every
 GPU count of a run (``--suite gpu-shards``: README's table, and a scaling chart on the
-benchmarks page); the GRPO step (``python -m bench.grpo_step``, docs/benchmarks.md).
+benchmarks page); the GRPO step (``python -m bench.grpo_step``, docs/benchmarks.md); each
+path's time per column at the widths a GPU holds (``python -m bench.widths``, the sharded
+guide).
 
     python -m bench.headline            # print the blocks
     python -m bench.headline --write    # rewrite the marked blocks and the two charts
@@ -25,7 +27,7 @@ import statistics
 from bench import grpo_step
 from bench.__main__ import ROOT
 
-PAGES = ("README.md", "docs/benchmarks.md")
+PAGES = ("README.md", "docs/benchmarks.md", "docs/guides/sharded.md")
 SHAPES = "bench/results/nvidia-h100-x1-shapes.json"
 GRPO = "bench/results/nvidia-h100-x1-grpo_step.json"
 SHARDS = "bench/results/nvidia-h200-x4-shards.json"
@@ -206,6 +208,28 @@ def shards_chart(results: dict, path: str) -> None:
         f"jaxce {commits}", path)
 
 
+WIDTH_MODES = (("fwd", "fused forward"), ("fwd_bwd", "fused fwd+bwd"),
+               ("objective", "objective fwd+bwd"), ("logits", "logits fwd+bwd"))
+
+
+def widths_table(results: dict) -> str:
+  """The sharded guide's table: each path's time per column at each width of
+  ``python -m bench.widths``'s rows against the next multiple of 128 in the same process
+  (``per_column``), one line per width (``widths.LABELS`` says whose it is), ``–`` where
+  a path was not measured at that width."""
+  from bench import widths  # pylint: disable=import-outside-toplevel
+  rows = {(r["mode"], r["V"]): r for r in results["rows"]}
+  modes = [(m, name) for m, name in WIDTH_MODES if any(k[0] == m for k in rows)]
+  lines = ["| columns a GPU | " + " | ".join(name for _, name in modes) + " |",
+           "|---" * (len(modes) + 1) + "|"]
+  for columns in dict.fromkeys(v for _, v in rows):
+    label = f" ({widths.LABELS[columns]})" if columns in widths.LABELS else ""
+    cells = [f"{rows[m, columns]['per_column']:.2f}×" if (m, columns) in rows else "–"
+             for m, _ in modes]
+    lines.append(f"| {columns}{label} | " + " | ".join(cells) + " |")
+  return "\n".join(lines)
+
+
 def grpo_tables(results: dict) -> str:
   """``bench.grpo_step``'s tables (one per model size, each under its size as a bold
   line, then the paths that failed), without its title paragraph."""
@@ -263,7 +287,8 @@ def _save(fig, title, path):
 
 
 BLOCKS = {"headline-shapes": shapes_table, "headline-grpo": grpo_tables,
-          "headline-compact": compact_table, "headline-shards": shards_table}
+          "headline-compact": compact_table, "headline-shards": shards_table,
+          "headline-widths": widths_table}
 
 
 def blocks(page: str) -> list[tuple[int, int, str]]:

@@ -29,6 +29,9 @@ import numpy as np
 
 # Qwen3's 151936 over 2, 4, 8 GPUs; Llama 3's 128256 over 4.
 WIDTHS = (37984, 75968, 18992, 32064)
+# Whose width each is (the sharded guide's table).
+LABELS = {37984: "151936 over 4", 75968: "151936 over 2", 18992: "151936 over 8",
+          32064: "128256 over 4", 151643: "Qwen, unpadded", 50257: "GPT-2"}
 
 
 def _inputs(tokens, depth, columns, mode="fwd", seed=0):

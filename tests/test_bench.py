@@ -458,12 +458,14 @@ def test_benchmark_tables_come_from_the_committed_results():
 
 def test_readme_headline_comes_from_the_committed_results():
   """The headline blocks (``<!-- headline-KIND PATH -->`` ... ``<!-- /headline -->``) of
-  README (the compact table, the sharded rows) and of the benchmarks page (every shape,
-  the GRPO step, the sharded rows of another host) are exactly what ``python -m bench.headline`` makes of the committed
+  README (the compact table, the sharded rows), of the benchmarks page (every shape,
+  the GRPO step, the sharded rows of another host) and of the sharded guide (time per
+  column at ragged widths) are exactly what ``python -m bench.headline`` makes of the committed
   rows, and the chart they cite is committed."""
   from bench import headline
   want = {"README.md": {"headline-compact", "headline-shards"},
-          "docs/benchmarks.md": {"headline-shapes", "headline-grpo", "headline-shards"}}
+          "docs/benchmarks.md": {"headline-shapes", "headline-grpo", "headline-shards"},
+          "docs/guides/sharded.md": {"headline-widths"}}
   assert set(headline.PAGES) == set(want)
   for page, kinds in want.items():
     with open(os.path.join(ROOT, page)) as f:
@@ -475,7 +477,8 @@ def test_readme_headline_comes_from_the_committed_results():
     for start, end, block in found:
       assert "\n".join(lines[start:end]) == block, (
           f"{page}'s headline is stale: python -m bench.headline --write")
-    assert headline.CHART.split("/")[-1] in text
+    if page != "docs/guides/sharded.md":
+      assert headline.CHART.split("/")[-1] in text
   assert os.path.exists(os.path.join(ROOT, headline.CHART))
   with open(os.path.join(ROOT, "docs", "benchmarks.md")) as f:
     assert headline.SHARDS_CHART.split("/")[-1] in f.read()
@@ -790,3 +793,19 @@ def test_precision_table_comes_from_the_committed_results():
   with open(os.path.join(ROOT, path)) as f:
     expected = precision.table(json.load(f))
   assert page.split(f"{marker}{path} -->\n", 1)[1].startswith(expected), "stale: regenerate it"
+
+
+def test_widths_every_mode_on_cpu(tmp_path):
+  """``python -m bench.widths`` runs each path at a ragged width and its round neighbour
+  (tiny shapes on CPU) and saves each row, with the commit, as it finishes."""
+  from bench import widths
+  out = tmp_path / "widths.json"
+  widths.main(["--V", "200", "--mode", "fwd,fwd_bwd,objective,logits", "--T", "64",
+               "--D", "32", "--repeats", "1", "--out", str(out)])
+  with open(out) as f:
+    saved = json.load(f)
+  assert [r["mode"] for r in saved["rows"]] == ["fwd", "fwd_bwd", "objective", "logits"]
+  for row in saved["rows"]:
+    assert (row["V"], row["V_round"], row["commit"]) == (200, 256, saved["commit"])
+    assert row["ms"] > 0 and row["ms_round"] > 0
+    assert row["per_column"] == pytest.approx((row["ms"] / 200) / (row["ms_round"] / 256))

@@ -17,9 +17,15 @@
    two budgets, ``LINEAR_OBJECTIVE_ROWS_BYTES`` and ``LINEAR_OBJECTIVE_GRAD_BYTES``; 0:
    the planner's), with XLA's compiled memory plan; ``objective-trace``: the planned one at
    ``--tokens`` under the profiler.
+6. ``shards-trace`` (several GPUs): the sharded fused, objective and logits paths' fwd+bwd
+   (``sharded_*``, V = 151936 split over ``n`` GPUs for each ``n`` of ``--shards``, inputs
+   made split) at ``--tokens``: each call's median time, then one call under the profiler,
+   GPU 0's time by kind of kernel (NCCL, Mosaic, cuBLAS GEMMs, XLA's other kernels), its
+   busy time (the union of its kernels' intervals) and the call's time it was idle.
 
     python -m bench.head_profile             # on a Hopper GPU: JSON to $OUT (or bench/out)
     python -m bench.head_profile --tiny      # anywhere: small shapes, a smoke test
+    python -m bench.head_profile --sections shards-trace --shards 1,2,4   # a host of 4 GPUs
 
 Median ms of ``--repeats`` calls (bench.timing). Prints a table last.
 """
@@ -31,7 +37,9 @@ import collections
 import glob
 import gzip
 import json
+import math
 import os
+import re
 import tempfile
 
 import jax
@@ -218,26 +226,136 @@ def objective(dim, columns, settings, repeats):
   return rows
 
 
-def trace(tokens, dim, columns, top, path="per-token"):
-  """Rows of section 4: GPU time of one fwd+bwd call by kernel name (JAX's profiler), of
-  the per-token path or (``path="objective"``) the objective path."""
-  hidden, weight, labels, cot = _operands(tokens, dim, columns)
-  fn = _objective_loss(labels, cot) if path == "objective" else _loss(labels, cot)
-  jax.block_until_ready(fn(hidden, weight))
+def _gpu_events(fn, args, device: int = 0):
+  """``fn(*args)``'s kernels on GPU ``device`` under JAX's profiler (after one untimed
+  call): ``[(name, start us, duration us)]``; on a machine without GPUs, every
+  non-host event (none on CPUs)."""
+  jax.block_until_ready(fn(*args))
   with tempfile.TemporaryDirectory() as where:
     with jax.profiler.trace(where, create_perfetto_trace=True):
-      jax.block_until_ready(fn(hidden, weight))
+      jax.block_until_ready(fn(*args))
     paths = glob.glob(os.path.join(where, "**", "*.trace.json.gz"), recursive=True)
     with gzip.open(paths[0]) as f:
       events = json.load(f)["traceEvents"]
   names = {e["pid"]: e["args"]["name"] for e in events
            if e.get("ph") == "M" and e.get("name") == "process_name"}
   gpu = {pid for pid, name in names.items() if "GPU" in name or "gpu" in name}
+  mine = {pid for pid in gpu if re.search(rf"GPU:{device}\b", names[pid])} or gpu
+  return [(e["name"], e["ts"], e["dur"]) for e in events
+          if e.get("ph") == "X" and e.get("pid") in mine and "dur" in e]
+
+
+XLA_KERNELS = ("fusion", "loop_", "input_", "wrapped_", "copy", "reduce", "transpose",
+               "concatenate", "dynamic", "slice", "convert", "broadcast", "select", "memcpy",
+               "memset", "triton")
+
+
+def _kind(kernel: str) -> str:
+  """The kind of a GPU kernel, by its name: NCCL, cuBLAS, XLA's own (fusions, copies,
+  Triton), or the rest (jaxce's Mosaic kernels; the top names say which)."""
+  name = kernel.lower()
+  if "nccl" in name:
+    return "NCCL"
+  if any(k in name for k in ("gemm", "xmma", "cutlass", "cublas")):
+    return "cuBLAS"
+  if any(k in name for k in XLA_KERNELS):
+    return "XLA"
+  return "Mosaic and others"
+
+
+def _busy_ms(events) -> float:
+  """The union of the events' intervals, in ms (streams overlap)."""
+  busy, end = 0.0, -math.inf
+  for _, start, duration in sorted(events, key=lambda e: e[1]):
+    if start + duration > end:
+      busy += start + duration - max(start, end)
+      end = start + duration
+  return busy / 1e3
+
+
+def _sharded_call(path, mesh, tokens, dim, vocab):
+  """``(fn, args)``: ``path``'s (``fused``, ``objective`` or ``logits``) fwd+bwd sharded
+  over ``mesh``'s ``vocab`` axis, with bf16 inputs made on the devices already split
+  (hidden replicated; the weight ``[D, V]`` and the logits ``[T, V]`` split by columns)."""
+  from jax.sharding import NamedSharding, PartitionSpec as P  # pylint: disable=import-outside-toplevel
+  split, whole = NamedSharding(mesh, P(None, "vocab")), NamedSharding(mesh, P())
+  keys = jax.random.split(jax.random.key(0), 4)
+  make = lambda f, sharding: jax.jit(f, out_shardings=sharding)()
+  labels = make(lambda: jax.random.randint(keys[2], (tokens,), 0, vocab), whole)
+  cot = make(lambda: jax.random.normal(keys[3], (2, tokens), jnp.float32), whole)
+  kw = dict(mesh=mesh, vocab_axis="vocab")
+  if path == "logits":
+    logits = make(lambda: (jax.random.normal(keys[0], (tokens, vocab)) * 2).astype(
+        jnp.bfloat16), split)
+
+    def loss(x):
+      logp, entropy = jaxce.sharded_logprobs_and_entropy(x, labels, **kw)
+      return jnp.sum(cot[0] * logp) + jnp.sum(cot[1] * entropy)
+    return jax.jit(jax.value_and_grad(loss)), (logits,)
+  hidden = make(lambda: jax.random.normal(keys[0], (tokens, dim), jnp.bfloat16), whole)
+  weight = make(lambda: (jax.random.normal(keys[1], (dim, vocab)) * dim**-0.5).astype(
+      jnp.bfloat16), split)
+  if path == "objective":
+    objective, token_args = impls._grpo(cot[0])  # pylint: disable=protected-access
+    loss = lambda h, w: jnp.sum(jaxce.sharded_linear_token_loss(objective, h, w, labels,
+                                                                *token_args, **kw)[0])
+  else:
+    def loss(h, w):
+      logp, entropy = jaxce.sharded_linear_logprobs_and_entropy(h, w, labels, **kw)
+      return jnp.sum(cot[0] * logp) + jnp.sum(cot[1] * entropy)
+  return jax.jit(jax.value_and_grad(loss, (0, 1))), (hidden, weight)
+
+
+def shards_trace(tokens, dim, vocab, counts, repeats, top=8):
+  """Rows of section 6: for each GPU count ``n`` of ``counts`` and each path, the sharded
+  call's median ms (``piece="call"``), then GPU 0's kernel time by kind, its busy time,
+  the call's idle time on GPU 0 (the call's median less its busy time), and its ``top``
+  kernels, from one call under the profiler."""
+  from jax.sharding import Mesh  # pylint: disable=import-outside-toplevel
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  rows = []
+  for n in counts:
+    if n > jax.device_count():
+      continue
+    mesh = Mesh(np.array(jax.devices()[:n]).reshape(1, n), ("data", "vocab"))
+    for path in ("fused", "objective", "logits"):
+      base = dict(section="shards-trace", path=path, n=n, tokens=tokens)
+      try:
+        fn, args = _sharded_call(path, mesh, tokens, dim, vocab)
+        ms = time_ms(fn, args, repeats=repeats)
+        events = _gpu_events(fn, args)
+      except Exception as e:  # pylint: disable=broad-except
+        rows.append(dict(base, piece="call", ms=None, error=f"{type(e).__name__}: {e}"[:300]))
+        print(json.dumps(rows[-1]), flush=True)
+        continue
+      by_kind, by_name, calls = collections.Counter(), collections.Counter(), collections.Counter()
+      for name, _, duration in events:
+        by_kind[_kind(name)] += duration / 1e3
+        by_name[name] += duration / 1e3
+        calls[name] += 1
+      busy = _busy_ms(events)
+      new = [dict(base, piece="call", ms=ms), dict(base, piece="GPU 0 busy", ms=busy),
+             dict(base, piece="GPU 0 idle", ms=ms - busy)]
+      new += [dict(base, piece=f"kind: {kind}", ms=t) for kind, t in sorted(by_kind.items())]
+      new += [dict(base, piece=name[:160], ms=t, calls=calls[name])
+              for name, t in by_name.most_common(top)]
+      for r in new:
+        print(json.dumps(r), flush=True)
+      rows += new
+      del fn, args
+      jax.clear_caches()
+  return rows
+
+
+def trace(tokens, dim, columns, top, path="per-token"):
+  """Rows of section 4: GPU time of one fwd+bwd call by kernel name (JAX's profiler), of
+  the per-token path or (``path="objective"``) the objective path."""
+  hidden, weight, labels, cot = _operands(tokens, dim, columns)
+  fn = _objective_loss(labels, cot) if path == "objective" else _loss(labels, cot)
   total, count = collections.Counter(), collections.Counter()
-  for e in events:
-    if e.get("ph") == "X" and e.get("pid") in gpu and "dur" in e:
-      total[e["name"]] += e["dur"] / 1e3
-      count[e["name"]] += 1
+  for name, _, duration in _gpu_events(fn, (hidden, weight)):
+    total[name] += duration / 1e3
+    count[name] += 1
   section = "objective-trace" if path == "objective" else "trace"
   rows = [dict(section=section, piece=name[:160], ms=ms, calls=count[name], tokens=tokens)
           for name, ms in total.most_common(top)]
@@ -262,6 +380,7 @@ def main():
   parser.add_argument("--sections", default="kernels,gemms,plans,trace")
   parser.add_argument("--repeats", type=int, default=5)
   parser.add_argument("--dim", type=int, default=D, help="the hidden size D")
+  parser.add_argument("--shards", default="1,2,4", help="GPU counts for shards-trace")
   args = parser.parse_args()
   dim, columns = (128, 1024) if args.tiny else (args.dim, V)
   if args.tiny:
@@ -284,6 +403,9 @@ def main():
     rows += objective(dim, columns, parse(args.objective), args.repeats)
   if "objective-trace" in sections:
     rows += trace(args.tokens, dim, columns, 30, path="objective")
+  if "shards-trace" in sections:
+    rows += shards_trace(args.tokens, dim, columns, [int(n) for n in args.shards.split(",")],
+                         args.repeats)
   report = dict(device=jax.devices()[0].device_kind, jax=jax.__version__,
                 commit=os.environ.get("JAXCE_COMMIT", "unknown"), V=columns, D=dim, rows=rows)
   out = os.environ.get("OUT", "bench/out")  # (bench/out: ignored by git)
@@ -299,6 +421,8 @@ def main():
     ratio = (f" x{r['tflops'] / plain[r['N']]:.3f} plain" if r["section"] == "kernels"
              and r.get("tflops") and r.get("N") in plain else "")
     ms = "  error " + r["error"][:100] if r.get("ms") is None else f"{r['ms']:9.2f} ms"
+    if r["section"] == "shards-trace":
+      r = dict(r, piece=f"{r['path']} n={r['n']}: {r['piece']}")
     calls = f" ({r['calls']} calls)" if "calls" in r else ""
     calls += (f" {r['compiled_extra_gib']:.2f} GiB" if r.get("compiled_extra_gib") is not None
               else "")

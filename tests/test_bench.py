@@ -809,3 +809,24 @@ def test_widths_every_mode_on_cpu(tmp_path):
     assert (row["V"], row["V_round"], row["commit"]) == (200, 256, saved["commit"])
     assert row["ms"] > 0 and row["ms_round"] > 0
     assert row["per_column"] == pytest.approx((row["ms"] / 200) / (row["ms_round"] / 256))
+
+
+def test_head_profile_shards_trace_on_cpu():
+  """``bench.head_profile``'s ``shards-trace`` section times every sharded path at every
+  GPU count asked for (here simulated CPU devices: no GPU events), GPU 0's busy time is
+  the union of its kernels' intervals, and kernels are sorted by kind."""
+  from bench import head_profile
+  rows = head_profile.shards_trace(64, 32, 256, [1, 2], 1)
+  calls = [r for r in rows if r["piece"] == "call"]
+  assert {(r["path"], r["n"]) for r in calls} == {
+      (p, n) for p in ("fused", "objective", "logits") for n in (1, 2)}
+  assert all(r["ms"] > 0 for r in calls), calls
+  assert head_profile._busy_ms([("a", 0, 10), ("b", 5, 10), ("c", 20, 5), ("d", 21, 1)]) \
+      == pytest.approx(0.020)
+  kinds = {name: head_profile._kind(name) for name in (
+      "ncclDevKernel_AllReduce_Sum_f32_RING_LL", "sm90_xmma_gemm_bf16bf16_bf16f32",
+      "loop_multiply_fusion", "jaxce_merge_tiles", "_mosaic_kernel")}
+  assert kinds == {"ncclDevKernel_AllReduce_Sum_f32_RING_LL": "NCCL",
+                   "sm90_xmma_gemm_bf16bf16_bf16f32": "cuBLAS", "loop_multiply_fusion": "XLA",
+                   "jaxce_merge_tiles": "Mosaic and others",
+                   "_mosaic_kernel": "Mosaic and others"}

@@ -13,7 +13,10 @@
 #   bash bench/gpu_session.sh shards       # a host of several GPUs: the gpu-shards suite (1, 2,
 #                                          # 4 GPUs), one process per GPU against one process
 #   bash bench/gpu_session.sh grpo-meshes [small|medium]  # the GRPO step on 1 x 1, 2 x n/2
-#                                          # (2 x 1 on 2 GPUs) and 1 x n meshes
+#                                          # (2 x 1 on 2 GPUs) and 1 x n meshes (ATTENTION=cudnn:
+#                                          # the model's attention on cuDNN)
+#   bash bench/gpu_session.sh profile-shards  # a host of several GPUs: each sharded path's
+#                                          # GPU time by kind of kernel at 1, 2, 4 GPUs
 #
 # Writes bench/out/gpu-session/<main|large>/<device>.json (rows, device, versions, git commit,
 # floors, accuracy), .md, _memory.png, and session-<mode>.log (kept on a warm machine, so
@@ -30,7 +33,7 @@ RUN=bench/out/gpu-session
 PY=${PYTHON:-python3}
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
 export JAXCE_COMMIT=${JAXCE_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
-DIR=$RUN/$(case $MODE in large|shards|grpo-meshes) echo "$MODE" ;; *) echo main ;; esac)
+DIR=$RUN/$(case $MODE in large|shards|grpo-meshes|profile-shards) echo "$MODE" ;; *) echo main ;; esac)
 mkdir -p "$DIR"
 LOG="$RUN/session-$MODE.log"
 start=$(date +%s)
@@ -84,10 +87,19 @@ case "$MODE" in
       *) meshes="1x1,2x$(( n / 2 )),1x$n" ;;
     esac
     "$PY" -m bench.grpo_step --sizes "${1:-small}" --meshes "$meshes" \
-      --timeout "$(left)" --out "$DIR" 2>>"$LOG" | tee -a "$LOG"
+      ${ATTENTION:+--attention "$ATTENTION"} --timeout "$(left)" --out "$DIR" \
+      2>>"$LOG" | tee -a "$LOG"
+    ;;
+  profile-shards)
+    # GPU 0's kernels by kind (NCCL, cuBLAS, XLA, jaxce's) and its idle time, per path and n.
+    export NCCL_NVLS_ENABLE=0
+    n=$(nvidia-smi -L | grep -c "^GPU ")
+    counts=$(for k in 1 2 4 8; do if [ "$k" -le "$n" ]; then printf '%s,' "$k"; fi; done)
+    OUT="$DIR" timeout "$(left)" "$PY" -m bench.head_profile --sections shards-trace \
+      --shards "${counts%,}" 2>>"$LOG" | tee -a "$LOG" || true
     ;;
   *)
-    echo "usage: bash bench/gpu_session.sh [main | resume | large [T ...] | shards | grpo-meshes [SIZE]]" >&2
+    echo "usage: bash bench/gpu_session.sh [main | resume | large [T ...] | shards | grpo-meshes [SIZE] | profile-shards]" >&2
     exit 2
     ;;
 esac

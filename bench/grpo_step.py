@@ -7,6 +7,7 @@ path, written to bench/out/<device>-grpo_step.json (.md).
     python -m bench.grpo_step --reports small=a.json,medium=b.json  # tabulate gpu_run's reports
     python -m bench.grpo_step --sizes medium --merge         # add a size to the file there
     python -m bench.grpo_step --meshes 1x1,2x2               # 1 GPU, then 2 x 2 (data x vocab)
+    python -m bench.grpo_step --attention cudnn              # the model's attention on cuDNN
 
 Each size (and each mesh of ``--meshes``, ``DATAxVOCAB`` over the first ``DATA * VOCAB``
 devices; default: one ``1 x n`` mesh over every visible device) is one ``python -m
@@ -60,6 +61,9 @@ def parse_args(argv=None):
                  "(the sizes' flags, JAXCE_COMMIT the commit they ran) instead of running")
   p.add_argument("--meshes", default="", help="comma list of DATAxVOCAB meshes, each over "
                  "the first DATA * VOCAB devices (default: 1 x every visible device)")
+  p.add_argument("--attention", choices=("xla", "cudnn"), default="xla",
+                 help="the model's attention: XLA's (the default: the [B, heads, S, S] "
+                 "scores materialized) or cuDNN's flash attention (GPUs)")
   p.add_argument("--merge", action="store_true", help="keep the destination file's sizes "
                  "that this run does not redo (a run made one size per call)")
   add_destination(p)
@@ -120,6 +124,7 @@ def make_row(name: str, size: dict, path: str, result: dict, commit: str = "",
   return dict(size=name, path=path, commit=commit, **({"mesh": list(mesh)} if mesh else {}),
               d_model=size["d_model"], layers=size["layers"],
               heads=size["heads"], sequences=size["sequences"], seq_len=size["seq_len"],
+              attention=size.get("attention", "xla"),
               tokens_per_step=size["sequences"] * (size["seq_len"] - 1),
               step_ms_median=result.get("step_ms_median"),
               score_ms_median=result.get("score_ms_median"),
@@ -179,9 +184,11 @@ def markdown(results: dict) -> str:
     one = {r["path"]: r for r in results["rows"] if group(r) == (name, (1, 1))}
     versus_one = ["step × 1 device", "peak × 1 device"] if one and mesh != (1, 1) else []
     r0 = rows[0]
+    attention = r0.get("attention", "xla")
+    attention = "" if attention == "xla" else f" ({attention} attention)"
     lines += ["", f"## {name}: D = {r0['d_model']}, {r0['layers']} layer(s), {r0['heads']} "
-              f"heads, {r0['sequences']} × {r0['seq_len']} tokens ({r0['tokens_per_step']} "
-              f"a step), V = {results['vocab']}"
+              f"heads{attention}, {r0['sequences']} × {r0['seq_len']} tokens "
+              f"({r0['tokens_per_step']} a step), V = {results['vocab']}"
               + (f", {mesh[0] * mesh[1]} device(s): {mesh[0]} × {mesh[1]} (data × vocab)"
                  if mesh else "")
               + (f" (commit {r0['commit'][:7]})" if r0.get("commit", results["commit"])
@@ -215,8 +222,9 @@ def merged(previous: dict, results: dict) -> dict:
   """``results`` with ``previous``'s sizes that it does not have (their rows keep the commit
   they ran at), the sizes in :data:`SIZES`' order; both must come from the same device and
   vocabulary."""
-  for key in ("device", "num_devices", "jax", "vocab", "tiny"):
-    if previous.get(key) != results.get(key):
+  for key in ("device", "num_devices", "jax", "vocab", "tiny", "attention"):
+    default = "xla" if key == "attention" else None  # (files from before the flag: XLA's)
+    if previous.get(key, default) != results.get(key, default):
       raise SystemExit(f"--merge: the destination ran {key}={previous.get(key)!r}, this run "
                        f"{results.get(key)!r}")
   kept = [name for name in previous["sizes"] if name not in results["sizes"]]
@@ -240,6 +248,8 @@ def main(argv=None):
   rows, runs, facts = [], {}, {}
   for name, mesh in [(n, m) for n in args.sizes.split(",") for m in (args.meshes or [None])]:
     size = dict(SIZES[name], **overrides)
+    if args.attention != "xla":  # (a flag of gpu_run's, as the sizes' are)
+      size["attention"] = args.attention
     if args.reports:
       with open(args.reports[name]) as f:
         runs[name] = report = json.load(f)
@@ -268,7 +278,7 @@ def main(argv=None):
                  platform=facts.get("platform"), jax=facts.get("jax"), flax=facts.get("flax"),
                  commit=commit, date=datetime.datetime.now(datetime.timezone.utc).strftime(
                      "%Y-%m-%d %H:%M UTC"),
-                 vocab=overrides["vocab"], tiny=args.tiny,
+                 vocab=overrides["vocab"], tiny=args.tiny, attention=args.attention,
                  sizes={n: dict(SIZES[n], **overrides) for n in args.sizes.split(",")},
                  wall_s=time.monotonic() - start, rows=rows, gpu_run=runs)
   os.makedirs(args.out, exist_ok=True)

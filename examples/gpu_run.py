@@ -44,6 +44,8 @@ def parse_args(argv=None):
   p.add_argument("--d-model", type=int, default=1024)
   p.add_argument("--layers", type=int, default=2)
   p.add_argument("--heads", type=int, default=8)
+  p.add_argument("--attention", choices=("xla", "cudnn"), default="xla",
+                 help="the model's attention (jax.nn.dot_product_attention's implementation)")
   p.add_argument("--sequences", type=int, default=8, help="B (group size 2)")
   p.add_argument("--seq-len", type=int, default=1024, help="S: B * (S - 1) tokens per step")
   p.add_argument("--warmup", type=int, default=2)
@@ -87,7 +89,8 @@ def measure(args, path: str) -> dict:
   mesh = make_mesh(args.data, len(devices) // args.data, devices)
   model_cfg = model_lib.ModelConfig(
       vocab_size=args.vocab, d_model=args.d_model, num_layers=args.layers,
-      num_heads=args.heads, max_len=args.seq_len, dtype=jnp.bfloat16)
+      num_heads=args.heads, max_len=args.seq_len, dtype=jnp.bfloat16,
+      attention=args.attention)
   cfg = GRPOConfig(path=path, temperature=0.7, kl_coef=0.04, entropy_coef=0.01)
   graphdef = model_lib.abstract_graphdef(model_cfg)
   abstract = nnx.state(nnx.eval_shape(lambda: model_lib.CausalLM(model_cfg, rngs=nnx.Rngs(0))),

@@ -27,6 +27,9 @@ class ModelConfig:
     max_len: longest sequence (positions are learned).
     dtype: activations and matmul inputs (e.g. ``jnp.bfloat16`` on GPU).
     param_dtype: stored parameters (the optimizer's master copy).
+    attention: ``jax.nn.dot_product_attention``'s ``implementation``: ``"xla"`` (its
+      default; materializes the ``[B, heads, S, S]`` scores) or ``"cudnn"`` (cuDNN's
+      flash attention: NVIDIA GPUs, bf16 or f16 activations).
   """
   vocab_size: int = 32768
   d_model: int = 64
@@ -35,6 +38,7 @@ class ModelConfig:
   max_len: int = 64
   dtype: Any = jnp.float32
   param_dtype: Any = jnp.float32
+  attention: str = "xla"
 
 
 class Block(nnx.Module):
@@ -44,6 +48,7 @@ class Block(nnx.Module):
     d = cfg.d_model
     kw = dict(dtype=cfg.dtype, param_dtype=cfg.param_dtype, rngs=rngs)
     self.num_heads = cfg.num_heads
+    self.attention = cfg.attention
     self.attn_norm = nnx.RMSNorm(d, **kw)
     self.qkv = nnx.Linear(d, 3 * d, use_bias=False, **kw)
     self.attn_out = nnx.Linear(d, d, use_bias=False, **kw)
@@ -55,7 +60,8 @@ class Block(nnx.Module):
     """``x [B, S, D]`` -> ``[B, S, D]``; causal, so right padding never reaches a real token."""
     b, s, d = x.shape
     qkv = self.qkv(self.attn_norm(x)).reshape(b, s, 3, self.num_heads, d // self.num_heads)
-    y = jax.nn.dot_product_attention(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], is_causal=True)
+    y = jax.nn.dot_product_attention(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], is_causal=True,
+                                     implementation=self.attention)
     x = x + self.attn_out(y.reshape(b, s, d))
     return x + self.mlp_out(jax.nn.gelu(self.mlp_in(self.mlp_norm(x))))
 

@@ -779,6 +779,13 @@ def test_grpo_step_merge_keeps_the_sizes_not_rerun():
   assert "V = 8 (commit aaaaaaa)" in md and "V = 8 (commit bbbbbbb)" not in md
   with pytest.raises(SystemExit, match="device"):
     grpo_step.merged(dict(old, device="other"), new)
+  # --attention: a file holds one attention (files before the flag: XLA's), named by size
+  with pytest.raises(SystemExit, match="attention"):
+    grpo_step.merged(old, dict(new, attention="cudnn"))
+  assert grpo_step.merged(old, dict(new, attention="xla"))["rows"] == got["rows"]
+  cudnn = dict(got, rows=[dict(r, attention="cudnn") for r in got["rows"]])
+  assert "1 heads (cudnn attention), 8 × 2" in grpo_step.markdown(cudnn)
+  assert "attention" not in md
 
 
 def test_precision_table_comes_from_the_committed_results():

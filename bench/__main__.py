@@ -174,7 +174,7 @@ def git(*args) -> str:
 def base_row(config: Config) -> dict:
   return dict(impl=config.impl, variant=config.variant, input=config.input, mode=config.mode,
               T=config.T, V=config.V, D=config.D, dtype=config.dtype,
-              chunk_size=config.chunk_size, n_devices=config.n_devices or 1,
+              chunk_size=config.chunk_size, n_devices=config.n_devices or 1, data=config.data,
               entropy=config.entropy, status="error", error=None, peak_extra_bytes=None,
               ms=None, memory_source=None)
 

@@ -112,6 +112,8 @@ TOKAMAX_VARIANTS = ("xla", "chunked_xla")
 OBJECTIVE_VARIANTS = ("objective", "grpo", "objective_grpo")
 KEEP_VARIANTS = ("keep", "kept_ids")
 KEPT_FRACTION = 0.05
+# The variants a data × vocab mesh runs (Config.data > 1).
+DATA_VARIANTS = ("default", "objective_grpo")
 VARIANTS = ("default", "logp_only", "hidden_grad_output", "batch_invariant", "token_split") + \
     IN_PLACE_VARIANTS + TRAIN_STEP_VARIANTS + IMPLEMENTATION_VARIANTS + ("chunked_xla",) + \
     OBJECTIVE_VARIANTS + KEEP_VARIANTS
@@ -136,6 +138,9 @@ class Config:
     dtype: input dtype name (``"bfloat16"``, ``"float16"``, ``"float32"``).
     chunk_size: tokens per chunk for the chunked impls (``None``: the impl's default).
     n_devices: devices the arrays are split over (vocab axis); 0 means all visible.
+    data: with ``data > 1``, the ``n_devices`` form a ``data × n_devices / data`` mesh (data ×
+      vocab, as a data-parallel user runs the sharded head): the tokens split over the
+      data axis (``batch_axis``), the vocabulary over the other (jaxce's ``sharded_*``).
     variant: one of :data:`VARIANTS`.
     repeats: timed calls after the warm-up (fewer when one call is slow).
   """
@@ -150,6 +155,7 @@ class Config:
   n_devices: int = 1
   variant: str = "default"
   repeats: int = 5
+  data: int = 1
 
   @property
   def entropy(self) -> bool:
@@ -205,6 +211,10 @@ class Config:
       return "already log-prob only"
     if self.input == "linear" and not self.D:
       return "the linear input needs D"
+    if self.data != 1 and (self.impl != "jaxce" or self.variant not in DATA_VARIANTS
+                           or self.n_devices % self.data or self.n_devices < 2 * self.data):
+      return (f"a {self.data} × vocab mesh takes jaxce's {' or '.join(DATA_VARIANTS)} rows "
+              "over a multiple of 2 × data devices")
     return None
 
 
@@ -212,7 +222,8 @@ def row_key(row) -> tuple:
   """The identity of a results row (a dict) or config: re-running it replaces the row."""
   get = row.get if isinstance(row, dict) else lambda k, d=None: getattr(row, k, d)
   return (get("impl"), get("variant", "default"), get("input"), get("mode"), get("T"),
-          get("V"), get("D"), get("dtype"), get("chunk_size"), get("n_devices"))
+          get("V"), get("D"), get("dtype"), get("chunk_size"), get("n_devices"),
+          get("data", 1) or 1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -231,6 +242,7 @@ class Group:
   dtype: str = "bfloat16"
   chunk_sizes: Sequence[Optional[int]] = (None,)
   n_devices: int = 1
+  data: int = 1
 
 
 def _spec(spec: str) -> tuple[str, str]:
@@ -336,6 +348,23 @@ def _shard_count_groups():
       Group("logits", ("jaxce",), (32768,), _GPU_V, n_devices=n, **_BWD))]
 
 
+def _more_shard_groups():
+  """The rest of the sharded rows, on a host of 4 GPUs (after ``gpu-shards``): Qwen3.5's
+  248320 columns over 1, 2 and 4 GPUs (62080 a GPU: whole tiles); T = 262144 at 1 and 4
+  GPUs (the fused and objective paths); and the 2 × 2 data × vocab mesh (tokens split over
+  data, vocabulary over the other axis) at T = 32768, V = 151936, beside ``gpu-shards``'
+  one-GPU and 1 × 4 rows."""
+  return ([g for n in _SHARD_COUNTS for g in (
+              Group("linear", ("jaxce", "jaxce:objective_grpo"), (32768,), 248320, _GPU_D,
+                    n_devices=n, **_BWD),
+              Group("logits", ("jaxce",), (32768,), 248320, n_devices=n, **_BWD))]
+          + [Group("linear", ("jaxce", "jaxce:objective_grpo"), (262144,), _GPU_V, _GPU_D,
+                   n_devices=n, **_BWD) for n in (1, 4)]
+          + [Group("linear", ("jaxce", "jaxce:objective_grpo"), (32768,), _GPU_V, _GPU_D,
+                   n_devices=4, data=2, **_BWD),
+             Group("logits", ("jaxce",), (32768,), _GPU_V, n_devices=4, data=2, **_BWD)])
+
+
 SUITES = {
     # Default: a couple of minutes on 2 CPU cores; XLA's compiled memory plan and time.
     "cpu": _cpu_groups((128, 512, 2048), 16384, 64),
@@ -350,6 +379,9 @@ SUITES = {
               n_devices=2, **_BWD),
         Group("linear", ("jaxce", "jaxce:batch_invariant", "jaxce:token_split"), (200,), 1000,
               32, n_devices=2, **_BWD),
+        Group("linear", ("jaxce", "jaxce:objective_grpo"), (200,), 1000, 32, n_devices=4,
+              data=2, **_BWD),
+        Group("logits", ("jaxce",), (200,), 1000, n_devices=4, data=2, **_BWD),
         Group("linear", ("jaxce:objective_grpo", "jaxce:grpo", "jax_plain:grpo"), (200,), 1000,
               32, **_BWD),
         Group("logits", ("jaxce:objective",), (200,), 1000, **_BWD),
@@ -390,6 +422,8 @@ SUITES = {
     ],
     # 1, 2 and 4 GPUs of one host at Qwen3's vocabulary (README's sharded table).
     "gpu-shards": _shard_count_groups(),
+    # 4 GPUs: Qwen3.5's vocabulary, T = 262144 and the 2 × 2 data × vocab mesh.
+    "gpu-shards-more": _more_shard_groups(),
     "objective": _objective_groups(_GPU_T),
     # One GPU: the shape sweep behind README's headline (run with --resume across calls).
     "shapes": _shape_groups(),
@@ -447,7 +481,8 @@ def expand(groups: Sequence[Group], *, impls=None, inputs=None, modes=None, Ts=N
             c = Config(impl=impl, input=g.input, mode=mode, T=T, V=V or g.V,
                        D=(D or g.D) if g.input == "linear" else None, dtype=dtype or g.dtype,
                        chunk_size=chunk if impl in CHUNKED_IMPLS else None,
-                       n_devices=g.n_devices, variant=variant, repeats=repeats)
+                       n_devices=g.n_devices, variant=variant, repeats=repeats,
+                       data=g.data)
             if c.invalid() is None and row_key(c) not in seen:
               seen.add(row_key(c))
               out.append(c)

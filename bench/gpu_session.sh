@@ -12,6 +12,8 @@
 #   bash bench/gpu_session.sh large 262144 # one T only (each T ends within 10 minutes)
 #   bash bench/gpu_session.sh shards       # a host of several GPUs: the gpu-shards suite (1, 2,
 #                                          # 4 GPUs), one process per GPU against one process
+#   bash bench/gpu_session.sh shards-more  # 4 GPUs: gpu-shards-more (V = 248320, T = 262144,
+#                                          # the 2 x 2 data x vocab mesh)
 #   bash bench/gpu_session.sh grpo-meshes [small|medium]  # the GRPO step on 1 x 1, 2 x n/2
 #                                          # (2 x 1 on 2 GPUs) and 1 x n meshes (ATTENTION=cudnn:
 #                                          # the model's attention on cuDNN)
@@ -33,7 +35,7 @@ RUN=bench/out/gpu-session
 PY=${PYTHON:-python3}
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
 export JAXCE_COMMIT=${JAXCE_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
-DIR=$RUN/$(case $MODE in large|shards|grpo-meshes|profile-shards) echo "$MODE" ;; *) echo main ;; esac)
+DIR=$RUN/$(case $MODE in large|shards|shards-more|grpo-meshes|profile-shards) echo "$MODE" ;; *) echo main ;; esac)
 mkdir -p "$DIR"
 LOG="$RUN/session-$MODE.log"
 start=$(date +%s)
@@ -77,6 +79,11 @@ case "$MODE" in
     "$PY" -m scripts.gpu_check_multiprocess --timeout 120 2>>"$LOG" | tee -a "$LOG" || true
     cp bench/out/multiprocess.json "$DIR"/ 2>/dev/null || true
     ;;
+  shards-more)
+    export NCCL_NVLS_ENABLE=0
+    "$PY" -m bench --suite gpu-shards-more --repeat-seconds 1 --timeout 150 \
+      --budget-s "$(left)" --out "$DIR" 2>>"$LOG" | tee -a "$LOG"
+    ;;
   grpo-meshes)
     # The GRPO step on 1 x 1, 2 x n/2 and 1 x n meshes (four paths' compiles per mesh).
     export NCCL_NVLS_ENABLE=0
@@ -99,7 +106,7 @@ case "$MODE" in
       --shards "${counts%,}" 2>>"$LOG" | tee -a "$LOG" || true
     ;;
   *)
-    echo "usage: bash bench/gpu_session.sh [main | resume | large [T ...] | shards | grpo-meshes [SIZE] | profile-shards]" >&2
+    echo "usage: bash bench/gpu_session.sh [main | resume | large [T ...] | shards | shards-more | grpo-meshes [SIZE] | profile-shards]" >&2
     exit 2
     ;;
 esac

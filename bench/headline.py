@@ -31,6 +31,7 @@ PAGES = ("README.md", "docs/benchmarks.md", "docs/guides/sharded.md")
 SHAPES = "bench/results/nvidia-h100-x1-shapes.json"
 GRPO = "bench/results/nvidia-h100-x1-grpo_step.json"
 SHARDS = "bench/results/nvidia-h200-x4-shards.json"
+SHARDS_V, SHARDS_T = 151936, 32768  # (the sharded table's shape: Qwen3's vocabulary)
 SHARDS_CHART = "bench/results/nvidia-h200-x4-shards_scaling.png"
 CHART = "bench/results/nvidia-h100-x1-shapes_headline.png"
 PEERS = (("jaxce", "jaxce"), ("liger_flsce", "FLSCE"), ("jax_plain", "plain JAX"))
@@ -145,7 +146,8 @@ SHARDED_PATHS = (("fused", "linear", "default", "default"),
 def _sharded_rows(results: dict):
   """``({(input, variant, n): row}, sorted GPU counts)`` of a sharded run's ok fwd+bwd rows."""
   rows = {(r["input"], r["variant"], r["n_devices"]): r for r in results["rows"]
-          if r["impl"] == "jaxce" and r["mode"] == "fwd_bwd" and r["status"] == "ok"}
+          if r["impl"] == "jaxce" and r["mode"] == "fwd_bwd" and r["status"] == "ok"
+          and (r.get("data") or 1) == 1 and r["V"] == SHARDS_V and r["T"] == SHARDS_T}
   return rows, sorted({n for _, _, n in rows})
 
 

@@ -23,6 +23,7 @@ from bench.configs import (GRPO_NOTE, IMPLEMENTATION_VARIANTS, IN_PLACE_VARIANTS
                            TRAIN_STEP_VARIANTS, Config)
 
 VOCAB_AXIS = "v"
+DATA_AXIS = "d"  # (a data × vocab mesh: Config.data > 1)
 # Where each input lives: the vocab dim split over the mesh, everything else replicated.
 SPECS = {"logits": P(None, VOCAB_AXIS), "weight": P(None, VOCAB_AXIS), "hidden": P(),
          "labels": P(), "adv": P(), "keep": P(None, VOCAB_AXIS), "kept_token_ids": P(),
@@ -127,17 +128,18 @@ def _tokamax(config: Config, names) -> Built:
 
 def _planned_chunk(config, num_columns, kw, linear=False):
   """The chunk jaxce will use (``jaxce.plan.of`` on one shard's shapes: ``num_columns`` is
-  the local vocabulary), or ``None`` where the call runs none (the Triton forward with the
-  one-pass backward)."""
+  the local vocabulary, the tokens those of one data shard), or ``None`` where the call
+  runs none (the Triton forward with the one-pass backward)."""
   import jaxce
   from jaxce import plan
-  dtype, labels = jnp.dtype(config.dtype), jax.ShapeDtypeStruct((config.T,), jnp.int32)
+  tokens = config.T // config.data
+  dtype, labels = jnp.dtype(config.dtype), jax.ShapeDtypeStruct((tokens,), jnp.int32)
   if linear:
     return plan.of(jaxce.linear_logprobs_and_entropy,
-                   jax.ShapeDtypeStruct((config.T, config.D), dtype),
+                   jax.ShapeDtypeStruct((tokens, config.D), dtype),
                    jax.ShapeDtypeStruct((config.D, num_columns), dtype), labels, **kw).chunk
   return plan.of(jaxce.logprobs_and_entropy,
-                 jax.ShapeDtypeStruct((config.T, num_columns), dtype), labels, **kw).chunk
+                 jax.ShapeDtypeStruct((tokens, num_columns), dtype), labels, **kw).chunk
 
 
 def _options_note(kw) -> str:
@@ -157,13 +159,22 @@ def _jaxce_fn(linear: bool, sharded: bool):
   return jaxce.sharded_logprobs_and_entropy if sharded else jaxce.logprobs_and_entropy
 
 
-def _per_token_fn(config: Config, mesh: Mesh, n_devices: int):
+def _shard_kw(config: Config, mesh: Mesh) -> dict:
+  """The ``sharded_*`` keywords of ``mesh`` (none when the vocabulary is whole): the
+  vocab axis, and over a data × vocab mesh the data axis as ``batch_axis``."""
+  if mesh.shape[VOCAB_AXIS] == 1:
+    return {}
+  return dict(mesh=mesh, vocab_axis=VOCAB_AXIS,
+              **({"batch_axis": DATA_AXIS} if config.data > 1 else {}))
+
+
+def _per_token_fn(config: Config, mesh: Mesh):
   """``(f, chunk_used, note)``: f maps the float arrays and labels to ``(logp, H)``."""
   entropy = config.entropy
   kw = dict(chunk_size=config.chunk_size, return_entropy=entropy)
-  sharded = n_devices > 1
-  shard_kw = dict(mesh=mesh, vocab_axis=VOCAB_AXIS) if sharded else {}
-  v_local = config.V // n_devices
+  shard_kw = _shard_kw(config, mesh)
+  sharded = bool(shard_kw)
+  v_local = config.V // mesh.shape[VOCAB_AXIS]
   impl, linear = config.impl, config.input == "linear"
 
   if config.variant in LOOP_VARIANTS:
@@ -250,9 +261,9 @@ def _kept_sets_fn(config: Config, kw, shard_kw, sharded, v_local):
 
 
 def build(config: Config, devices) -> Built:
-  """The function to jit for ``config`` on ``devices`` (the vocab split over them)."""
-  n_devices = len(devices)
-  mesh = Mesh(np.array(devices), (VOCAB_AXIS,))
+  """The function to jit for ``config`` on ``devices`` (the vocab split over them; over a
+  ``data × vocab`` mesh of them with ``config.data > 1``)."""
+  mesh = _mesh(devices, config.data)
   floats = ("logits",) if config.input == "logits" else ("hidden", "weight")
   names = floats + KEEP_INPUTS.get(config.variant, ()) + (
       ("labels",) if config.mode == "fwd" else ("labels", "adv"))
@@ -262,7 +273,7 @@ def build(config: Config, devices) -> Built:
     return _tokamax(config, names)
   if config.variant in OBJECTIVE_VARIANTS:
     return _objective_build(config, floats, names, mesh)
-  f, chunk_used, note = _per_token_fn(config, mesh, n_devices)
+  f, chunk_used, note = _per_token_fn(config, mesh)
   if config.mode == "fwd":
     return Built(f, names, donate, chunk_used, note)
 
@@ -300,8 +311,8 @@ def _objective_build(config: Config, floats, names, mesh: Mesh) -> Built:
   over ``mesh`` when it has several devices."""
   import jaxce
   linear, coef = config.input == "linear", config.coef
-  sharded = mesh.size > 1
-  shard_kw = dict(mesh=mesh, vocab_axis=VOCAB_AXIS) if sharded else {}
+  shard_kw = _shard_kw(config, mesh)
+  sharded = bool(shard_kw)
 
   def objective_and_args(adv):
     if config.variant == "objective":
@@ -326,8 +337,8 @@ def _objective_build(config: Config, floats, names, mesh: Mesh) -> Built:
   chunk = None
   if config.impl == "jaxce":
     from jaxce import plan
-    columns = config.V // mesh.size
-    chunk = (plan.linear_objective_chunk(config.T, columns, config.chunk_size)
+    columns = config.V // mesh.shape[VOCAB_AXIS]
+    chunk = (plan.linear_objective_chunk(config.T // config.data, columns, config.chunk_size)
              if linear and config.variant != "grpo" else
              _planned_chunk(config, columns, dict(chunk_size=config.chunk_size), linear))
   note = "" if config.variant == "objective" else GRPO_NOTE
@@ -339,9 +350,24 @@ def _objective_build(config: Config, floats, names, mesh: Mesh) -> Built:
 TOKEN_SPLIT_SPECS = {"hidden": P(VOCAB_AXIS), "labels": P(VOCAB_AXIS), "adv": P(VOCAB_AXIS)}
 
 
-def shardings(names, devices, variant="default") -> dict:
-  """``NamedSharding`` of each input over a 1-D mesh of ``devices`` (``variant``
-  ``"token_split"``: the per-token inputs split by tokens too)."""
-  mesh = Mesh(np.array(devices), (VOCAB_AXIS,))
-  specs = {**SPECS, **(TOKEN_SPLIT_SPECS if variant == "token_split" else {})}
+# Over a data × vocab mesh: the per-token inputs (and the logits' rows) split over data.
+DATA_SPECS = {"logits": P(DATA_AXIS, VOCAB_AXIS), "hidden": P(DATA_AXIS),
+              "labels": P(DATA_AXIS), "adv": P(DATA_AXIS)}
+
+
+def _mesh(devices, data: int = 1) -> Mesh:
+  """The vocab axis over ``devices``; with ``data > 1``, a ``data × len(devices) / data``
+  mesh (data axis first)."""
+  if data == 1:
+    return Mesh(np.array(devices), (VOCAB_AXIS,))
+  return Mesh(np.array(devices).reshape(data, -1), (DATA_AXIS, VOCAB_AXIS))
+
+
+def shardings(names, devices, variant="default", data=1) -> dict:
+  """``NamedSharding`` of each input over the mesh of ``devices`` (``_mesh``: with ``data >
+  1`` the per-token inputs split over its data axis; ``variant`` ``"token_split"``: split
+  by tokens over the vocabulary's devices)."""
+  mesh = _mesh(devices, data)
+  specs = {**SPECS, **(TOKEN_SPLIT_SPECS if variant == "token_split" else {}),
+           **(DATA_SPECS if data > 1 else {})}
   return {name: NamedSharding(mesh, specs[name]) for name in names}

@@ -53,10 +53,17 @@ def merge(old: dict | None, new: dict) -> dict:
   return dict(new, rows=sort_rows(kept + list(rows.values())))
 
 
+def devices(row) -> str:
+  """A row's device count, with its mesh when it is data × vocab (``"4 (2 × 2)"``)."""
+  data = row.get("data") or 1
+  n = row["n_devices"]
+  return str(n) if data == 1 else f"{n} ({data} × {n // data})"
+
+
 def sort_rows(rows):
   order = {v: i for i, v in enumerate(configs.VARIANTS)}
   return sorted(rows, key=lambda r: (
-      r["n_devices"], r["input"] != "logits", r["mode"], r["T"], r["D"] or 0, r["dtype"],
+      r["n_devices"], r.get("data") or 1, r["input"] != "logits", r["mode"], r["T"], r["D"] or 0, r["dtype"],
       r["chunk_size"] or 0, r["impl"] != "jaxce", r["impl"], order.get(r.get("variant"), 9)))
 
 
@@ -105,7 +112,7 @@ def table(rows, accuracy=None) -> str:
     line = (
         f"| {name(r)}{'' if r.get('entropy', True) else ' (logp)'} | {r['input']} "
         f"| {r['mode']} | {r['T']} | {r['V']} | {_fmt(r['D'], 'd')} | {r['dtype']} | {chunk} "
-        f"| {r['n_devices']} | {status} | {_fmt(extra, '.3f')} | {_fmt(r.get('x_logits'), '.2f')} "
+        f"| {devices(r)} | {status} | {_fmt(extra, '.3f')} | {_fmt(r.get('x_logits'), '.2f')} "
         f"| {_fmt(r['ms'], '.2f')} | {_fmt(r['floor_ms'], '.2f')} "
         f"| {_fmt(r.get('x_floor'), '.2f')} | {r.get('memory_source') or '–'} |")
     if by_name:
@@ -132,10 +139,10 @@ def summary_table(results: dict, T: int, chunks: bool = False) -> str:
       logp += f" (chunk {r['chunk_size']})"
     if r["status"] != "ok":
       lines.append(f"| {name(r)}{logp} | {r['input']} | {r['mode']} | {r['T']} "
-                   f"| {r['n_devices']} | **{r['status']}** | – | – | – |")
+                   f"| {devices(r)} | **{r['status']}** | – | – | – |")
       continue
     lines.append(
-        f"| {name(r)}{logp} | {r['input']} | {r['mode']} | {r['T']} | {r['n_devices']} "
+        f"| {name(r)}{logp} | {r['input']} | {r['mode']} | {r['T']} | {devices(r)} "
         f"| {r['peak_extra_bytes'] / GiB:.2f} GiB | {_fmt(r.get('x_logits'), '.2f')} "
         f"| {r['ms']:.1f} ms | {_fmt(r.get('x_floor'), '.2f')} |")
   return "\n".join(lines)
@@ -177,7 +184,7 @@ def markdown(results: dict) -> str:
   errors = [r for r in results["rows"] if r["status"] != "ok" and r.get("error")]
   if errors:
     parts += ["", "## Rows that did not run", ""]
-    parts += [f"- {name(r)} {r['input']} {r['mode']} T={r['T']} n={r['n_devices']}: "
+    parts += [f"- {name(r)} {r['input']} {r['mode']} T={r['T']} n={devices(r)}: "
               f"{r['status']}: " + (r["error"] if r["status"] == "skipped" else
                                     r["error"].splitlines()[0][:300]) for r in errors]
   notes = sorted({f"{name(r)}: {r['note']}" for r in results["rows"] if r.get("note")})
@@ -246,7 +253,7 @@ def plot(results: dict, path: str) -> None:
 
   def label(r):
     return name(r) + ("" if r.get("entropy", True) else " (logp)") + (
-        f" ×{r['n_devices']} dev" if r["n_devices"] > 1 else "")
+        f" ×{devices(r)} dev" if r["n_devices"] > 1 else "")
 
   keys = sorted({label(r) for r in rows})
   palette = plt.get_cmap("tab10" if len(keys) <= 10 else "tab20").colors

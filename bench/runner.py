@@ -67,7 +67,7 @@ def run_jax(config: Config, blocks: dict) -> dict:
     raise ValueError(f"needs {n} devices, {len(available)} visible")
   devices = available[:n]
   built = impls.build(config, devices)
-  shardings = impls.shardings(built.names, devices, config.variant)
+  shardings = impls.shardings(built.names, devices, config.variant, config.data)
   abstract = [jax.ShapeDtypeStruct(blocks[k][1], blocks[k][0].dtype, sharding=shardings[k])
               for k in built.names]
   compiled = jax.jit(built.fn, donate_argnums=built.donate).lower(*abstract).compile()

@@ -172,10 +172,11 @@ def test_resume_runs_only_what_is_missing(smoke, tmp_path):
   rows = json.loads(path.read_text())["rows"]
   assert {(r["impl"], r["mode"], r["T"]) for r in rows if r["input"] == "logits"
           and r["n_devices"] == 1} >= {("jaxce", "fwd_bwd", 64), ("jax_plain", "fwd_bwd", 64)}
-  # fwd_bwd at T = 64 on one device and on two (the fwd rows are there): four new rows.
+  # fwd_bwd at T = 64 on one device, on two and on the 2 × 2 mesh (the fwd rows are
+  # there): five new rows.
   assert [l for l in proc.stdout.splitlines() if l.startswith("resuming")][0].endswith(
-      ": 4 configurations left")
-  assert len(rows) == len(first) + 4
+      ": 5 configurations left")
+  assert len(rows) == len(first) + 5
 
 
 def _tables(text):
@@ -837,3 +838,26 @@ def test_head_profile_shards_trace_on_cpu():
                    "sm90_xmma_gemm_bf16bf16_bf16f32": "cuBLAS", "loop_multiply_fusion": "XLA",
                    "jaxce_merge_tiles": "Mosaic and others",
                    "_mosaic_kernel": "Mosaic and others"}
+
+
+def test_data_by_vocab_mesh_rows(smoke):
+  """A ``data`` × vocab mesh is a jaxce row over ``data`` × at least 2 devices, a row of its
+  own (``row_key``; rows from before the field are ``data = 1``); the smoke suite's 2 × 2
+  rows run, plan their chunk on one data shard's tokens, and name their mesh in tables."""
+  import dataclasses
+  row = configs.Config("jaxce", "linear", "fwd_bwd", T=200, V=1000, D=32, n_devices=4, data=2)
+  assert row.invalid() is None
+  for bad in (dict(impl="jax_plain"), dict(n_devices=2), dict(n_devices=6, data=4),
+              dict(variant="token_split")):
+    assert "data" in dataclasses.replace(row, **bad).invalid(), bad
+  flat = dataclasses.replace(row, data=1)
+  assert configs.row_key(row) != configs.row_key(flat)
+  assert configs.row_key({k: v for k, v in dataclasses.asdict(flat).items() if k != "data"}) \
+      == configs.row_key(flat)
+  _, results, _ = smoke
+  meshes = [r for r in results["rows"] if r.get("data", 1) > 1]
+  assert {(r["input"], r["variant"]) for r in meshes} == {
+      ("linear", "default"), ("linear", "objective_grpo"), ("logits", "default")}
+  assert all(r["status"] == "ok" and r["n_devices"] == 4 for r in meshes), meshes
+  assert all(r["chunk_used"] <= r["T"] // 2 for r in meshes if r["chunk_used"]), meshes
+  assert report.devices(meshes[0]) == "4 (2 × 2)" and report.devices(dict(n_devices=2)) == "2"

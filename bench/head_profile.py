@@ -277,7 +277,8 @@ def _sharded_call(path, mesh, tokens, dim, vocab):
   """``(fn, args)``: ``path``'s (``fused``, ``objective`` or ``logits``) fwd+bwd sharded
   over ``mesh``'s ``vocab`` axis, with bf16 inputs made on the devices already split
   (hidden replicated; the weight ``[D, V]`` and the logits ``[T, V]`` split by columns)."""
-  from jax.sharding import NamedSharding, PartitionSpec as P  # pylint: disable=import-outside-toplevel
+  # pylint: disable-next=import-outside-toplevel
+  from jax.sharding import NamedSharding, PartitionSpec as P
   split, whole = NamedSharding(mesh, P(None, "vocab")), NamedSharding(mesh, P())
   keys = jax.random.split(jax.random.key(0), 4)
   make = lambda f, sharding: jax.jit(f, out_shardings=sharding)()

@@ -63,8 +63,9 @@ def devices(row) -> str:
 def sort_rows(rows):
   order = {v: i for i, v in enumerate(configs.VARIANTS)}
   return sorted(rows, key=lambda r: (
-      r["n_devices"], r.get("data") or 1, r["input"] != "logits", r["mode"], r["T"], r["D"] or 0, r["dtype"],
-      r["chunk_size"] or 0, r["impl"] != "jaxce", r["impl"], order.get(r.get("variant"), 9)))
+      r["n_devices"], r.get("data") or 1, r["input"] != "logits", r["mode"], r["T"],
+      r["D"] or 0, r["dtype"], r["chunk_size"] or 0, r["impl"] != "jaxce", r["impl"],
+      order.get(r.get("variant"), 9)))
 
 
 def name(row) -> str:

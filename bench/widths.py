@@ -13,8 +13,8 @@ logits path (``logprobs_and_entropy`` of ``[T, V]`` bf16 logits) forward and bac
 
 A kernel sees only its shard: a local call at V = 37984 is what each GPU of a 4-way Qwen3
 call runs. Each row: the median of ``--repeats`` timed calls (``bench.timing``), inputs
-made on the host (the logits mode's logits on the device); ``per_column`` is the ragged width's time per column over its round
-neighbour's, from the same process.
+made on the host (the logits mode's logits on the device); ``per_column`` is the ragged
+width's time per column over its round neighbour's, from the same process.
 """
 
 from __future__ import annotations

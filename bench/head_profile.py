@@ -154,9 +154,11 @@ def gemms(chunk, dim, block, repeats):
   return rows
 
 
-def _loss(labels, cot, **kw):
+def _loss(labels, cot, fn=jaxce.linear_logprobs_and_entropy, **kw):
+  """Jitted value and gradients of the per-token fused path ``fn`` (its sharded form too),
+  both outputs weighted by the cotangents ``cot``."""
   def loss(h, w):
-    logp, entropy = jaxce.linear_logprobs_and_entropy(h, w, labels, **kw)
+    logp, entropy = fn(h, w, labels, **kw)
     return jnp.sum(cot[0] * logp) + jnp.sum(cot[1] * entropy)
   return jax.jit(jax.value_and_grad(loss, (0, 1)))
 
@@ -184,10 +186,12 @@ def plans(dim, columns, settings, repeats):
   return rows
 
 
-def _objective_loss(labels, cot):
+def _objective_loss(labels, cot, fn=jaxce.linear_token_loss, **kw):
+  """Jitted value and gradients of the bench's GRPO objective on the objective path ``fn``
+  (its sharded form too)."""
   objective, token_args = impls._grpo(cot[0])  # pylint: disable=protected-access
   return jax.jit(jax.value_and_grad(
-      lambda h, w: jaxce.linear_token_loss(objective, h, w, labels, *token_args)[0], (0, 1)))
+      lambda h, w: fn(objective, h, w, labels, *token_args, **kw)[0], (0, 1)))
 
 
 def objective(dim, columns, settings, repeats):
@@ -297,14 +301,8 @@ def _sharded_call(path, mesh, tokens, dim, vocab):
   weight = make(lambda: (jax.random.normal(keys[1], (dim, vocab)) * dim**-0.5).astype(
       jnp.bfloat16), split)
   if path == "objective":
-    objective, token_args = impls._grpo(cot[0])  # pylint: disable=protected-access
-    loss = lambda h, w: jnp.sum(jaxce.sharded_linear_token_loss(objective, h, w, labels,
-                                                                *token_args, **kw)[0])
-  else:
-    def loss(h, w):
-      logp, entropy = jaxce.sharded_linear_logprobs_and_entropy(h, w, labels, **kw)
-      return jnp.sum(cot[0] * logp) + jnp.sum(cot[1] * entropy)
-  return jax.jit(jax.value_and_grad(loss, (0, 1))), (hidden, weight)
+    return _objective_loss(labels, cot, jaxce.sharded_linear_token_loss, **kw), (hidden, weight)
+  return _loss(labels, cot, jaxce.sharded_linear_logprobs_and_entropy, **kw), (hidden, weight)
 
 
 def shards_trace(tokens, dim, vocab, counts, repeats, top=8):

@@ -23,9 +23,10 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 
 import numpy as np
+
+from bench.__main__ import git
 
 # Qwen3's 151936 over 2, 4, 8 GPUs; Llama 3's 128256 over 4.
 WIDTHS = (37984, 75968, 18992, 32064)
@@ -118,10 +119,7 @@ def main(argv=None):
   p.add_argument("--out", help="write the rows here (json), with the device and versions")
   args = p.parse_args(argv)
   import jax  # pylint: disable=import-outside-toplevel
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  commit = os.environ.get("JAXCE_COMMIT") or subprocess.run(
-      ["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True,
-      text=True).stdout.strip()
+  commit = os.environ.get("JAXCE_COMMIT") or git("rev-parse", "--short", "HEAD")
 
   def save(rows):  # (after each row: a run cut short keeps what it measured)
     if args.out:

@@ -31,7 +31,9 @@ def time_calls(fn, args=(), repeats: int = 5, warmup: int = 1, *, budget_s=None,
     repeats: timed calls, at most.
     warmup: untimed calls before them (at least one when ``budget_s`` is given).
     budget_s: fewer timed calls when one is slow: about ``budget_s`` seconds of them, as
-      judged from the last warm-up call, and never fewer than one.
+      judged from the fastest call so far (the last warm-up call, then each timed call:
+      a warm-up that paid a one-time cost, such as NCCL's first collective on a mesh,
+      does not cut the timed calls to one), and never fewer than one.
     sync: waits for a call's output (default ``jax.block_until_ready``; for PyTorch,
       ``lambda out: torch.cuda.synchronize()``).
     after: called after every call, untimed (e.g. to re-make donated inputs).
@@ -49,10 +51,13 @@ def time_calls(fn, args=(), repeats: int = 5, warmup: int = 1, *, budget_s=None,
     del out
     if after:
       after()
-  if budget_s is not None and warm is not None:
-    repeats = max(1, min(repeats, int(budget_s / max(warm, 1e-9))))
+  def allowed(fastest_s):  # timed calls the budget allows, judged from the fastest call
+    if budget_s is None or fastest_s is None:
+      return repeats
+    return max(1, min(repeats, int(budget_s / max(fastest_s, 1e-9))))
+
   times = []
-  for _ in range(repeats):
+  while len(times) < allowed(min(times) / 1e3 if times else warm):
     start = time.perf_counter()
     out = fn(*args)
     sync(out)

@@ -683,6 +683,22 @@ def test_torch_peers_are_timed_after_their_compiling_call():
   assert events[:2] == ["after", "between"] and events.count("between") == 1
 
 
+def test_a_slow_warm_up_does_not_cut_the_timed_calls_to_one():
+  """A warm-up call that pays a one-time cost (NCCL's first collective on a mesh) leaves
+  the timed calls their budget: the count is judged from the fastest call so far, so a
+  fast call gets all its repeats and a slow one still stops at the budget."""
+  from bench.timing import time_calls
+  for first, then, expected in ((0.3, 0.001, 5), (0.3, 0.06, 1), (0.001, 0.06, 1)):
+    calls = []
+
+    def call(first=first, then=then):
+      calls.append(None)
+      time.sleep(first if len(calls) == 1 else then)
+
+    times = time_calls(call, (), repeats=5, budget_s=0.1, sync=lambda out: None)
+    assert len(times) == expected, (first, then, times)
+
+
 def test_grpo_step_suite_tiny(tmp_path):
   """``python -m bench.grpo_step --tiny``: the GRPO step of a tiny flax model on CPU, each
   path in its own process (the fused objective path, which the suite adds to

@@ -391,8 +391,9 @@ def _vocab_outer_grads(bwd: _Backward):
                          None if bias is None else _columns(bias, col, width, 0), None, width)
   (d_hidden, d_weight, d_bias), _ = lax.scan(
       functools.partial(_vocab_block_step, bwd, whole, narrow), carry, jnp.arange(full_blocks))
-  d_hidden = plumbing.sum_over_shards(d_hidden, config.vocab_axis, bwd.primals[0])
-  return d_hidden.astype(hidden.dtype), d_weight, d_bias
+  d_hidden = plumbing.sum_over_shards(d_hidden, config.vocab_axis, bwd.primals[0],
+                                      hidden.dtype)
+  return d_hidden, d_weight, d_bias
 
 
 def _vocab_block_step(bwd: _Backward, whole, narrow, grads, k):
@@ -496,9 +497,9 @@ def _token_chunk_step(outer: _TokenOuter, carry, start, size):
   d_hidden, dw_sums, db_sums = carry
   blocks = _unrolled_blocks if outer.unrolled else _scanned_blocks
   dh_rows, dw_sums, db_sums = blocks(outer, _chunk_rows(bwd, start, size), dw_sums, db_sums)
-  dh_rows = plumbing.sum_over_shards(dh_rows, bwd.config.vocab_axis, bwd.primals[0])
-  d_hidden = lax.dynamic_update_slice_in_dim(d_hidden, dh_rows.astype(d_hidden.dtype),
-                                             start, 0)
+  dh_rows = plumbing.sum_over_shards(dh_rows, bwd.config.vocab_axis, bwd.primals[0],
+                                     d_hidden.dtype)
+  d_hidden = lax.dynamic_update_slice_in_dim(d_hidden, dh_rows, start, 0)
   return (d_hidden, dw_sums, db_sums), None
 
 

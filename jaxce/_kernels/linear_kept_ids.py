@@ -155,10 +155,10 @@ def _bwd(config, residuals, cotangents):
   start = (jnp.zeros_like(hidden, dtype), jnp.zeros_like(weight_rows, dtype))
   (d_hidden, d_weight_rows), _ = lax.scan(block, start, _blocks(_block_size(tokens), column,
                                                                 token, dx))
-  d_hidden = plumbing.sum_over_shards(d_hidden, config.vocab_axis, witnesses[0])
+  d_hidden = plumbing.sum_over_shards(d_hidden, config.vocab_axis, witnesses[0], hidden.dtype)
   d_weight = d_weight_rows.astype(weight.dtype)
   d_bias = None if bias is None else jax.ops.segment_sum(dx, column, num_columns)
-  grads = (d_hidden.astype(hidden.dtype), d_weight if config.vocab_dim == 0 else d_weight.T,
+  grads = (d_hidden, d_weight if config.vocab_dim == 0 else d_weight.T,
            None if bias is None else d_bias.astype(bias.dtype))
   return tuple(None if g is None else plumbing.reduce_to_varying(g, w)
                for g, w in zip(grads, witnesses)) + (None,)

@@ -263,3 +263,58 @@ def test_collectives_are_rank_independent():
   _, backward = jax.vjp(f, x)
   bwd_hlo = jax.jit(lambda backward, g: backward(g)).lower(backward, jnp.float32(1)).as_text()
   assert "stablehlo" in bwd_hlo and collectives(bwd_hlo) == 0
+
+
+def _collectives(hlo):
+  """``[(op, operand types, result type)]`` of the all-reduces, reduce-scatters and
+  all-gathers of a lowered program's text (a reducing op's types follow its region)."""
+  lines, found = hlo.splitlines(), []
+  for i, line in enumerate(lines):
+    op = next((o for o in ("all_reduce", "reduce_scatter", "all_gather")
+               if f'"stablehlo.{o}"' in line), None)
+    if op is None:
+      continue
+    end = i if op == "all_gather" else next(j for j in range(i, len(lines))
+                                            if lines[j].lstrip().startswith("}) :"))
+    operands, result = lines[end].rsplit(" : (", 1)[1].split(") -> ")
+    found.append((op, operands, result.strip()))
+  return found
+
+
+@pytest.mark.parametrize("path", ["per_token", "objective"])
+def test_d_hidden_is_reduce_scattered_in_f32_then_gathered(path):
+  """``d hidden``'s sum over the vocab shards (hidden replicated over them): an f32
+  reduce-scatter of the rows, then an all-gather in hidden's dtype (bf16) back to every
+  row, and no f32 all-reduce of ``[rows, D]``: the f32 sum is rounded once, as the
+  all-reduce's was, for a quarter less traffic. The gradients are the one-device call's up
+  to the order of their f32 sums."""
+  mesh, (tokens, dim, vocab) = _mesh(1, 4), (64, 32, 200)
+  rng = np.random.default_rng(0)
+  hidden = jnp.asarray(rng.normal(size=(tokens, dim)), jnp.bfloat16)
+  weight = jnp.asarray(rng.normal(size=(dim, vocab)) * 0.3, jnp.bfloat16)
+  labels = jnp.asarray(rng.integers(0, vocab, tokens), jnp.int32)
+  cot = jnp.asarray(rng.normal(size=(2, tokens)), jnp.float32)
+
+  def loss(sharded):
+    kw = dict(mesh=mesh, vocab_axis="vocab") if sharded else {}
+    if path == "objective":
+      objective = lambda logp, entropy, c0, c1: c0 * logp + c1 * entropy
+      fn = jaxce.sharded_linear_token_loss if sharded else jaxce.linear_token_loss
+      return lambda h, w: fn(objective, h, w, labels, cot[0], cot[1], **kw)[0]
+    fn = (jaxce.sharded_linear_logprobs_and_entropy if sharded
+          else jaxce.linear_logprobs_and_entropy)
+    return lambda h, w: sum(jnp.sum(c * o) for c, o in zip(cot, fn(h, w, labels, **kw)))
+
+  grad = jax.jit(jax.grad(loss(True), (0, 1)))
+  ops = _collectives(grad.lower(hidden, weight).as_text())
+  scattered = [o for o in ops if o[0] == "reduce_scatter"]
+  assert scattered and all(o[1].endswith(f"x{dim}xf32>") for o in scattered), ops
+  rows = int(scattered[0][1].removeprefix("tensor<").split("x")[0])
+  assert ("all_gather", f"tensor<{rows // 4}x{dim}xbf16>", f"tensor<{rows}x{dim}xbf16>") in ops
+  assert not [o for o in ops if o[0] == "all_reduce" and f"x{dim}xf32>" in o[1]], ops
+  for got, want in zip(grad(hidden, weight), jax.jit(jax.grad(loss(False), (0, 1)))(hidden,
+                                                                                  weight)):
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    # (sums in another order: a bf16 value may round to its neighbour, at the gradient's
+    # scale, as tests/test_properties.py allows two equally valid plans)
+    assert np.max(np.abs(got - want)) <= 2.0**-7 * np.max(np.abs(want))

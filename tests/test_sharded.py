@@ -1,5 +1,6 @@
 """Vocab-sharded == unsharded == reference, on 2, 4 and 8 simulated devices."""
 
+import functools
 import os
 from pathlib import Path
 
@@ -318,3 +319,35 @@ def test_d_hidden_is_reduce_scattered_in_f32_then_gathered(path):
     # (sums in another order: a bf16 value may round to its neighbour, at the gradient's
     # scale, as tests/test_properties.py allows two equally valid plans)
     assert np.max(np.abs(got - want)) <= 2.0**-7 * np.max(np.abs(want))
+
+
+@pytest.mark.parametrize("mapping", ["pmap", "shard_map_unchecked"])
+def test_bf16_d_hidden_without_varying_types(mapping):
+  """Under ``pmap`` and ``shard_map(check_vma=False)`` a bf16 ``d hidden`` takes the
+  reduce-scatter and all-gather too (every axis summed): each shard's is the one-device
+  call's up to the order of its f32 sums."""
+  shards, tokens, dim, local = 2, 16, 8, 32
+  devices(shards)
+  rng = np.random.default_rng(3)
+  hidden = jnp.asarray(rng.normal(size=(tokens, dim)), jnp.bfloat16)
+  weight = jnp.asarray(rng.normal(size=(dim, shards * local)) * 0.6, jnp.bfloat16)
+  labels = jnp.asarray(_labels_on_every_shard(rng, (tokens,), shards * local, shards))
+  cot = jnp.asarray(rng.normal(size=(2, tokens)), jnp.float32)
+
+  def d_hidden(h, w, **kw):
+    loss = lambda h: sum(jnp.sum(c * o) for c, o in zip(
+        cot, jaxce.linear_logprobs_and_entropy(h, w, labels, **kw)))
+    return jax.grad(loss)(h)
+
+  per_shard = functools.partial(d_hidden, vocab_axis="vocab")
+  if mapping == "pmap":
+    split = weight.reshape(dim, shards, local).transpose(1, 0, 2)
+    got = jax.pmap(per_shard, axis_name="vocab", in_axes=(None, 0))(hidden, split)
+  else:
+    g = jax.shard_map(per_shard, mesh=_mesh(1, shards), check_vma=False,
+                      in_specs=(P(), P(None, "vocab")), out_specs=P("vocab"))
+    got = jax.jit(g)(hidden, weight).reshape(shards, tokens, dim)
+  want = np.asarray(jax.jit(d_hidden)(hidden, weight), np.float64)
+  for k in range(shards):
+    error = np.max(np.abs(np.asarray(got[k], np.float64) - want))
+    assert error <= 2.0**-7 * np.max(np.abs(want)), (k, error)

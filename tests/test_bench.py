@@ -20,6 +20,7 @@ import jax
 import pytest
 
 from bench import configs, report
+from helpers import devices
 import jaxce
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -841,8 +842,7 @@ def test_head_profile_shards_trace_on_cpu():
   the union of its kernels' intervals, and kernels are sorted by kind. Needs 2 devices
   (CI's CPU run has 8 simulated ones; a one-GPU host skips it)."""
   from bench import head_profile
-  if jax.device_count() < 2:
-    pytest.skip(f"needs 2 devices, {jax.device_count()} present")
+  devices(2)
   rows = head_profile.shards_trace(64, 32, 256, [1, 2], 1)
   calls = [r for r in rows if r["piece"] == "call"]
   assert {(r["path"], r["n"]) for r in calls} == {

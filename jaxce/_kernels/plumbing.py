@@ -14,6 +14,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
 
+from jaxce._kernels import softmax
+
 
 def lazy_module(name: str):
   """The module ``name`` (a Pallas backend, ``jax.experimental.pallas.triton`` or
@@ -140,11 +142,8 @@ def sum_over_shards(partial, vocab_axis, primal, dtype):
   axes = tuple(a for a in axis_names(vocab_axis) if a not in varying_axes(primal))
   if not axes:
     return partial.astype(dtype)
-  shards = 1
-  for axis in axes:
-    shards *= lax.axis_size(axis)
   narrower = jnp.dtype(dtype).itemsize < partial.dtype.itemsize
-  if not narrower or partial.shape[0] % shards:
+  if not narrower or partial.shape[0] % softmax.num_shards(axes):
     return lax.psum(partial, axes).astype(dtype)
   rows = lax.psum_scatter(partial, axes, scatter_dimension=0, tiled=True)
   # (invariant, as the all-reduce's sum is: the same rows on every shard)

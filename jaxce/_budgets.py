@@ -161,13 +161,18 @@ def linear_objective_kernel_tiles(num_tokens: int, num_columns: int,
   return group, group
 
 
-def linear_kernel_chunk(num_tokens: int, num_columns: int) -> int:
+def linear_kernel_chunk(num_tokens: int, num_columns: int, copied_weight_bytes: int = 0) -> int:
   """Tokens per call of the fused path's Mosaic GPU forward kernel: its tile statistics
   take 1/32 of the bytes of the chunk's f32 logits, planned to
-  ``LINEAR_KERNEL_STATS_BYTES``: all ``num_tokens`` when they fit, else the fewest, most
-  even chunks (``_kernel_chunk``: a multiple of the kernel's 256-row block; the rows left
-  take one call of their own)."""
-  cap = 32 * LINEAR_KERNEL_STATS_BYTES // (4 * max(num_columns, 1))
+  ``LINEAR_KERNEL_STATS_BYTES``, or to ``copied_weight_bytes`` when more: the bytes of a
+  weight that each call copies out in vocab blocks (``mosaic_head.reads_in_blocks``; else
+  0), so that no call pays more than one pass over the weight for every ``16 * D`` rows of
+  matmul (a copy per 14,000 rows cost 3.7 % of the forward at 151643 columns on an H200,
+  bench/NOTES.md entry 55) and the statistics never take more than the weight itself.
+  All ``num_tokens`` when they fit, else the fewest, most even chunks (``_kernel_chunk``:
+  a multiple of the kernel's 256-row block; the rows left take one call of their own)."""
+  budget = max(LINEAR_KERNEL_STATS_BYTES, copied_weight_bytes)
+  cap = 32 * budget // (4 * max(num_columns, 1))
   return _kernel_chunk(num_tokens, cap)
 
 

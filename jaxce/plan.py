@@ -374,7 +374,11 @@ def _fused_plan(options, shard: Shard, head: dict) -> FusedPlan:
                                        options.vocab_block_size, platform,
                                        depth=shard.depth or 1,
                                        num_cores=options.target.num_cores)
-    kernel_chunk = linear_kernel_chunk(rows, num_columns)
+    dtype = shard.dtypes[-1]  # (the weight's)
+    copied = mosaic_head.reads_in_blocks(num_columns, dtype, options.vocab_dim)
+    kernel_chunk = linear_kernel_chunk(
+        rows, num_columns,
+        (shard.depth or 1) * num_columns * jnp.dtype(dtype).itemsize if copied else 0)
     kernel_chunks = _row_chunks(rows, kernel_chunk, mosaic)
   else:
     chunk, block = linear_tiles(rows, num_columns, options.chunk_size,

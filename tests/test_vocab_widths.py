@@ -69,6 +69,39 @@ def test_widths_no_kernel_can_take_say_why(columns, monkeypatch):
       plan.of(*call, implementation="mosaic")
 
 
+@pytest.mark.parametrize("columns,layout,copied", [
+    (151643, "dv", True), (151643, "vd", True),  # odd: TMA reads neither layout in place
+    (37984, "dv", True), (37984, "vd", False),   # 64-byte rows; whole tiles of 8 rows
+    (75968, "dv", False), (151680, "dv", False)])
+def test_a_weight_copied_in_blocks_is_copied_once_per_forward(columns, layout, copied,
+                                                               monkeypatch):
+  """The fused forward copies a weight TMA cannot read in place out in vocab blocks, once
+  per kernel call (``mosaic_head.reads_in_blocks``): the planner lets such a call's tile
+  statistics take up to the weight's bytes rather than copy it once per 14,000 rows (T =
+  32768 at 151643 columns: one call, not three; at 262144 tokens, 4 calls, not 20), and
+  never more than the weight; a weight read in place keeps the statistics' budget."""
+  monkeypatch.setattr(plan, "target", lambda *a, mesh=None: HOPPER)
+  depth = 4096
+  shape = (depth, columns) if layout == "dv" else (columns, depth)
+  weight = jax.ShapeDtypeStruct(shape, jnp.bfloat16)
+  for tokens in (32768, 262144):
+    hidden = jax.ShapeDtypeStruct((tokens, depth), jnp.bfloat16)
+    labels = jax.ShapeDtypeStruct((tokens,), jnp.int32)
+    got = plan.of(jaxce.linear_logprobs_and_entropy, hidden, weight, labels,
+                  weight_layout=layout)
+    assert got.backend == "mosaic", got.reason
+    stats_bytes = got.kernel_chunk * columns * 4 // 32  # (1/32 of the f32 logits' bytes)
+    weight_bytes = depth * columns * 2
+    assert stats_bytes <= max(plan.LINEAR_KERNEL_STATS_BYTES, weight_bytes * copied)
+    calls = got.kernel_chunks.count + bool(got.kernel_chunks.last)
+    if copied:  # (each call copies the weight: one pass per 16 D rows at the least)
+      assert got.kernel_chunk >= min(tokens, 16 * depth - 256), (tokens, got.kernel_chunks)
+    else:
+      assert got.kernel_chunk == plan.linear_kernel_chunk(tokens, columns), got.kernel_chunks
+  assert calls == (4 if copied else -(-262144 * columns * 4 // 32
+                                       // plan.LINEAR_KERNEL_STATS_BYTES)), got.kernel_chunks
+
+
 @pytest.mark.parametrize("columns,shards,want", [
     (151936, 1, (151936, 1, 1)),   # Qwen3 on one GPU: one segment (151936 / 2 is ragged)
     (75968, 2, (75968, 1, 2)),     # ... and its shards: one each, their last tile partial

@@ -470,9 +470,7 @@ def statistics(hidden, weight, labels, inv_temp, limit, kept=None, *, column_sta
   num_columns = weight.shape[vocab_dim]
   options = dict(column_start=column_start, vocab_dim=vocab_dim, softcap=softcap,
                  with_entropy=with_entropy, interpret=interpret, num_cores=num_cores)
-  # (TMA reads a [D, V] weight's rows in whole swizzles, a [V, D] one's in tiles of 8 rows)
-  in_place = (mosaic_tile.array_swizzle(num_columns, hidden.dtype) == 128 if vocab_dim
-              else not num_columns % ROW_TILE)
+  in_place = _reads_in_place(num_columns, hidden.dtype, vocab_dim)
   if num_columns % TILE_N and num_columns > TILE_N and in_place:
     out = _whole_tiles_then_rest(hidden, weight, labels, inv_temp, limit, kept,
                                  with_exp=with_exp, **options)
@@ -484,6 +482,23 @@ def statistics(hidden, weight, labels, inv_temp, limit, kept=None, *, column_sta
     out = _statistics(hidden, weight, labels, inv_temp, limit, kept, num_columns=num_columns,
                       with_exp=with_exp, **options)
   return out if with_exp else out[0]
+
+
+def _reads_in_place(num_columns, dtype, vocab_dim) -> bool:
+  """TMA reads the weight where it lies at the 128-byte swizzle: a ``[D, V]`` one's rows
+  are whole 128-byte swizzles, a ``[V, D]`` one is whole tiles of 8 rows."""
+  return (mosaic_tile.array_swizzle(num_columns, dtype) == 128 if vocab_dim
+          else not num_columns % ROW_TILE)
+
+
+def reads_in_blocks(num_columns: int, dtype, vocab_dim: int) -> bool:
+  """``statistics`` (without ``exp`` terms) copies a weight of ``num_columns`` columns out
+  in ``column_blocks``' vocab blocks, once per call (a width TMA cannot read in place whose
+  last tile is partial: 37984 columns of a ``[D, V]`` weight, any odd width): a chunk's
+  call costs a pass over the weight's bytes besides its matmul, which the planner weighs
+  (``jaxce.plan.linear_kernel_chunk``)."""
+  return bool(num_columns % TILE_N) and not (num_columns > TILE_N and _reads_in_place(
+      num_columns, dtype, vocab_dim))
 
 
 def _statistics(hidden, weight, labels, inv_temp, limit, kept, *, num_columns, column_start,
@@ -571,26 +586,27 @@ def _blockwise_statistics(blocks, hidden, weight, labels, inv_temp, limit, kept,
   columns left (fewer than a block) copied out as whole tiles, zero-padded: the last tile's
   padding is masked as a partial tile's columns past the array are. A tile's statistics
   are those of one call over the whole array, bit for bit (the same columns, rows, wgmma
-  sequence and masks); only the swizzle differs. Memory: one block's copy, and the
-  statistics twice (their concatenation)."""
+  sequence and masks); only the swizzle differs. The blocks are unrolled, not a loop: a
+  loop's step waits for the host to read its condition, an idle GPU between the calls
+  (0.4 ms in 7.6 at 18992 columns on an H200, bench/NOTES.md entry 55); the kernel is
+  lowered once (``vocab_block``, one jitted function for every block). Memory: one block's copy,
+  and the statistics twice (their concatenation)."""
   width, count = blocks
 
-  def block(_, j):
-    column = j * width
-    columns = lax.dynamic_slice_in_dim(weight, column, width, vocab_dim)
-    block_kept = (None if kept is None else
-                  lax.dynamic_slice_in_dim(kept, column // 32, width // 32, 1))
-    return None, _statistics(hidden, columns, labels, inv_temp,
-                             None if limit is None else limit - column, block_kept,
-                             num_columns=width, column_start=column_start + column,
-                             vocab_dim=vocab_dim, with_exp=False, **options)[0]
+  @jax.jit
+  def vocab_block(hidden, columns, labels, inv_temp, limit, block_kept, column_start):
+    return _statistics(hidden, columns, labels, inv_temp, limit, block_kept,
+                       num_columns=width, column_start=column_start, vocab_dim=vocab_dim,
+                       with_exp=False, **options)[0]
 
+  whole = [vocab_block(hidden, lax.slice_in_dim(weight, j * width, (j + 1) * width, axis=vocab_dim),
+                 labels, inv_temp, None if limit is None else limit - j * width,
+                 None if kept is None else kept[:, j * width // 32:(j + 1) * width // 32],
+                 jnp.asarray(column_start + j * width, jnp.int32))
+           for j in range(count)]
   last = _rest_statistics(width * count, hidden, weight, labels, inv_temp, limit, kept,
                           column_start=column_start, vocab_dim=vocab_dim, **options)[0]
-  if not count:
-    return last
-  _, whole = lax.scan(block, None, jnp.arange(count))
-  return jnp.concatenate([whole.reshape(-1, *whole.shape[2:]), last])
+  return jnp.concatenate([*whole, last]) if whole else last
 
 
 def _words(kept, label_column, num_rows, num_columns):

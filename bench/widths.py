@@ -12,9 +12,10 @@ outputs, random per-token cotangents); ``objective``, the GRPO objective path
 logits path (``logprobs_and_entropy`` of ``[T, V]`` bf16 logits) forward and backward.
 
 A kernel sees only its shard: a local call at V = 37984 is what each GPU of a 4-way Qwen3
-call runs. Each row: the median of ``--repeats`` timed calls (``bench.timing``), inputs
-made on the host (the logits mode's logits on the device); ``per_column`` is the ragged
-width's time per column over its round neighbour's, from the same process.
+call runs. Each row: the median of ``--rounds`` x ``--repeats`` timed calls
+(``bench.timing``), inputs made on the host (the logits mode's logits on the device);
+``per_column`` is the ragged width's time per column over its round neighbour's, from the
+same process, the two timed in alternating rounds.
 """
 
 from __future__ import annotations
@@ -82,9 +83,13 @@ def _call(mode):
   return jax.jit(run)
 
 
-def measure(widths, modes, tokens, depth, repeats, on_row=lambda rows: None):
+def measure(widths, modes, tokens, depth, repeats, on_row=lambda rows: None, rounds=3):
   """Rows ``{mode, V, V_round, ms, ms_round, per_column, backend}``; ``on_row(rows)``
-  after each."""
+  after each. The two widths of a row are timed in ``rounds`` alternating rounds of
+  ``repeats`` calls each (both programs compiled and their inputs held beforehand), and
+  each width's ``ms`` is the median of all its calls: a GPU's clocks drift over a run (by
+  3 % in a 7 ms forward on an H200), and widths timed one after the other took the drift
+  for a difference between them."""
   import jax  # pylint: disable=import-outside-toplevel
   import jaxce  # pylint: disable=import-outside-toplevel
   from bench.timing import time_calls  # pylint: disable=import-outside-toplevel
@@ -92,17 +97,23 @@ def measure(widths, modes, tokens, depth, repeats, on_row=lambda rows: None):
   for mode in modes:
     for columns in widths:
       round_columns = -(-columns // 128) * 128
-      ms, backend = {}, {}
-      for width in (columns, round_columns):
-        args = _inputs(tokens, depth, width, mode)
-        backend[width] = jaxce.plan.of(_call(mode), *args).backend
-        ms[width] = statistics.median(time_calls(_call(mode), args, repeats=repeats, warmup=2))
-        del args
-        jax.clear_caches()
+      pair = (columns, round_columns)
+      args = {width: _inputs(tokens, depth, width, mode) for width in pair}
+      call = {width: _call(mode) for width in pair}
+      backend = {width: jaxce.plan.of(call[width], *args[width]).backend for width in pair}
+      calls = {width: [] for width in pair}
+      for index in range(rounds):
+        for width in pair:
+          calls[width] += time_calls(call[width], args[width], repeats=repeats,
+                                     warmup=2 if index == 0 else 1)
+      ms = {width: statistics.median(calls[width]) for width in pair}
+      del args, call
+      jax.clear_caches()
       row = dict(mode=mode, V=columns, V_round=round_columns, T=tokens, D=depth,
                  ms=ms[columns], ms_round=ms[round_columns],
                  per_column=(ms[columns] / columns) / (ms[round_columns] / round_columns),
-                 backend=backend[columns], backend_round=backend[round_columns])
+                 backend=backend[columns], backend_round=backend[round_columns],
+                 timed_calls=len(calls[columns]))
       print(json.dumps(row), flush=True)
       rows.append(row)
       on_row(rows)
@@ -115,7 +126,8 @@ def main(argv=None):
   p.add_argument("--mode", default="fwd,fwd_bwd", help="comma list: fwd,fwd_bwd,objective,logits")
   p.add_argument("--T", type=int, default=32768)
   p.add_argument("--D", type=int, default=4096)
-  p.add_argument("--repeats", type=int, default=7)
+  p.add_argument("--repeats", type=int, default=5, help="timed calls per width and round")
+  p.add_argument("--rounds", type=int, default=3, help="alternating rounds of the two widths")
   p.add_argument("--out", help="write the rows here (json), with the device and versions")
   args = p.parse_args(argv)
   import jax  # pylint: disable=import-outside-toplevel
@@ -129,7 +141,7 @@ def main(argv=None):
                   indent=1)
 
   measure([int(v) for v in args.V.split(",")], args.mode.split(","), args.T, args.D,
-          args.repeats, save)
+          args.repeats, save, args.rounds)
 
 
 if __name__ == "__main__":

@@ -826,12 +826,13 @@ def test_widths_every_mode_on_cpu(tmp_path):
   from bench import widths
   out = tmp_path / "widths.json"
   widths.main(["--V", "200", "--mode", "fwd,fwd_bwd,objective,logits", "--T", "64",
-               "--D", "32", "--repeats", "1", "--out", str(out)])
+               "--D", "32", "--repeats", "1", "--rounds", "2", "--out", str(out)])
   with open(out) as f:
     saved = json.load(f)
   assert [r["mode"] for r in saved["rows"]] == ["fwd", "fwd_bwd", "objective", "logits"]
   for row in saved["rows"]:
     assert (row["V"], row["V_round"], row["commit"]) == (200, 256, saved["commit"])
+    assert row["timed_calls"] == 2  # (a round of each width, then another)
     assert row["ms"] > 0 and row["ms_round"] > 0
     assert row["per_column"] == pytest.approx((row["ms"] / 200) / (row["ms_round"] / 256))
 

@@ -589,8 +589,8 @@ def _blockwise_statistics(blocks, hidden, weight, labels, inv_temp, limit, kept,
   sequence and masks); only the swizzle differs. The blocks are unrolled, not a loop: a
   loop's step waits for the host to read its condition, an idle GPU between the calls
   (0.4 ms in 7.6 at 18992 columns on an H200, bench/NOTES.md entry 55); the kernel is
-  lowered once (``vocab_block``, one jitted function for every block). Memory: one block's copy,
-  and the statistics twice (their concatenation)."""
+  lowered once (``vocab_block``, one jitted function for every block). Memory: one
+  block's copy, and the statistics twice (their concatenation)."""
   width, count = blocks
 
   @jax.jit
@@ -599,11 +599,13 @@ def _blockwise_statistics(blocks, hidden, weight, labels, inv_temp, limit, kept,
                        num_columns=width, column_start=column_start, vocab_dim=vocab_dim,
                        with_exp=False, **options)[0]
 
-  whole = [vocab_block(hidden, lax.slice_in_dim(weight, j * width, (j + 1) * width, axis=vocab_dim),
-                 labels, inv_temp, None if limit is None else limit - j * width,
-                 None if kept is None else kept[:, j * width // 32:(j + 1) * width // 32],
-                 jnp.asarray(column_start + j * width, jnp.int32))
-           for j in range(count)]
+  def block(start):
+    return vocab_block(hidden, lax.slice_in_dim(weight, start, start + width, axis=vocab_dim),
+                       labels, inv_temp, None if limit is None else limit - start,
+                       None if kept is None else kept[:, start // 32:(start + width) // 32],
+                       jnp.asarray(column_start + start, jnp.int32))
+
+  whole = [block(j * width) for j in range(count)]
   last = _rest_statistics(width * count, hidden, weight, labels, inv_temp, limit, kept,
                           column_start=column_start, vocab_dim=vocab_dim, **options)[0]
   return jnp.concatenate([*whole, last]) if whole else last

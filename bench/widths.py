@@ -101,19 +101,19 @@ def measure(widths, modes, tokens, depth, repeats, on_row=lambda rows: None, rou
       args = {width: _inputs(tokens, depth, width, mode) for width in pair}
       call = {width: _call(mode) for width in pair}
       backend = {width: jaxce.plan.of(call[width], *args[width]).backend for width in pair}
-      calls = {width: [] for width in pair}
+      timed = {width: [] for width in pair}
       for index in range(rounds):
         for width in pair:
-          calls[width] += time_calls(call[width], args[width], repeats=repeats,
+          timed[width] += time_calls(call[width], args[width], repeats=repeats,
                                      warmup=2 if index == 0 else 1)
-      ms = {width: statistics.median(calls[width]) for width in pair}
+      ms = {width: statistics.median(timed[width]) for width in pair}
       del args, call
       jax.clear_caches()
       row = dict(mode=mode, V=columns, V_round=round_columns, T=tokens, D=depth,
                  ms=ms[columns], ms_round=ms[round_columns],
                  per_column=(ms[columns] / columns) / (ms[round_columns] / round_columns),
                  backend=backend[columns], backend_round=backend[round_columns],
-                 timed_calls=len(calls[columns]))
+                 timed_calls=len(timed[columns]))
       print(json.dumps(row), flush=True)
       rows.append(row)
       on_row(rows)

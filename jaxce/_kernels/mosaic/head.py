@@ -474,7 +474,7 @@ def statistics(hidden, weight, labels, inv_temp, limit, kept=None, *, column_sta
   if num_columns % TILE_N and num_columns > TILE_N and in_place:
     out = _whole_tiles_then_rest(hidden, weight, labels, inv_temp, limit, kept,
                                  with_exp=with_exp, **options)
-  elif num_columns % TILE_N and not with_exp:
+  elif not with_exp and reads_in_blocks(num_columns, hidden.dtype, vocab_dim):
     out = (_blockwise_statistics(column_blocks(num_columns, depth=hidden.shape[1],
                                                dtype=hidden.dtype),
                                  hidden, weight, labels, inv_temp, limit, kept, **options),)

@@ -152,10 +152,11 @@ def _split_inputs(seed, dim, num_columns, vocab_dim, softcap, limit, with_kept, 
           kw)
 
 
-@pytest.mark.parametrize("softcap,padded,with_kept,vocab_dim,num_columns", [
-    (None, False, False, 1, 8 * 128 + 96), (30.0, True, True, 1, 9 * 128 + 96),
-    (None, False, True, 1, 8 * 128 + 91), (None, True, False, 0, 8 * 128 + 91)])
-def test_blockwise_statistics_are_the_whole_arrays_bits(softcap, padded, with_kept,
+@pytest.mark.parametrize("softcap,padded,with_kept,with_exp,vocab_dim,num_columns", [
+    (None, False, False, False, 1, 8 * 128 + 96), (30.0, True, True, False, 1, 9 * 128 + 96),
+    (None, False, True, False, 1, 8 * 128 + 91), (None, True, False, False, 0, 8 * 128 + 91),
+    (None, False, False, True, 1, 8 * 128 + 96), (30.0, True, True, True, 1, 9 * 128 + 96)])
+def test_blockwise_statistics_are_the_whole_arrays_bits(softcap, padded, with_kept, with_exp,
                                                         vocab_dim, num_columns, monkeypatch):
   """A ``[D, V]`` weight that is not whole tiles, in blocks of 4 tiles and the columns
   left (a partial tile; or a whole tile and a partial one; or an odd width, whose rows TMA
@@ -164,7 +165,9 @@ def test_blockwise_statistics_are_the_whole_arrays_bits(softcap, padded, with_ke
   tile's columns past the array are; on GPUs, 128-byte reads against 64- or 32-byte
   ones), with a temperature, labels in and out of the shard, a padded vocabulary, kept
   sets. A ``[V, D]`` weight is split only where its rows are not whole tiles of 8 (TMA's
-  tiling of dimension 0: 1115 rows); its partial tile reads zeros past the array."""
+  tiling of dimension 0: 1115 rows); its partial tile reads zeros past the array. With
+  ``exp`` terms (the objective path), each block's kernel writes them into one array at
+  the block's first column: the whole call's terms, bit for bit."""
   dim = 64
   hidden, weight, labels, inv_temp, limit, kept, kw = _split_inputs(
       7, dim, num_columns, vocab_dim, softcap, num_columns - 200 if padded else None, with_kept)
@@ -175,14 +178,21 @@ def test_blockwise_statistics_are_the_whole_arrays_bits(softcap, padded, with_ke
   blockwise = mosaic_head._blockwise_statistics
   monkeypatch.setattr(mosaic_head, "_blockwise_statistics",
                       lambda *a, **k: calls.append(1) or blockwise(*a, **k))
-  tiles = mosaic_head.statistics(hidden, weight, labels, inv_temp, limit, kept, **kw)
+  got = mosaic_head.statistics(hidden, weight, labels, inv_temp, limit, kept,
+                               with_exp=with_exp, **kw)
   assert len(calls) == (1 if vocab_dim else num_columns % 8 != 0)
   aligned = jnp.pad(weight, [(0, -num_columns % 16) if dim == vocab_dim else (0, 0)
                              for dim in range(2)])
   whole = mosaic_head._statistics(hidden, aligned, labels, inv_temp, limit, kept,
-                                  num_columns=num_columns, with_exp=False, **kw)[0]
-  assert tiles.shape == whole.shape == (-(-num_columns // 128), 4, hidden.shape[0])
-  assert np.array_equal(np.asarray(tiles).view(np.uint32), np.asarray(whole).view(np.uint32))
+                                  num_columns=num_columns, with_exp=with_exp, **kw)
+  tiles = got[0] if with_exp else got
+  assert tiles.shape == whole[0].shape == (-(-num_columns // 128), 4, hidden.shape[0])
+  assert np.array_equal(np.asarray(tiles).view(np.uint32),
+                        np.asarray(whole[0]).view(np.uint32))
+  if with_exp:
+    assert got[1].shape == (hidden.shape[0], num_columns)
+    assert np.array_equal(np.asarray(got[1]).view(np.uint16),
+                          np.asarray(whole[1][:, :num_columns]).view(np.uint16))
 
 
 @pytest.mark.parametrize("softcap,padded,with_kept,with_exp,vocab_dim,num_columns", [

@@ -65,21 +65,30 @@ def test_the_fused_head_lowers_for_cuda_at_unpadded_widths(columns, monkeypatch)
                           S((columns, DEPTH), jnp.bfloat16), labels, g)
 
 
-def test_the_forward_blocks_are_unrolled_and_their_kernel_lowered_once(monkeypatch):
+@pytest.mark.parametrize("path", ["fused", "objective"])
+def test_the_forward_blocks_are_unrolled_and_their_kernel_lowered_once(path, monkeypatch):
   """A ``[D, V]`` weight of 37984 columns (Qwen3 over 4 GPUs: 64-byte rows) goes through
   the fused forward in 4 vocab blocks copied out: 4 calls of one lowered kernel, not a
   loop, whose steps would each wait for the host to read the loop's condition (0.4 ms
-  of an idle GPU in 7.6 at 18992 columns on an H200)."""
+  of an idle GPU in 7.6 at 18992 columns on an H200). The objective path's forward too,
+  its blocks writing their ``exp`` terms into one uninitialized ``[C, 37984]`` array
+  (no concatenation of them)."""
   monkeypatch.setattr(plan, "target", lambda *a, mesh=None: HOPPER)
   hidden = S((TOKENS, 4096), jnp.bfloat16)
   weight, labels = S((4096, 37984), jnp.bfloat16), S((TOKENS,), jnp.int32)
-  text = jax.jit(lambda h, w, l: jaxce.linear_logprobs_and_entropy(h, w, l)).trace(
-      hidden, weight, labels).lower(lowering_platforms=("cuda",)).as_text()
+  if path == "fused":
+    call = lambda h, w, l: jaxce.linear_logprobs_and_entropy(h, w, l)
+  else:
+    call = lambda h, w, l: _objective(h, w, l, jnp.ones(l.shape, jnp.float32))
+  text = jax.jit(call).trace(hidden, weight, labels).lower(
+      lowering_platforms=("cuda",)).as_text()
   assert text.count("func.func private @vocab_block(") == 1
   assert text.count("call @vocab_block(") == 4
-  block_loop = [line for line in text.splitlines() if "stablehlo.while" in line
-                and "4096x9472xbf16" in line]
-  assert not block_loop
+  lines = text.splitlines()
+  assert not [line for line in lines if "stablehlo.while" in line and "4096x9472xbf16" in line]
+  assert not [line for line in lines if "stablehlo.concatenate" in line and "x37984x" in line]
+  if path == "objective":
+    assert [line for line in lines if "@AllocateBuffer" in line and "x37984xbf16" in line]
 
 
 @pytest.mark.parametrize("columns", WIDTHS)

@@ -54,11 +54,10 @@ swizzle (75968 columns) and else in vocab blocks copied out (``column_blocks``: 
 ``CONFIG.block_bytes`` each; 37984, 151643 columns), then the columns left copied out and
 zero-padded to one tile: the same tiles, statistics and bits as one call over the whole
 array, and no tile of a call runs the masked epilogue for a partial tile's sake (entry
-49). The backward's vocab blocks are copies already (``linear``); a ragged last one is
-zero-padded to whole tiles the same way. The objective path's forward, which writes its
-``exp`` terms into one ``[C, V_local]`` array, splits only a weight it reads in place; at
-the other widths (a multiple of 16 columns) it takes the array whole, its partial tile
-under a ``pl.when``.
+49). The objective path's forward reads the weight the same way, each call writing its
+``exp`` terms in place into one ``[C, V_local]`` array (a ``jax.Ref``) from the call's
+first column on. The backward's vocab blocks are copies already (``linear``); a ragged
+last one is zero-padded to whole tiles the same way.
 
 Off GPUs the kernel runs in Pallas' GPU interpreter (tests only).
 """
@@ -171,7 +170,7 @@ def row_blocks(num_rows: int) -> int:
 
 
 def _tiles(hidden, weight, row_inputs, words, *, inputs_type, vocab_dim, stages, finish,
-           out_type, scratch, interpret, num_cores, tiles=None):
+           out_type, scratch, interpret, num_cores, tiles=None, operands=()):
   """The kernel skeleton: every ``[CONFIG.tile_m, TILE_N]`` tile of ``hidden @ weight`` (f32
   accumulation) handed to ``finish`` in registers, which writes what it makes of it.
 
@@ -189,7 +188,9 @@ def _tiles(hidden, weight, row_inputs, words, *, inputs_type, vocab_dim, stages,
   on as a dict), once the warpgroup's last copy has read it (``_copy_out``,
   ``_store_pieces``). ``interpret``: run in JAX's GPU interpreter;
   ``num_cores``: the persistent grid's size (one CTA per SM); ``tiles``: the tiles visited,
-  the first ones (default: all).
+  the first ones (default: all); ``operands``: more of the kernel's operands (a
+  ``jax.Ref`` it writes in place, an int32 array it reads as scalars), handed to
+  ``finish`` after the outputs in ``outs``.
   """
   num_rows, depth = hidden.shape
   num_columns = weight.shape[vocab_dim]
@@ -233,7 +234,8 @@ def _tiles(hidden, weight, row_inputs, words, *, inputs_type, vocab_dim, stages,
     )
 
   def kernel(hidden_gmem, weight_gmem, rows_gmem, *refs):
-    words_gmem, out_gmems = refs[:has_words], refs[has_words:]
+    words_gmem, refs = refs[:has_words], refs[has_words:]
+    operand_gmems, out_gmems = refs[:len(operands)], refs[len(operands):]
     ignore = lambda *_, **__: None
     words_scratch = dict(
         words_smem=plgpu.SMEM((2, words_per_tile, CONFIG.tile_m), jnp.uint32),
@@ -284,7 +286,8 @@ def _tiles(hidden, weight, row_inputs, words, *, inputs_type, vocab_dim, stages,
               kept = mosaic_tile.kept_columns(words_smem.at[wg])
             wg_smem = ({name: ref.at[wg] for name, ref in out_smem.items()}
                        if isinstance(out_smem, dict) else out_smem.at[wg])
-            finish(x, inputs, column, kept, wg_smem, out_gmems, n_idx, row_slice)
+            finish(x, inputs, column, kept, wg_smem, (*out_gmems, *operand_gmems), n_idx,
+                   row_slice)
 
         def mma_body(_, hidden_smem, weight_smem, acc_ref):
           rhs = weight_smem if vocab_dim else weight_smem.transpose((1, 0))
@@ -310,7 +313,7 @@ def _tiles(hidden, weight, row_inputs, words, *, inputs_type, vocab_dim, stages,
       thread_name="wg",
       interpret=plgpu.InterpretGPUParams() if interpret else None,
   )
-  return call(hidden, weight, row_inputs, *([words] if has_words else []))
+  return call(hidden, weight, row_inputs, *([words] if has_words else []), *operands)
 
 
 def _piece_slots(dtype, num_columns):
@@ -358,23 +361,29 @@ def _copy_out(scratch, value, out_slice):
 
 
 def _tile_statistics(hidden, weight, row_inputs, words, *, num_columns, vocab_dim, softcap,
-                     with_entropy, with_exp, masked, interpret, num_cores):
+                     with_entropy, with_exp, masked, interpret, num_cores, exp_into=None):
   """``[vocab tiles, 4, C]`` f32: ``(m, s, q, picked)`` of every ``[row, tile]`` of the
   weight's first ``num_columns`` columns (``V``: the array's, or its last tile's zero
   padding left out, or its whole tiles), and with ``with_exp`` the ``exp(z - m)`` terms in
-  hidden's dtype, ``[C, weight's width]`` (the columns from ``V`` on not written);
-  ``row_inputs [3, C]``: the rows' ``mosaic_tile.HeadStatisticsInputs``, stacked; ``words``
-  as ``_tiles``; ``masked``: apply the rows' ``limit`` (``mosaic_tile.tile_statistics``; a
-  partial last tile also stops at ``V``)."""
+  hidden's dtype, ``[C, weight's width]`` (the columns from ``V`` on not written), or with
+  ``exp_into``, ``(terms, offset)``, written in place into ``terms``, a ``jax.Ref`` of
+  ``[C, >= offset + V]`` in hidden's dtype, from column ``offset`` (int32 ``[1]``, read in
+  the kernel: one lowering for every offset) on; ``row_inputs [3, C]``: the rows'
+  ``mosaic_tile.HeadStatisticsInputs``, stacked; ``words`` as ``_tiles``; ``masked``:
+  apply the rows' ``limit`` (``mosaic_tile.tile_statistics``; a partial last tile also
+  stops at ``V``)."""
   num_rows = hidden.shape[0]
+  with_exp = with_exp or exp_into is not None
 
   def tile_finish(x, inputs, column, kept, scratch, outs, n_idx, row_slice, masked):
     out = mosaic_tile.tile_statistics(mosaic_tile.cap(x, softcap), inputs, column, kept,
                                       with_entropy, masked, with_exp)
     if with_exp:
       out, e = out
+      # (a block starts on a tile: Mosaic infers the store's layout only when told so)
+      start = column if exp_into is None else pl.multiple_of(outs[2][0], TILE_N) + column
       _store_pieces(scratch["exp"], e.astype(hidden.dtype),
-                    outs[1].at[row_slice, pl.ds(column, TILE_N)], num_columns)
+                    outs[1].at[row_slice, pl.ds(start, TILE_N)], num_columns)
     _copy_out(scratch["stats"], out, outs[0].at[n_idx, :, row_slice])
 
   def finish(x, inputs, column, kept, scratch, outs, n_idx, row_slice):
@@ -395,7 +404,7 @@ def _tile_statistics(hidden, weight, row_inputs, words, *, num_columns, vocab_di
       tile_finish(*args, masked)
 
   n_iters = num_tiles(num_columns)
-  exp_columns = weight.shape[vocab_dim]
+  exp_columns = weight.shape[vocab_dim] if exp_into is None else exp_into[0].shape[1]
   stats_type = jax.ShapeDtypeStruct((n_iters, 4, num_rows), jnp.float32)
   exp_type = jax.ShapeDtypeStruct((num_rows, exp_columns), hidden.dtype)
   scratch = dict(stats=plgpu.SMEM((2, 4, CONFIG.tile_m), jnp.float32))
@@ -404,8 +413,9 @@ def _tile_statistics(hidden, weight, row_inputs, words, *, num_columns, vocab_di
   return _tiles(hidden, weight, row_inputs, words,
                 inputs_type=mosaic_tile.HeadStatisticsInputs, vocab_dim=vocab_dim,
                 stages=CONFIG.exp_stages if with_exp else CONFIG.stages, finish=finish,
-                out_type=(stats_type,) + ((exp_type,) if with_exp else ()),
-                scratch=scratch, interpret=interpret, num_cores=num_cores, tiles=n_iters)
+                out_type=(stats_type,) + ((exp_type,) if with_exp and not exp_into else ()),
+                scratch=scratch, interpret=interpret, num_cores=num_cores, tiles=n_iters,
+                operands=exp_into or ())
 
 
 def _tile_logits_grad(hidden, weight, row_inputs, words, *, vocab_dim, softcap, masked,
@@ -464,8 +474,8 @@ def statistics(hidden, weight, labels, inv_temp, limit, kept=None, *, column_sta
     way. Memory: that array, 1/32 of the bytes of the chunk's f32 logits (and ``e``); with
     ``kept``, its ``mosaic_tile.kept_words`` copy. A weight whose last tile is partial:
     that tile's copy and the statistics twice (their concatenation); where TMA cannot read
-    it in place at the 128-byte swizzle (without ``with_exp``), one vocab block's copy
-    too (``column_blocks``: at most ``CONFIG.block_bytes``).
+    it in place at the 128-byte swizzle, one vocab block's copy too (``column_blocks``: at
+    most ``CONFIG.block_bytes``).
   """
   num_columns = weight.shape[vocab_dim]
   options = dict(column_start=column_start, vocab_dim=vocab_dim, softcap=softcap,
@@ -474,10 +484,11 @@ def statistics(hidden, weight, labels, inv_temp, limit, kept=None, *, column_sta
   if num_columns % TILE_N and num_columns > TILE_N and in_place:
     out = _whole_tiles_then_rest(hidden, weight, labels, inv_temp, limit, kept,
                                  with_exp=with_exp, **options)
-  elif not with_exp and reads_in_blocks(num_columns, hidden.dtype, vocab_dim):
-    out = (_blockwise_statistics(column_blocks(num_columns, depth=hidden.shape[1],
-                                               dtype=hidden.dtype),
-                                 hidden, weight, labels, inv_temp, limit, kept, **options),)
+  elif reads_in_blocks(num_columns, hidden.dtype, vocab_dim):
+    out = _blockwise_statistics(column_blocks(num_columns, depth=hidden.shape[1],
+                                              dtype=hidden.dtype),
+                                hidden, weight, labels, inv_temp, limit, kept,
+                                with_exp=with_exp, **options)
   else:
     out = _statistics(hidden, weight, labels, inv_temp, limit, kept, num_columns=num_columns,
                       with_exp=with_exp, **options)
@@ -492,7 +503,7 @@ def _reads_in_place(num_columns, dtype, vocab_dim) -> bool:
 
 
 def reads_in_blocks(num_columns: int, dtype, vocab_dim: int) -> bool:
-  """``statistics`` (without ``exp`` terms) copies a weight of ``num_columns`` columns out
+  """``statistics`` copies a weight of ``num_columns`` columns out
   in ``column_blocks``' vocab blocks, once per call (a width TMA cannot read in place whose
   last tile is partial: 37984 columns of a ``[D, V]`` weight, any odd width): a chunk's
   call costs a pass over the weight's bytes besides its matmul, which the planner weighs
@@ -504,7 +515,8 @@ def reads_in_blocks(num_columns: int, dtype, vocab_dim: int) -> bool:
 def _statistics(hidden, weight, labels, inv_temp, limit, kept, *, num_columns, column_start,
                 vocab_dim, **options):
   """``_tile_statistics`` of the weight's first ``num_columns`` columns (the columns past
-  them, zeros that pad the last tile, are masked as a partial tile's are)."""
+  them, zeros that pad the last tile, are masked as a partial tile's are); ``options``
+  as ``_tile_statistics``'s."""
   label_column = labels - column_start
   label_column = jnp.where((label_column >= 0) & (label_column < num_columns), label_column, -1)
   row_inputs = mosaic_tile.stack(mosaic_tile.HeadStatisticsInputs(
@@ -578,7 +590,7 @@ def column_blocks(num_columns: int, *, depth: int, dtype) -> tuple[int, int]:
 
 
 def _blockwise_statistics(blocks, hidden, weight, labels, inv_temp, limit, kept, *,
-                          column_start, vocab_dim, **options):
+                          column_start, vocab_dim, with_exp, **options):
   """``statistics`` of a weight that TMA cannot read in place at the 128-byte swizzle (a
   ``[D, V_local]`` one whose rows are not whole 128-byte swizzles, a ``[V_local, D]`` one
   that is not whole tiles of 8 rows), in ``column_blocks``' blocks: each block's columns
@@ -589,26 +601,41 @@ def _blockwise_statistics(blocks, hidden, weight, labels, inv_temp, limit, kept,
   sequence and masks); only the swizzle differs. The blocks are unrolled, not a loop: a
   loop's step waits for the host to read its condition, an idle GPU between the calls
   (0.4 ms in 7.6 at 18992 columns on an H200, bench/NOTES.md entry 55); the kernel is
-  lowered once (``vocab_block``, one jitted function for every block). Memory: one
-  block's copy, and the statistics twice (their concatenation)."""
+  lowered once (``vocab_block``, one jitted function for every block). With ``with_exp``
+  (the objective path), each block's kernel writes its ``exp`` terms in place into one
+  ``[C, V_local]`` array at the block's first column, and the columns left are written
+  into it after (XLA's update in place): no block's terms are copied. Returns
+  ``(statistics,)``, or ``(statistics, exp terms)``. Memory: one block's copy, the
+  statistics twice (their concatenation), with ``with_exp`` the columns left's terms
+  twice."""
   width, count = blocks
+  num_rows, num_columns = hidden.shape[0], weight.shape[vocab_dim]
+  # (uninitialized: the blocks and the columns left write every column of every row)
+  terms = jax.new_ref(lax.empty((num_rows, num_columns), hidden.dtype)) if with_exp else None
 
   @jax.jit
-  def vocab_block(hidden, columns, labels, inv_temp, limit, block_kept, column_start):
+  def vocab_block(hidden, columns, labels, inv_temp, limit, block_kept, column_start,
+                  exp_into):
     return _statistics(hidden, columns, labels, inv_temp, limit, block_kept,
                        num_columns=width, column_start=column_start, vocab_dim=vocab_dim,
-                       with_exp=False, **options)[0]
+                       with_exp=False, exp_into=exp_into, **options)[0]
 
   def block(start):
     return vocab_block(hidden, lax.slice_in_dim(weight, start, start + width, axis=vocab_dim),
                        labels, inv_temp, None if limit is None else limit - start,
                        None if kept is None else kept[:, start // 32:(start + width) // 32],
-                       jnp.asarray(column_start + start, jnp.int32))
+                       jnp.asarray(column_start + start, jnp.int32),
+                       None if terms is None else (terms, jnp.full((1,), start, jnp.int32)))
 
   whole = [block(j * width) for j in range(count)]
   last = _rest_statistics(width * count, hidden, weight, labels, inv_temp, limit, kept,
-                          column_start=column_start, vocab_dim=vocab_dim, **options)[0]
-  return jnp.concatenate([*whole, last]) if whole else last
+                          column_start=column_start, vocab_dim=vocab_dim, with_exp=with_exp,
+                          **options)
+  stats = jnp.concatenate([*whole, last[0]]) if whole else last[0]
+  if not with_exp:
+    return (stats,)
+  terms[:, width * count:] = last[1][:, :num_columns - width * count]
+  return stats, terms[...]
 
 
 def _words(kept, label_column, num_rows, num_columns):

@@ -21,7 +21,8 @@
    (``sharded_*``, V = 151936 split over ``n`` GPUs for each ``n`` of ``--shards``, inputs
    made split) at ``--tokens``: each call's median time, then one call under the profiler,
    GPU 0's time by kind of kernel (NCCL, Mosaic, cuBLAS GEMMs, XLA's other kernels), its
-   busy time (the union of its kernels' intervals) and the call's time it was idle.
+   busy time (the union of its kernels' intervals) and its gaps (the time between its
+   first kernel's start and its last kernel's end that no kernel ran).
 
     python -m bench.head_profile             # on a Hopper GPU: JSON to $OUT (or bench/out)
     python -m bench.head_profile --tiny      # anywhere: small shapes, a smoke test
@@ -277,6 +278,15 @@ def _busy_ms(events) -> float:
   return busy / 1e3
 
 
+def _gaps_ms(events) -> float:
+  """The time between the first event's start and the last one's end that no event
+  covers, in ms (0 without events)."""
+  if not events:
+    return 0.0
+  span = max(s + d for _, s, d in events) - min(s for _, s, _ in events)
+  return span / 1e3 - _busy_ms(events)
+
+
 def _sharded_call(path, mesh, tokens, dim, vocab):
   """``(fn, args)``: ``path``'s (``fused``, ``objective`` or ``logits``) fwd+bwd sharded
   over ``mesh``'s ``vocab`` axis, with bf16 inputs made on the devices already split
@@ -308,8 +318,10 @@ def _sharded_call(path, mesh, tokens, dim, vocab):
 def shards_trace(tokens, dim, vocab, counts, repeats, top=8):
   """Rows of section 6: for each GPU count ``n`` of ``counts`` and each path, the sharded
   call's median ms (``piece="call"``), then GPU 0's kernel time by kind, its busy time,
-  the call's idle time on GPU 0 (the call's median less its busy time), and its ``top``
-  kernels, from one call under the profiler."""
+  its gaps (the profiled call's span on GPU 0, first kernel's start to last kernel's end,
+  less its busy time: the profiled call runs slower than the timed ones, so the call's
+  median less the busy time is no measure of them), and its ``top`` kernels, from one
+  call under the profiler."""
   from jax.sharding import Mesh  # pylint: disable=import-outside-toplevel
   import numpy as np  # pylint: disable=import-outside-toplevel
   rows = []
@@ -334,7 +346,7 @@ def shards_trace(tokens, dim, vocab, counts, repeats, top=8):
         calls[name] += 1
       busy = _busy_ms(events)
       new = [dict(base, piece="call", ms=ms), dict(base, piece="GPU 0 busy", ms=busy),
-             dict(base, piece="GPU 0 idle", ms=ms - busy)]
+             dict(base, piece="GPU 0 gaps", ms=_gaps_ms(events))]
       new += [dict(base, piece=f"kind: {kind}", ms=t) for kind, t in sorted(by_kind.items())]
       new += [dict(base, piece=name[:160], ms=t, calls=calls[name])
               for name, t in by_name.most_common(top)]

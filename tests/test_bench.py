@@ -849,8 +849,11 @@ def test_head_profile_shards_trace_on_cpu():
   assert {(r["path"], r["n"]) for r in calls} == {
       (p, n) for p in ("fused", "objective", "logits") for n in (1, 2)}
   assert all(r["ms"] > 0 for r in calls), calls
-  assert head_profile._busy_ms([("a", 0, 10), ("b", 5, 10), ("c", 20, 5), ("d", 21, 1)]) \
-      == pytest.approx(0.020)
+  events = [("a", 0, 10), ("b", 5, 10), ("c", 20, 5), ("d", 21, 1)]
+  assert head_profile._busy_ms(events) == pytest.approx(0.020)
+  assert head_profile._gaps_ms(events) == pytest.approx(0.005)  # (15 to 20 us)
+  assert head_profile._gaps_ms([]) == 0.0
+  assert {r["piece"] for r in rows} >= {"GPU 0 busy", "GPU 0 gaps"}
   kinds = {name: head_profile._kind(name) for name in (
       "ncclDevKernel_AllReduce_Sum_f32_RING_LL", "sm90_xmma_gemm_bf16bf16_bf16f32",
       "loop_multiply_fusion", "jaxce_merge_tiles", "_mosaic_kernel")}

@@ -69,8 +69,8 @@ def test_the_fused_head_lowers_for_cuda_at_unpadded_widths(columns, monkeypatch)
 def test_the_forward_blocks_are_unrolled_and_their_kernel_lowered_once(path, monkeypatch):
   """A ``[D, V]`` weight of 37984 columns (Qwen3 over 4 GPUs: 64-byte rows) goes through
   the fused forward in 4 vocab blocks copied out: 4 calls of one lowered kernel, not a
-  loop, whose steps would each wait for the host to read the loop's condition (0.4 ms
-  of an idle GPU in 7.6 at 18992 columns on an H200). The objective path's forward too,
+  loop, whose steps left the GPU idle between the calls (0.4 ms in 7.6 at 18992
+  columns on an H200). The objective path's forward too,
   its blocks writing their ``exp`` terms into one uninitialized ``[C, 37984]`` array
   (no concatenation of them)."""
   monkeypatch.setattr(plan, "target", lambda *a, mesh=None: HOPPER)

@@ -598,9 +598,10 @@ def _blockwise_statistics(blocks, hidden, weight, labels, inv_temp, limit, kept,
   columns left (fewer than a block) copied out as whole tiles, zero-padded: the last tile's
   padding is masked as a partial tile's columns past the array are. A tile's statistics
   are those of one call over the whole array, bit for bit (the same columns, rows, wgmma
-  sequence and masks); only the swizzle differs. The blocks are unrolled, not a loop: a
-  loop's step waits for the host to read its condition, an idle GPU between the calls
-  (0.4 ms in 7.6 at 18992 columns on an H200, bench/NOTES.md entry 55); the kernel is
+  sequence and masks); only the swizzle differs. The blocks are unrolled, not a loop: as
+  a scan they left the GPU idle between the calls (0.4 ms in 7.6 at 18992 columns on an
+  H200, bench/NOTES.md entry 55; the backward's scan over its blocks leaves no such gaps,
+  entry 57); the kernel is
   lowered once (``vocab_block``, one jitted function for every block). With ``with_exp``
   (the objective path), each block's kernel writes its ``exp`` terms in place into one
   ``[C, V_local]`` array at the block's first column, and the columns left are written

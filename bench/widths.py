@@ -99,12 +99,12 @@ def measure(widths, modes, tokens, depth, repeats, on_row=lambda rows: None, rou
       round_columns = -(-columns // 128) * 128
       pair = (columns, round_columns)
       args = {width: _inputs(tokens, depth, width, mode) for width in pair}
-      call = {width: _call(mode) for width in pair}
-      backend = {width: jaxce.plan.of(call[width], *args[width]).backend for width in pair}
+      call = _call(mode)  # (one jitted function: a program per width's shapes)
+      backend = {width: jaxce.plan.of(call, *args[width]).backend for width in pair}
       timed = {width: [] for width in pair}
       for index in range(rounds):
         for width in pair:
-          timed[width] += time_calls(call[width], args[width], repeats=repeats,
+          timed[width] += time_calls(call, args[width], repeats=repeats,
                                      warmup=2 if index == 0 else 1)
       ms = {width: statistics.median(timed[width]) for width in pair}
       del args, call

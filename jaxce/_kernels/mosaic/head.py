@@ -365,15 +365,14 @@ def _tile_statistics(hidden, weight, row_inputs, words, *, num_columns, vocab_di
   """``[vocab tiles, 4, C]`` f32: ``(m, s, q, picked)`` of every ``[row, tile]`` of the
   weight's first ``num_columns`` columns (``V``: the array's, or its last tile's zero
   padding left out, or its whole tiles), and with ``with_exp`` the ``exp(z - m)`` terms in
-  hidden's dtype, ``[C, weight's width]`` (the columns from ``V`` on not written), or with
-  ``exp_into``, ``(terms, offset)``, written in place into ``terms``, a ``jax.Ref`` of
-  ``[C, >= offset + V]`` in hidden's dtype, from column ``offset`` (int32 ``[1]``, read in
-  the kernel: one lowering for every offset) on; ``row_inputs [3, C]``: the rows'
-  ``mosaic_tile.HeadStatisticsInputs``, stacked; ``words`` as ``_tiles``; ``masked``:
-  apply the rows' ``limit`` (``mosaic_tile.tile_statistics``; a partial last tile also
-  stops at ``V``)."""
+  hidden's dtype, ``[C, weight's width]`` (the columns from ``V`` on not written), or,
+  with ``exp_into`` too, ``(terms, offset)``, written in place into ``terms``, a
+  ``jax.Ref`` of ``[C, >= offset + V]`` in hidden's dtype, from column ``offset`` (int32
+  ``[1]``, read in the kernel: one lowering for every offset) on; ``row_inputs [3, C]``:
+  the rows' ``mosaic_tile.HeadStatisticsInputs``, stacked; ``words`` as ``_tiles``;
+  ``masked``: apply the rows' ``limit`` (``mosaic_tile.tile_statistics``; a partial last
+  tile also stops at ``V``)."""
   num_rows = hidden.shape[0]
-  with_exp = with_exp or exp_into is not None
 
   def tile_finish(x, inputs, column, kept, scratch, outs, n_idx, row_slice, masked):
     out = mosaic_tile.tile_statistics(mosaic_tile.cap(x, softcap), inputs, column, kept,
@@ -601,8 +600,8 @@ def _blockwise_statistics(blocks, hidden, weight, labels, inv_temp, limit, kept,
   sequence and masks); only the swizzle differs. The blocks are unrolled, not a loop: as
   a scan they left the GPU idle between the calls (0.4 ms in 7.6 at 18992 columns on an
   H200, bench/NOTES.md entry 55; the backward's scan over its blocks leaves no such gaps,
-  entry 57); the kernel is
-  lowered once (``vocab_block``, one jitted function for every block). With ``with_exp``
+  entry 57); the kernel is lowered once (``vocab_block``, one jitted function for every
+  block). With ``with_exp``
   (the objective path), each block's kernel writes its ``exp`` terms in place into one
   ``[C, V_local]`` array at the block's first column, and the columns left are written
   into it after (XLA's update in place): no block's terms are copied. Returns
@@ -619,7 +618,7 @@ def _blockwise_statistics(blocks, hidden, weight, labels, inv_temp, limit, kept,
                   exp_into):
     return _statistics(hidden, columns, labels, inv_temp, limit, block_kept,
                        num_columns=width, column_start=column_start, vocab_dim=vocab_dim,
-                       with_exp=False, exp_into=exp_into, **options)[0]
+                       with_exp=exp_into is not None, exp_into=exp_into, **options)[0]
 
   def block(start):
     return vocab_block(hidden, lax.slice_in_dim(weight, start, start + width, axis=vocab_dim),

@@ -190,13 +190,11 @@ def _unsupported(backend, *, operation, target, dtypes, has_keep, num_columns,
   return None
 
 
-def _head_unsupported(target, dtypes, has_bias, depth, num_columns, exp_terms):
-  """Why the fused head's kernels (``mosaic_head``) cannot run a fused call (the objective
-  path's with its ``exp_terms``), or None."""
+def _head_unsupported(target, dtypes, has_bias, depth, num_columns):
+  """Why the fused head's kernels (``mosaic_head``) cannot run a fused call, or None."""
   return mosaic_head.unsupported(
       platform=target.platform, capability=target.capability, hidden_dtype=dtypes[0],
-      weight_dtype=dtypes[1], has_bias=has_bias, depth=depth or 1, num_columns=num_columns,
-      exp_terms=exp_terms)
+      weight_dtype=dtypes[1], has_bias=has_bias, depth=depth or 1, num_columns=num_columns)
 
 
 def _backend(operation, requested, **call):
@@ -296,8 +294,7 @@ def make(operation, options, shard: Shard) -> Plan:
           **(dict(rows=num_tokens) if operation.fused else {})))
     packed_ids = f"; kept ids packed into words: {packed_ids}"
   head_reason = (_head_unsupported(target, shard.dtypes, shard.has_bias, shard.depth,
-                                   num_columns, exp_terms=operation.is_objective)
-                 if operation.fused else "")
+                                   num_columns) if operation.fused else "")
   chosen, reason = _backend(operation, implementation, target=target, dtypes=shard.dtypes,
                             has_keep=options.has_keep, num_columns=num_columns,
                             batch_invariant=batch_invariant, head_reason=head_reason)

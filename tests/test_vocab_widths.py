@@ -43,28 +43,29 @@ def test_the_kernels_run_every_shard_of_a_real_vocabulary(vocab, shards, monkeyp
 
 
 @pytest.mark.parametrize("columns", [151643, 50257])
-def test_widths_no_kernel_can_take_say_why(columns, monkeypatch):
+def test_odd_widths_run_the_fused_kernels_and_the_logits_path_says_why_not(columns,
+                                                                         monkeypatch):
   """An unpadded vocabulary (Qwen's 151643 tokens, GPT-2's 50257: rows TMA cannot read,
   not a multiple of 16 columns) runs the fused head's kernels in either layout (its
-  weight read in blocks copied out: ``test_mosaic_linear.py``); the objective path, whose
-  kernels write ``[T, V]`` terms, and the logits path, whose kernels read ``[T, V]``
-  logits, stay on XLA, and the plan says why; asked for by name, a ValueError."""
+  weight read in blocks copied out: ``test_mosaic_linear.py``), and the objective path's
+  (its terms ``mosaic_head.exp_width`` columns wide); the logits path, whose kernels read
+  the caller's ``[T, V]`` logits, stays on XLA, and the plan says why; asked for by name,
+  a ValueError."""
   monkeypatch.setattr(plan, "target", lambda *a, mesh=None: HOPPER)
   hidden = jax.ShapeDtypeStruct((256, 1024), jnp.bfloat16)
   weight = jax.ShapeDtypeStruct((1024, columns), jnp.bfloat16)
   labels = jax.ShapeDtypeStruct((256,), jnp.int32)
+  objective = lambda logp, entropy: logp
   for layout, w in (("dv", weight), ("vd", jax.ShapeDtypeStruct((columns, 1024), jnp.bfloat16))):
     got = plan.of(jaxce.linear_logprobs_and_entropy, hidden, w, labels, weight_layout=layout)
     assert got.backend == "mosaic", got
-  objective = lambda logp, entropy: logp
+    got = plan.of(jaxce.linear_token_loss, objective, hidden, w, labels, weight_layout=layout)
+    assert got.backend == "mosaic" and got.kernel_chunk is not None, got
   logits = jax.ShapeDtypeStruct((256, columns), jnp.bfloat16)
-  calls = {"objective": (jaxce.linear_token_loss, objective, hidden, weight, labels),
-           "logits": (jaxce.logprobs_and_entropy, logits, labels)}
-  for name, call in calls.items():
+  for call in ((jaxce.logprobs_and_entropy, logits, labels),
+               (jaxce.token_loss, objective, logits, labels)):
     got = plan.of(*call)
-    why = "multiple of 16 for the objective path's exp terms" if name == "objective" else (
-        "multiple of 16 for bfloat16 logits")
-    assert got.backend == "xla" and why in got.reason, got
+    assert got.backend == "xla" and "multiple of 16 for bfloat16 logits" in got.reason, got
     with pytest.raises(ValueError, match=f"multiple of .*{columns}"):
       plan.of(*call, implementation="mosaic")
 

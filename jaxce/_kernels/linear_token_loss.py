@@ -15,7 +15,9 @@ two ways:
   (shards combine them in rank order) and the objective has given each token's
   cotangents, one kernel writes ``d`` over those terms (``mosaic_rows_grad.
   exp_overwrite``). Each token's ``logp`` and ``entropy`` are the per-token path's bits;
-  no f32 row reaches device memory.
+  no f32 row reaches device memory. At an odd ``V_local`` (an unpadded vocabulary:
+  151643, 50257), whose rows TMA cannot write, the terms are ``mosaic_head.exp_width``
+  columns wide, and ``d`` is copied without those columns for the matmuls.
 * else the group is walked in chunks of the plan's ``chunk``: ``x = hidden_chunk @
   weight``, the chunk's full ``[C, V_local]`` rows in f32 (matmul 1), kept until the
   chunk's statistics (one pmax + one psum over shards), per-token loss terms and
@@ -216,11 +218,14 @@ def _kernel_group(call: _Call, group_rows):
   outputs = (jnp.sum(loss), logp) + ((entropy,) if config.with_entropy else ())
   if not with_grads:
     return None, outputs
+  # (an odd width's terms are wider, zeros past V_local: its lone segment is tiled as wide)
   d = mosaic_rows_grad.exp_overwrite(
       e, tiles, group_tokens._replace(valid=row_mask), (shift, log_sum, entropy),
       (g_logp, g_entropy), column_start,
-      layout=segments, softcap=config.logit_softcap,
-      interpret=config.plan.interpret)
+      layout=segments._replace(width=e.shape[1]) if segments.count == 1 else segments,
+      softcap=config.logit_softcap, interpret=config.plan.interpret)
+  # (the matmuls take V_local columns: an odd width's d is copied without its padding)
+  d = d[:, :call.num_columns]
   # (the kernels' outputs drop the shard_map axes: d varies like the weight's shard)
   return plumbing.unify_varying((d, call.weight), config.vocab_axis)[0], outputs
 

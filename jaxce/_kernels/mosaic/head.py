@@ -56,7 +56,8 @@ zero-padded to one tile: the same tiles, statistics and bits as one call over th
 array, and no tile of a call runs the masked epilogue for a partial tile's sake (entry
 49). The objective path's forward reads the weight the same way, each call writing its
 ``exp`` terms in place into one ``[C, V_local]`` array (a ``jax.Ref``) from the call's
-first column on. The backward's vocab blocks are copies already (``linear``); a ragged
+first column on; at an odd width, whose rows TMA cannot write, ``[C, exp_width(V_local)]``
+(the next multiple of 128 bytes), the padding's terms zeros. The backward's vocab blocks are copies already (``linear``); a ragged
 last one is zero-padded to whole tiles the same way.
 
 Off GPUs the kernel runs in Pallas' GPU interpreter (tests only).
@@ -122,16 +123,15 @@ CONFIG = Config()
 
 
 def unsupported(*, platform, capability, hidden_dtype, weight_dtype, has_bias, depth,
-                num_columns, exp_terms=False) -> str | None:
+                num_columns) -> str | None:
   """Why the kernels cannot run a fused call (a sentence), or None when they can.
 
   Args:
     platform, capability: the call's platform and its GPUs' compute capability.
     hidden_dtype, weight_dtype, has_bias: the operands.
-    depth, num_columns: ``D`` and this device's ``V_local``, any width (Any number of
-      tokens runs too: the caller pads it to ``padded_rows``.)
-    exp_terms: the call keeps the ``exp(z - m)`` terms (the fused objective path:
-      ``statistics(with_exp=True)``), a ``[C, V_local]`` array that TMA writes.
+    depth, num_columns: ``D`` and this device's ``V_local``, any width, with the
+      ``exp(z - m)`` terms or without (the objective path's terms take ``exp_width``
+      columns). Any number of tokens runs too: the caller pads it to ``padded_rows``.
   """
   platform_reason = plumbing.mosaic_gpu_unsupported(plgpu, platform, capability)
   if platform_reason:
@@ -143,11 +143,19 @@ def unsupported(*, platform, capability, hidden_dtype, weight_dtype, has_bias, d
     return "a bias is not supported"
   if depth % CONFIG.tile_k:
     return f"the hidden dim must be a multiple of {CONFIG.tile_k}, got {depth}"
-  if exp_terms and num_columns % mosaic_tile.MIN_ALIGN:
-    return (f"the vocabulary (per device) must be a multiple of {mosaic_tile.MIN_ALIGN} "
-            f"for the objective path's exp terms (TMA writes rows of whole 32-byte "
-            f"swizzles), got {num_columns}")
   return None
+
+
+def exp_width(num_columns: int, dtype) -> int:
+  """The columns of the ``exp(z - m)`` terms ``statistics(with_exp=True)`` returns for a
+  weight of ``num_columns`` columns: ``num_columns`` where TMA can write rows of that
+  many (a multiple of ``mosaic_tile.MIN_ALIGN``, 32 bytes in a 16-bit dtype), else the
+  next multiple of a 128-byte row (an odd width: 151643 -> 151680), the columns past
+  ``num_columns`` holding zeros. The caller slices those off."""
+  if not num_columns % mosaic_tile.MIN_ALIGN:
+    return num_columns
+  row = 128 // jnp.dtype(dtype).itemsize
+  return -(-num_columns // row) * row
 
 
 def padded_rows(num_rows: int) -> int:
@@ -450,7 +458,7 @@ def statistics(hidden, weight, labels, inv_temp, limit, kept=None, *, column_sta
   Args:
     hidden: ``[C, D]`` bf16 or f16, ``C >= 256`` a multiple of 8, ``D`` of 64.
     weight: ``[D, V_local]`` (``vocab_dim`` 1) or ``[V_local, D]`` (0), hidden's dtype,
-      ``V_local`` any width (a multiple of 16 with ``with_exp``).
+      ``V_local`` any width.
     labels: int32 ``[C]`` global label ids; ``column_start`` is this weight's first id.
     inv_temp: ``[C]`` float32.
     limit: int32 scalar: local columns at or beyond it are excluded (padded vocabulary);
@@ -467,10 +475,10 @@ def statistics(hidden, weight, labels, inv_temp, limit, kept=None, *, column_sta
     order. A row's numbers depend on its own hidden state,
     label, temperature and the tile's columns alone (one wgmma sequence over the whole
     hidden dim, no split-K; the epilogue's instructions are the same for every row).
-    With ``with_exp``, ``(that array, e)``: ``e [C, V_local]`` in hidden's dtype, each
-    column's ``exp(z - m)`` with ``m`` its row's max over the column's tile (0 at excluded
-    columns), the terms of ``s`` rounded once; the statistics' bits are the same either
-    way. Memory: that array, 1/32 of the bytes of the chunk's f32 logits (and ``e``); with
+    With ``with_exp``, ``(that array, e)``: ``e [C, exp_width(V_local)]`` in hidden's
+    dtype, each column's ``exp(z - m)`` with ``m`` its row's max over the column's tile (0
+    at excluded columns, and at the columns past ``V_local`` of an odd width), the terms
+    of ``s`` rounded once; the statistics' bits are the same either way. Memory: that array, 1/32 of the bytes of the chunk's f32 logits (and ``e``); with
     ``kept``, its ``mosaic_tile.kept_words`` copy. A weight whose last tile is partial:
     that tile's copy and the statistics twice (their concatenation); where TMA cannot read
     it in place at the 128-byte swizzle, one vocab block's copy too (``column_blocks``: at
@@ -603,15 +611,16 @@ def _blockwise_statistics(blocks, hidden, weight, labels, inv_temp, limit, kept,
   entry 57); the kernel is lowered once (``vocab_block``, one jitted function for every
   block). With ``with_exp``
   (the objective path), each block's kernel writes its ``exp`` terms in place into one
-  ``[C, V_local]`` array at the block's first column, and the columns left are written
-  into it after (XLA's update in place): no block's terms are copied. Returns
+  ``[C, exp_width(V_local)]`` array at the block's first column, and the columns left
+  are written into it after (XLA's update in place): no block's terms are copied. Returns
   ``(statistics,)``, or ``(statistics, exp terms)``. Memory: one block's copy, the
   statistics twice (their concatenation), with ``with_exp`` the columns left's terms
   twice."""
   width, count = blocks
   num_rows, num_columns = hidden.shape[0], weight.shape[vocab_dim]
+  terms_width = exp_width(num_columns, hidden.dtype)
   # (uninitialized: the blocks and the columns left write every column of every row)
-  terms = jax.new_ref(lax.empty((num_rows, num_columns), hidden.dtype)) if with_exp else None
+  terms = jax.new_ref(lax.empty((num_rows, terms_width), hidden.dtype)) if with_exp else None
 
   @jax.jit
   def vocab_block(hidden, columns, labels, inv_temp, limit, block_kept, column_start,
@@ -634,7 +643,8 @@ def _blockwise_statistics(blocks, hidden, weight, labels, inv_temp, limit, kept,
   stats = jnp.concatenate([*whole, last[0]]) if whole else last[0]
   if not with_exp:
     return (stats,)
-  terms[:, width * count:] = last[1][:, :num_columns - width * count]
+  # (an odd width: the columns left's zero padding fills the terms' last columns)
+  terms[:, width * count:] = last[1][:, :terms_width - width * count]
   return stats, terms[...]
 
 

@@ -7,6 +7,8 @@ GPU, ragged token counts (T % 4 != 0: the merge kernel's padded rows); inside
 ``shard_map`` too. What the kernels compute is tested in the interpreter
 (``test_mosaic_linear.py``, ``test_mosaic_rows.py``) and on the GPU (the tally)."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -52,17 +54,27 @@ def _lowered_kernels(f, *args):
 
 
 @pytest.mark.parametrize("columns", [151643, 50257])
-def test_the_fused_head_lowers_for_cuda_at_unpadded_widths(columns, monkeypatch):
+def test_unpadded_widths_lower_for_cuda_with_no_matmul_over_odd_rows(columns, monkeypatch):
   """Unpadded vocabularies (Qwen's 151643 tokens, GPT-2's 50257; odd widths, whose rows TMA
   cannot read: a ``[D, V]`` weight's in whole swizzles, a ``[V, D]`` one's in tiles of 8
-  rows) run the fused head's kernels in both layouts, fwd+bwd: read in blocks copied
-  out, the last one zero-padded to whole tiles."""
+  rows) run the fused head's kernels in both layouts, fwd+bwd, read in blocks copied
+  out, the last one zero-padded to whole tiles; and the objective path's, its terms and
+  ``d`` ``mosaic_head.exp_width`` columns wide. No XLA matmul takes an operand or makes a
+  result with the odd width as a dimension: on an H200 such matmuls ran the objective
+  path 2.6x slower per column than 151680 columns (bench/NOTES.md, entry 58)."""
   monkeypatch.setattr(plan, "target", lambda *a, mesh=None: HOPPER)
   hidden, labels = S((TOKENS, DEPTH), jnp.bfloat16), S((TOKENS,), jnp.int32)
   g = S((TOKENS,), jnp.float32)
-  assert _lowered_kernels(_fused, hidden, S((DEPTH, columns), jnp.bfloat16), labels, g)
-  assert _lowered_kernels(lambda *a: _fused(*a, weight_layout="vd"), hidden,
-                          S((columns, DEPTH), jnp.bfloat16), labels, g)
+  odd = re.compile(rf"tensor<([0-9]+x)*{columns}x")
+  for path in (_fused, _objective):
+    for layout, shape in (("dv", (DEPTH, columns)), ("vd", (columns, DEPTH))):
+      call = lambda *a: path(*a, weight_layout=layout)  # pylint: disable=cell-var-from-loop
+      text = jax.jit(call).trace(hidden, S(shape, jnp.bfloat16), labels, g).lower(
+          lowering_platforms=("cuda",)).as_text()
+      assert text.count("mosaic_gpu"), (path.__name__, layout)
+      matmuls = [line for line in text.splitlines() if "stablehlo.dot_general" in line]
+      assert matmuls and not [line for line in matmuls if odd.search(line)], (
+          path.__name__, layout, [line for line in matmuls if odd.search(line)][:2])
 
 
 @pytest.mark.parametrize("path", ["fused", "objective"])

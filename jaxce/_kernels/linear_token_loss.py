@@ -17,7 +17,8 @@ two ways:
   exp_overwrite``). Each token's ``logp`` and ``entropy`` are the per-token path's bits;
   no f32 row reaches device memory. At an odd ``V_local`` (an unpadded vocabulary:
   151643, 50257), whose rows TMA cannot write, the terms are ``mosaic_head.exp_width``
-  columns wide, and ``d`` is copied without those columns for the matmuls.
+  columns wide (``d`` is 0 past ``V_local``), and matmuls 2 and 3 read a copy of the
+  weight zero-padded as wide: matmuls over rows of an odd number of columns run 3x slower.
 * else the group is walked in chunks of the plan's ``chunk``: ``x = hidden_chunk @
   weight``, the chunk's full ``[C, V_local]`` rows in f32 (matmul 1), kept until the
   chunk's statistics (one pmax + one psum over shards), per-token loss terms and
@@ -25,7 +26,8 @@ two ways:
 
 The custom_vjp's backward only scales the stored gradients by the loss's cotangent.
 Extra memory: the gradients, the f32 ``d weight`` sum and one group's ``d`` (without the
-kernel, one chunk's f32 rows too), flat in T beyond ``d hidden``.
+kernel, one chunk's f32 rows too; at an odd width, the padded copy of the weight), flat in
+T beyond ``d hidden``.
 """
 
 from __future__ import annotations
@@ -59,12 +61,15 @@ def _linear_token_loss(objective, hidden, weight, bias, tokens, token_args, conf
 
 class _Call(NamedTuple):
   """What every group of a call reads: the ``objective``, the ``weight`` and ``bias`` (or
-  None), the call's ``config``, this shard's first global column, whether the gradients
-  are formed (``with_grads``), the padded rows (``hidden [rows, D]``, the ``tokens`` and
+  None), the weight the gradient matmuls read (``matmul_weight``: ``weight``, or at an
+  odd width its copy zero-padded to the kernel's terms, ``mosaic_head.exp_width``), the
+  call's ``config``, this shard's first global column, whether the gradients are formed
+  (``with_grads``), the padded rows (``hidden [rows, D]``, the ``tokens`` and
   ``token_args``) and the primals as passed (the gradients take their types)."""
   objective: Callable
   weight: Any
   bias: Any
+  matmul_weight: Any
   config: Config
   column_start: Any
   with_grads: bool
@@ -92,7 +97,7 @@ def _run(objective, hidden, weight, bias, tokens, token_args, config, with_grads
   # (the plan's rows: fewer tokens than a group are padded to it, so the batch-invariant
   # matmul keeps its rows and the kernel takes at least its 256 and a multiple of 8)
   padded = config.plan.rows
-  call = _Call(objective, weight, bias, config,
+  call = _Call(objective, weight, bias, _matmul_weight(weight, config), config,
                softmax.shard_column_start(num_columns, config.vocab_axis), with_grads,
                chunking.pad_rows(hidden, padded), tokens.padded(padded),
                tuple(chunking.pad_rows(a, padded) for a in token_args), primals)
@@ -126,6 +131,7 @@ def _run(objective, hidden, weight, bias, tokens, token_args, config, with_grads
   if not with_grads:
     return out, None
   d_hidden, d_weight, d_bias, _ = carry
+  d_weight = lax.slice_in_dim(d_weight, 0, num_columns, axis=config.vocab_dim)  # (odd widths)
   grads = (d_hidden[:num_tokens], d_weight.astype(primals[1].dtype),
            None if d_bias is None else d_bias.astype(primals[2].dtype))
   # Zero-size slices carry each primal's type over shard_map axes to the backward, which
@@ -158,7 +164,7 @@ def _group_step(call: _Call, carry, g):
     return carry, outputs
   row_mask = group_tokens.valid & fresh
   h = jnp.where(row_mask[:, None], h, 0)  # an ignored row's NaN must not reach d W as 0 * NaN
-  dh_rows = head.contract(d, weight, 1, vocab_dim, config.plan.precision)
+  dh_rows = head.contract(d, call.matmul_weight, 1, vocab_dim, config.plan.precision)
   dh_rows = plumbing.sum_over_shards(dh_rows, config.vocab_axis, call.primals[0],
                                      d_hidden.dtype)
   d_hidden = chunking.write_fresh(d_hidden, dh_rows, start, fresh)
@@ -218,16 +224,30 @@ def _kernel_group(call: _Call, group_rows):
   outputs = (jnp.sum(loss), logp) + ((entropy,) if config.with_entropy else ())
   if not with_grads:
     return None, outputs
-  # (an odd width's terms are wider, zeros past V_local: its lone segment is tiled as wide)
+  # (an odd width's terms are wider, zeros past V_local: its lone segment is tiled as wide,
+  # and d is 0 there, the matmul weight's zero padding's partner)
   d = mosaic_rows_grad.exp_overwrite(
       e, tiles, group_tokens._replace(valid=row_mask), (shift, log_sum, entropy),
       (g_logp, g_entropy), column_start,
       layout=segments._replace(width=e.shape[1]) if segments.count == 1 else segments,
       softcap=config.logit_softcap, interpret=config.plan.interpret)
-  # (the matmuls take V_local columns: an odd width's d is copied without its padding)
-  d = d[:, :call.num_columns]
   # (the kernels' outputs drop the shard_map axes: d varies like the weight's shard)
   return plumbing.unify_varying((d, call.weight), config.vocab_axis)[0], outputs
+
+
+def _matmul_weight(weight, config):
+  """The weight the gradient matmuls read: ``weight``, or where the kernel's terms are
+  wider than it (an odd ``V_local``: ``mosaic_head.exp_width``) a copy zero-padded to
+  them, read by every group. A matmul over rows of an odd number of 16-bit columns runs
+  about 3x slower on an H200 than over whole 16-byte rows (bench/NOTES.md, entry 58)."""
+  num_columns = weight.shape[config.vocab_dim]
+  if config.plan.kernel_chunk is None:
+    return weight
+  width = mosaic_head.exp_width(num_columns, weight.dtype)
+  if width == num_columns:
+    return weight
+  return jnp.pad(weight, [(0, width - num_columns) if dim == config.vocab_dim else (0, 0)
+                          for dim in range(2)])
 
 
 def _rows(hidden, weight, bias, tokens, column_start, config):

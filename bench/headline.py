@@ -218,7 +218,8 @@ def widths_table(results: dict) -> str:
   """The sharded guide's table: each path's time per column at each width of
   ``python -m bench.widths``'s rows against the next multiple of 128 in the same process
   (``per_column``), one line per width (``widths.LABELS`` says whose it is), ``–`` where
-  a path was not measured at that width."""
+  a path was not measured at that width, the backend named where the width ran another
+  than its neighbour."""
   from bench import widths  # pylint: disable=import-outside-toplevel
   rows = {(r["mode"], r["V"]): r for r in results["rows"]}
   modes = [(m, name) for m, name in WIDTH_MODES if any(k[0] == m for k in rows)]
@@ -226,10 +227,16 @@ def widths_table(results: dict) -> str:
            "|---" * (len(modes) + 1) + "|"]
   for columns in dict.fromkeys(v for _, v in rows):
     label = f" ({widths.LABELS[columns]})" if columns in widths.LABELS else ""
-    cells = [f"{rows[m, columns]['per_column']:.2f}×" if (m, columns) in rows else "–"
-             for m, _ in modes]
+    cells = [f"{rows[m, columns]['per_column']:.2f}×{_backend_note(rows[m, columns])}"
+             if (m, columns) in rows else "–" for m, _ in modes]
     lines.append(f"| {columns}{label} | " + " | ".join(cells) + " |")
   return "\n".join(lines)
+
+
+def _backend_note(row: dict) -> str:
+  """`` (XLA)`` where a width's row ran XLA while its round neighbour ran the kernels."""
+  backend = row.get("backend", "mosaic")
+  return "" if backend == row.get("backend_round", backend) else f" ({backend.upper()})"
 
 
 def grpo_tables(results: dict) -> str:

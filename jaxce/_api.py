@@ -396,8 +396,9 @@ def linear_token_loss(objective: Callable[..., Array], hidden: ArrayLike, weight
     implementation: the statistics of each chunk's rows by ``"xla"``, ``"mosaic"`` or
       ``"triton"``, as in :func:`jaxce.logprobs_and_entropy`. Where the fused head's
       kernels run (``"mosaic"`` on Hopper, with the operands
-      :func:`jaxce.linear_logprobs_and_entropy` takes there and a vocabulary per device
-      that is a multiple of 16) one kernel call per group
+      :func:`jaxce.linear_logprobs_and_entropy` takes there, at any vocabulary width;
+      at an odd one the gradient matmuls read a copy of the weight zero-padded to a
+      multiple of 64 columns) one kernel call per group
       makes its rows' statistics and their ``exp(z - m)`` terms in the operand dtype, and
       a second writes ``d`` over those terms, so ``logp`` and ``entropy`` are the
       per-token path's bits in either mode (the first on-policy step's ratio is exactly

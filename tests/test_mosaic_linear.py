@@ -674,7 +674,7 @@ def test_gpu_calls_take_an_array_temperatures_reciprocal_on_the_device(capabilit
 @pytest.mark.parametrize("weight_layout,softcap,with_keep,columns", [
     ("dv", None, False, 384), ("vd", 20.0, False, 384), ("dv", 20.0, True, 384),
     ("dv", 20.0, True, 400),  # (V not a multiple of 128: the terms' partial last tile)
-    ("dv", 20.0, True, 391)])  # (odd: the terms 448 columns wide, d copied to 391)
+    ("dv", 20.0, True, 391)])  # (odd: the terms and d 448 columns wide, the weight padded)
 def test_objective_gradients_from_the_kernels_terms_match_float64(weight_layout, softcap,
                                                                   with_keep, columns,
                                                                   monkeypatch):

@@ -18,7 +18,8 @@ two ways:
   no f32 row reaches device memory. At an odd ``V_local`` (an unpadded vocabulary:
   151643, 50257), whose rows TMA cannot write, the terms are ``mosaic_head.exp_width``
   columns wide (``d`` is 0 past ``V_local``), and matmuls 2 and 3 read a copy of the
-  weight zero-padded as wide: matmuls over rows of an odd number of columns run 3x slower.
+  weight zero-padded as wide: matmuls over rows of an odd number of columns ran the path
+  2.6x slower (bench/NOTES.md, entry 58).
 * else the group is walked in chunks of the plan's ``chunk``: ``x = hidden_chunk @
   weight``, the chunk's full ``[C, V_local]`` rows in f32 (matmul 1), kept until the
   chunk's statistics (one pmax + one psum over shards), per-token loss terms and
@@ -238,8 +239,8 @@ def _kernel_group(call: _Call, group_rows):
 def _matmul_weight(weight, config):
   """The weight the gradient matmuls read: ``weight``, or where the kernel's terms are
   wider than it (an odd ``V_local``: ``mosaic_head.exp_width``) a copy zero-padded to
-  them, read by every group. A matmul over rows of an odd number of 16-bit columns runs
-  about 3x slower on an H200 than over whole 16-byte rows (bench/NOTES.md, entry 58)."""
+  them, read by every group: XLA's matmuls over rows of an odd number of 16-bit columns
+  ran the path 2.6x slower per column on an H200 (bench/NOTES.md, entry 58)."""
   num_columns = weight.shape[config.vocab_dim]
   if config.plan.kernel_chunk is None:
     return weight

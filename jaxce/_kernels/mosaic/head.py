@@ -57,8 +57,9 @@ array, and no tile of a call runs the masked epilogue for a partial tile's sake 
 49). The objective path's forward reads the weight the same way, each call writing its
 ``exp`` terms in place into one ``[C, V_local]`` array (a ``jax.Ref``) from the call's
 first column on; at an odd width, whose rows TMA cannot write, ``[C, exp_width(V_local)]``
-(the next multiple of 128 bytes), the padding's terms zeros. The backward's vocab blocks are copies already (``linear``); a ragged
-last one is zero-padded to whole tiles the same way.
+(the next multiple of 128 bytes), the padding's terms zeros. The backward's vocab blocks
+are copies already (``linear``); a ragged last one is zero-padded to whole tiles the same
+way.
 
 Off GPUs the kernel runs in Pallas' GPU interpreter (tests only).
 """
@@ -151,7 +152,8 @@ def exp_width(num_columns: int, dtype) -> int:
   weight of ``num_columns`` columns: ``num_columns`` where TMA can write rows of that
   many (a multiple of ``mosaic_tile.MIN_ALIGN``, 32 bytes in a 16-bit dtype), else the
   next multiple of a 128-byte row (an odd width: 151643 -> 151680), the columns past
-  ``num_columns`` holding zeros. The caller slices those off."""
+  ``num_columns`` holding zeros (the objective path's matmuls read them against a weight
+  zero-padded as wide)."""
   if not num_columns % mosaic_tile.MIN_ALIGN:
     return num_columns
   row = 128 // jnp.dtype(dtype).itemsize
@@ -478,8 +480,9 @@ def statistics(hidden, weight, labels, inv_temp, limit, kept=None, *, column_sta
     With ``with_exp``, ``(that array, e)``: ``e [C, exp_width(V_local)]`` in hidden's
     dtype, each column's ``exp(z - m)`` with ``m`` its row's max over the column's tile (0
     at excluded columns, and at the columns past ``V_local`` of an odd width), the terms
-    of ``s`` rounded once; the statistics' bits are the same either way. Memory: that array, 1/32 of the bytes of the chunk's f32 logits (and ``e``); with
-    ``kept``, its ``mosaic_tile.kept_words`` copy. A weight whose last tile is partial:
+    of ``s`` rounded once; the statistics' bits are the same either way. Memory: that
+    array, 1/32 of the bytes of the chunk's f32 logits (and ``e``); with ``kept``, its
+    ``mosaic_tile.kept_words`` copy. A weight whose last tile is partial:
     that tile's copy and the statistics twice (their concatenation); where TMA cannot read
     it in place at the 128-byte swizzle, one vocab block's copy too (``column_blocks``: at
     most ``CONFIG.block_bytes``).

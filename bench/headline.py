@@ -219,17 +219,21 @@ def widths_table(results: dict) -> str:
   ``python -m bench.widths``'s rows against the next multiple of 128 in the same process
   (``per_column``), one line per width (``widths.LABELS`` says whose it is), ``–`` where
   a path was not measured at that width, the backend named where the width ran another
-  than its neighbour."""
+  than its neighbour. Rows at more than one shape: one line per shape and width, the
+  shape in its first column."""
   from bench import widths  # pylint: disable=import-outside-toplevel
-  rows = {(r["mode"], r["V"]): r for r in results["rows"]}
+  rows = {(r["mode"], r["T"], r["D"], r["V"]): r for r in results["rows"]}
   modes = [(m, name) for m, name in WIDTH_MODES if any(k[0] == m for k in rows)]
-  lines = ["| columns a GPU | " + " | ".join(name for _, name in modes) + " |",
-           "|---" * (len(modes) + 1) + "|"]
-  for columns in dict.fromkeys(v for _, v in rows):
+  shapes = len({k[1:3] for k in rows}) > 1
+  lines = ["| " + ("shape | " if shapes else "") + "columns a GPU | "
+           + " | ".join(name for _, name in modes) + " |",
+           "|---" * (len(modes) + 1 + shapes) + "|"]
+  for tokens, depth, columns in dict.fromkeys(k[1:] for k in rows):
     label = f" ({widths.LABELS[columns]})" if columns in widths.LABELS else ""
-    cells = [f"{rows[m, columns]['per_column']:.2f}×{_backend_note(rows[m, columns])}"
-             if (m, columns) in rows else "–" for m, _ in modes]
-    lines.append(f"| {columns}{label} | " + " | ".join(cells) + " |")
+    cells = [f"{row['per_column']:.2f}×{_backend_note(row)}"
+             if (row := rows.get((m, tokens, depth, columns))) else "–" for m, _ in modes]
+    shape = f"T = {tokens}, D = {depth} | " if shapes else ""
+    lines.append(f"| {shape}{columns}{label} | " + " | ".join(cells) + " |")
   return "\n".join(lines)
 
 

@@ -17,9 +17,9 @@ from jax.sharding import PartitionSpec as P
 
 from jaxce import _checks, _options, _sharded, keep as keep_mod, plan
 from jaxce._kernels import linear, linear_kept_ids, linear_token_loss, logits, logits_kept_ids
-from jaxce._kernels import loss_terms, softmax, token_loss
+from jaxce._kernels import loss_terms, plumbing, softmax, token_loss
 from jaxce._kernels.mosaic import reciprocal as mosaic_reciprocal
-from jaxce._kernels.config import Config, KeptIds, Operation, Tokens
+from jaxce._kernels.config import Config, Gathered, KeptIds, Operation, Tokens
 
 
 LOGPROBS = Operation("logprobs_and_entropy", False, False, logits.logprobs_entropy)
@@ -96,10 +96,11 @@ def _on_mesh(op, options, objective, operands, labels, request, token_args, mesh
   Token-split layout (the tokens split over axes of the vocabulary too, as sequence
   parallelism leaves the hidden states): each device gathers the hidden states of the
   devices that share its tokens' axes, runs its columns over them, and keeps its own
-  tokens' outputs; ``d hidden`` is reduce-scattered back to the same split (the
-  gather's transpose: ``plumbing.sum_over_shards`` leaves each shard's part). The
-  per-token arrays come in whole over those axes (a few bytes a token). ``gathered``: those
-  axes (``_sharded.gathered_axes``), or ``()``."""
+  tokens' outputs; the kernel sums ``d hidden`` over the shards as in the replicated
+  layout (an f32 reduce-scatter, rounded once: ``plumbing.sum_over_shards``) and the
+  gather's transpose keeps the device's own rows (``plumbing.gather_rows``): the
+  replicated layout's bits. The per-token arrays come in whole over those axes (a few
+  bytes a token). ``gathered``: those axes (``_sharded.gathered_axes``), or ``()``."""
   token_arrays = {"labels": labels}
   scalars = {}
   for name in ("temperature", "where"):
@@ -128,13 +129,13 @@ def _on_mesh(op, options, objective, operands, labels, request, token_args, mesh
     keep = shard_arrays[-1] if options.has_keep else None
     shard_arrays = shard_arrays[:-1] if options.has_keep else shard_arrays
     own_tokens = shard_arrays[0].shape[0]
-    if gathered:  # (varying over the gathered axes: its cotangent is reduce-scattered)
-      shard_arrays = (lax.all_gather(shard_arrays[0], gathered, axis=0, tiled=True),
-                      *shard_arrays[1:])
+    if gathered:
+      shard_arrays = (plumbing.gather_rows(shard_arrays[0], gathered), *shard_arrays[1:])
     shard_operands = shard_arrays + ((None,) if op.fused and len(shard_arrays) == 2 else ())
     out = _shard(op, options, objective, shard_operands, labels,
                  token.get("temperature", scalars.get("temperature")),
-                 token.get("where", scalars.get("where")), keep, args, vocab_axis)
+                 token.get("where", scalars.get("where")), keep, args, vocab_axis,
+                 Gathered(gathered, own_tokens) if gathered else None)
     if op.is_objective:
       loss, (logp, entropy) = out
       out = (lax.psum(loss, axes) if axes else loss), logp, entropy
@@ -160,8 +161,9 @@ def _per_token_outputs(out):
 
 
 def _shard(op, options, objective, operands, labels, temperature, where, keep, token_args,
-           vocab_axis):
-  """Flatten, normalize, plan and run ``op``'s kernel on this device's (shard's) arrays."""
+           vocab_axis, gathered=None):
+  """Flatten, normalize, plan and run ``op``'s kernel on this device's (shard's) arrays;
+  ``gathered``: how the hidden states were gathered (``Config.gathered``), or None."""
   primary = operands[0]
   dtype = softmax.compute_dtype(*(a.dtype for a in operands[:2]))
   with_entropy = options.return_entropy
@@ -188,7 +190,8 @@ def _shard(op, options, objective, operands, labels, temperature, where, keep, t
   config = Config(
       plan=shard_plan, vocab_size=options.vocab_size,
       vocab_axis=vocab_axis, with_entropy=with_entropy, logit_softcap=options.logit_softcap,
-      vocab_dim=options.vocab_dim, hidden_grad_accumulation=options.hidden_grad_accumulation)
+      vocab_dim=options.vocab_dim, hidden_grad_accumulation=options.hidden_grad_accumulation,
+      gathered=gathered)
   if isinstance(keep, KeptIds) and not shard_plan.kept_ids:  # this shard's columns, packed
     keep = keep_mod.pack_ids(keep, num_columns, shape=(num_tokens,),
                              first_column=softmax.shard_column_start(num_columns, vocab_axis))

@@ -184,3 +184,63 @@ def test_token_split_from_the_arrays_types():
   assert_close(grads[0], grads_ref[0], 1e-10, "d hidden")
   assert_close(grads[1], grads_ref[1], 1e-10, "d weight")
 
+
+
+def _bf16_problem(seed, tokens, dim, num_columns):
+  """bf16 hidden ``[tokens, dim]`` and weight ``[dim, num_columns]`` (shifted, a few rows
+  peaked), labels and per-token cotangents, made on the host."""
+  rng = np.random.default_rng(seed)
+  hidden = rng.normal(size=(tokens, dim)) + 0.3
+  weight = rng.normal(size=(dim, num_columns)) * 0.8
+  weight[:, 7] += 3.0  # (a column most tokens favour: peaked rows)
+  labels = rng.integers(0, num_columns, tokens)
+  cot = rng.normal(size=(2, tokens))
+  return (jnp.asarray(hidden, jnp.bfloat16), jnp.asarray(weight, jnp.bfloat16), labels, cot,
+          rng)
+
+
+# (tokens, columns): fewer tokens than a shard's columns (the vocab-outer backward, one f32
+# sum of d hidden over the blocks) and more (token-outer: each chunk's rows summed as it
+# is written).
+ORDERS = [pytest.param(48, 512, id="vocab-outer"), pytest.param(96, 128, id="token-outer")]
+
+
+@pytest.mark.parametrize("tokens,columns", ORDERS)
+@pytest.mark.parametrize("path", ["fused", "kept-ids", "objective"])
+def test_token_split_is_the_replicated_layouts_bits(path, tokens, columns):
+  """The token-split layout sums ``d hidden`` over the vocabulary shards as the replicated
+  layout does (in f32, rounded once to hidden's dtype), then keeps its own tokens' rows:
+  outputs, ``d hidden`` and ``d W`` are the replicated call's bits, in bf16 on 4 shards,
+  in both backward orders, on the fused, kept-ids and objective paths. (Before, the
+  shards' parts were rounded to bf16 and then summed in bf16 by the gather's transpose.)"""
+  mesh = Mesh(np.array(devices(4)), ("v",))
+  hidden, weight, labels, cot, rng = _bf16_problem(7, tokens, 64, columns)
+  kw = dict(vocab_block_size=32, chunk_size=16) if path != "objective" else {}
+  if path == "kept-ids":
+    kw["keep"] = jaxce.keep.KeptIds(ids=jnp.asarray(rng.integers(0, columns, 40), jnp.int32),
+                                    token=jnp.asarray(np.sort(rng.integers(0, tokens, 40)),
+                                                      jnp.int32))
+
+  def loss(batch_axis):
+    if path == "objective":
+      objective = lambda logp, entropy, adv: -adv * logp - 0.01 * entropy
+      def f(h, w):
+        value, (logp, entropy) = jaxce.sharded_linear_token_loss(
+            objective, h, w, labels, cot[0], mesh=mesh, vocab_axis="v",
+            batch_axis=batch_axis)
+        return value, (logp, entropy)
+    else:
+      def f(h, w):
+        logp, entropy = jaxce.sharded_linear_logprobs_and_entropy(
+            h, w, labels, mesh=mesh, vocab_axis="v", batch_axis=batch_axis, **kw)
+        return jnp.sum(cot[0] * logp.astype(jnp.float32)
+                       + cot[1] * entropy.astype(jnp.float32)), (logp, entropy)
+    return jax.jit(jax.value_and_grad(f, (0, 1), has_aux=True))(hidden, weight)
+
+  (value, outputs), grads = loss(None)
+  (split_value, split_outputs), split_grads = loss("v")
+  for name, a, b in [("loss", value, split_value), ("logp", outputs[0], split_outputs[0]),
+                     ("entropy", outputs[1], split_outputs[1]),
+                     ("d hidden", grads[0], split_grads[0]), ("d W", grads[1], split_grads[1])]:
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32),
+                                  err_msg=name)

@@ -209,6 +209,14 @@ class ObjectivePlan(LinearPlan):
   kernel_chunk: int | None = None
 
 
+class Gathered(NamedTuple):
+  """The token-split layout's gather (``plumbing.gather_rows``): the mesh ``axes`` the
+  hidden states were gathered over, in the order it names them, and ``rows``, each
+  device's own rows (the gathered array's first ``rows * n``)."""
+  axes: tuple
+  rows: int
+
+
 class Config(NamedTuple):
   """The static configuration of one kernel call.
 
@@ -223,6 +231,9 @@ class Config(NamedTuple):
       ``[D, V]``; 0 for ``"vd"``, ``[V, D]``), the index its kernels take.
     hidden_grad_accumulation: where the fused backward sums ``d hidden``: ``"float32"``
       (an f32 buffer) or ``"output"`` (in its own dtype).
+    gathered: how ``plumbing.gather_rows`` gathered the hidden states (the token-split
+      layout), or None: the fused backward sums ``d hidden`` over those axes too
+      (``plumbing.sum_over_shards``).
   """
   plan: Plan
   vocab_size: int
@@ -231,3 +242,4 @@ class Config(NamedTuple):
   logit_softcap: float | None = None
   vocab_dim: int = 1
   hidden_grad_accumulation: str = "float32"
+  gathered: Gathered | None = None

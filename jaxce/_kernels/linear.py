@@ -392,7 +392,7 @@ def _vocab_outer_grads(bwd: _Backward):
   (d_hidden, d_weight, d_bias), _ = lax.scan(
       functools.partial(_vocab_block_step, bwd, whole, narrow), carry, jnp.arange(full_blocks))
   d_hidden = plumbing.sum_over_shards(d_hidden, config.vocab_axis, bwd.primals[0],
-                                      hidden.dtype)
+                                      hidden.dtype, config.gathered)
   return d_hidden, d_weight, d_bias
 
 
@@ -498,7 +498,7 @@ def _token_chunk_step(outer: _TokenOuter, carry, start, size):
   blocks = _unrolled_blocks if outer.unrolled else _scanned_blocks
   dh_rows, dw_sums, db_sums = blocks(outer, _chunk_rows(bwd, start, size), dw_sums, db_sums)
   dh_rows = plumbing.sum_over_shards(dh_rows, bwd.config.vocab_axis, bwd.primals[0],
-                                     d_hidden.dtype)
+                                     d_hidden.dtype, bwd.config.gathered)
   d_hidden = lax.dynamic_update_slice_in_dim(d_hidden, dh_rows, start, 0)
   return (d_hidden, dw_sums, db_sums), None
 

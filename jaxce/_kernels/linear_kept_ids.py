@@ -155,7 +155,8 @@ def _bwd(config, residuals, cotangents):
   start = (jnp.zeros_like(hidden, dtype), jnp.zeros_like(weight_rows, dtype))
   (d_hidden, d_weight_rows), _ = lax.scan(block, start, _blocks(_block_size(tokens), column,
                                                                 token, dx))
-  d_hidden = plumbing.sum_over_shards(d_hidden, config.vocab_axis, witnesses[0], hidden.dtype)
+  d_hidden = plumbing.sum_over_shards(d_hidden, config.vocab_axis, witnesses[0], hidden.dtype,
+                                      config.gathered)
   d_weight = d_weight_rows.astype(weight.dtype)
   d_bias = None if bias is None else jax.ops.segment_sum(dx, column, num_columns)
   grads = (d_hidden, d_weight if config.vocab_dim == 0 else d_weight.T,

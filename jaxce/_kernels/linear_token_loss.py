@@ -167,7 +167,7 @@ def _group_step(call: _Call, carry, g):
   h = jnp.where(row_mask[:, None], h, 0)  # an ignored row's NaN must not reach d W as 0 * NaN
   dh_rows = head.contract(d, call.matmul_weight, 1, vocab_dim, config.plan.precision)
   dh_rows = plumbing.sum_over_shards(dh_rows, config.vocab_axis, call.primals[0],
-                                     d_hidden.dtype)
+                                     d_hidden.dtype, config.gathered)
   d_hidden = chunking.write_fresh(d_hidden, dh_rows, start, fresh)
   d_weight_group = head.weight_grad(h, d, vocab_dim, config.plan.precision)
   # (None before the first group, which writes the sum without reading zeros)

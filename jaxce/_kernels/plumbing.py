@@ -5,6 +5,7 @@ backends imported when first used."""
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import inspect
 import sys
@@ -126,28 +127,84 @@ def unify_varying(arrays, vocab_axis):
   return tuple(out)
 
 
-def sum_over_shards(partial, vocab_axis, primal, dtype):
+def sum_over_shards(partial, vocab_axis, primal, dtype, gathered=None):
   """``partial``, a cotangent's partial sums over the vocabulary shards (``d hidden``:
   each shard's columns' part, f32), summed over the axes of ``vocab_axis`` that ``primal``
-  does not vary over and cast to ``dtype``. Hidden states replicated over the vocabulary
-  axis (the usual layout) get the whole sum on every shard; hidden states that vary over
-  it (gathered inside ``shard_map`` from a token-split layout) keep their shard's part,
-  which the gather's transpose sums as it scatters (a reduce-scatter). Under pmap (no
-  varying types) every axis of ``vocab_axis`` is summed; outside shard_map, none.
+  does not vary over or that ``gathered`` names, and cast to ``dtype``.
+
+  - Hidden states replicated over the vocabulary axis (the usual layout) get the whole
+    sum on every shard.
+  - Hidden states gathered by ``gather_rows`` (the token-split layout; ``gathered``, a
+    ``Config.gathered``: its axes and each device's own rows) get the whole sum at least
+    in the device's own rows, which that gather's transpose keeps: all the rows (the
+    vocab-outer backward) by a reduce-scatter over the gathered axes in f32, then cast;
+    a chunk of them by the replicated layout's sum.
+  - Hidden states that vary over the vocabulary axis otherwise (gathered inside a
+    caller's own ``shard_map`` by ``lax.all_gather``) keep their shard's part, which the
+    gather's transpose sums as it scatters (a reduce-scatter in ``dtype``).
+
+  Under pmap (no varying types) every axis of ``vocab_axis`` is summed; outside
+  shard_map, none.
 
   The sum is the f32 all-reduce's, rounded once to ``dtype``: where ``dtype`` is narrower
   and the shards divide the rows, as an f32 reduce-scatter, each shard's rows cast, then
   an all-gather in ``dtype`` (a quarter less traffic than the f32 all-reduce, and no f32
   array of all the rows beyond ``partial``)."""
-  axes = tuple(a for a in axis_names(vocab_axis) if a not in varying_axes(primal))
+  varying = varying_axes(primal)
+  gathered_axes = () if gathered is None else gathered.axes
+  axes = tuple(a for a in axis_names(vocab_axis) if a not in varying or a in gathered_axes)
   if not axes:
     return partial.astype(dtype)
+  if gathered_axes and partial.shape[0] == primal.shape[0]:
+    return _own_rows_sum(partial, axes, gathered, dtype)
   narrower = jnp.dtype(dtype).itemsize < partial.dtype.itemsize
   if not narrower or partial.shape[0] % softmax.num_shards(axes):
-    return lax.psum(partial, axes).astype(dtype)
-  rows = lax.psum_scatter(partial, axes, scatter_dimension=0, tiled=True)
-  # (invariant, as the all-reduce's sum is: the same rows on every shard)
-  return lax.all_gather(rows.astype(dtype), axes, axis=0, tiled=True, to="invarying")
+    total = lax.psum(partial, axes).astype(dtype)
+  else:
+    rows = lax.psum_scatter(partial, axes, scatter_dimension=0, tiled=True)
+    # (invariant, as the all-reduce's sum is: the same rows on every shard)
+    total = lax.all_gather(rows.astype(dtype), axes, axis=0, tiled=True, to="invarying")
+  # (a gathered primal varies over the gathered axes: its cotangent must too)
+  missing = tuple(sorted(varying & set(axes)))
+  return lax.pcast(total, missing, to="varying") if missing else total
+
+
+def _own_rows_sum(partial, axes, gathered, dtype):
+  """``partial`` (every gathered row, and the padding a kernel added after them) summed
+  over ``axes``, exact in this device's own rows only (``gathered.rows`` from its index
+  over ``gathered.axes``; the other rows unwritten): a reduce-scatter over the gathered
+  axes, after an all-reduce over any other vocabulary axes (hidden states replicated
+  over them)."""
+  others = tuple(a for a in axes if a not in gathered.axes)
+  if others:
+    partial = lax.psum(partial, others)
+  gathered_rows = gathered.rows * softmax.num_shards(gathered.axes)
+  own = lax.psum_scatter(partial[:gathered_rows], gathered.axes, scatter_dimension=0,
+                         tiled=True).astype(dtype)
+  start = lax.axis_index(gathered.axes) * gathered.rows
+  return lax.dynamic_update_slice_in_dim(jnp.zeros_like(partial, dtype), own, start, 0)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def gather_rows(x, axes):
+  """``x``'s rows gathered over the mesh ``axes`` (``lax.all_gather``, tiled, in the
+  order ``axes`` names them), for a kernel whose backward sums ``d hidden`` over them
+  itself (``sum_over_shards`` with ``gathered=axes``): the transpose keeps this device's
+  own rows of a cotangent that holds the whole sum on every device, where
+  ``lax.all_gather``'s would sum the devices' cotangents again."""
+  return lax.all_gather(x, axes, axis=0, tiled=True)
+
+
+def _gather_rows_fwd(x, axes):
+  return gather_rows(x, axes), None
+
+
+def _gather_rows_bwd(axes, _, cotangent):
+  rows = cotangent.shape[0] // softmax.num_shards(axes)
+  return (lax.dynamic_slice_in_dim(cotangent, lax.axis_index(axes) * rows, rows, 0),)
+
+
+gather_rows.defvjp(_gather_rows_fwd, _gather_rows_bwd)
 
 
 def reduce_to_varying(cotangent, primal):

@@ -54,9 +54,10 @@ swizzle (75968 columns) and else in vocab blocks copied out (``column_blocks``: 
 ``CONFIG.block_bytes`` each; 37984, 151643 columns), then the columns left copied out and
 zero-padded to one tile: the same tiles, statistics and bits as one call over the whole
 array, and no tile of a call runs the masked epilogue for a partial tile's sake (entry
-49). The objective path's forward reads the weight the same way, each call writing its
-``exp`` terms in place into one ``[C, V_local]`` array (a ``jax.Ref``) from the call's
-first column on; at an odd width, whose rows TMA cannot write, ``[C, exp_width(V_local)]``
+49). Each call writes its statistics in place into one array (a ``jax.Ref``) from its
+first tile on: nothing is concatenated after them. The objective path's forward reads the
+weight the same way, each call writing its ``exp`` terms in place into one ``[C, V_local]``
+array from the call's first column on; at an odd width, whose rows TMA cannot write, ``[C, exp_width(V_local)]``
 (the next multiple of 128 bytes), the padding's terms zeros. The backward's vocab blocks
 are copies already (``linear``); a ragged last one is zero-padded to whole tiles the same
 way.
@@ -68,6 +69,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -370,30 +372,47 @@ def _copy_out(scratch, value, out_slice):
   plgpu.copy_smem_to_gmem(scratch, out_slice)
 
 
+class _Into(NamedTuple):
+  """Where one of several calls over a weight's columns writes in place (``jax.Ref``s
+  shared by the calls, so nothing is concatenated after them): ``stats``, the f32 ``[tiles
+  of the whole weight, 4, C]`` statistics, from tile ``offset / TILE_N`` on; ``terms``,
+  the ``[C, >= offset + V]`` ``exp`` terms in hidden's dtype, from column ``offset`` on,
+  or None (the call returns its own); ``offset``, int32 ``[1]``, the call's first column
+  in the whole weight, a multiple of ``TILE_N`` (read in the kernel: one lowering for
+  every offset)."""
+  stats: Any
+  terms: Any
+  offset: Any
+
+
 def _tile_statistics(hidden, weight, row_inputs, words, *, num_columns, vocab_dim, softcap,
-                     with_entropy, with_exp, masked, interpret, num_cores, exp_into=None):
-  """``[vocab tiles, 4, C]`` f32: ``(m, s, q, picked)`` of every ``[row, tile]`` of the
-  weight's first ``num_columns`` columns (``V``: the array's, or its last tile's zero
-  padding left out, or its whole tiles), and with ``with_exp`` the ``exp(z - m)`` terms in
-  hidden's dtype, ``[C, weight's width]`` (the columns from ``V`` on not written), or,
-  with ``exp_into`` too, ``(terms, offset)``, written in place into ``terms``, a
-  ``jax.Ref`` of ``[C, >= offset + V]`` in hidden's dtype, from column ``offset`` (int32
-  ``[1]``, read in the kernel: one lowering for every offset) on; ``row_inputs [3, C]``:
-  the rows' ``mosaic_tile.HeadStatisticsInputs``, stacked; ``words`` as ``_tiles``;
-  ``masked``: apply the rows' ``limit`` (``mosaic_tile.tile_statistics``; a partial last
-  tile also stops at ``V``)."""
+                     with_entropy, with_exp, masked, interpret, num_cores, into=None):
+  """``(statistics, terms)``, each returned or written in place: ``statistics``, ``[vocab
+  tiles, 4, C]`` f32, ``(m, s, q, picked)`` of every ``[row, tile]`` of the weight's first
+  ``num_columns`` columns (``V``: the array's, or its last tile's zero padding left out,
+  or its whole tiles); with ``with_exp`` the ``exp(z - m)`` terms in hidden's dtype, ``[C,
+  weight's width]`` (the columns from ``V`` on not written). With ``into`` (an ``_Into``)
+  the statistics, and the terms where it holds them, are written there in place and not
+  returned. ``row_inputs [3, C]``: the rows' ``mosaic_tile.HeadStatisticsInputs``,
+  stacked; ``words`` as ``_tiles``; ``masked``: apply the rows' ``limit``
+  (``mosaic_tile.tile_statistics``; a partial last tile also stops at ``V``)."""
   num_rows = hidden.shape[0]
+  terms_into = into is not None and into.terms is not None
+  returned = ("stats",) * (into is None) + ("exp",) * (with_exp and not terms_into)
+  passed = () if into is None else ("stats", "offset") + ("exp",) * terms_into
 
   def tile_finish(x, inputs, column, kept, scratch, outs, n_idx, row_slice, masked):
+    outs = dict(zip(returned + passed, outs))
     out = mosaic_tile.tile_statistics(mosaic_tile.cap(x, softcap), inputs, column, kept,
                                       with_entropy, masked, with_exp)
+    # (a call starts on a tile: Mosaic infers the stores' layouts only when told so)
+    offset = 0 if into is None else pl.multiple_of(outs["offset"][0], TILE_N)
     if with_exp:
       out, e = out
-      # (a block starts on a tile: Mosaic infers the store's layout only when told so)
-      start = column if exp_into is None else pl.multiple_of(outs[2][0], TILE_N) + column
+      start = offset + column if terms_into else column
       _store_pieces(scratch["exp"], e.astype(hidden.dtype),
-                    outs[1].at[row_slice, pl.ds(start, TILE_N)], num_columns)
-    _copy_out(scratch["stats"], out, outs[0].at[n_idx, :, row_slice])
+                    outs["exp"].at[row_slice, pl.ds(start, TILE_N)], num_columns)
+    _copy_out(scratch["stats"], out, outs["stats"].at[offset // TILE_N + n_idx, :, row_slice])
 
   def finish(x, inputs, column, kept, scratch, outs, n_idx, row_slice):
     args = (x, inputs, column, kept, scratch, outs, n_idx, row_slice)
@@ -413,7 +432,7 @@ def _tile_statistics(hidden, weight, row_inputs, words, *, num_columns, vocab_di
       tile_finish(*args, masked)
 
   n_iters = num_tiles(num_columns)
-  exp_columns = weight.shape[vocab_dim] if exp_into is None else exp_into[0].shape[1]
+  exp_columns = into.terms.shape[1] if terms_into else weight.shape[vocab_dim]
   stats_type = jax.ShapeDtypeStruct((n_iters, 4, num_rows), jnp.float32)
   exp_type = jax.ShapeDtypeStruct((num_rows, exp_columns), hidden.dtype)
   scratch = dict(stats=plgpu.SMEM((2, 4, CONFIG.tile_m), jnp.float32))
@@ -422,9 +441,10 @@ def _tile_statistics(hidden, weight, row_inputs, words, *, num_columns, vocab_di
   return _tiles(hidden, weight, row_inputs, words,
                 inputs_type=mosaic_tile.HeadStatisticsInputs, vocab_dim=vocab_dim,
                 stages=CONFIG.exp_stages if with_exp else CONFIG.stages, finish=finish,
-                out_type=(stats_type,) + ((exp_type,) if with_exp and not exp_into else ()),
+                out_type=tuple(dict(stats=stats_type, exp=exp_type)[name] for name in returned),
                 scratch=scratch, interpret=interpret, num_cores=num_cores, tiles=n_iters,
-                operands=exp_into or ())
+                operands=() if into is None else (into.stats, into.offset) + (
+                    (into.terms,) if terms_into else ()))
 
 
 def _tile_logits_grad(hidden, weight, row_inputs, words, *, vocab_dim, softcap, masked,
@@ -483,7 +503,7 @@ def statistics(hidden, weight, labels, inv_temp, limit, kept=None, *, column_sta
     of ``s`` rounded once; the statistics' bits are the same either way. Memory: that
     array, 1/32 of the bytes of the chunk's f32 logits (and ``e``); with ``kept``, its
     ``mosaic_tile.kept_words`` copy. A weight whose last tile is partial:
-    that tile's copy and the statistics twice (their concatenation); where TMA cannot read
+    that tile's copy (the calls write their statistics into one array); where TMA cannot read
     it in place at the 128-byte swizzle, one vocab block's copy too (``column_blocks``: at
     most ``CONFIG.block_bytes``).
   """
@@ -547,23 +567,30 @@ def _whole_tiles_then_rest(hidden, weight, labels, inv_temp, limit, kept, *, col
   the epilogue that masks no column (a partial tile under a ``pl.when`` slows every tile
   of the call: bench/NOTES.md, entry 49), then the columns left copied out and
   zero-padded to one tile (``_rest_statistics``). The same tiles, statistics and bits as one
-  call over the whole array; the ``exp`` terms of the columns left are written into the
-  first call's ``[C, V_local]`` array (XLA's update in place). Memory: one tile's copy of
-  the weight, the statistics twice (their concatenation)."""
+  call over the whole array. Both calls write their statistics in place into one array
+  (``_Into``); the ``exp`` terms of the columns left are written into the first call's
+  ``[C, V_local]`` array (XLA's update in place). Memory: one tile's copy of the weight."""
   num_columns = weight.shape[vocab_dim]
   whole = num_columns // TILE_N * TILE_N
+  stats = _statistics_ref(num_columns, hidden.shape[0])
+  into = lambda start: _Into(stats, None, jnp.full((1,), start, jnp.int32))
   first = _statistics(hidden, weight, labels, inv_temp, limit,
                       None if kept is None else kept[:, :whole // 32], num_columns=whole,
                       column_start=column_start, vocab_dim=vocab_dim, with_exp=with_exp,
-                      **options)
+                      into=into(0), **options)
   rest = _rest_statistics(whole, hidden, weight, labels, inv_temp, limit, kept,
                           column_start=column_start, vocab_dim=vocab_dim, with_exp=with_exp,
-                          **options)
-  stats = jnp.concatenate([first[0], rest[0]])
+                          into=into(whole), **options)
   if not with_exp:
-    return (stats,)
-  return stats, lax.dynamic_update_slice_in_dim(first[1], rest[1][:, :num_columns - whole],
-                                                whole, 1)
+    return (stats[...],)
+  return stats[...], lax.dynamic_update_slice_in_dim(first[0], rest[0][:, :num_columns - whole],
+                                                     whole, 1)
+
+
+def _statistics_ref(num_columns, num_rows):
+  """An uninitialized ``jax.Ref`` for the f32 ``[tiles, 4, C]`` statistics of a weight of
+  ``num_columns`` columns, which several calls write in place (``_Into``)."""
+  return jax.new_ref(lax.empty((num_tiles(num_columns), 4, num_rows), jnp.float32))
 
 
 def _rest_statistics(start, hidden, weight, labels, inv_temp, limit, kept, *, column_start,
@@ -615,40 +642,41 @@ def _blockwise_statistics(blocks, hidden, weight, labels, inv_temp, limit, kept,
   block). With ``with_exp``
   (the objective path), each block's kernel writes its ``exp`` terms in place into one
   ``[C, exp_width(V_local)]`` array at the block's first column, and the columns left
-  are written into it after (XLA's update in place): no block's terms are copied. Returns
-  ``(statistics,)``, or ``(statistics, exp terms)``. Memory: one block's copy, the
-  statistics twice (their concatenation), with ``with_exp`` the columns left's terms
-  twice."""
+  are written into it after (XLA's update in place): no block's terms are copied. Every
+  call writes its statistics in place into one array (``_Into``): none is concatenated.
+  Returns ``(statistics,)``, or ``(statistics, exp terms)``. Memory: one block's copy,
+  with ``with_exp`` the columns left's terms twice."""
   width, count = blocks
   num_rows, num_columns = hidden.shape[0], weight.shape[vocab_dim]
   terms_width = exp_width(num_columns, hidden.dtype)
   # (uninitialized: the blocks and the columns left write every column of every row)
+  stats = _statistics_ref(num_columns, num_rows)
   terms = jax.new_ref(lax.empty((num_rows, terms_width), hidden.dtype)) if with_exp else None
+  offset = lambda start: jnp.full((1,), start, jnp.int32)
 
   @jax.jit
-  def vocab_block(hidden, columns, labels, inv_temp, limit, block_kept, column_start,
-                  exp_into):
-    return _statistics(hidden, columns, labels, inv_temp, limit, block_kept,
-                       num_columns=width, column_start=column_start, vocab_dim=vocab_dim,
-                       with_exp=exp_into is not None, exp_into=exp_into, **options)[0]
+  def vocab_block(hidden, columns, labels, inv_temp, limit, block_kept, column_start, into):
+    _statistics(hidden, columns, labels, inv_temp, limit, block_kept, num_columns=width,
+                column_start=column_start, vocab_dim=vocab_dim, with_exp=with_exp,
+                into=into, **options)
 
   def block(start):
-    return vocab_block(hidden, lax.slice_in_dim(weight, start, start + width, axis=vocab_dim),
-                       labels, inv_temp, None if limit is None else limit - start,
-                       None if kept is None else kept[:, start // 32:(start + width) // 32],
-                       jnp.asarray(column_start + start, jnp.int32),
-                       None if terms is None else (terms, jnp.full((1,), start, jnp.int32)))
+    vocab_block(hidden, lax.slice_in_dim(weight, start, start + width, axis=vocab_dim),
+                labels, inv_temp, None if limit is None else limit - start,
+                None if kept is None else kept[:, start // 32:(start + width) // 32],
+                jnp.asarray(column_start + start, jnp.int32),
+                _Into(stats, terms, offset(start)))
 
-  whole = [block(j * width) for j in range(count)]
+  for j in range(count):
+    block(j * width)
   last = _rest_statistics(width * count, hidden, weight, labels, inv_temp, limit, kept,
                           column_start=column_start, vocab_dim=vocab_dim, with_exp=with_exp,
-                          **options)
-  stats = jnp.concatenate([*whole, last[0]]) if whole else last[0]
+                          into=_Into(stats, None, offset(width * count)), **options)
   if not with_exp:
-    return (stats,)
+    return (stats[...],)
   # (an odd width: the columns left's zero padding fills the terms' last columns)
-  terms[:, width * count:] = last[1][:, :terms_width - width * count]
-  return stats, terms[...]
+  terms[:, width * count:] = last[0][:, :terms_width - width * count]
+  return stats[...], terms[...]
 
 
 def _words(kept, label_column, num_rows, num_columns):

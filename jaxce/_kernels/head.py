@@ -61,6 +61,13 @@ def cap(x, softcap):
   return x if softcap is None else softcap * jnp.tanh(x / softcap)
 
 
+def pad_columns(array, width, dim):
+  """``array`` zero-padded along ``dim`` to ``width`` (its last columns zeros)."""
+  padding = [(0, 0)] * array.ndim
+  padding[dim] = (0, width - array.shape[dim])
+  return jnp.pad(array, padding)
+
+
 def invariant_logits(hidden_rows, weight, bias, vocab_dim, block, precision=None):
   """``[C, V_local]`` f32 logits (before any softcap) of all of this shard's columns, by
   ``[C, D] @ [D, block]`` matmuls of one shape whatever ``V_local`` (a scan over the
@@ -71,10 +78,8 @@ def invariant_logits(hidden_rows, weight, bias, vocab_dim, block, precision=None
   num_columns = weight.shape[vocab_dim]
   width = max(num_columns, block)
   if width > num_columns:
-    pad = [(0, 0), (0, 0)]
-    pad[vocab_dim] = (0, width - num_columns)
-    weight = jnp.pad(weight, pad)
-    bias = None if bias is None else jnp.pad(bias, (0, width - num_columns))
+    weight = pad_columns(weight, width, vocab_dim)
+    bias = None if bias is None else pad_columns(bias, width, 0)
 
   def write(out, j):
     col = jnp.minimum(j * block, width - block)

@@ -302,8 +302,7 @@ def _tile_grads(bwd: _Backward, rows, w_cols, b_cols, col, first_column, width=N
     # padded matmul's first ``width``.
     padding = -width % mosaic_head.TILE_N
     if padding:
-      w_cols = jnp.pad(w_cols, [(0, padding) if dim == vocab_dim else (0, 0)
-                                for dim in range(2)])
+      w_cols = head.pad_columns(w_cols, width + padding, vocab_dim)
       limit = width if limit is None else jnp.minimum(limit, width)
     d = mosaic_head.logits_grad(
         h, w_cols, label_column, inv_temp, chunk_saved, chunk_cotangents, row_mask,

@@ -247,8 +247,7 @@ def _matmul_weight(weight, config):
   width = mosaic_head.exp_width(num_columns, weight.dtype)
   if width == num_columns:
     return weight
-  return jnp.pad(weight, [(0, width - num_columns) if dim == config.vocab_dim else (0, 0)
-                          for dim in range(2)])
+  return head.pad_columns(weight, width, config.vocab_dim)
 
 
 def _rows(hidden, weight, bias, tokens, column_start, config):

@@ -76,7 +76,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from jaxce._kernels import plumbing
+from jaxce._kernels import head, plumbing
 from jaxce._kernels.mosaic import tile as mosaic_tile
 
 plgpu = plumbing.lazy_module("jax.experimental.pallas.mosaic_gpu")
@@ -601,8 +601,8 @@ def _rest_statistics(start, hidden, weight, labels, inv_temp, limit, kept, *, co
   width]`` (the padding's not written)."""
   num_columns = weight.shape[vocab_dim]
   rest_columns = num_columns - start
-  padding = [(0, -rest_columns % TILE_N) if dim == vocab_dim else (0, 0) for dim in range(2)]
-  columns = jnp.pad(lax.slice_in_dim(weight, start, num_columns, axis=vocab_dim), padding)
+  columns = head.pad_columns(lax.slice_in_dim(weight, start, num_columns, axis=vocab_dim),
+                             num_tiles(rest_columns) * TILE_N, vocab_dim)
   return _statistics(hidden, columns, labels, inv_temp, None if limit is None else limit - start,
                      None if kept is None else kept[:, start // 32:],
                      num_columns=rest_columns, column_start=column_start + start,

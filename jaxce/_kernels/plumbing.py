@@ -171,8 +171,8 @@ def sum_over_shards(partial, vocab_axis, primal, dtype, gathered=None):
 
 def _own_rows_sum(partial, axes, gathered, dtype):
   """``partial`` (every gathered row, and the padding a kernel added after them) summed
-  over ``axes``, exact in this device's own rows only (``gathered.rows`` from its index
-  over ``gathered.axes``; the other rows unwritten): a reduce-scatter over the gathered
+  over ``axes`` in this device's own rows only (``gathered.rows`` from its index over
+  ``gathered.axes``; the other rows zeros): a reduce-scatter over the gathered
   axes, after an all-reduce over any other vocabulary axes (hidden states replicated
   over them)."""
   others = tuple(a for a in axes if a not in gathered.axes)
@@ -189,9 +189,9 @@ def _own_rows_sum(partial, axes, gathered, dtype):
 def gather_rows(x, axes):
   """``x``'s rows gathered over the mesh ``axes`` (``lax.all_gather``, tiled, in the
   order ``axes`` names them), for a kernel whose backward sums ``d hidden`` over them
-  itself (``sum_over_shards`` with ``gathered=axes``): the transpose keeps this device's
-  own rows of a cotangent that holds the whole sum on every device, where
-  ``lax.all_gather``'s would sum the devices' cotangents again."""
+  itself (``sum_over_shards`` with ``gathered``): the transpose keeps this device's own
+  rows of a cotangent whose own rows hold the whole sum, where ``lax.all_gather``'s would
+  sum the devices' cotangents again. Memory: the gathered ``[n * rows, ...]`` array."""
   return lax.all_gather(x, axes, axis=0, tiled=True)
 
 

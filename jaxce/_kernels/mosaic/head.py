@@ -56,11 +56,11 @@ zero-padded to one tile: the same tiles, statistics and bits as one call over th
 array, and no tile of a call runs the masked epilogue for a partial tile's sake (entry
 49). Each call writes its statistics in place into one array (a ``jax.Ref``) from its
 first tile on: nothing is concatenated after them. The objective path's forward reads the
-weight the same way, each call writing its ``exp`` terms in place into one ``[C, V_local]``
-array from the call's first column on; at an odd width, whose rows TMA cannot write, ``[C, exp_width(V_local)]``
-(the next multiple of 128 bytes), the padding's terms zeros. The backward's vocab blocks
-are copies already (``linear``); a ragged last one is zero-padded to whole tiles the same
-way.
+weight the same way, each call writing its ``exp`` terms in place into one ``[C,
+V_local]`` array from the call's first column on; at an odd width, whose rows TMA cannot
+write, ``[C, exp_width(V_local)]`` (the next multiple of 128 bytes), the padding's terms
+zeros. The backward's vocab blocks are copies already (``linear``); a ragged last one is
+zero-padded to whole tiles the same way.
 
 Off GPUs the kernel runs in Pallas' GPU interpreter (tests only).
 """

@@ -95,6 +95,12 @@ def test_token_split_reduce_scatters_d_hidden():
   all_reduces = [line for line in text.splitlines() if " all-reduce(" in line
                  or " all-reduce-start(" in line]
   assert not [line for line in all_reduces if "[64,16]" in line], all_reduces
+  # (one all-gather of the hidden states, the forward's: the backward sums d hidden into
+  # this device's own rows, with no all-gather of the sum as the replicated layout's)
+  all_gathers = [line for line in text.splitlines() if ("all-gather(" in line
+                                                        or "all-gather-start(" in line)
+                 and "[64,16]" in line.split("=")[1].split("all-gather")[0]]
+  assert len(all_gathers) == 1, all_gathers
 
 
 def test_hidden_gathered_in_own_shard_map():

@@ -5,6 +5,8 @@ the nearest multiple of 128 above, in one process on one GPU.
     python -m bench.widths                                  # the default widths and modes
     python -m bench.widths --V 37984,75968 --mode fwd --out bench/out/widths.json
     python -m bench.widths --mode objective,logits          # the other two paths
+    python -m bench.widths --V 37984 --mode fwd --out OUT/w.json \
+        --merge-into bench/results/nvidia-h200-x1-widths.json  # replace those rows there
 
 Modes: ``fwd`` and ``fwd_bwd``, the fused head (``linear_logprobs_and_entropy``, both
 outputs, random per-token cotangents); ``objective``, the GRPO objective path
@@ -120,6 +122,19 @@ def measure(widths, modes, tokens, depth, repeats, on_row=lambda rows: None, rou
   return rows
 
 
+def row_key(row) -> tuple:
+  """A row's shape: ``(mode, T, D, V)`` (a newer row of the same shape replaces it)."""
+  return row["mode"], row["T"], row["D"], row["V"]
+
+
+def merge(old: dict | None, new: dict) -> dict:
+  """``new``'s facts (device, versions, commit) and rows, plus ``old``'s rows of shapes
+  ``new`` did not run, in ``old``'s order and then ``new``'s."""
+  fresh = {row_key(r): r for r in new["rows"]}
+  rows = [fresh.pop(row_key(r), r) for r in (old or {}).get("rows", [])]
+  return dict(new, rows=rows + list(fresh.values()))
+
+
 def main(argv=None):
   p = argparse.ArgumentParser(prog="python -m bench.widths", description=__doc__.splitlines()[0])
   p.add_argument("--V", default=",".join(map(str, WIDTHS)), help="comma list of widths")
@@ -129,6 +144,9 @@ def main(argv=None):
   p.add_argument("--repeats", type=int, default=5, help="timed calls per width and round")
   p.add_argument("--rounds", type=int, default=3, help="alternating rounds of the two widths")
   p.add_argument("--out", help="write the rows here (json), with the device and versions")
+  p.add_argument("--merge-into", metavar="RESULTS_JSON",
+                 help="then merge them into RESULTS_JSON (a committed results file): each row "
+                      "replaces the row of its shape (mode, T, D, V) there")
   args = p.parse_args(argv)
   import jax  # pylint: disable=import-outside-toplevel
   commit = os.environ.get("JAXCE_COMMIT") or git("rev-parse", "--short", "HEAD")
@@ -140,8 +158,17 @@ def main(argv=None):
                        commit=commit, rows=[dict(r, commit=commit) for r in rows]), f,
                   indent=1)
 
-  measure([int(v) for v in args.V.split(",")], args.mode.split(","), args.T, args.D,
-          args.repeats, save, args.rounds)
+  rows = measure([int(v) for v in args.V.split(",")], args.mode.split(","), args.T, args.D,
+                 args.repeats, save, args.rounds)
+  if args.merge_into:
+    old = None
+    if os.path.exists(args.merge_into):
+      with open(args.merge_into, encoding="utf-8") as f:
+        old = json.load(f)
+    new = dict(device=jax.devices()[0].device_kind, jax=jax.__version__, commit=commit,
+               rows=[dict(r, commit=commit) for r in rows])
+    with open(args.merge_into, "w", encoding="utf-8") as f:
+      json.dump(merge(old, new), f, indent=1)
 
 
 if __name__ == "__main__":

@@ -837,6 +837,26 @@ def test_widths_every_mode_on_cpu(tmp_path):
     assert row["per_column"] == pytest.approx((row["ms"] / 200) / (row["ms_round"] / 256))
 
 
+def test_widths_rows_merge_by_shape(tmp_path):
+  """``--merge-into`` replaces the committed rows of the shapes run (mode, T, D, V) in
+  their place, keeps the others with their commits, and appends new shapes."""
+  from bench import widths
+  results = tmp_path / "results.json"
+  old_rows = [dict(mode=m, T=64, D=32, V=v, ms=1.0, commit="old") for m, v in
+              [("fwd", 200), ("fwd_bwd", 200), ("fwd", 136)]]
+  with open(results, "w") as f:
+    json.dump(dict(device="old", commit="old", rows=old_rows), f)
+  widths.main(["--V", "200", "--mode", "fwd,objective", "--T", "64", "--D", "32",
+               "--repeats", "1", "--rounds", "1", "--merge-into", str(results)])
+  with open(results) as f:
+    merged = json.load(f)
+  assert [(r["mode"], r["V"]) for r in merged["rows"]] == [
+      ("fwd", 200), ("fwd_bwd", 200), ("fwd", 136), ("objective", 200)]
+  commits = [r["commit"] for r in merged["rows"]]
+  assert commits[1:3] == ["old", "old"] and commits[0] == commits[3] == merged["commit"] != "old"
+  assert merged["rows"][0]["ms"] != 1.0 and merged["device"] != "old"
+
+
 def test_head_profile_shards_trace_on_cpu():
   """``bench.head_profile``'s ``shards-trace`` section times every sharded path at every
   GPU count asked for (here simulated CPU devices: no GPU events), GPU 0's busy time is

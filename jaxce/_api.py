@@ -285,7 +285,7 @@ def sharded_linear_logprobs_and_entropy(hidden: ArrayLike, weight: ArrayLike,
       ``batch_axis`` may share axes with ``vocab_axis`` (last of its names): the
       token-split layout of sequence parallelism, in which each device gathers the hidden
       states of the devices it shares the vocabulary with and ``d hidden`` is
-      reduce-scattered back (docs/guides/sharded.md).
+      reduce-scattered back in f32, the replicated layout's bits (docs/guides/sharded.md).
     weight: global ``[D, V]`` (``[V, D]`` with ``weight_layout="vd"``), the vocab split
       over ``vocab_axis``; ``bias`` (in ``kw``) ``[V]`` likewise.
     labels: global int ``[B, ...]``.

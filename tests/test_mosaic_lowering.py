@@ -77,6 +77,20 @@ def test_unpadded_widths_lower_for_cuda_with_no_matmul_over_odd_rows(columns, mo
           path.__name__, layout, [line for line in matmuls if odd.search(line)][:2])
 
 
+def _forward_program(path, columns):
+  """The StableHLO, lowered for CUDA, of the ``"fused"`` path's forward or the
+  ``"objective"`` path's value and gradients at ``TOKENS`` tokens, D = 4096 and a ``[D,
+  columns]`` bf16 weight (the caller has planned for Hopper)."""
+  hidden, labels = S((TOKENS, 4096), jnp.bfloat16), S((TOKENS,), jnp.int32)
+  weight = S((4096, columns), jnp.bfloat16)
+  if path == "fused":
+    call = lambda h, w, l: jaxce.linear_logprobs_and_entropy(h, w, l)
+  else:
+    call = lambda h, w, l: _objective(h, w, l, jnp.ones(l.shape, jnp.float32))
+  return jax.jit(call).trace(hidden, weight, labels).lower(
+      lowering_platforms=("cuda",)).as_text()
+
+
 @pytest.mark.parametrize("path", ["fused", "objective"])
 def test_the_forward_blocks_are_unrolled_and_their_kernel_lowered_once(path, monkeypatch):
   """A ``[D, V]`` weight of 37984 columns (Qwen3 over 4 GPUs: 64-byte rows) goes through
@@ -86,14 +100,7 @@ def test_the_forward_blocks_are_unrolled_and_their_kernel_lowered_once(path, mon
   its blocks writing their ``exp`` terms into one uninitialized ``[C, 37984]`` array
   (no concatenation of them)."""
   monkeypatch.setattr(plan, "target", lambda *a, mesh=None: HOPPER)
-  hidden = S((TOKENS, 4096), jnp.bfloat16)
-  weight, labels = S((4096, 37984), jnp.bfloat16), S((TOKENS,), jnp.int32)
-  if path == "fused":
-    call = lambda h, w, l: jaxce.linear_logprobs_and_entropy(h, w, l)
-  else:
-    call = lambda h, w, l: _objective(h, w, l, jnp.ones(l.shape, jnp.float32))
-  text = jax.jit(call).trace(hidden, weight, labels).lower(
-      lowering_platforms=("cuda",)).as_text()
+  text = _forward_program(path, 37984)
   assert text.count("func.func private @vocab_block(") == 1
   assert text.count("call @vocab_block(") == 4
   lines = text.splitlines()
@@ -112,14 +119,7 @@ def test_the_forward_calls_write_their_statistics_into_one_array(path, columns, 
   array: no concatenation of them follows (on an H200 it took 47 of the forward's 1052 us
   at T = 8184, D = 1024, 37984 columns, and held the statistics twice)."""
   monkeypatch.setattr(plan, "target", lambda *a, mesh=None: HOPPER)
-  hidden, labels = S((TOKENS, 4096), jnp.bfloat16), S((TOKENS,), jnp.int32)
-  weight = S((4096, columns), jnp.bfloat16)
-  if path == "fused":
-    call = lambda h, w, l: jaxce.linear_logprobs_and_entropy(h, w, l)
-  else:
-    call = lambda h, w, l: _objective(h, w, l, jnp.ones(l.shape, jnp.float32))
-  text = jax.jit(call).trace(hidden, weight, labels).lower(
-      lowering_platforms=("cuda",)).as_text()
+  text = _forward_program(path, columns)
   assert text.count("mosaic_gpu") >= 2
   statistics = re.compile(r"-> tensor<[0-9]+x4x[0-9]+xf32>")
   concatenated = [line for line in text.splitlines()

@@ -151,12 +151,14 @@ def main(argv=None):
   import jax  # pylint: disable=import-outside-toplevel
   commit = os.environ.get("JAXCE_COMMIT") or git("rev-parse", "--short", "HEAD")
 
+  def results(rows):  # (the run's facts, each row with the commit)
+    return dict(device=jax.devices()[0].device_kind, jax=jax.__version__, commit=commit,
+                rows=[dict(r, commit=commit) for r in rows])
+
   def save(rows):  # (after each row: a run cut short keeps what it measured)
     if args.out:
       with open(args.out, "w", encoding="utf-8") as f:
-        json.dump(dict(device=jax.devices()[0].device_kind, jax=jax.__version__,
-                       commit=commit, rows=[dict(r, commit=commit) for r in rows]), f,
-                  indent=1)
+        json.dump(results(rows), f, indent=1)
 
   rows = measure([int(v) for v in args.V.split(",")], args.mode.split(","), args.T, args.D,
                  args.repeats, save, args.rounds)
@@ -165,11 +167,8 @@ def main(argv=None):
     if os.path.exists(args.merge_into):
       with open(args.merge_into, encoding="utf-8") as f:
         old = json.load(f)
-    new = dict(device=jax.devices()[0].device_kind, jax=jax.__version__, commit=commit,
-               rows=[dict(r, commit=commit) for r in rows])
     with open(args.merge_into, "w", encoding="utf-8") as f:
-      json.dump(merge(old, new), f, indent=1)
-
+      json.dump(merge(old, results(rows)), f, indent=1)
 
 if __name__ == "__main__":
   main()

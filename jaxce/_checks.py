@@ -125,7 +125,8 @@ def check_vocab_size(vocab_size, num_columns: int, columns_name: str) -> int:
   """Logical vocabulary (defaults to all columns)."""
   if vocab_size is None:
     return num_columns
-  if isinstance(vocab_size, bool) or not isinstance(vocab_size, (int, np.integer)) or vocab_size < 1:
+  if (isinstance(vocab_size, bool) or not isinstance(vocab_size, (int, np.integer))
+      or vocab_size < 1):
     raise ValueError(f"vocab_size must be None or an int >= 1, got {vocab_size=!r}")
   if vocab_size > num_columns:
     raise ValueError(

@@ -114,7 +114,8 @@ def unify_varying(arrays, vocab_axis):
   manual axes and ``vocab_axis``, so that scan carries built from any of them type-check
   inside ``shard_map``. A no-op outside shard_map; under pmap, where values carry no
   varying type, the arrays come back unchanged."""
-  union = frozenset(axis_names(vocab_axis)).union(*(varying_axes(a) for a in arrays if a is not None))
+  union = frozenset(axis_names(vocab_axis)).union(
+      *(varying_axes(a) for a in arrays if a is not None))
   out = []
   for a in arrays:
     missing = () if a is None else tuple(sorted(union - varying_axes(a)))

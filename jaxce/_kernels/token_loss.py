@@ -1,11 +1,12 @@
 """The logits path's objective kernel: ``sum objective(logp, entropy, *token_args)`` of
 ``softmax(logits)`` and, under differentiation, its gradient, formed in the forward pass.
 
-The logits rows' forward statistics (``logits_rows.forward``: one Mosaic or Triton pass, or XLA's chunked
-scan; shards combine them with one pmax + one psum), the objective's per-token terms and
-cotangents (O(T)), then, when differentiating, ``d logits`` in one elementwise pass
-(``logits_rows.gradient``): two passes over the logits (read; read + write). The
-custom_vjp's backward only scales the stored gradient by the loss's cotangent.
+The logits rows' forward statistics (``logits_rows.forward``: one Mosaic or Triton pass,
+or XLA's chunked scan; shards combine them with one pmax + one psum), the objective's
+per-token terms and cotangents (O(T)), then, when differentiating, ``d logits`` in one
+elementwise pass (``logits_rows.gradient``): two passes over the logits (read; read +
+write). The custom_vjp's backward only scales the stored gradient by the loss's
+cotangent.
 """
 
 from __future__ import annotations

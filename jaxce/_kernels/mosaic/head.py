@@ -385,6 +385,11 @@ class _Into(NamedTuple):
   offset: Any
 
 
+def _offset(start: int):
+  """``_Into.offset``: int32 ``[1]`` holding a call's first column ``start``."""
+  return jnp.full((1,), start, jnp.int32)
+
+
 def _tile_statistics(hidden, weight, row_inputs, words, *, num_columns, vocab_dim, softcap,
                      with_entropy, with_exp, masked, interpret, num_cores, into=None):
   """``(statistics, terms)``, each returned or written in place: ``statistics``, ``[vocab
@@ -573,7 +578,7 @@ def _whole_tiles_then_rest(hidden, weight, labels, inv_temp, limit, kept, *, col
   num_columns = weight.shape[vocab_dim]
   whole = num_columns // TILE_N * TILE_N
   stats = _statistics_ref(num_columns, hidden.shape[0])
-  into = lambda start: _Into(stats, None, jnp.full((1,), start, jnp.int32))
+  into = lambda start: _Into(stats, None, _offset(start))
   first = _statistics(hidden, weight, labels, inv_temp, limit,
                       None if kept is None else kept[:, :whole // 32], num_columns=whole,
                       column_start=column_start, vocab_dim=vocab_dim, with_exp=with_exp,
@@ -652,7 +657,6 @@ def _blockwise_statistics(blocks, hidden, weight, labels, inv_temp, limit, kept,
   # (uninitialized: the blocks and the columns left write every column of every row)
   stats = _statistics_ref(num_columns, num_rows)
   terms = jax.new_ref(lax.empty((num_rows, terms_width), hidden.dtype)) if with_exp else None
-  offset = lambda start: jnp.full((1,), start, jnp.int32)
 
   @jax.jit
   def vocab_block(hidden, columns, labels, inv_temp, limit, block_kept, column_start, into):
@@ -665,13 +669,13 @@ def _blockwise_statistics(blocks, hidden, weight, labels, inv_temp, limit, kept,
                 labels, inv_temp, None if limit is None else limit - start,
                 None if kept is None else kept[:, start // 32:(start + width) // 32],
                 jnp.asarray(column_start + start, jnp.int32),
-                _Into(stats, terms, offset(start)))
+                _Into(stats, terms, _offset(start)))
 
   for j in range(count):
     block(j * width)
   last = _rest_statistics(width * count, hidden, weight, labels, inv_temp, limit, kept,
                           column_start=column_start, vocab_dim=vocab_dim, with_exp=with_exp,
-                          into=_Into(stats, None, offset(width * count)), **options)
+                          into=_Into(stats, None, _offset(width * count)), **options)
   if not with_exp:
     return (stats[...],)
   # (an odd width: the columns left's zero padding fills the terms' last columns)

@@ -170,5 +170,6 @@ def main(argv=None):
     with open(args.merge_into, "w", encoding="utf-8") as f:
       json.dump(merge(old, results(rows)), f, indent=1)
 
+
 if __name__ == "__main__":
   main()

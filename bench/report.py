@@ -167,7 +167,8 @@ def markdown(results: dict) -> str:
       "(logp)). Extra memory = peak minus the inputs, per device; `× logits` = extra / "
       "(T·V·itemsize per device); `× floor` = time / floor (bench/NOTES.md defines the "
       "floors). memory from: `device_peak` = measured allocator peak, `xla_plan` = XLA's "
-      "compiled memory plan (CPU), `torch_cuda_peak`, `host_rss`.",
+      "compiled memory plan (on CPU; on a GPU where the compile-time peak hides the run's, "
+      "as the row's note says), `torch_cuda_peak`, `host_rss`.",
       "",
       table(results["rows"], results.get("accuracy")),
   ]

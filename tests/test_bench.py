@@ -458,6 +458,27 @@ def test_benchmark_tables_come_from_the_committed_results():
     assert "\n".join(table) == expected, f"the table of {path} is stale: regenerate it"
 
 
+def test_results_tables_come_from_their_rows():
+  """Each ``bench/results/<slug>.md`` of a results file in the bench's schema (its rows,
+  device and floors) is exactly what ``python -m bench.report <slug>.json`` writes: a
+  table is not left behind when rows are merged into its file."""
+  folder = os.path.join(ROOT, "bench", "results")
+  checked = []
+  for name in sorted(os.listdir(folder)):
+    if not name.endswith(".md") or not os.path.exists(os.path.join(folder, name[:-3] + ".json")):
+      continue
+    with open(os.path.join(folder, name[:-3] + ".json")) as f:
+      results = json.load(f)
+    if not isinstance(results.get("rows"), list) or "hbm_GBps" not in results:
+      continue
+    with open(os.path.join(folder, name)) as f:
+      assert f.read().strip() == report.markdown(results).strip(), (
+          f"bench/results/{name} is stale: python -m bench.report "
+          f"bench/results/{name[:-3]}.json")
+    checked.append(name)
+  assert "nvidia-h200-x4-shards.md" in checked and "cpu.md" in checked, checked
+
+
 def test_readme_headline_comes_from_the_committed_results():
   """The headline blocks (``<!-- headline-KIND PATH -->`` ... ``<!-- /headline -->``) of
   README (the compact table, the sharded rows), of the benchmarks page (every shape,

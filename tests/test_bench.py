@@ -465,11 +465,9 @@ def test_results_tables_come_from_their_rows():
   folder = os.path.join(ROOT, "bench", "results")
   checked = []
   for name in sorted(os.listdir(folder)):
-    if not name.endswith(".md") or not os.path.exists(os.path.join(folder, name[:-3] + ".json")):
-      continue
-    with open(os.path.join(folder, name[:-3] + ".json")) as f:
-      results = json.load(f)
-    if not isinstance(results.get("rows"), list) or "hbm_GBps" not in results:
+    results = report.load(os.path.join(folder, name[:-3] + ".json")) if name.endswith(
+        ".md") else None
+    if not results or not isinstance(results.get("rows"), list) or "hbm_GBps" not in results:
       continue
     with open(os.path.join(folder, name)) as f:
       assert f.read().strip() == report.markdown(results).strip(), (

@@ -293,17 +293,16 @@ def test_gradient_kernels_match_xla(tokens, keep, in_place, entropy_cotangent, k
 
 
 def test_sharded_kept_sets_gradient_kernel():
-  """The sharded call (``shard_map`` over a vocab axis of one device) with a kept set on
-  the Mosaic plan: the gradient kernel's output typed as varying over the axis, values
-  and gradients those of the unsharded XLA call. (Two shards in JAX's GPU interpreter
-  fail now and then: "Barrier remains allocated"; one GPU runs one shard.)"""
+  """The sharded call (``shard_map`` over a vocab axis of two devices; one on a host of
+  one GPU) with a kept set on the Mosaic plan: the gradient kernel's output typed as
+  varying over the axis, values and gradients those of the unsharded XLA call."""
   rng = np.random.default_rng(11)
   tokens, columns = 72, 512
   x = _logits(rng, tokens, columns, jnp.bfloat16)
   labels = jnp.asarray(rng.integers(0, columns, tokens), jnp.int32)
   keep = jaxce.keep.pack(jnp.asarray(rng.random((tokens, columns)) < 0.05))
   cot = rng.normal(size=(2, tokens))
-  mesh = jax.sharding.Mesh(np.array(devices(1)), ("v",))
+  mesh = jax.sharding.Mesh(np.array(devices(min(2, jax.device_count()))), ("v",))
   sharded = lambda x: _weighted_sum(jaxce.sharded_logprobs_and_entropy(
       x, labels, mesh=mesh, vocab_axis="v", keep=keep, implementation="mosaic"), cot)
   single = lambda x: _weighted_sum(jaxce.logprobs_and_entropy(

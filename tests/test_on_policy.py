@@ -7,7 +7,8 @@ objective path's ``logp`` is the scoring pass's bits.
 Where that is promised: with the fused head's kernels (Hopper's default; off GPUs in JAX's
 GPU interpreter, which needs JAX >= 0.11) and with ``batch_invariant=True`` everywhere, on one
 device and with the vocabulary split over 2 or 4 (``sharded_*``: on GPUs Qwen3's 151936
-columns give shards of 75968 and 37984, not multiples of 128). On
+columns give shards of 75968 and 37984, off GPUs 384 give 192 in the interpreter, not
+multiples of 128). On
 GPUs the calls run at a real shape (T = 8 x 1023 tokens, D = 1024, V = 151936, bf16),
 where the objective path's groups of 2048 rows put each token at another place in the
 kernels' row blocks than the scoring pass's single call. Off GPUs at a small one whose
@@ -74,9 +75,9 @@ def _first_step(case, shards, columns, vocab_size, monkeypatch):
                 "paths (the 'mosaic' case runs Hopper's default in the interpreter)")
   if case == "mosaic" and not ON_GPU and not hasattr(plgpu, "InterpretGPUParams"):
     pytest.skip(f"the Mosaic GPU interpreter needs JAX >= 0.11 (this is {jax.__version__})")
-  if case == "mosaic" and not ON_GPU and shards > 1:
-    pytest.skip("JAX's GPU interpreter fails on several simulated devices at once ('Barrier "
-                "remains allocated'): a GPU host runs the sharded kernels")
+  if case == "mosaic" and not ON_GPU and shards > 2:
+    pytest.skip("off GPUs the interpreter's threads of 4 simulated devices can wait on each "
+                "other for good on a machine of 2 cores (2 shards run here; a GPU host runs 4)")
   if shards > 1:
     mesh = Mesh(np.array(devices(shards)), ("vocab",))
     score_fn = functools.partial(jaxce.sharded_linear_logprobs_and_entropy, mesh=mesh,

@@ -65,6 +65,16 @@ def devices(n):
   return jax.devices()[:n]
 
 
+def skip_module_without_mosaic_interpreter():
+  """Skip the calling test module off GPUs where JAX has no Mosaic GPU interpreter (JAX <
+  0.11, which pip resolves on Python 3.11); call it at module level."""
+  from jax.experimental.pallas import mosaic_gpu as plgpu  # pylint: disable=import-outside-toplevel
+  if jax.default_backend() != "gpu" and not hasattr(plgpu, "InterpretGPUParams"):
+    import pytest  # pylint: disable=import-outside-toplevel
+    pytest.skip(f"the Mosaic GPU interpreter needs JAX >= 0.11 (this is {jax.__version__}); "
+                ".ci/run runs these tests on Python 3.12", allow_module_level=True)
+
+
 def reference_options(fn, options):
   """The keyword options of a public call that ``fn`` (a reference function) takes: the
   references take only the options that change the numbers, nothing about chunking,
@@ -98,5 +108,5 @@ def count_primitives(jaxpr, *names: str) -> int:
 
 
 __all__ = ["TOLERANCE", "adversarial_logits", "assert_close", "count_primitives", "devices",
-           "jaxce", "kernel_device", "reference", "reference_options", "value_and_grads",
-           "weighted_loss"]
+           "jaxce", "kernel_device", "reference", "reference_options",
+           "skip_module_without_mosaic_interpreter", "value_and_grads", "weighted_loss"]

@@ -9,14 +9,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from helpers import assert_close, jaxce, kernel_device, reference, value_and_grads
+from helpers import skip_module_without_mosaic_interpreter
 from jaxce._kernels.mosaic import head as mosaic_head, tile as mosaic_tile
 
-if jax.default_backend() != "gpu" and not hasattr(plgpu, "InterpretGPUParams"):
-  pytest.skip(f"the Mosaic GPU interpreter needs JAX >= 0.11 (this is {jax.__version__}); "
-              ".ci/run runs these tests on Python 3.12", allow_module_level=True)
+skip_module_without_mosaic_interpreter()
 
 
 def _inputs(seed, tokens, dim, num_columns, vocab_dim):

@@ -11,16 +11,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from helpers import assert_close, count_primitives, devices, jaxce, kernel_device, reference
-from helpers import value_and_grads
+from helpers import skip_module_without_mosaic_interpreter, value_and_grads
 from jaxce._kernels.mosaic import merge as mosaic_merge, rows as mosaic_rows
 from jaxce._kernels.mosaic import tile as mosaic_tile
 
-if jax.default_backend() != "gpu" and not hasattr(plgpu, "InterpretGPUParams"):
-  pytest.skip(f"the Mosaic GPU interpreter needs JAX >= 0.11 (this is {jax.__version__}); "
-              ".ci/run runs these tests on Python 3.12", allow_module_level=True)
+skip_module_without_mosaic_interpreter()
 
 
 def _group_columns(columns):

@@ -21,15 +21,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax.sharding import Mesh
 
-from helpers import devices, jaxce
+from helpers import devices, jaxce, skip_module_without_mosaic_interpreter
 
 ON_GPU = jax.default_backend() == "gpu"
-if not ON_GPU and not hasattr(plgpu, "InterpretGPUParams"):
-  pytest.skip(f"the Mosaic GPU interpreter needs JAX >= 0.11 (this is {jax.__version__}); "
-              ".ci/run runs these tests on Python 3.12", allow_module_level=True)
+skip_module_without_mosaic_interpreter()
 # (ragged token counts; the vocabularies' widths: on a GPU Qwen3.5's and Qwen3's, off GPUs
 # the interpreter's small widths of the same kinds)
 TOKENS, DIM = (1000, 1024) if ON_GPU else (260, 128)

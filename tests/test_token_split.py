@@ -143,9 +143,11 @@ def test_token_split_errors():
 
 def test_token_split_plan_holds_less_per_device():
   """XLA's compiled plan per device: the token-split layout's ``d hidden`` is its own
-  tokens' rows (outputs smaller by ``(n - 1) / n`` of ``[T, D]``), and its temporaries are
-  within 1 % of the replicated layout's (the gathered hidden states stand where the
-  replicated ones were; XLA:CPU's tiles dominate both)."""
+  tokens' rows (outputs smaller by ``(n - 1) / n`` of ``[T, D]``), and its arguments,
+  outputs and temporaries together are less than the replicated layout's. On CPU its
+  temporaries are also within 1 % of the replicated layout's (XLA:CPU's tiles dominate
+  both); on a GPU the gathered ``[T, D]`` hidden states stand among the temporaries, where
+  the replicated layout reads its argument, so there the total is what falls."""
   from jax.sharding import NamedSharding  # pylint: disable=import-outside-toplevel
   mesh = Mesh(np.array(devices(4)), ("v",))
   tokens, dim, columns = 1024, 256, 8192
@@ -163,8 +165,12 @@ def test_token_split_plan_holds_less_per_device():
   replicated, token_split = plan(None), plan("v")
   hidden_rows = tokens * dim * 2 * 3 // 4  # (bf16 d hidden: the other 3 devices' rows)
   assert replicated.output_size_in_bytes - token_split.output_size_in_bytes == hidden_rows
-  assert token_split.temp_size_in_bytes <= replicated.temp_size_in_bytes * 1.01, (
-      token_split.temp_size_in_bytes, replicated.temp_size_in_bytes)
+  total = lambda p: (p.argument_size_in_bytes + p.output_size_in_bytes + p.temp_size_in_bytes
+                     - p.alias_size_in_bytes)
+  assert total(token_split) < total(replicated), (total(token_split), total(replicated))
+  if jax.default_backend() == "cpu":
+    assert token_split.temp_size_in_bytes <= replicated.temp_size_in_bytes * 1.01, (
+        token_split.temp_size_in_bytes, replicated.temp_size_in_bytes)
 
 
 def test_token_split_from_the_arrays_types():

@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-import functools
 import inspect
-import types
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 import jaxce
-from jaxce import reference as _reference
+from jaxce import reference
 
 # Max abs error allowed against the float64 reference, by input dtype, for outputs
 # (log-prob, entropy) and for gradients. f32 inputs are exact up to f32 rounding of
@@ -20,36 +18,6 @@ TOLERANCE = {
     jnp.float64: dict(value=1e-10, grad=1e-10),
     jnp.float32: dict(value=2e-4, grad=2e-5),
 }
-
-
-def _jitted(fn):
-  """``fn`` called as one compiled program: its array arguments (and tracers) traced, every
-  other argument static. The same operations as the eager call; on CPU, where compiling
-  dominates the suite's time, one program per shape and options instead of one per
-  operation (a float64 reference and its gradient are some forty eager operations)."""
-  programs = {}
-
-  @functools.wraps(fn)
-  def call(*args, **kwargs):
-    leaves, tree = jax.tree.flatten((args, kwargs))
-    traced = tuple(isinstance(x, (jax.Array, np.ndarray, jax.core.Tracer)) for x in leaves)
-    static = tuple(None if t else x for x, t in zip(leaves, traced))
-    key = (tree, traced, static)
-    if key not in programs:
-      def program(arrays):
-        it = iter(arrays)
-        call_args, call_kwargs = jax.tree.unflatten(
-            tree, [next(it) if t else x for x, t in zip(static, traced)])
-        return fn(*call_args, **call_kwargs)
-      programs[key] = jax.jit(program)
-    return programs[key]([x for x, t in zip(leaves, traced) if t])
-
-  return call
-
-
-# The float64 references (``jaxce.reference``), each call one compiled program (``_jitted``).
-reference = types.SimpleNamespace(**{name: _jitted(getattr(_reference, name))
-                                     for name in _reference.__all__})
 
 
 def adversarial_logits(rng, shape, *, scale=4.0, offset=0.0, peak=25.0, banned=0.0):

@@ -46,6 +46,8 @@ def _logits(rng, tokens, columns, dtype):
     (136, 400, jnp.bfloat16, None, 2),    # V not a multiple of 128: a partial last tile
     (300, 1008, jnp.float32, 1000, 4),    # (in a short last group, behind a limit)
     (64, 1024, jnp.bfloat16, None, 1),    # 8 segments of one tile each: a group each
+    (136, 2432, jnp.bfloat16, None, 2),   # 8 segments of 304: each tiled from its first
+    (300, 1408, jnp.float32, 1300, 1),    # column, its last tile partial; 8 of 176, a limit
 ])
 def test_group_statistics_match_float64(tokens, columns, dtype, limit, min_tiles, monkeypatch):
   monkeypatch.setattr(mosaic_rows, "CONFIG", dataclasses.replace(mosaic_rows.CONFIG,
@@ -75,9 +77,10 @@ def test_group_statistics_match_float64(tokens, columns, dtype, limit, min_tiles
     np.testing.assert_array_equal(tiles[g, 3], picked if g == 0 else 0)
 
 
-@pytest.mark.parametrize("columns,with_kept", [(400, False), (656, True)])
+@pytest.mark.parametrize("columns,with_kept", [(400, False), (656, True), (2432, True)])
 def test_only_the_partial_tiles_group_is_masked(columns, with_kept, monkeypatch):
-  """A width whose last tile is partial runs its last group in a call of its own, the only
+  """A width whose last tile is partial runs its last group (with several segments, each
+  segment's: 2432 columns are 8 of 304) in a call of its own, the only
   one whose fold masks columns: the groups' statistics are one call's that masks every
   tile (the mask excludes no column of a whole tile), ``m`` and the picked logit bit for
   bit, the sums up to rounding (without the mask's select, a compiler may fuse the fold
@@ -94,9 +97,9 @@ def test_only_the_partial_tiles_group_is_masked(columns, with_kept, monkeypatch)
   words = None
   if with_kept:
     label_column = jnp.asarray(rng.integers(0, columns, tokens))
-    words = mosaic_tile.kept_words(jaxce.keep.pack(jnp.asarray(rng.random((tokens, columns))
-                                                               < 0.3)),
-                                   label_column, tokens, columns)
+    words = mosaic_tile.segment_kept_words(
+        jaxce.keep.pack(jnp.asarray(rng.random((tokens, columns)) < 0.3)), label_column, tokens,
+        layout)
   row_inputs = mosaic_tile.stack(mosaic_tile.RowsStatisticsInputs(
       inv_temp=inv_temp, picked=jnp.asarray(rng.normal(size=tokens), jnp.float32),
       limit=jnp.full((tokens,), float(columns), jnp.float32)))
@@ -109,7 +112,8 @@ def test_only_the_partial_tiles_group_is_masked(columns, with_kept, monkeypatch)
                       lambda *a, **k: calls.append(k["masked"]) or one_call(*a, **k))
   split = mosaic_rows._statistics(x, row_inputs, words, masked=False, **kw)
   assert calls == [False, True]
-  whole = one_call(x, row_inputs, words, 0, mosaic_rows.num_groups(layout), masked=True, **kw)
+  whole = one_call(mosaic_rows.columns_view(x, layout), row_inputs, words, lambda i: i,
+                   mosaic_rows.num_groups(layout), masked=True, **kw)
   split, whole = np.asarray(split), np.asarray(whole)  # [groups, row blocks, 4, rows]
   for field in (0, 3):  # m, picked
     assert np.array_equal(split[:, :, field].view(np.uint32), whole[:, :, field].view(np.uint32))
@@ -124,6 +128,7 @@ def test_only_the_partial_tiles_group_is_masked(columns, with_kept, monkeypatch)
     (136, 384, jnp.bfloat16, None),  # the last row block moved back, 3 groups
     (300, 256, jnp.float32, 200),    # a ragged row count (padded to 8), a limit
     (136, 400, jnp.bfloat16, None),  # a partial last tile: its words past V are zeros
+    (136, 1408, jnp.bfloat16, None),  # 8 segments of 176: their words start mid-word
 ])
 def test_group_statistics_over_kept_sets(tokens, columns, dtype, limit, monkeypatch):
   """Kept sets read with the tiles: ~5 % kept at random, a row keeping its label alone (or
@@ -164,7 +169,7 @@ def test_group_statistics_over_kept_sets(tokens, columns, dtype, limit, monkeypa
     assert_close(tiles[g, 2], q, 2e-6 * max(e.sum(axis=1).max(), 1) * (1 + scale), f"q {g}")
 
 
-@pytest.mark.parametrize("tokens,columns", [(40, 384), (300, 384), (300, 400)])
+@pytest.mark.parametrize("tokens,columns", [(40, 384), (300, 384), (300, 400), (136, 1408)])
 def test_matches_xla_and_reference(tokens, columns):
   """bf16 logits, per-token temperature, a padded vocabulary, ignored and masked tokens,
   random cotangents for both outputs: the Mosaic forward as exact as XLA's, the same
@@ -248,6 +253,9 @@ def _weighted_sum(outputs, cot):
     (200, False, True, True, True, 400),     # the last tile partial: in place,
     (128, True, True, True, True, 400),      # with kept sets,
     (200, True, False, True, True, 400),     # into a new array
+    (200, False, True, True, True, 1408),    # 8 segments of 176 (each's last tile
+    (128, True, True, True, True, 1408),     # partial): in place, with kept sets,
+    (200, True, False, True, True, 1408),    # into a new array
 ])
 def test_gradient_kernels_match_xla(tokens, keep, in_place, entropy_cotangent, kernel, columns):
   """The gradient kernel on the Mosaic plan, over the logits (``backward_in_place=True``:

@@ -114,13 +114,60 @@ def test_a_weight_copied_in_blocks_is_copied_once_per_forward(columns, layout, c
     (131072, 1, (16384, 8, 8)),
     (400, 1, (400, 1, 1)),
 ])
-def test_segments_are_fixed_by_the_vocabulary(columns, shards, want):
-  """Segments of whole tiles fixed by ``V`` alone, the same at every shard count whose
-  shards hold whole segments; a shard that is not whole tiles is one segment."""
-  layout = mosaic_tile.segments(columns, shards)
+def test_the_heads_segments_are_whole_tiles(columns, shards, want):
+  """The fused head's segments: whole tiles fixed by ``V`` alone, the same at every shard
+  count whose shards hold whole segments; a shard that is not whole tiles is one
+  segment."""
+  layout = mosaic_tile.segments(columns, shards, whole_tiles=True)
   assert (layout.width, layout.count, layout.total) == want
   assert layout.num_tiles == -(-columns // 128)
-  assert layout.partial == bool(columns % 128)
+  assert layout.partial == bool(columns % 128) and not layout.split
+
+
+@pytest.mark.parametrize("columns,shards,want", [
+    (151936, 1, (18992, 8, 8)),    # Qwen3: 8 segments of 18992 (148 tiles and 48 columns)
+    (75968, 2, (18992, 4, 8)),     # ... the same 8 over 2, 4 and 8 GPUs
+    (37984, 4, (18992, 2, 8)),
+    (18992, 8, (18992, 1, 8)),
+    (248320, 1, (31040, 8, 8)),    # Qwen3.5: 8 segments of 31040 (242 tiles and 64)
+    (128256, 1, (16032, 8, 8)),    # Llama 3, DeepSeek-V3: the same at every n up to 8
+    (32320, 4, (16160, 2, 8)),
+    (131072, 1, (16384, 8, 8)),    # whole tiles: one tiling of the columns from 0
+    (151643, 1, (151643, 1, 1)),   # odd: one segment, at any shard count
+    (400, 1, (400, 1, 1)),
+])
+def test_the_rows_segments_are_fixed_by_the_vocabulary(columns, shards, want):
+  """The logits rows' kernels' segments: up to 8 equal segments of a multiple of 16
+  columns fixed by ``V`` alone, each tiled from its own first column (its last tile
+  partial where the width is not whole tiles), the same at every shard count whose
+  shards hold whole segments."""
+  layout = mosaic_tile.segments(columns, shards)
+  assert (layout.width, layout.count, layout.total) == want
+  assert layout.num_tiles == layout.count * -(-layout.width // 128)
+  assert layout.split == (layout.count > 1 and bool(layout.width % 128))
+
+
+def test_kept_words_of_segments():
+  """The kept words of several segments whose first columns are not multiples of 32
+  (8 segments of 176 columns): each segment's tiles from its own first column, the
+  label's bit set in its segment alone, zeros past each segment's end and past the
+  rows."""
+  rng = np.random.default_rng(1)
+  rows, columns = 5, 1408
+  layout = mosaic_tile.segments(columns)
+  assert layout.split and layout.width == 176
+  mask = rng.random((rows, columns)) < 0.3
+  label_column = np.array([3, 177, -1, 1407, 200])
+  got = np.asarray(mosaic_tile.segment_kept_words(jaxce.keep.pack(mask),
+                                                  jnp.asarray(label_column), 8, layout))
+  assert got.shape == (8 * 2 * 4, 8) and got.dtype == np.uint32
+  want = mask.copy()
+  owned = label_column >= 0
+  want[np.arange(rows)[owned], label_column[owned]] = True
+  padded = np.zeros((8, 8, 256), bool)  # [rows, segments, two tiles of columns]
+  padded[:rows, :, :176] = want.reshape(rows, 8, 176)
+  bits = (got.T[:, :, None] >> np.arange(32, dtype=np.uint32)) & 1
+  np.testing.assert_array_equal(bits.reshape(8, 8, 256).astype(bool), padded)
 
 
 def test_kept_words_of_a_partial_tile():

@@ -180,7 +180,7 @@ def _mosaic_statistics(hidden, weight, tokens, shard_start, config):
   order. Each token's bits depend on its own inputs alone."""
   num_tokens, num_columns = hidden.shape[0], weight.shape[config.vocab_dim]
   limit = softmax.kernel_limit(config.plan.mask_vocab, shard_start, num_columns)
-  segments = logits_rows.layout(num_columns, config.vocab_axis)
+  segments = logits_rows.layout(num_columns, config.vocab_axis, whole_tiles=True)
 
   def chunk_step(_, start, size):
     h, chunk_tokens = chunking.take_rows((hidden, tokens), start, size)

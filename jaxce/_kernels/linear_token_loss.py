@@ -216,7 +216,7 @@ def _kernel_group(call: _Call, group_rows):
       with_entropy=config.with_entropy, interpret=config.plan.interpret,
       num_cores=config.plan.num_cores, with_exp=with_grads)
   tiles, e = out if with_grads else (out, None)
-  segments = logits_rows.layout(call.num_columns, config.vocab_axis)
+  segments = logits_rows.layout(call.num_columns, config.vocab_axis, whole_tiles=True)
   logp, shift, log_sum, entropy = logits_rows.tile_outputs(tiles, group_tokens, config,
                                                            segments)
   row_mask = group_tokens.valid & fresh  # a clamped group's overlap counts once

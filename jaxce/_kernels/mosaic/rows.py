@@ -84,32 +84,71 @@ def tiles_per_group(layout: mosaic_tile.Segments) -> int:
 
 class Group(NamedTuple):
   """A CTA's group of tiles: its first tile in the tiles' order (the words' and shifts'
-  block too) and its count of tiles."""
+  block too), its count of tiles, its segment and its first tile within the segment."""
   tile: jnp.ndarray
   count: jnp.ndarray
+  segment: jnp.ndarray
+  first: jnp.ndarray
 
 
 def num_groups(layout: mosaic_tile.Segments) -> int:
   """The groups of ``layout``'s tiles (``tiles_per_group`` a CTA, each within a segment)."""
-  return layout.count * -(-layout.tiles_per_segment // tiles_per_group(layout))
+  return layout.count * groups_per_segment(layout)
+
+
+def groups_per_segment(layout: mosaic_tile.Segments) -> int:
+  """The groups of one segment's tiles."""
+  return -(-layout.tiles_per_segment // tiles_per_group(layout))
 
 
 def group_at(index, layout: mosaic_tile.Segments) -> Group:
   """The ``index``-th group of tiles of ``layout`` (in the columns' order)."""
   group = tiles_per_group(layout)
-  per_segment = -(-layout.tiles_per_segment // group)
+  per_segment = groups_per_segment(layout)
   segment = index // per_segment
   first = (index - segment * per_segment) * group
   return Group(tile=segment * layout.tiles_per_segment + first,
-               count=jnp.minimum(group, layout.tiles_per_segment - first))
+               count=jnp.minimum(group, layout.tiles_per_segment - first),
+               segment=segment, first=first)
 
 
-def tile_specs(group: Group, dtype, has_words, num_columns):
-  """The pipeline's ``in_specs`` over ``group``'s tiles of ``[rows, num_columns]``: step
+def group_column(group: Group, k, layout: mosaic_tile.Segments):
+  """The first column (of this device's) of ``group``'s ``k``-th tile."""
+  return group.segment * layout.width + (group.first + k) * TILE
+
+
+def columns_view(x, layout: mosaic_tile.Segments):
+  """``x [rows, V_local]`` as the kernels read and write it: ``[rows, count, width]``
+  where ``layout.split`` (TMA's bounds then end each segment's partial last tile), else
+  itself (a free reshape)."""
+  if not layout.split:
+    return x
+  return x.reshape(x.shape[0], layout.count, layout.width)
+
+
+def segment_columns(ref, rows, group: Group, layout: mosaic_tile.Segments):
+  """``ref``'s (``columns_view``) ``rows`` of ``group``'s segment: ``[rows, width]``
+  where ``layout.split``, else ``[rows, V_local]``; a tile's index in it is
+  ``tile_index(group, k, layout)``."""
+  return ref.at[rows, group.segment] if layout.split else ref.at[rows]
+
+
+def tile_index(group: Group, k, layout: mosaic_tile.Segments):
+  """The index, in tiles, of ``group``'s ``k``-th tile in ``segment_columns``."""
+  return group.first + k if layout.split else group.tile + k
+
+
+def row_width(layout: mosaic_tile.Segments) -> int:
+  """The columns of a row of ``columns_view`` (what TMA tiles)."""
+  return layout.width if layout.split else layout.count * layout.width
+
+
+def tile_specs(group: Group, dtype, has_words, layout: mosaic_tile.Segments):
+  """The pipeline's ``in_specs`` over ``group``'s tiles of ``segment_columns``: step
   ``k``'s ``[CONFIG.rows, TILE]`` tile of ``dtype`` (a partial one padded with zeros) and, with
   ``has_words``, its ``[WORDS, CONFIG.rows]`` block of the transposed kept-set words."""
-  specs = [plgpu.BlockSpec((CONFIG.rows, TILE), lambda k: (0, group.tile + k),
-                           transforms=tile_swizzle(dtype, num_columns))]
+  specs = [plgpu.BlockSpec((CONFIG.rows, TILE), lambda k: (0, tile_index(group, k, layout)),
+                           transforms=tile_swizzle(dtype, row_width(layout)))]
   if has_words:
     specs.append(plgpu.BlockSpec((WORDS, CONFIG.rows), lambda k: (group.tile + k, 0)))
   return specs
@@ -134,40 +173,46 @@ def _statistics(x, row_inputs, words, *, layout, masked, with_entropy, stages, i
   The same groups (a function of the width alone), the statistics concatenated (16 bytes
   per row per group); a whole tile's sums may round otherwise than under a mask that
   excludes none of its columns."""
-  groups = num_groups(layout)
-  call = partial(_group_statistics, x, row_inputs, words, layout=layout,
-                 with_entropy=with_entropy, stages=stages, interpret=interpret)
-  if masked or not layout.partial or groups == 1:
-    return call(0, groups, masked=masked or layout.partial)
-  return jnp.concatenate([call(0, groups - 1, masked=False),
-                          call(groups - 1, 1, masked=True)])
+  groups, per_segment = num_groups(layout), groups_per_segment(layout)
+  call = partial(_group_statistics, columns_view(x, layout), row_inputs, words,
+                 layout=layout, with_entropy=with_entropy, stages=stages, interpret=interpret)
+  if masked or not layout.partial or per_segment == 1:
+    return call(lambda i: i, groups, masked=masked or layout.partial)
+  # (each segment's last group in the second call: the i-th of the first call's is group
+  # i + its segment)
+  whole = call(lambda i: i + i // (per_segment - 1), groups - layout.count, masked=False)
+  last = call(lambda i: (i + 1) * per_segment - 1, layout.count, masked=True)
+  per = lambda a, n: a.reshape((layout.count, n) + a.shape[1:])
+  return jnp.concatenate([per(whole, per_segment - 1), per(last, 1)],
+                         axis=1).reshape((groups,) + whole.shape[1:])
 
 
-def _group_statistics(x, row_inputs, words, first_group, groups, *, layout, masked,
+def _group_statistics(x, row_inputs, words, group_of, groups, *, layout, masked,
                       with_entropy, stages, interpret):
-  """``_statistics`` of groups ``[first_group, first_group + groups)`` in one kernel call
-  (``masked``: every tile's fold applies the rows' limit, and a partial last tile's
-  columns past ``V_local``)."""
-  num_rows, num_columns = x.shape
+  """``_statistics`` of the groups ``group_of(i)``, ``i < groups``, in one kernel call (``x``:
+  the ``columns_view``; ``masked``: every tile's fold applies the rows' limit, and a
+  partial last tile's columns past its segment's end)."""
+  num_rows = x.shape[0]
   row_blocks = -(-num_rows // CONFIG.rows)
   has_words = words is not None
 
   def kernel(x_gmem, rows_gmem, *refs):
     *words_gmem, out_gmem = refs
     block, local_group = lax.axis_index("rows"), lax.axis_index("groups")
-    group_index = local_group + first_group
+    group_index = group_of(local_group)
     first_row = pl.multiple_of(jnp.minimum(block * CONFIG.rows, num_rows - CONFIG.rows), 8)
     rows = pl.ds(first_row, CONFIG.rows)
     inputs = mosaic_tile.load(mosaic_tile.RowsStatisticsInputs, rows_gmem, block,
                               optimized=False)
     group = group_at(group_index, layout)
-    if layout.partial and masked:  # (the partial last tile's columns past V_local read zeros)
-      inputs = inputs._replace(limit=jnp.minimum(inputs.limit, jnp.float32(num_columns)))
+    if layout.partial and masked:  # (a partial last tile's columns past the segment read zeros)
+      end = ((group.segment + 1) * layout.width).astype(jnp.float32)
+      inputs = inputs._replace(limit=jnp.minimum(inputs.limit, end))
 
     def body(indices, x_smem, *smem):
       (k,) = indices
       *words_smem, carry = smem
-      column = (group.tile + k) * TILE
+      column = group_column(group, k, layout)
       kept = mosaic_tile.kept_columns(words_smem[0]) if has_words else None
       return mosaic_tile.fold(plgpu.load(x_smem, layout=plgpu.Layout.WGMMA), carry, inputs,
                               column, kept, masked=masked, with_entropy=with_entropy)
@@ -175,10 +220,10 @@ def _group_statistics(x, row_inputs, words, first_group, groups, *, layout, mask
     zero = jnp.zeros((CONFIG.rows,), jnp.float32)
     init = (jnp.full((CONFIG.rows,), mosaic_tile.FLOOR, jnp.float32), zero, zero)
     pipeline = plgpu.emit_pipeline(body, grid=(group.count,),
-                                   in_specs=tile_specs(group, x.dtype, has_words,
-                                                       num_columns),
+                                   in_specs=tile_specs(group, x.dtype, has_words, layout),
                                    max_concurrent_steps=stages, init_carry=init)
-    m, s, q = pipeline(x_gmem.at[rows], *(w.at[:, rows] for w in words_gmem))
+    m, s, q = pipeline(segment_columns(x_gmem, rows, group, layout),
+                       *(w.at[:, rows] for w in words_gmem))
 
     @partial(pl.run_scoped, out_smem=plgpu.SMEM((4, CONFIG.rows), jnp.float32))
     def _store(out_smem):
@@ -247,7 +292,7 @@ def statistics(x, inv_temp, picked, limit, kept=None, label_column=None, *, layo
   """
   num_rows, num_columns = x.shape
   if (num_columns != layout.count * layout.width
-      or not mosaic_tile.array_swizzle(num_columns, x.dtype)):
+      or not mosaic_tile.array_swizzle(row_width(layout), x.dtype)):
     raise ValueError(f"{num_columns} columns: the layout's ({layout}), a row a multiple of "
                      "32 bytes expected")
   if kept is not None and kept.shape != (num_rows, -(-num_columns // 32)):
@@ -276,7 +321,7 @@ def _part_statistics(x, inv_temp, picked, kept, label_column, *, layout, bound, 
   padded = max(-(-num_rows // 8) * 8, CONFIG.rows)  # (TMA reads rows in tiles of 8)
   x = chunking.pad_rows(x, padded)  # (a copy when padded)
   if kept is not None:
-    kept = mosaic_tile.kept_words(kept, label_column, padded, x.shape[1])
+    kept = mosaic_tile.segment_kept_words(kept, label_column, padded, layout)
   pad = lambda v, fill: chunking.pad_rows(v.astype(jnp.float32), padded, fill)
   row_inputs = mosaic_tile.stack(mosaic_tile.RowsStatisticsInputs(
       inv_temp=pad(inv_temp, 1.0), picked=pad(picked, 0.0),

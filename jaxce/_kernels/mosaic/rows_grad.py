@@ -73,8 +73,10 @@ def _kernel(x, row_inputs, words, tile_shift=None, *, layout, in_place, masked, 
   the tiles), ``x`` holds the fused head's ``exp(z - m_tile)`` terms, ``row_inputs`` the
   rows' ``mosaic_tile.ExpGradientInputs``, and each tile's gradient is
   ``mosaic_tile.exp_gradient`` (``softcap``, ``with_log_p``; no words, no mask)."""
-  num_rows, num_columns = x.shape
-  transforms = mosaic_rows.tile_swizzle(x.dtype, num_columns)
+  num_rows = x.shape[0]
+  shape = x.shape
+  x = mosaic_rows.columns_view(x, layout)
+  transforms = mosaic_rows.tile_swizzle(x.dtype, mosaic_rows.row_width(layout))
   has_words, exp_rows = words is not None, tile_shift is not None
   inputs_type = mosaic_tile.ExpGradientInputs if exp_rows else mosaic_tile.RowsGradientInputs
 
@@ -89,7 +91,7 @@ def _kernel(x, row_inputs, words, tile_shift=None, *, layout, in_place, masked, 
     rows = pl.ds(first_row, CONFIG.rows)
     inputs = mosaic_tile.load(inputs_type, rows_gmem, block, optimized=False)
     group = mosaic_rows.group_at(group_index, layout)
-    in_specs = mosaic_rows.tile_specs(group, x.dtype, has_words, num_columns)
+    in_specs = mosaic_rows.tile_specs(group, x.dtype, has_words, layout)
     streams = tuple(w.at[:, rows] for w in streams_gmem)
     if exp_rows:  # (the tile's shifts: one f32 per row, beside the tile)
       in_specs = in_specs + [plgpu.BlockSpec((1, CONFIG.rows), lambda k: (group.tile + k, 0))]
@@ -100,7 +102,7 @@ def _kernel(x, row_inputs, words, tile_shift=None, *, layout, in_place, masked, 
     def _scoped(out_smem):
       def body(indices, x_smem, *stream_smem):
         (k,) = indices
-        column = (group.tile + k) * TILE
+        column = mosaic_rows.group_column(group, k, layout)
         tile = plgpu.load(x_smem, layout=plgpu.Layout.WGMMA)
         if exp_rows:
           shift = plgpu.load(stream_smem[0].at[0], layout=plgpu.Layout.WGMMA.reduce(1))
@@ -114,13 +116,14 @@ def _kernel(x, row_inputs, words, tile_shift=None, *, layout, in_place, masked, 
         slot = out_smem.at[k % 2]
         slot[...] = grad.astype(x.dtype)
         plgpu.commit_smem()
-        # (a partial last tile's columns past V_local: dropped by TMA's bounds)
+        # (a partial last tile's columns past its segment: dropped by TMA's bounds)
+        at = pl.multiple_of(mosaic_rows.tile_index(group, k, layout) * TILE, TILE)
         plgpu.copy_smem_to_gmem(
-            slot, out_gmem.at[rows, pl.ds(pl.multiple_of(column, TILE), TILE)])
+            slot, mosaic_rows.segment_columns(out_gmem, rows, group, layout).at[:, pl.ds(at, TILE)])
 
       pipeline = plgpu.emit_pipeline(
           body, grid=(group.count,), in_specs=in_specs, max_concurrent_steps=stages)
-      pipeline(x_gmem.at[rows], *streams)
+      pipeline(mosaic_rows.segment_columns(x_gmem, rows, group, layout), *streams)
       plgpu.wait_smem_to_gmem(0)
 
   call = functools.partial(
@@ -131,10 +134,10 @@ def _kernel(x, row_inputs, words, tile_shift=None, *, layout, in_place, masked, 
   if not in_place:
     grad = call(out_type=plumbing.shape_dtype_like(x, x.shape, x.dtype))(x, *inputs)
     # (The kernel's output type drops the shard_map axes x varies over: cast back.)
-    return plumbing.unify_varying((grad, x), None)[0]
+    return plumbing.unify_varying((grad, x), None)[0].reshape(shape)
   logits = jax.new_ref(x)  # (written in place: the kernel's output aliases x)
   call(out_type=())(logits, *inputs)
-  return jax.freeze(logits)
+  return jax.freeze(logits).reshape(shape)
 
 
 def _cotangent_fields(valid, saved, cotangents) -> dict:
@@ -200,8 +203,8 @@ def overwrite(x, tokens: Tokens, saved, cotangents, column_start, limit, tail_gr
     bound = num_columns if limit is None else limit
     rows = _row_inputs(tokens, saved, cotangents, column_start, bound)[:, :whole]
     rows = _by_block(rows, whole // CONFIG.rows)
-    words = None if tokens.kept is None else mosaic_tile.kept_words(
-        tokens.kept[:whole], tokens.labels[:whole] - column_start, whole, num_columns)
+    words = None if tokens.kept is None else mosaic_tile.segment_kept_words(
+        tokens.kept[:whole], tokens.labels[:whole] - column_start, whole, layout)
     x = _kernel(x, rows, words, layout=layout, in_place=True, masked=limit is not None,
                 stages=stages, interpret=interpret)
   if whole < num_rows:
@@ -227,8 +230,8 @@ def gradient(x, tokens: Tokens, saved, cotangents, column_start, limit, *, layou
   bound = num_columns if limit is None else limit
   rows = _row_inputs(tokens, saved, cotangents, column_start, bound)
   rows = chunking.pad_rows(rows.T, padded, 0).T[:, blocks].transpose(1, 0, 2)
-  words = None if tokens.kept is None else mosaic_tile.kept_words(
-      tokens.kept, tokens.labels - column_start, padded, num_columns)
+  words = None if tokens.kept is None else mosaic_tile.segment_kept_words(
+      tokens.kept, tokens.labels - column_start, padded, layout)
   grad = _kernel(chunking.pad_rows(x, padded), rows, words, layout=layout, in_place=False,
                  masked=limit is not None, stages=stages, interpret=interpret)
   return grad[:num_rows]
@@ -286,7 +289,7 @@ def _check_shape(x, layout):
   ``layout`` and a row a multiple of 32 bytes (``mosaic_tile.array_swizzle``)."""
   num_rows, num_columns = x.shape
   if (num_columns != layout.count * layout.width or num_rows % 8
-      or not mosaic_tile.array_swizzle(num_columns, x.dtype)):
+      or not mosaic_tile.array_swizzle(mosaic_rows.row_width(layout), x.dtype)):
     raise ValueError(f"x: {x.shape}, rows a multiple of 8, the columns of {layout} and a "
                      "row a multiple of 32 bytes expected")
 

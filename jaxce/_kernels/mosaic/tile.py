@@ -74,11 +74,13 @@ def _columns(shape, column):
   return (local + column).astype(jnp.float32)
 
 
-# The logits rows' kernels fold a row's tiles in groups within segments: up to MAX_SHARDS
-# equal segments of whole tiles, fixed by V alone, so every power-of-two shard count up to
-# MAX_SHARDS whose shards are whole segments sees the same groups (as the fused head's
-# tiles are the same wherever the shards are whole tiles). Bits across shard counts are
-# not promised (docs/guides/reproducible.md): a shard that is not whole tiles has tiles of
+# The kernels cut a device's columns into segments fixed by V alone: up to MAX_SHARDS
+# equal segments, so every power-of-two shard count up to MAX_SHARDS whose shards are
+# whole segments sees the same tiles and groups, and a token the same bits
+# (docs/guides/reproducible.md). The logits rows' kernels tile each segment from its own
+# first column (its last tile partial where the width is not whole tiles: Qwen3's
+# 151936 columns are 8 segments of 18992); the fused head's tiles run from column 0, so
+# its segments are whole tiles, and a shard that is not whole tiles is one segment of
 # its own.
 MAX_SHARDS = 8
 # TMA tiles an array in device memory as the tile's shared memory is tiled (its swizzle's
@@ -89,12 +91,13 @@ MIN_ALIGN = 16
 
 class Segments(NamedTuple):
   """How the kernels tile this device's ``V_local = count * width`` columns: ``count``
-  segments of ``width`` columns, tiles of ``TILE`` columns from column 0. Segments are
-  whole tiles, except a lone segment (``count == 1``) whose width is not a multiple of
-  ``TILE``: its last tile is partial, reads zeros past the array's end (TMA's bounds),
-  the statistics mask those columns, and its stores past the end are dropped, so no
-  column is read from another shard, computed twice or written twice. ``total``: the
-  segments over every shard (``count`` times the shard count)."""
+  segments of ``width`` columns, each tiled in ``TILE`` columns from its own first
+  column. Where ``width`` is not a multiple of ``TILE`` each segment's last tile is
+  partial: it reads zeros past the segment's end (TMA's bounds: the kernels read the
+  columns as ``[rows, count, width]``, ``split``), the statistics mask those columns, and
+  its stores past the end are dropped, so no column is read from another segment or
+  shard, computed twice or written twice. ``total``: the segments over every shard
+  (``count`` times the shard count)."""
   width: int
   count: int
   total: int
@@ -110,21 +113,31 @@ class Segments(NamedTuple):
 
   @property
   def partial(self) -> bool:
-    """Whether the last tile is partial (its columns past ``V_local`` masked)."""
+    """Whether each segment's last tile is partial (its columns past the segment's end
+    masked)."""
     return self.width % TILE != 0
 
+  @property
+  def split(self) -> bool:
+    """Whether the kernels read (and write) the columns as ``[rows, count, width]``:
+    several segments whose last tiles are partial."""
+    return self.count > 1 and self.partial
 
-def segments(num_columns: int, num_shards: int = 1) -> Segments:
+
+def segments(num_columns: int, num_shards: int = 1, *, whole_tiles: bool = False) -> Segments:
   """The segments of a device's ``num_columns`` columns when the vocabulary is split over
   ``num_shards`` devices: ``V = num_columns * num_shards`` cut into the most equal segments
-  of whole tiles (at most ``MAX_SHARDS``, a power of two). A function of ``V`` alone
-  whenever each shard holds whole segments, so a token's tiles and groups, and its bits,
-  are the same at every power-of-two shard count up to ``MAX_SHARDS`` whose shards are
-  whole tiles; a shard that is not (Qwen3's 151936 columns over 4 devices: 37984) is one
-  segment of its own, its last tile partial."""
+  (at most ``MAX_SHARDS``, a power of two) whose width is a multiple of ``MIN_ALIGN``
+  (TMA's rows), or with ``whole_tiles`` (the fused head's tiles) of ``TILE``. A function of
+  ``V`` alone whenever each shard holds whole segments, so a token's tiles and groups, and
+  its bits, are the same at every power-of-two shard count up to ``MAX_SHARDS`` whose
+  shards are whole segments (Qwen3's 151936 columns: 8 segments of 18992 for the logits
+  rows' kernels); a shard that is not (with ``whole_tiles``, 151936 over 4 devices:
+  37984 columns) is one segment of its own, its last tile partial."""
+  align = TILE if whole_tiles else MIN_ALIGN
   vocab = num_columns * num_shards
   count = MAX_SHARDS
-  while count > 1 and (vocab % count or (vocab // count) % TILE):
+  while count > 1 and (vocab % count or (vocab // count) % align):
     count //= 2
   width = vocab // count
   if num_columns % width:
@@ -159,6 +172,33 @@ def kept_words(kept, label_column, num_rows, num_columns):
   index = lax.broadcasted_iota(jnp.int32, words.shape, 1)
   words = jnp.where(index == label_column // 32, words | label_bit, words)
   return chunking.pad_rows(words, num_rows).T
+
+
+def segment_kept_words(kept, label_column, num_rows, layout: Segments):
+  """``kept_words`` of the tiles of ``layout``: each segment's tiles from its own first
+  column (bit ``v`` of a segment's words is its column ``v``, the segment's bits shifted
+  out of ``kept``'s words where its first column is not a multiple of 32, none past its
+  end), the segments' words in order; ``label_column [T]`` as ``kept_words``, over this
+  device's columns. Without ``layout.split``, ``kept_words`` itself. One XLA fusion;
+  memory: ``num_rows * layout.num_tiles * WORDS * 4`` bytes."""
+  num_columns = layout.count * layout.width
+  if not layout.split:
+    return kept_words(kept, label_column, num_rows, num_columns)
+  width = layout.width
+  num_words = -(-width // 32)
+  words = kept.astype(jnp.uint32)[:, :-(-num_columns // 32)]
+  words = jnp.pad(words, [(0, 0), (0, 1)])  # (the word after a segment's last)
+  last_bits = jnp.uint32((1 << (width % 32)) - 1 if width % 32 else 0xFFFFFFFF)
+  per_segment = []
+  for segment in range(layout.count):
+    word, bit = divmod(segment * width, 32)
+    low = words[:, word:word + num_words]
+    if bit:
+      high = words[:, word + 1:word + 1 + num_words]
+      low = (low >> jnp.uint32(bit)) | (high << jnp.uint32(32 - bit))
+    low = low.at[:, -1].set(low[:, -1] & last_bits)
+    per_segment.append(kept_words(low, label_column - segment * width, num_rows, width))
+  return jnp.concatenate(per_segment)
 
 
 def kept_columns(words_smem):

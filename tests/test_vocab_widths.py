@@ -72,8 +72,10 @@ def test_odd_widths_run_the_fused_kernels_and_the_logits_path_says_why_not(colum
 
 @pytest.mark.parametrize("columns,layout,copied", [
     (151643, "dv", True), (151643, "vd", True),  # odd: TMA reads neither layout in place
-    (37984, "dv", True), (37984, "vd", False),   # 64-byte rows; whole tiles of 8 rows
-    (75968, "dv", False), (151680, "dv", False)])
+    (37984, "dv", True), (37984, "vd", True),    # segments of 18992: each copied out
+    (75968, "dv", True), (151936, "vd", True),
+    (31040, "dv", False),                        # one segment read in place, then its rest
+    (131072, "dv", False), (131072, "vd", False)])  # segments of whole tiles: in place
 def test_a_weight_copied_in_blocks_is_copied_once_per_forward(columns, layout, copied,
                                                                monkeypatch):
   """The fused forward copies a weight TMA cannot read in place out in vocab blocks, once
@@ -104,27 +106,6 @@ def test_a_weight_copied_in_blocks_is_copied_once_per_forward(columns, layout, c
 
 
 @pytest.mark.parametrize("columns,shards,want", [
-    (151936, 1, (151936, 1, 1)),   # Qwen3 on one GPU: one segment (151936 / 2 is ragged)
-    (75968, 2, (75968, 1, 2)),     # ... and its shards: one each, their last tile partial
-    (37984, 4, (37984, 1, 4)),
-    (248320, 1, (62080, 4, 4)),    # Qwen3.5: four segments of whole tiles
-    (124160, 2, (62080, 2, 4)),    # ... the same four over two GPUs
-    (62080, 4, (62080, 1, 4)),
-    (31040, 8, (31040, 1, 8)),     # ... eight GPUs: shards narrower than a segment
-    (131072, 1, (16384, 8, 8)),
-    (400, 1, (400, 1, 1)),
-])
-def test_the_heads_segments_are_whole_tiles(columns, shards, want):
-  """The fused head's segments: whole tiles fixed by ``V`` alone, the same at every shard
-  count whose shards hold whole segments; a shard that is not whole tiles is one
-  segment."""
-  layout = mosaic_tile.segments(columns, shards, whole_tiles=True)
-  assert (layout.width, layout.count, layout.total) == want
-  assert layout.num_tiles == -(-columns // 128)
-  assert layout.partial == bool(columns % 128) and not layout.split
-
-
-@pytest.mark.parametrize("columns,shards,want", [
     (151936, 1, (18992, 8, 8)),    # Qwen3: 8 segments of 18992 (148 tiles and 48 columns)
     (75968, 2, (18992, 4, 8)),     # ... the same 8 over 2, 4 and 8 GPUs
     (37984, 4, (18992, 2, 8)),
@@ -134,13 +115,14 @@ def test_the_heads_segments_are_whole_tiles(columns, shards, want):
     (32320, 4, (16160, 2, 8)),
     (131072, 1, (16384, 8, 8)),    # whole tiles: one tiling of the columns from 0
     (151643, 1, (151643, 1, 1)),   # odd: one segment, at any shard count
+    (31040, 8, (31040, 1, 8)),     # a shard of one segment: tiled from its first column
     (400, 1, (400, 1, 1)),
 ])
-def test_the_rows_segments_are_fixed_by_the_vocabulary(columns, shards, want):
-  """The logits rows' kernels' segments: up to 8 equal segments of a multiple of 16
-  columns fixed by ``V`` alone, each tiled from its own first column (its last tile
-  partial where the width is not whole tiles), the same at every shard count whose
-  shards hold whole segments."""
+def test_segments_are_fixed_by_the_vocabulary(columns, shards, want):
+  """The kernels' segments: up to 8 equal segments of a multiple of 16 columns fixed by
+  ``V`` alone, each tiled from its own first column (its last tile partial where the
+  width is not whole tiles), the same at every shard count whose shards hold whole
+  segments."""
   layout = mosaic_tile.segments(columns, shards)
   assert (layout.width, layout.count, layout.total) == want
   assert layout.num_tiles == layout.count * -(-layout.width // 128)

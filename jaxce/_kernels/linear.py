@@ -180,7 +180,7 @@ def _mosaic_statistics(hidden, weight, tokens, shard_start, config):
   order. Each token's bits depend on its own inputs alone."""
   num_tokens, num_columns = hidden.shape[0], weight.shape[config.vocab_dim]
   limit = softmax.kernel_limit(config.plan.mask_vocab, shard_start, num_columns)
-  segments = logits_rows.layout(num_columns, config.vocab_axis, whole_tiles=True)
+  segments = logits_rows.layout(num_columns, config.vocab_axis)
 
   def chunk_step(_, start, size):
     h, chunk_tokens = chunking.take_rows((hidden, tokens), start, size)
@@ -188,7 +188,7 @@ def _mosaic_statistics(hidden, weight, tokens, shard_start, config):
         h, weight, chunk_tokens.labels, chunk_tokens.inv_temp, limit, chunk_tokens.kept,
         column_start=shard_start,
         vocab_dim=config.vocab_dim, softcap=config.logit_softcap, with_entropy=config.with_entropy,
-        interpret=config.plan.interpret, num_cores=config.plan.num_cores)
+        interpret=config.plan.interpret, num_cores=config.plan.num_cores, layout=segments)
     return None, logits_rows.merge_tiles(tiles, config, segments)
 
   chunks = config.plan.kernel_chunks

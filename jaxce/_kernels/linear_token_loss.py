@@ -210,13 +210,13 @@ def _kernel_group(call: _Call, group_rows):
   config, column_start, with_grads = call.config, call.column_start, call.with_grads
   h, group_tokens, group_args, fresh = group_rows
   limit = softmax.kernel_limit(config.plan.mask_vocab, column_start, call.num_columns)
+  segments = logits_rows.layout(call.num_columns, config.vocab_axis)
   out = mosaic_head.statistics(
       h, call.weight, group_tokens.labels, group_tokens.inv_temp, limit, group_tokens.kept,
       column_start=column_start, vocab_dim=config.vocab_dim, softcap=config.logit_softcap,
       with_entropy=config.with_entropy, interpret=config.plan.interpret,
-      num_cores=config.plan.num_cores, with_exp=with_grads)
+      num_cores=config.plan.num_cores, with_exp=with_grads, layout=segments)
   tiles, e = out if with_grads else (out, None)
-  segments = logits_rows.layout(call.num_columns, config.vocab_axis, whole_tiles=True)
   logp, shift, log_sum, entropy = logits_rows.tile_outputs(tiles, group_tokens, config,
                                                            segments)
   row_mask = group_tokens.valid & fresh  # a clamped group's overlap counts once

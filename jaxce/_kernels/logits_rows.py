@@ -17,12 +17,11 @@ from jaxce._kernels.triton import merge as triton_merge, rows as triton_rows
 from jaxce._kernels.config import Tokens
 
 
-def layout(num_columns: int, vocab_axis, *, whole_tiles: bool = False) -> mosaic_tile.Segments:
+def layout(num_columns: int, vocab_axis) -> mosaic_tile.Segments:
   """The Mosaic kernels' tiling of this shard's ``num_columns`` columns
-  (``mosaic_tile.segments``: segments fixed by the whole vocabulary; ``whole_tiles``: the
-  fused head's, whose segments are whole tiles)."""
-  return mosaic_tile.segments(num_columns, softmax.num_shards(vocab_axis),
-                              whole_tiles=whole_tiles)
+  (``mosaic_tile.segments``: segments fixed by the whole vocabulary, each tiled from its
+  own first column)."""
+  return mosaic_tile.segments(num_columns, softmax.num_shards(vocab_axis))
 
 
 def statistics(x, tokens: Tokens, column_start, config):

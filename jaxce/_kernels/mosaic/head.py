@@ -375,19 +375,20 @@ def _copy_out(scratch, value, out_slice):
 class _Into(NamedTuple):
   """Where one of several calls over a weight's columns writes in place (``jax.Ref``s
   shared by the calls, so nothing is concatenated after them): ``stats``, the f32 ``[tiles
-  of the whole weight, 4, C]`` statistics, from tile ``offset / TILE_N`` on; ``terms``,
-  the ``[C, >= offset + V]`` ``exp`` terms in hidden's dtype, from column ``offset`` on,
-  or None (the call returns its own); ``offset``, int32 ``[1]``, the call's first column
-  in the whole weight, a multiple of ``TILE_N`` (read in the kernel: one lowering for
-  every offset)."""
+  of the whole weight, 4, C]`` statistics; ``terms``, the ``exp`` terms in hidden's dtype,
+  ``[C, columns]`` or, over segments (``_segment_statistics``), ``[C, segments, width]``,
+  or None (the call returns its own); ``offset``, int32 ``[3]``: the call's first tile in
+  ``stats``, its first column in a row of ``terms`` (a multiple of ``TILE_N``) and its
+  segment there (read in the kernel: one lowering for every offset)."""
   stats: Any
   terms: Any
   offset: Any
 
 
-def _offset(start: int):
-  """``_Into.offset``: int32 ``[1]`` holding a call's first column ``start``."""
-  return jnp.full((1,), start, jnp.int32)
+def _offset(start: int, first_tile: int = 0, segment: int = 0):
+  """``_Into.offset`` of a call whose first column is ``start`` (a multiple of ``TILE_N``)
+  of a segment whose first tile is ``first_tile``."""
+  return jnp.asarray([first_tile + start // TILE_N, start, segment], jnp.int32)
 
 
 def _tile_statistics(hidden, weight, row_inputs, words, *, num_columns, vocab_dim, softcap,
@@ -410,14 +411,18 @@ def _tile_statistics(hidden, weight, row_inputs, words, *, num_columns, vocab_di
     outs = dict(zip(returned + passed, outs))
     out = mosaic_tile.tile_statistics(mosaic_tile.cap(x, softcap), inputs, column, kept,
                                       with_entropy, masked, with_exp)
-    # (a call starts on a tile: Mosaic infers the stores' layouts only when told so)
-    offset = 0 if into is None else pl.multiple_of(outs["offset"][0], TILE_N)
+    first_tile = 0 if into is None else outs["offset"][0]
     if with_exp:
       out, e = out
-      start = offset + column if terms_into else column
+      terms = outs["exp"]
+      start = column
+      if terms_into:  # (a call starts on a tile: Mosaic infers the stores' layouts only when told so)
+        start = pl.multiple_of(outs["offset"][1] + column, TILE_N)
+        if len(into.terms.shape) == 3:
+          terms = terms.at[:, outs["offset"][2]]
       _store_pieces(scratch["exp"], e.astype(hidden.dtype),
-                    outs["exp"].at[row_slice, pl.ds(start, TILE_N)], num_columns)
-    _copy_out(scratch["stats"], out, outs["stats"].at[offset // TILE_N + n_idx, :, row_slice])
+                    terms.at[row_slice, pl.ds(start, TILE_N)], num_columns)
+    _copy_out(scratch["stats"], out, outs["stats"].at[first_tile + n_idx, :, row_slice])
 
   def finish(x, inputs, column, kept, scratch, outs, n_idx, row_slice):
     args = (x, inputs, column, kept, scratch, outs, n_idx, row_slice)
@@ -437,7 +442,7 @@ def _tile_statistics(hidden, weight, row_inputs, words, *, num_columns, vocab_di
       tile_finish(*args, masked)
 
   n_iters = num_tiles(num_columns)
-  exp_columns = into.terms.shape[1] if terms_into else weight.shape[vocab_dim]
+  exp_columns = into.terms.shape[-1] if terms_into else weight.shape[vocab_dim]
   stats_type = jax.ShapeDtypeStruct((n_iters, 4, num_rows), jnp.float32)
   exp_type = jax.ShapeDtypeStruct((num_rows, exp_columns), hidden.dtype)
   scratch = dict(stats=plgpu.SMEM((2, 4, CONFIG.tile_m), jnp.float32))
@@ -475,7 +480,8 @@ def _tile_logits_grad(hidden, weight, row_inputs, words, *, vocab_dim, softcap, 
 
 
 def statistics(hidden, weight, labels, inv_temp, limit, kept=None, *, column_start,
-               vocab_dim, softcap, with_entropy, interpret, num_cores, with_exp=False):
+               vocab_dim, softcap, with_entropy, interpret, num_cores, with_exp=False,
+               layout=None):
   """Per-tile ``(m, s, q, picked)`` of ``z = softcap(hidden @ weight) * inv_temp`` over
   this weight's columns below ``limit``, for ``mosaic_merge.merge`` to merge in the
   columns' order; with ``with_exp`` also the ``exp(z - m)`` terms of ``s`` (the fused
@@ -495,11 +501,14 @@ def statistics(hidden, weight, labels, inv_temp, limit, kept=None, *, column_sta
     with_entropy: compute ``q`` (else zeros).
     interpret, num_cores: as the plan says (``_tiles``).
     with_exp: also return the ``exp(z - m)`` terms.
+    layout: the columns' segments (``mosaic_tile.segments`` of ``V_local`` and the shard
+      count; default: one device's). Where their last tiles are partial (``split``),
+      each segment is tiled from its own first column (``_segment_statistics``).
 
   Returns:
-    ``[ceil(V_local / 128), 4, C]`` float32: ``(m, s, q, picked)`` of each row over each
-    tile of 128 columns (the last one's columns past ``V_local`` excluded), in the columns'
-    order. A row's numbers depend on its own hidden state,
+    ``[layout.num_tiles, 4, C]`` float32: ``(m, s, q, picked)`` of each row over each
+    tile of 128 columns (a segment's last tile's columns past its end excluded), in the
+    columns' order. A row's numbers depend on its own hidden state,
     label, temperature and the tile's columns alone (one wgmma sequence over the whole
     hidden dim, no split-K; the epilogue's instructions are the same for every row).
     With ``with_exp``, ``(that array, e)``: ``e [C, exp_width(V_local)]`` in hidden's
@@ -515,8 +524,14 @@ def statistics(hidden, weight, labels, inv_temp, limit, kept=None, *, column_sta
   num_columns = weight.shape[vocab_dim]
   options = dict(column_start=column_start, vocab_dim=vocab_dim, softcap=softcap,
                  with_entropy=with_entropy, interpret=interpret, num_cores=num_cores)
+  layout = mosaic_tile.segments(num_columns) if layout is None else layout
+  if layout.count * layout.width != num_columns:
+    raise ValueError(f"{num_columns} columns: the layout's ({layout}) expected")
   in_place = _reads_in_place(num_columns, hidden.dtype, vocab_dim)
-  if num_columns % TILE_N and num_columns > TILE_N and in_place:
+  if layout.split:
+    out = _segment_statistics(layout, hidden, weight, labels, inv_temp, limit, kept,
+                              with_exp=with_exp, **options)
+  elif num_columns % TILE_N and num_columns > TILE_N and in_place:
     out = _whole_tiles_then_rest(hidden, weight, labels, inv_temp, limit, kept,
                                  with_exp=with_exp, **options)
   elif reads_in_blocks(num_columns, hidden.dtype, vocab_dim):
@@ -542,7 +557,12 @@ def reads_in_blocks(num_columns: int, dtype, vocab_dim: int) -> bool:
   in ``column_blocks``' vocab blocks, once per call (a width TMA cannot read in place whose
   last tile is partial: 37984 columns of a ``[D, V]`` weight, any odd width): a chunk's
   call costs a pass over the weight's bytes besides its matmul, which the planner weighs
-  (``jaxce.plan.linear_kernel_chunk``)."""
+  (``jaxce.plan.linear_kernel_chunk``). So does a weight of segments whose last tiles are
+  partial (``_segment_statistics``; the segments of ``num_columns`` on one device: the
+  planner sees a shard's width alone, and 37984 columns are 2 segments of 18992 on one
+  device or four)."""
+  if mosaic_tile.segments(num_columns).split:
+    return True
   return bool(num_columns % TILE_N) and not (num_columns > TILE_N and _reads_in_place(
       num_columns, dtype, vocab_dim))
 
@@ -632,7 +652,7 @@ def column_blocks(num_columns: int, *, depth: int, dtype) -> tuple[int, int]:
 
 
 def _blockwise_statistics(blocks, hidden, weight, labels, inv_temp, limit, kept, *,
-                          column_start, vocab_dim, with_exp, **options):
+                          column_start, vocab_dim, with_exp, segment=None, **options):
   """``statistics`` of a weight that TMA cannot read in place at the 128-byte swizzle (a
   ``[D, V_local]`` one whose rows are not whole 128-byte swizzles, a ``[V_local, D]`` one
   that is not whole tiles of 8 rows), in ``column_blocks``' blocks: each block's columns
@@ -649,38 +669,102 @@ def _blockwise_statistics(blocks, hidden, weight, labels, inv_temp, limit, kept,
   ``[C, exp_width(V_local)]`` array at the block's first column, and the columns left
   are written into it after (XLA's update in place): no block's terms are copied. Every
   call writes its statistics in place into one array (``_Into``): none is concatenated.
-  Returns ``(statistics,)``, or ``(statistics, exp terms)``. Memory: one block's copy,
-  with ``with_exp`` the columns left's terms twice."""
+  Returns ``(statistics,)``, or ``(statistics, exp terms)``; with ``segment`` (a
+  ``_Segment``: ``weight`` is one segment's columns) nothing: the statistics and terms are
+  written into the segment's. Memory: one block's copy, with ``with_exp`` the columns
+  left's terms twice."""
   width, count = blocks
   num_rows, num_columns = hidden.shape[0], weight.shape[vocab_dim]
-  terms_width = exp_width(num_columns, hidden.dtype)
-  # (uninitialized: the blocks and the columns left write every column of every row)
-  stats = _statistics_ref(num_columns, num_rows)
-  terms = jax.new_ref(lax.empty((num_rows, terms_width), hidden.dtype)) if with_exp else None
-
-  @jax.jit
-  def vocab_block(hidden, columns, labels, inv_temp, limit, block_kept, column_start, into):
-    _statistics(hidden, columns, labels, inv_temp, limit, block_kept, num_columns=width,
-                column_start=column_start, vocab_dim=vocab_dim, with_exp=with_exp,
-                into=into, **options)
+  if segment is None:
+    terms_width = exp_width(num_columns, hidden.dtype)
+    # (uninitialized: the blocks and the columns left write every column of every row)
+    stats = _statistics_ref(num_columns, num_rows)
+    terms = jax.new_ref(lax.empty((num_rows, terms_width), hidden.dtype)) if with_exp else None
+    first_tile, index = 0, 0
+  else:
+    stats, terms, index = segment.stats, segment.terms, segment.index
+    first_tile = index * num_tiles(num_columns)
+  vocab_block = _vocab_block(width, vocab_dim, with_exp, tuple(sorted(options.items())))
 
   def block(start):
     vocab_block(hidden, lax.slice_in_dim(weight, start, start + width, axis=vocab_dim),
                 labels, inv_temp, None if limit is None else limit - start,
                 None if kept is None else kept[:, start // 32:(start + width) // 32],
                 jnp.asarray(column_start + start, jnp.int32),
-                _Into(stats, terms, _offset(start)))
+                _Into(stats, terms, _offset(start, first_tile, index)))
 
   for j in range(count):
     block(j * width)
   last = _rest_statistics(width * count, hidden, weight, labels, inv_temp, limit, kept,
                           column_start=column_start, vocab_dim=vocab_dim, with_exp=with_exp,
-                          into=_Into(stats, None, _offset(width * count)), **options)
+                          into=_Into(stats, None, _offset(width * count, first_tile, index)),
+                          **options)
+  if segment is not None:
+    if with_exp:
+      terms[:, index, width * count:] = last[0][:, :num_columns - width * count]
+    return None
   if not with_exp:
     return (stats[...],)
   # (an odd width: the columns left's zero padding fills the terms' last columns)
   terms[:, width * count:] = last[0][:, :terms_width - width * count]
   return stats[...], terms[...]
+
+
+@functools.lru_cache(maxsize=None)
+def _vocab_block(width, vocab_dim, with_exp, options):
+  """The jitted ``_statistics`` of one of ``_blockwise_statistics``' vocab blocks of
+  ``width`` columns, written in place (``_Into``): one function, lowered once, for every
+  block of a call (and every segment's)."""
+
+  @jax.jit
+  def vocab_block(hidden, columns, labels, inv_temp, limit, block_kept, column_start, into):
+    _statistics(hidden, columns, labels, inv_temp, limit, block_kept, num_columns=width,
+                column_start=column_start, vocab_dim=vocab_dim, with_exp=with_exp,
+                into=into, **dict(options))
+
+  return vocab_block
+
+
+class _Segment(NamedTuple):
+  """The segment ``index`` of ``_segment_statistics``: the statistics (``[segments *
+  tiles per segment, 4, C]``) and terms (``[C, segments, width]``, or None) its calls
+  write into."""
+  stats: Any
+  terms: Any
+  index: int
+
+
+def _segment_statistics(layout, hidden, weight, labels, inv_temp, limit, kept, *,
+                        column_start, vocab_dim, with_exp, **options):
+  """``statistics`` of a weight cut into ``layout``'s segments whose last tiles are
+  partial (``layout.split``: Qwen3's 151936 columns are 8 segments of 18992, and a shard
+  of 2 or 4 devices holds 4 or 2 of them): each segment's tiles from its own first
+  column, its statistics those of a weight of that segment's columns alone
+  (``_blockwise_statistics``: its vocab blocks copied out, at most ``CONFIG.block_bytes``
+  each, then the columns left zero-padded to a tile and masked), so a token's tiles, and
+  its bits, are the same on every device count whose shards hold whole segments. The
+  segments' statistics go in order into one ``[segments * tiles per segment, 4, C]``
+  array; with ``with_exp`` their terms into one ``[C, segments, width]`` array, returned
+  as ``[C, V_local]`` (the kernels' stores past a segment's end are dropped by TMA's
+  bounds). Memory: one block's copy, with ``with_exp`` the columns left's terms twice."""
+  width, count = layout.width, layout.count
+  num_rows = hidden.shape[0]
+  stats = jax.new_ref(lax.empty((layout.num_tiles, 4, num_rows), jnp.float32))
+  terms = (jax.new_ref(lax.empty((num_rows, count, width), hidden.dtype)) if with_exp
+           else None)
+  blocks = column_blocks(width, depth=hidden.shape[1], dtype=hidden.dtype)
+  for index in range(count):
+    start = index * width
+    _blockwise_statistics(blocks, hidden, lax.slice_in_dim(weight, start, start + width,
+                                                           axis=vocab_dim),
+                          labels, inv_temp, None if limit is None else limit - start,
+                          None if kept is None else mosaic_tile.segment_words(kept, start,
+                                                                              width),
+                          column_start=column_start + start, vocab_dim=vocab_dim,
+                          with_exp=with_exp, segment=_Segment(stats, terms, index), **options)
+  if not with_exp:
+    return (stats[...],)
+  return stats[...], terms[...].reshape(num_rows, count * width)
 
 
 def _words(kept, label_column, num_rows, num_columns):

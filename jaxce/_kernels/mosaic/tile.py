@@ -75,13 +75,10 @@ def _columns(shape, column):
 
 
 # The kernels cut a device's columns into segments fixed by V alone: up to MAX_SHARDS
-# equal segments, so every power-of-two shard count up to MAX_SHARDS whose shards are
-# whole segments sees the same tiles and groups, and a token the same bits
-# (docs/guides/reproducible.md). The logits rows' kernels tile each segment from its own
-# first column (its last tile partial where the width is not whole tiles: Qwen3's
-# 151936 columns are 8 segments of 18992); the fused head's tiles run from column 0, so
-# its segments are whole tiles, and a shard that is not whole tiles is one segment of
-# its own.
+# equal segments, each tiled from its own first column (its last tile partial where the
+# width is not whole tiles: Qwen3's 151936 columns are 8 segments of 18992), so every
+# power-of-two shard count up to MAX_SHARDS whose shards are whole segments sees the
+# same tiles and groups, and a token the same bits (docs/guides/reproducible.md).
 MAX_SHARDS = 8
 # TMA tiles an array in device memory as the tile's shared memory is tiled (its swizzle's
 # width): a [.., V_local] array of 16-bit values whose V_local is not a multiple of 64
@@ -124,20 +121,18 @@ class Segments(NamedTuple):
     return self.count > 1 and self.partial
 
 
-def segments(num_columns: int, num_shards: int = 1, *, whole_tiles: bool = False) -> Segments:
+def segments(num_columns: int, num_shards: int = 1) -> Segments:
   """The segments of a device's ``num_columns`` columns when the vocabulary is split over
   ``num_shards`` devices: ``V = num_columns * num_shards`` cut into the most equal segments
   (at most ``MAX_SHARDS``, a power of two) whose width is a multiple of ``MIN_ALIGN``
-  (TMA's rows), or with ``whole_tiles`` (the fused head's tiles) of ``TILE``. A function of
-  ``V`` alone whenever each shard holds whole segments, so a token's tiles and groups, and
-  its bits, are the same at every power-of-two shard count up to ``MAX_SHARDS`` whose
-  shards are whole segments (Qwen3's 151936 columns: 8 segments of 18992 for the logits
-  rows' kernels); a shard that is not (with ``whole_tiles``, 151936 over 4 devices:
-  37984 columns) is one segment of its own, its last tile partial."""
-  align = TILE if whole_tiles else MIN_ALIGN
+  (TMA's rows). A function of ``V`` alone whenever each shard holds whole segments, so a
+  token's tiles and groups, and its bits, are the same at every power-of-two shard count
+  up to ``MAX_SHARDS`` whose shards are whole segments (Qwen3's 151936 columns: 8
+  segments of 18992, at 1, 2, 4 and 8 devices); a shard that is not is one segment of its
+  own."""
   vocab = num_columns * num_shards
   count = MAX_SHARDS
-  while count > 1 and (vocab % count or (vocab // count) % align):
+  while count > 1 and (vocab % count or (vocab // count) % MIN_ALIGN):
     count //= 2
   width = vocab // count
   if num_columns % width:
@@ -174,31 +169,36 @@ def kept_words(kept, label_column, num_rows, num_columns):
   return chunking.pad_rows(words, num_rows).T
 
 
+def segment_words(kept, start: int, width: int):
+  """uint32 ``[T, ceil(width / 32)]``: the kept sets ``kept [T, words]`` (bit ``v % 32`` of
+  word ``v // 32``) of the ``width`` columns from column ``start``, bit ``v`` being column
+  ``start + v`` (shifted out of two words where ``start`` is not a multiple of 32), no
+  bit set past ``width``. One XLA fusion."""
+  num_words = -(-width // 32)
+  word, bit = divmod(start, 32)
+  words = kept.astype(jnp.uint32)[:, word:word + num_words + 1]
+  words = jnp.pad(words, [(0, 0), (0, num_words + 1 - words.shape[1])])
+  low = words[:, :num_words]
+  if bit:
+    low = (low >> jnp.uint32(bit)) | (words[:, 1:] << jnp.uint32(32 - bit))
+  if width % 32:
+    low = low.at[:, -1].set(low[:, -1] & jnp.uint32((1 << (width % 32)) - 1))
+  return low
+
+
 def segment_kept_words(kept, label_column, num_rows, layout: Segments):
   """``kept_words`` of the tiles of ``layout``: each segment's tiles from its own first
-  column (bit ``v`` of a segment's words is its column ``v``, the segment's bits shifted
-  out of ``kept``'s words where its first column is not a multiple of 32, none past its
-  end), the segments' words in order; ``label_column [T]`` as ``kept_words``, over this
-  device's columns. Without ``layout.split``, ``kept_words`` itself. One XLA fusion;
-  memory: ``num_rows * layout.num_tiles * WORDS * 4`` bytes."""
+  column (``segment_words``), the segments' words in order; ``label_column [T]`` as
+  ``kept_words``, over this device's columns. Without ``layout.split``, ``kept_words``
+  itself. One XLA fusion; memory: ``num_rows * layout.num_tiles * WORDS * 4`` bytes."""
   num_columns = layout.count * layout.width
   if not layout.split:
     return kept_words(kept, label_column, num_rows, num_columns)
   width = layout.width
-  num_words = -(-width // 32)
-  words = kept.astype(jnp.uint32)[:, :-(-num_columns // 32)]
-  words = jnp.pad(words, [(0, 0), (0, 1)])  # (the word after a segment's last)
-  last_bits = jnp.uint32((1 << (width % 32)) - 1 if width % 32 else 0xFFFFFFFF)
-  per_segment = []
-  for segment in range(layout.count):
-    word, bit = divmod(segment * width, 32)
-    low = words[:, word:word + num_words]
-    if bit:
-      high = words[:, word + 1:word + 1 + num_words]
-      low = (low >> jnp.uint32(bit)) | (high << jnp.uint32(32 - bit))
-    low = low.at[:, -1].set(low[:, -1] & last_bits)
-    per_segment.append(kept_words(low, label_column - segment * width, num_rows, width))
-  return jnp.concatenate(per_segment)
+  return jnp.concatenate([
+      kept_words(segment_words(kept, segment * width, width),
+                 label_column - segment * width, num_rows, width)
+      for segment in range(layout.count)])
 
 
 def kept_columns(words_smem):

@@ -600,21 +600,21 @@ def test_each_tokens_bits_do_not_depend_on_the_call():
 
 
 def _kernel_rows(jaxpr, dim, times=1):
-  """``{"forward": rows, "backward": rows x columns}``: the matmul work of the fused
-  head's Mosaic kernels a traced program runs (each call's rows rounded up to its row
-  blocks, ``mosaic_head.row_blocks``), scans' trip counts included. A head kernel is a
-  Pallas call whose first operand is ``hidden``'s ``[C, dim]`` rows; the forward's
-  (``[tiles, 4, C]`` statistics out) covers every column in one call, each backward one
-  (``[C, Vb]`` d logits out) its ``Vb`` columns."""
+  """``{"forward": rows x columns, "backward": rows x columns}``: the matmul work of the
+  fused head's Mosaic kernels a traced program runs (each call's rows rounded up to its
+  row blocks, ``mosaic_head.row_blocks``, times the columns of its ``[dim, V]`` weight
+  operand), scans' trip counts included. A head kernel is a Pallas call whose first
+  operand is ``hidden``'s ``[C, dim]`` rows; the backward's write ``[C, Vb]`` d logits,
+  the forward's their statistics (``[tiles, 4, C]``, or into an array in place)."""
   rows = {"forward": 0, "backward": 0}
   for eqn in getattr(jaxpr, "jaxpr", jaxpr).eqns:
     first = eqn.invars[0].aval if eqn.invars else None
     if (eqn.primitive.name in ("pallas_call", "mpmd_map") and first.ndim == 2
         and first.shape[1] == dim and first.dtype == jnp.bfloat16):
-      out = eqn.outvars[0].aval.shape
-      kind, columns = ("forward", 1) if len(out) == 3 else ("backward", out[1])
-      rows[kind] += times * mosaic_head.row_blocks(first.shape[0]) * mosaic_head.CONFIG.min_rows \
-          * columns
+      backward = bool(eqn.outvars) and eqn.outvars[0].aval.ndim == 2
+      rows["backward" if backward else "forward"] += (
+          times * mosaic_head.row_blocks(first.shape[0]) * mosaic_head.CONFIG.min_rows
+          * eqn.invars[1].aval.shape[1])
       continue
     inner_times = times * eqn.params.get("length", 1) if eqn.primitive.name == "scan" else times
     for param in eqn.params.values():
@@ -629,8 +629,10 @@ def _kernel_rows(jaxpr, dim, times=1):
 def test_ragged_tokens_cost_their_rows_rounded_up_to_a_row_block(columns, block, monkeypatch):
   """No work done twice: the Mosaic kernels of a fused fwd+bwd planned for a Hopper GPU
   (traced on abstract shapes, nothing run) process each token's row once, up to the rows
-  that round ``T`` up to the kernels' 256-row block, and the backward each column once
-  (a ragged vocabulary's last block as wide as the columns left): forward and backward,
+  that round ``T`` up to the kernels' 256-row block; the forward each of the columns'
+  tiles once (151936 columns: 8 segments of 18992, each's last tile padded to 128
+  columns), the backward each column once (a ragged vocabulary's last block as wide as
+  the columns left): forward and backward,
   ragged and round ``T``, vocab blocks outer (151936 columns: no block divides them)
   and token chunks outer (2048), with the planned and with a requested chunk. (Planned
   for T = 8184 before, the kernels ran 15872 rows, a second chunk clamped back over the
@@ -654,7 +656,8 @@ def test_ragged_tokens_cost_their_rows_rounded_up_to_a_row_block(columns, block,
         h, w, jnp.zeros(tokens, jnp.int32), **kw))
     rows = _kernel_rows(jax.make_jaxpr(jax.grad(loss, (0, 1)))(hidden, weight), dim)
     rounded = -(-tokens // mosaic_head.CONFIG.min_rows) * mosaic_head.CONFIG.min_rows
-    assert rows["forward"] == rounded, (tokens, chunk, plan, rows)
+    tiled = mosaic_tile.segments(columns).num_tiles * mosaic_head.TILE_N
+    assert rows["forward"] == rounded * tiled, (tokens, chunk, plan, rows)
     assert rows["backward"] == rounded * columns, (tokens, chunk, plan, rows)
 
 

@@ -110,19 +110,20 @@ def test_a_weight_copied_in_blocks_is_copied_once_per_forward(columns, layout, c
     (75968, 2, (18992, 4, 8)),     # ... the same 8 over 2, 4 and 8 GPUs
     (37984, 4, (18992, 2, 8)),
     (18992, 8, (18992, 1, 8)),
-    (248320, 1, (31040, 8, 8)),    # Qwen3.5: 8 segments of 31040 (242 tiles and 64)
+    (248320, 1, (62080, 4, 4)),    # Qwen3.5: 4 segments of whole tiles, read in place
+    (62080, 4, (62080, 1, 4)),
+    (31040, 8, (31040, 1, 8)),     # (8 GPUs: shards of one partial tile's width)
     (128256, 1, (16032, 8, 8)),    # Llama 3, DeepSeek-V3: the same at every n up to 8
     (32320, 4, (16160, 2, 8)),
     (131072, 1, (16384, 8, 8)),    # whole tiles: one tiling of the columns from 0
     (151643, 1, (151643, 1, 1)),   # odd: one segment, at any shard count
-    (31040, 8, (31040, 1, 8)),     # a shard of one segment: tiled from its first column
     (400, 1, (400, 1, 1)),
 ])
 def test_segments_are_fixed_by_the_vocabulary(columns, shards, want):
-  """The kernels' segments: up to 8 equal segments of a multiple of 16 columns fixed by
-  ``V`` alone, each tiled from its own first column (its last tile partial where the
-  width is not whole tiles), the same at every shard count whose shards hold whole
-  segments."""
+  """The kernels' segments: 8 or 4 equal segments of whole tiles, else up to 8 of a
+  multiple of 16 columns, fixed by ``V`` alone, each tiled from its own first column (its
+  last tile partial where the width is not whole tiles), the same at every shard count
+  whose shards hold whole segments."""
   layout = mosaic_tile.segments(columns, shards)
   assert (layout.width, layout.count, layout.total) == want
   assert layout.num_tiles == layout.count * -(-layout.width // 128)

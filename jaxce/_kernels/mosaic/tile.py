@@ -77,8 +77,8 @@ def _columns(shape, column):
 # The kernels cut a device's columns into segments fixed by V alone: up to MAX_SHARDS
 # equal segments, each tiled from its own first column (its last tile partial where the
 # width is not whole tiles: Qwen3's 151936 columns are 8 segments of 18992), so every
-# power-of-two shard count up to MAX_SHARDS whose shards are whole segments sees the
-# same tiles and groups, and a token the same bits (docs/guides/reproducible.md).
+# power-of-two shard count whose shards are whole segments sees the same tiles and
+# groups, and a token the same bits (docs/guides/reproducible.md).
 MAX_SHARDS = 8
 # TMA tiles an array in device memory as the tile's shared memory is tiled (its swizzle's
 # width): a [.., V_local] array of 16-bit values whose V_local is not a multiple of 64
@@ -123,17 +123,21 @@ class Segments(NamedTuple):
 
 def segments(num_columns: int, num_shards: int = 1) -> Segments:
   """The segments of a device's ``num_columns`` columns when the vocabulary is split over
-  ``num_shards`` devices: ``V = num_columns * num_shards`` cut into the most equal segments
-  (at most ``MAX_SHARDS``, a power of two) whose width is a multiple of ``MIN_ALIGN``
-  (TMA's rows). A function of ``V`` alone whenever each shard holds whole segments, so a
-  token's tiles and groups, and its bits, are the same at every power-of-two shard count
-  up to ``MAX_SHARDS`` whose shards are whole segments (Qwen3's 151936 columns: 8
-  segments of 18992, at 1, 2, 4 and 8 devices); a shard that is not is one segment of its
-  own."""
+  ``num_shards`` devices: ``V = num_columns * num_shards`` cut into 8 or 4 equal segments of
+  whole tiles where it can be (Qwen3.5's 248320: 4 of 62080; the kernels then read the
+  columns where they lie), else into the most equal segments (at most ``MAX_SHARDS``, a
+  power of two) whose width is a multiple of ``MIN_ALIGN`` (TMA's rows; Qwen3's 151936: 8
+  of 18992, each's last tile partial). A function of ``V`` alone whenever each shard holds
+  whole segments, so a token's tiles and groups, and its bits, are the same at every
+  power-of-two shard count up to ``count`` (times the shard count) whose shards are
+  whole segments; a shard that is not is one segment of its own."""
   vocab = num_columns * num_shards
-  count = MAX_SHARDS
-  while count > 1 and (vocab % count or (vocab // count) % MIN_ALIGN):
-    count //= 2
+  count = next((c for c in (MAX_SHARDS, MAX_SHARDS // 2)
+                if not vocab % c and not (vocab // c) % TILE), None)
+  if count is None:
+    count = MAX_SHARDS
+    while count > 1 and (vocab % count or (vocab // count) % MIN_ALIGN):
+      count //= 2
   width = vocab // count
   if num_columns % width:
     return Segments(num_columns, 1, num_shards)

@@ -5,17 +5,13 @@ simulated CPU devices at small widths of the same kinds (Python 3.12's step of
 ``.ci/run``).
 
 What holds (docs/guides/reproducible.md): on the kernel paths a token's ``logp`` and
-``entropy`` are the same bits at every shard count ``n`` whose shards hold whole tiles
-of 128 columns in whole segments of the vocabulary (``mosaic_tile.segments``): each
-segment's tiles are merged in groups fixed by the vocabulary where they lie, and the
-groups' sums in the columns' order, whichever device computed them. Qwen3.5's 248320
-columns at n = 1, 2 and 4 are such a case (off GPUs: 1024 columns, 8 segments of 128).
-The logits rows' kernels tile each segment from its own first column, so Qwen3's 151936
-columns (8 segments of 18992) are one too on the logits path (off GPUs: 640 columns, 8
-segments of 80). The fused head's tiles run from a shard's first column: there a shard
-of 75968 or 37984 columns ends in a partial tile of its own, and the tiles differ from
-one device's (off GPUs: 640 columns, 5 whole tiles on one device, 320 a shard; strict
-xfail below, which fails once they agree)."""
+``entropy`` are the same bits at every shard count ``n`` whose shards hold whole
+segments of the vocabulary (``mosaic_tile.segments``, fixed by ``V`` alone): each
+segment is tiled from its own first column, its tiles merged in groups fixed by the
+vocabulary, and the groups' sums in the columns' order, whichever device computed them.
+Qwen3.5's 248320 columns (4 segments of 62080 whole tiles) at n = 1, 2 and 4, and Qwen3's
+151936 (8 segments of 18992, each's last tile partial) at n = 1, 2, 4 and 8 are such
+cases (off GPUs: 1024 columns, 8 segments of 128; 640, 8 segments of 80)."""
 
 import functools
 
@@ -112,17 +108,10 @@ def test_the_same_bits_on_shards_of_whole_tiles(path, options):
 
 
 @pytest.mark.parametrize("options", OPTIONS)
-def test_the_logits_paths_bits_on_shards_of_partial_tiles(options):
-  """Qwen3's 151936 columns (off GPUs 640) on 1, 2 and 4 devices: the logits rows'
-  kernels tile each of the vocabulary's 8 segments (18992 columns; off GPUs 80) from its
-  own first column, so a shard's tiles are one device's whatever the shard count."""
-  _check_same_bits("logits", PARTIAL_TILES, options)
-
-
-@pytest.mark.xfail(strict=False, reason="the fused head's tiles run from a shard's column 0: a "
-                   "shard that ends in a partial tile (Qwen3's 75968 or 37984 columns) has "
-                   "tiles of its own, not one device's (docs/guides/reproducible.md)")
-@pytest.mark.parametrize("path", ["fused", "objective"])
-def test_the_heads_shards_of_partial_tiles_are_not_yet_bitwise(path):
-  """Qwen3's 151936 columns (off GPUs 640): 1 against 2 (and more) devices."""
-  _check_same_bits(path, PARTIAL_TILES, "plain")
+@pytest.mark.parametrize("path", ["fused", "objective", "logits"])
+def test_the_same_bits_on_shards_of_partial_tiles(path, options):
+  """Qwen3's 151936 columns (off GPUs 640) on 1, 2 and 4 devices: the kernels tile each of
+  the vocabulary's 8 segments (18992 columns; off GPUs 80) from its own first column, so a
+  shard's tiles, each segment's last one partial, are one device's whatever the shard
+  count."""
+  _check_same_bits(path, PARTIAL_TILES, options)

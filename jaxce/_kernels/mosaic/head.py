@@ -62,6 +62,13 @@ write, ``[C, exp_width(V_local)]`` (the next multiple of 128 bytes), the padding
 zeros. The backward's vocab blocks are copies already (``linear``); a ragged last one is
 zero-padded to whole tiles the same way.
 
+Over a vocabulary cut into segments that are not whole tiles (``mosaic_tile.segments``:
+Qwen3's 151936 columns are 8 segments of 18992, a shard of 2 or 4 devices holds 4 or 2),
+the forward tiles each segment from its own first column, as a weight of that segment's
+columns alone (``_segment_statistics``: its vocab blocks copied out, its last tile
+partial), so a token's tiles and bits do not depend on the shard count; the backward's
+``d logits`` do not depend on the tiles.
+
 Off GPUs the kernel runs in Pallas' GPU interpreter (tests only).
 """
 
@@ -416,7 +423,8 @@ def _tile_statistics(hidden, weight, row_inputs, words, *, num_columns, vocab_di
       out, e = out
       terms = outs["exp"]
       start = column
-      if terms_into:  # (a call starts on a tile: Mosaic infers the stores' layouts only when told so)
+      if terms_into:
+        # (a call starts on a tile: Mosaic infers the stores' layouts only when told so)
         start = pl.multiple_of(outs["offset"][1] + column, TILE_N)
         if len(into.terms.shape) == 3:
           terms = terms.at[:, outs["offset"][2]]

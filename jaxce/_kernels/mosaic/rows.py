@@ -3,9 +3,10 @@ kernel (Hopper): the logits path's forward (``logits_rows``), merged by ``mosaic
 
 Each CTA (one warpgroup) takes ``CONFIG.rows`` rows and one group of ``tiles_per_group(layout)``
 consecutive ``[CONFIG.rows, TILE]`` tiles of columns of one segment (``mosaic_tile.Segments``:
-fixed by the vocabulary alone; when ``V_local`` is not a multiple of ``TILE`` the last
-tile is partial, its columns past ``V_local`` read as zeros and masked), streamed into
-shared memory by TMA,
+fixed by the vocabulary alone, each tiled from its own first column; where a segment is
+not whole tiles its last tile is partial, its columns past the segment's end read as
+zeros and masked: several such segments are read as ``[T, segments, width]``,
+``columns_view``, so TMA's bounds end each), streamed into shared memory by TMA,
 ``stages`` tiles ahead (``plgpu.emit_pipeline``). Each tile is folded in registers into
 its rows' running statistics, in the columns' order (``mosaic_tile.fold``: an online
 softmax).

@@ -20,7 +20,7 @@ that its neighbour has overwritten): the last ``T % CONFIG.rows`` rows are writt
 place (``dynamic_update_slice``). Into a new array, the last block is moved back inside,
 as in ``mosaic_rows``. ``T`` must be a multiple of 8 and a row a multiple of 32 bytes;
 the columns are tiled as ``mosaic_rows`` tiles them (``mosaic_tile.Segments``): a partial
-last tile's columns past ``V_local`` read as zeros and their stores are dropped.
+last tile's columns past its segment's end read as zeros and their stores are dropped.
 Off GPUs the kernel runs in JAX's GPU interpreter (tests).
 """
 

@@ -115,3 +115,47 @@ def test_the_same_bits_on_shards_of_partial_tiles(path, options):
   shard's tiles, each segment's last one partial, are one device's whatever the shard
   count."""
   _check_same_bits(path, PARTIAL_TILES, options)
+
+
+@pytest.mark.parametrize("shards", SHARD_COUNTS)
+@pytest.mark.parametrize("layout", ["dv", "vd"])
+@pytest.mark.parametrize("path", ["per-token", "objective"])
+def test_sharded_gradients_where_shards_end_in_partial_tiles(path, shards, layout):
+  """``d hidden`` and ``d W`` of the sharded kernels when each shard's 192 columns end in
+  a partial tile, against one device's XLA call: the per-token path (random cotangents for
+  both outputs) and the objective path (its ``d logits`` formed from stored terms), a
+  temperature and a padded vocabulary. (Both gradients were wrong by the order of their
+  size there: the backward's last vocab block of 64 columns lost its ``d logits`` to the
+  tile's piece past its end; bench/NOTES.md, entries 44 and 45.)"""
+  mesh = Mesh(np.array(devices(shards)), ("v",))
+  rng = np.random.default_rng(shards)
+  tokens, dim, columns = 300, 128, 192 * shards
+  hidden = jnp.asarray(rng.normal(size=(tokens, dim)) * 0.5, jnp.bfloat16)
+  weight = rng.normal(size=(dim, columns)) * 2 / np.sqrt(dim)
+  weight = jnp.asarray(weight if layout == "dv" else weight.T, jnp.bfloat16)
+  labels = rng.integers(0, columns - 37, tokens).astype(np.int32)
+  labels[::13] = -100
+  cot = jnp.asarray(rng.normal(size=(2, tokens)), jnp.float32)
+  kw = dict(weight_layout=layout, vocab_size=columns - 37,
+            temperature=jnp.asarray(rng.uniform(0.6, 1.5, tokens), jnp.float32))
+  objective = lambda logp, entropy, a, b: a * logp + b * entropy
+
+  def grads(sharded, **extra):
+    over = dict(mesh=mesh, vocab_axis="v") if sharded else {}
+    if path == "per-token":
+      fn = (jaxce.sharded_linear_logprobs_and_entropy if sharded
+            else jaxce.linear_logprobs_and_entropy)
+      loss = lambda h, w: sum(jnp.sum(c * o) for c, o in zip(
+          cot, fn(h, w, labels, **kw, **over, **extra)))
+    else:
+      fn = jaxce.sharded_linear_token_loss if sharded else jaxce.linear_token_loss
+      loss = lambda h, w: fn(objective, h, w, labels, cot[0], cot[1], **kw, **over,
+                             **extra)[0]
+    return jax.jit(jax.grad(loss, (0, 1)))(hidden, weight)
+
+  want = grads(False, implementation="xla")
+  got = grads(True, implementation="mosaic")
+  for what, a, b in zip(("d hidden", "d weight"), got, want):
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    error = np.max(np.abs(a - b)) / np.max(np.abs(b))
+    assert error <= 2 ** -7, f"{path}, {what}: max error {error:.3g} of its largest entry"

@@ -1,6 +1,6 @@
 """``python -m bench.widths``: each path's time per vocabulary column at the widths a
 device holds when a real vocabulary is split over GPUs (not multiples of 128), against
-the nearest multiple of 128 above, in one process on one GPU.
+the nearest width above whose segments are whole tiles, in one process on one GPU.
 
     python -m bench.widths                                  # the default widths and modes
     python -m bench.widths --V 37984,75968 --mode fwd --out bench/out/widths.json
@@ -17,7 +17,10 @@ A kernel sees only its shard: a local call at V = 37984 is what each GPU of a 4-
 call runs. Each row: the median of ``--rounds`` x ``--repeats`` timed calls
 (``bench.timing``), inputs made on the host (the logits mode's logits on the device);
 ``per_column`` is the ragged width's time per column over its round neighbour's, from the
-same process, the two timed in alternating rounds.
+same process, the two timed in alternating rounds. The round neighbour is the nearest
+multiple of 128 above whose segments (``mosaic_tile.segments``) are whole tiles, read in
+place: a multiple of 128 whose segments are not (38016 is 8 of 4752 columns) pays the
+segments' cost itself and would hide it.
 """
 
 from __future__ import annotations
@@ -34,8 +37,18 @@ from bench.__main__ import git
 # Qwen3's 151936 over 2, 4, 8 GPUs; Llama 3's 128256 over 4.
 WIDTHS = (37984, 75968, 18992, 32064)
 # Whose width each is (the sharded guide's table).
-LABELS = {37984: "151936 over 4", 75968: "151936 over 2", 18992: "151936 over 8",
-          32064: "128256 over 4", 151643: "Qwen, unpadded", 50257: "GPT-2"}
+LABELS = {151936: "Qwen3, 8 segments", 37984: "151936 over 4", 75968: "151936 over 2",
+          18992: "151936 over 8", 32064: "128256 over 4", 151643: "Qwen, unpadded", 50257: "GPT-2"}
+
+
+def round_width(columns: int) -> int:
+  """The nearest width ``>= columns`` that the kernels tile in whole tiles of 128 columns,
+  every segment's last tile full (37984 -> 38400: 4 segments of 9600)."""
+  from jaxce._kernels.mosaic import tile  # pylint: disable=import-outside-toplevel
+  width = -(-columns // tile.TILE) * tile.TILE
+  while tile.segments(width).partial:
+    width += tile.TILE
+  return width
 
 
 def _inputs(tokens, depth, columns, mode="fwd", seed=0):
@@ -98,7 +111,7 @@ def measure(widths, modes, tokens, depth, repeats, on_row=lambda rows: None, rou
   rows = []
   for mode in modes:
     for columns in widths:
-      round_columns = -(-columns // 128) * 128
+      round_columns = round_width(columns)
       pair = (columns, round_columns)
       args = {width: _inputs(tokens, depth, width, mode) for width in pair}
       call = _call(mode)  # (one jitted function: a program per width's shapes)

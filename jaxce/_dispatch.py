@@ -179,7 +179,8 @@ def _shard(op, options, objective, operands, labels, temperature, where, keep, t
       depth=primary.shape[-1] if op.fused else None,
       has_bias=op.fused and operands[2] is not None,
       num_kept_ids=keep.ids.shape[0] if isinstance(keep, KeptIds) else None,
-      number_temperature=isinstance(temperature, (int, float))))
+      number_temperature=isinstance(temperature, (int, float)),
+      num_shards=softmax.num_shards(vocab_axis)))
   inv_temp = _inverse_temperature(temperature, labels.shape, dtype, shard_plan.reciprocal)
   valid = _checks.valid_mask(labels, where)
   if op.fused:

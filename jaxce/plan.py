@@ -59,7 +59,7 @@ from jaxce._budgets import (  # noqa: F401  pylint: disable=unused-import
     linear_objective_grad_chunk, linear_objective_kernel_tiles, linear_tiles, logits_chunk)
 from jaxce._kernels import chunking, head, softmax
 from jaxce._kernels.mosaic import head as mosaic_head, reciprocal as mosaic_reciprocal
-from jaxce._kernels.mosaic import rows as mosaic_rows
+from jaxce._kernels.mosaic import rows as mosaic_rows, tile as mosaic_tile
 from jaxce._kernels.triton import rows as triton_rows
 from jaxce._kernels.config import (BACKEND_NAMES, Backend, FusedPlan, LinearPlan, LogitsPlan,
                                    ObjectivePlan, Plan)
@@ -239,6 +239,8 @@ class Shard(NamedTuple):
     has_bias: a bias is added (fused paths).
     num_kept_ids: with kept ids (``jaxce.keep.from_csr``), their number ``N``; else None.
     number_temperature: the temperature is a Python number (a constant in every program).
+    num_shards: the number of vocabulary shards (the kernels' segments depend on it:
+      ``mosaic_tile.segments``).
   """
   num_tokens: int
   num_columns: int
@@ -247,6 +249,7 @@ class Shard(NamedTuple):
   has_bias: bool = False
   num_kept_ids: int | None = None
   number_temperature: bool = True
+  num_shards: int = 1
 
 
 def make(operation, options, shard: Shard) -> Plan:
@@ -372,7 +375,8 @@ def _fused_plan(options, shard: Shard, head: dict) -> FusedPlan:
                                        depth=shard.depth or 1,
                                        num_cores=options.target.num_cores)
     dtype = shard.dtypes[-1]  # (the weight's)
-    copied = mosaic_head.reads_in_blocks(num_columns, dtype, options.vocab_dim)
+    copied = mosaic_head.reads_in_blocks(num_columns, dtype, options.vocab_dim,
+                                         mosaic_tile.segments(num_columns, shard.num_shards))
     kernel_chunk = linear_kernel_chunk(
         rows, num_columns,
         (shard.depth or 1) * num_columns * jnp.dtype(dtype).itemsize if copied else 0)

@@ -158,3 +158,28 @@ def test_a_shard_of_a_sharded_call_lowers_for_cuda(monkeypatch):
 
   weight = S((DEPTH, 151936), jnp.bfloat16, sharding=NamedSharding(mesh, P(None, "v")))
   assert _lowered_kernels(fused, S((TOKENS, DEPTH), jnp.bfloat16), weight, labels, g)
+
+
+@pytest.mark.parametrize("path", ["fused", "objective"])
+def test_shards_of_whole_tile_segments_are_read_in_place(path, monkeypatch):
+  """Qwen3.5's 248320 columns over 2 devices inside ``shard_map``: each shard's 124160
+  columns are 2 of the vocabulary's 4 segments of whole tiles, read where they lie in one
+  call, with no vocab block copied out, although 124160 columns on one device are 8
+  segments of 15520 (the forward once took the shard for those, and on a GPU made a
+  kernel call over no columns after its blocks)."""
+  monkeypatch.setattr(plan, "target", lambda *a, mesh=None: HOPPER)
+  mesh = Mesh(devices(2), ("v",))
+  call = _fused if path == "fused" else _objective
+
+  def sharded(h, w, labels, g):
+    return jax.shard_map(lambda h, w, labels, g: call(h, w, labels, g, vocab_axis="v"),
+                         mesh=mesh, in_specs=(P(), P(None, "v"), P(), P()),
+                         out_specs=(P(), P(None, "v")))(h, w, labels, g)
+
+  weight = S((DEPTH, 248320), jnp.bfloat16, sharding=NamedSharding(mesh, P(None, "v")))
+  args = (S((TOKENS, DEPTH), jnp.bfloat16), weight, S((TOKENS,), jnp.int32),
+          S((TOKENS,), jnp.float32))
+  text = jax.jit(sharded).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  assert "mosaic_gpu" in text
+  assert "vocab_block" not in text
+  assert not re.search(rf"stablehlo.pad .*-> tensor<{DEPTH}x[0-9]+xbf16>", text)

@@ -11,7 +11,7 @@ segment is tiled from its own first column, its tiles merged in groups fixed by 
 vocabulary, and the groups' sums in the columns' order, whichever device computed them.
 Qwen3.5's 248320 columns (4 segments of 62080 whole tiles) at n = 1, 2 and 4, and Qwen3's
 151936 (8 segments of 18992, each's last tile partial) at n = 1, 2, 4 and 8 are such
-cases (off GPUs: 1024 columns, 8 segments of 128; 640, 8 segments of 80)."""
+cases (off GPUs: 1024 columns, 8 segments of 128; 640, 4 segments of 160)."""
 
 import functools
 
@@ -111,9 +111,9 @@ def test_the_same_bits_on_shards_of_whole_tiles(path, options):
 @pytest.mark.parametrize("path", ["fused", "objective", "logits"])
 def test_the_same_bits_on_shards_of_partial_tiles(path, options):
   """Qwen3's 151936 columns (off GPUs 640) on 1, 2 and 4 devices: the kernels tile each of
-  the vocabulary's 8 segments (18992 columns; off GPUs 80) from its own first column, so a
-  shard's tiles, each segment's last one partial, are one device's whatever the shard
-  count."""
+  the vocabulary's segments (8 of 18992 columns; off GPUs 4 of 160) from its own first
+  column, so a shard's tiles, each segment's last one partial, are one device's whatever
+  the shard count."""
   _check_same_bits(path, PARTIAL_TILES, options)
 
 

@@ -11,7 +11,7 @@ import pytest
 
 from helpers import jaxce
 from jaxce import plan
-from jaxce._kernels.mosaic import tile as mosaic_tile
+from jaxce._kernels.mosaic import head as mosaic_head, tile as mosaic_tile
 
 HOPPER = plan.Target("gpu", "9.0", 132)
 # (vocabulary, shard count): each shard's columns are not a multiple of 128.
@@ -118,6 +118,10 @@ def test_a_weight_copied_in_blocks_is_copied_once_per_forward(columns, layout, c
     (131072, 1, (16384, 8, 8)),    # whole tiles: one tiling of the columns from 0
     (151643, 1, (151643, 1, 1)),   # odd: one segment, at any shard count
     (400, 1, (400, 1, 1)),
+    (64, 1, (64, 1, 1)),           # no segment narrower than a tile (each would cost one)
+    (768, 1, (192, 4, 4)),
+    (124160, 2, (62080, 2, 4)),    # Qwen3.5 over 2: whole tiles, read in place ...
+    (124160, 1, (15520, 8, 8)),    # ... where one device's 124160 columns are not
 ])
 def test_segments_are_fixed_by_the_vocabulary(columns, shards, want):
   """The kernels' segments: 8 or 4 equal segments of whole tiles, else up to 8 of a
@@ -128,6 +132,18 @@ def test_segments_are_fixed_by_the_vocabulary(columns, shards, want):
   assert (layout.width, layout.count, layout.total) == want
   assert layout.num_tiles == layout.count * -(-layout.width // 128)
   assert layout.split == (layout.count > 1 and bool(layout.width % 128))
+
+
+def test_a_shard_is_read_as_its_segments_say():
+  """Whether the fused forward copies a weight out in blocks depends on the shard's
+  segments, not its width alone: a shard of 124160 columns of Qwen3.5's 248320 (2
+  segments of whole tiles) is read in place, the same width on one device (8 segments of
+  15520) in blocks; the planner weighs the copy as the kernels make it."""
+  bf16 = jnp.bfloat16
+  assert not mosaic_head.reads_in_blocks(124160, bf16, 1, mosaic_tile.segments(124160, 2))
+  assert mosaic_head.reads_in_blocks(124160, bf16, 1, mosaic_tile.segments(124160))
+  assert mosaic_head.reads_in_blocks(124160, bf16, 1)
+  assert mosaic_head.reads_in_blocks(37984, bf16, 1, mosaic_tile.segments(37984, 4))
 
 
 def test_kept_words_of_segments():

@@ -542,7 +542,7 @@ def statistics(hidden, weight, labels, inv_temp, limit, kept=None, *, column_sta
   elif num_columns % TILE_N and num_columns > TILE_N and in_place:
     out = _whole_tiles_then_rest(hidden, weight, labels, inv_temp, limit, kept,
                                  with_exp=with_exp, **options)
-  elif reads_in_blocks(num_columns, hidden.dtype, vocab_dim):
+  elif reads_in_blocks(num_columns, hidden.dtype, vocab_dim, layout):
     out = _blockwise_statistics(column_blocks(num_columns, depth=hidden.shape[1],
                                               dtype=hidden.dtype),
                                 hidden, weight, labels, inv_temp, limit, kept,
@@ -560,16 +560,17 @@ def _reads_in_place(num_columns, dtype, vocab_dim) -> bool:
           else not num_columns % ROW_TILE)
 
 
-def reads_in_blocks(num_columns: int, dtype, vocab_dim: int) -> bool:
+def reads_in_blocks(num_columns: int, dtype, vocab_dim: int,
+                    layout: mosaic_tile.Segments | None = None) -> bool:
   """``statistics`` copies a weight of ``num_columns`` columns out
   in ``column_blocks``' vocab blocks, once per call (a width TMA cannot read in place whose
   last tile is partial: 37984 columns of a ``[D, V]`` weight, any odd width): a chunk's
   call costs a pass over the weight's bytes besides its matmul, which the planner weighs
   (``jaxce.plan.linear_kernel_chunk``). So does a weight of segments whose last tiles are
-  partial (``_segment_statistics``; the segments of ``num_columns`` on one device: the
-  planner sees a shard's width alone, and 37984 columns are 2 segments of 18992 on one
-  device or four)."""
-  if mosaic_tile.segments(num_columns).split:
+  partial (``_segment_statistics``): ``layout``, the shard's segments (default: those of
+  ``num_columns`` on one device; a shard of 124160 columns of Qwen3.5's 248320 is 2
+  segments of whole tiles, where the same width on one device is 8 of 15520)."""
+  if (mosaic_tile.segments(num_columns) if layout is None else layout).split:
     return True
   return bool(num_columns % TILE_N) and not (num_columns > TILE_N and _reads_in_place(
       num_columns, dtype, vocab_dim))
@@ -703,6 +704,9 @@ def _blockwise_statistics(blocks, hidden, weight, labels, inv_temp, limit, kept,
 
   for j in range(count):
     block(j * width)
+  if width * count == num_columns:
+    raise ValueError(f"{num_columns} columns are {count} whole blocks of {width}: read "
+                     "them in place")
   last = _rest_statistics(width * count, hidden, weight, labels, inv_temp, limit, kept,
                           column_start=column_start, vocab_dim=vocab_dim, with_exp=with_exp,
                           into=_Into(stats, None, _offset(width * count, first_tile, index)),

@@ -126,8 +126,9 @@ def segments(num_columns: int, num_shards: int = 1) -> Segments:
   ``num_shards`` devices: ``V = num_columns * num_shards`` cut into 8 or 4 equal segments of
   whole tiles where it can be (Qwen3.5's 248320: 4 of 62080; the kernels then read the
   columns where they lie), else into the most equal segments (at most ``MAX_SHARDS``, a
-  power of two) whose width is a multiple of ``MIN_ALIGN`` (TMA's rows; Qwen3's 151936: 8
-  of 18992, each's last tile partial). A function of ``V`` alone whenever each shard holds
+  power of two) whose width is a multiple of ``MIN_ALIGN`` (TMA's rows) and at least a
+  tile (Qwen3's 151936: 8 of 18992, each's last tile partial; 64 columns stay one
+  segment: segments narrower than a tile would each cost a whole tile's work). A function of ``V`` alone whenever each shard holds
   whole segments, so a token's tiles and groups, and its bits, are the same at every
   power-of-two shard count up to ``count`` (times the shard count) whose shards are
   whole segments; a shard that is not is one segment of its own."""
@@ -136,7 +137,8 @@ def segments(num_columns: int, num_shards: int = 1) -> Segments:
                 if not vocab % c and not (vocab // c) % TILE), None)
   if count is None:
     count = MAX_SHARDS
-    while count > 1 and (vocab % count or (vocab // count) % MIN_ALIGN):
+    while count > 1 and (vocab % count or (vocab // count) % MIN_ALIGN
+                         or vocab // count < TILE):
       count //= 2
   width = vocab // count
   if num_columns % width:

@@ -841,9 +841,8 @@ def test_precision_table_comes_from_the_committed_results():
 
 def test_widths_every_mode_on_cpu(tmp_path):
   """``python -m bench.widths`` runs each path at a ragged width and its round neighbour
-  (tiny shapes on CPU: 200 columns against 512, the first width above in whole-tile
-  segments, 4 of 128; 256 is 8 segments of 32) and saves each row, with the commit, as it
-  finishes."""
+  (tiny shapes on CPU: 200 columns against 256, the first width above in whole-tile
+  segments, 2 of 128) and saves each row, with the commit, as it finishes."""
   from bench import widths
   out = tmp_path / "widths.json"
   widths.main(["--V", "200", "--mode", "fwd,fwd_bwd,objective,logits", "--T", "64",
@@ -852,10 +851,10 @@ def test_widths_every_mode_on_cpu(tmp_path):
     saved = json.load(f)
   assert [r["mode"] for r in saved["rows"]] == ["fwd", "fwd_bwd", "objective", "logits"]
   for row in saved["rows"]:
-    assert (row["V"], row["V_round"], row["commit"]) == (200, 512, saved["commit"])
+    assert (row["V"], row["V_round"], row["commit"]) == (200, 256, saved["commit"])
     assert row["timed_calls"] == 2  # (a round of each width, then another)
     assert row["ms"] > 0 and row["ms_round"] > 0
-    assert row["per_column"] == pytest.approx((row["ms"] / 200) / (row["ms_round"] / 512))
+    assert row["per_column"] == pytest.approx((row["ms"] / 200) / (row["ms_round"] / 256))
 
 
 def test_widths_rows_merge_by_shape(tmp_path):

@@ -128,10 +128,11 @@ def segments(num_columns: int, num_shards: int = 1) -> Segments:
   columns where they lie), else into the most equal segments (at most ``MAX_SHARDS``, a
   power of two) whose width is a multiple of ``MIN_ALIGN`` (TMA's rows) and at least a
   tile (Qwen3's 151936: 8 of 18992, each's last tile partial; 64 columns stay one
-  segment: segments narrower than a tile would each cost a whole tile's work). A function of ``V`` alone whenever each shard holds
-  whole segments, so a token's tiles and groups, and its bits, are the same at every
-  power-of-two shard count up to ``count`` (times the shard count) whose shards are
-  whole segments; a shard that is not is one segment of its own."""
+  segment: segments narrower than a tile would each cost a whole tile's work). A
+  function of ``V`` alone whenever each shard holds whole segments, so a token's tiles
+  and groups, and its bits, are the same at every power-of-two shard count up to
+  ``count`` (times the shard count) whose shards are whole segments; a shard that is not
+  is one segment of its own."""
   vocab = num_columns * num_shards
   count = next((c for c in (MAX_SHARDS, MAX_SHARDS // 2)
                 if not vocab % c and not (vocab // c) % TILE), None)

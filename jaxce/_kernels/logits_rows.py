@@ -78,20 +78,17 @@ def merge_tiles(tiles, config, segments: mosaic_tile.Segments):
   the shards are whole segments). Where one stage does not merge every shard's tiles
   (more than the kernel's ``CONFIG.group``), each run's groups are merged on their shard
   first (``partial_sums``) and only those partial sums are gathered, in rank order, and
-  merged (else the tiles themselves): the same bits on every shard, typed as such (a
-  ``pmax`` of equal values, exact), and at every shard count whose shards are whole
-  segments. Memory and traffic: the gathered partial sums, ``1 / CONFIG.group`` of the
-  tiles' bytes."""
+  merged (else the tiles themselves): the same bits on every shard, typed as such (the
+  gather's output is invariant over the vocabulary's axes, so no collective follows the
+  merge), and at every shard count whose shards are whole segments. Memory and traffic:
+  the gathered partial sums, ``1 / CONFIG.group`` of the tiles' bytes."""
   kernel = mosaic_merge if config.plan.backend == "mosaic" else triton_merge
   options = dict(with_entropy=config.with_entropy, interpret=config.plan.interpret)
   if tiles.shape[0] * softmax.num_shards(config.vocab_axis) > kernel.CONFIG.group:
     tiles = kernel.partial_sums(tiles, segments=segments.count, **options)
   if config.vocab_axis is not None:
-    tiles = lax.all_gather(tiles, config.vocab_axis, axis=0, tiled=True)
-  merged = kernel.merge(tiles, **options)
-  if config.vocab_axis is None:
-    return merged
-  return tuple(None if a is None else lax.pmax(a, config.vocab_axis) for a in merged)
+    tiles = lax.all_gather(tiles, config.vocab_axis, axis=0, tiled=True, to="invarying")
+  return kernel.merge(tiles, **options)
 
 
 def forward(x, tokens: Tokens, config):

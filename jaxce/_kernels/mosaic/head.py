@@ -49,13 +49,12 @@ tiles the arrays whose rows are the vocabulary as the tiles' swizzle (a row a mu
 of 32 to 128 bytes, ``mosaic_tile.array_swizzle``; a narrower swizzle costs 1.43x the
 forward's time per column, bench/NOTES.md entry 43) and a ``[V_local, D]`` weight in
 tiles of 8 rows. So the forward (``statistics``) reads a weight whose last tile is
-partial in more than one call: where TMA reads it in place at the 128-byte swizzle (75968
-columns), its whole tiles in one call and then the columns left copied out and
-zero-padded to one tile; else in vocab blocks copied out (``column_blocks``: at most
-``CONFIG.block_bytes`` each; 37984, 151643 columns), the last one taking the columns left,
-zero-padded to whole tiles. The same tiles, statistics and bits as one call over the whole
-array, and only a call's last tile runs the masked epilogue (a partial tile under a
-``pl.when`` in every tile slows the call: entry 49). Each call writes its statistics in place into one array (a ``jax.Ref``) from its
+partial in two calls: its whole tiles, in place where TMA reads it at the 128-byte
+swizzle (75968 columns) and else in vocab blocks copied out (``column_blocks``: at most
+``CONFIG.block_bytes`` each; 37984, 151643 columns), then the columns left copied out and
+zero-padded to one tile: the same tiles, statistics and bits as one call over the whole
+array, and no tile of a call runs the masked epilogue for a partial tile's sake (entry
+49). Each call writes its statistics in place into one array (a ``jax.Ref``) from its
 first tile on: nothing is concatenated after them. The objective path's forward reads the
 weight the same way, each call writing its ``exp`` terms in place into one ``[C,
 V_local]`` array from the call's first column on; at an odd width, whose rows TMA cannot
@@ -527,9 +526,8 @@ def statistics(hidden, weight, labels, inv_temp, limit, kept=None, *, column_sta
     array, 1/32 of the bytes of the chunk's f32 logits (and ``e``); with ``kept``, its
     ``mosaic_tile.kept_words`` copy. A weight whose last tile is partial:
     that tile's copy (the calls write their statistics into one array); where TMA cannot read
-    it in place at the 128-byte swizzle, a vocab block's copy instead (``column_blocks``:
-    at most ``CONFIG.block_bytes``, the last block with the columns left fewer than twice
-    that).
+    it in place at the 128-byte swizzle, one vocab block's copy too (``column_blocks``: at
+    most ``CONFIG.block_bytes``).
   """
   num_columns = weight.shape[vocab_dim]
   options = dict(column_start=column_start, vocab_dim=vocab_dim, softcap=softcap,
@@ -667,76 +665,76 @@ def _blockwise_statistics(blocks, hidden, weight, labels, inv_temp, limit, kept,
   """``statistics`` of a weight that TMA cannot read in place at the 128-byte swizzle (a
   ``[D, V_local]`` one whose rows are not whole 128-byte swizzles, a ``[V_local, D]`` one
   that is not whole tiles of 8 rows), in ``column_blocks``' blocks: each block's columns
-  copied out and read with the 128-byte swizzle, the last block taking the columns left
-  too (fewer than a block and a tile), zero-padded to whole tiles: its last tile's padding
-  is masked as a partial tile's columns past the array are. So each block's call reads the
-  hidden states once and no call is made for the columns left alone (at 32064 columns, 4
-  segments of 8016, a second call over each segment's last 80 columns read the hidden
-  states again: 5 % of the forward's time, bench/NOTES.md entry 70). A tile's statistics
+  copied out (at most ``CONFIG.block_bytes``) and read with the 128-byte swizzle, then the
+  columns left (fewer than a block) copied out as whole tiles, zero-padded: the last tile's
+  padding is masked as a partial tile's columns past the array are. A tile's statistics
   are those of one call over the whole array, bit for bit (the same columns, rows, wgmma
   sequence and masks); only the swizzle differs. The blocks are unrolled, not a loop: as
   a scan they left the GPU idle between the calls (0.4 ms in 7.6 at 18992 columns on an
   H200, bench/NOTES.md entry 55; the backward's scan over its blocks leaves no such gaps,
-  entry 57); the kernel is lowered once for the whole blocks (``vocab_block``, one jitted
-  function for every block and segment) and once for the last (``last_block``). Every
-  call writes its statistics in place into one array (``_Into``), with ``with_exp`` (the
-  objective path) its ``exp`` terms too, into one ``[C, exp_width(V_local)]`` array at
-  the block's first column (the last block's stores past the array's end are dropped by
-  TMA's bounds; at an odd width its masked columns write the terms' zero padding):
-  nothing is concatenated or copied after the calls. Returns ``(statistics,)``, or
-  ``(statistics, exp terms)``; with ``segment`` (a ``_Segment``: ``weight`` is one
-  segment's columns) nothing: the statistics and terms are written into the segment's.
-  Memory: the last block's copy, fewer than twice ``CONFIG.block_bytes``."""
+  entry 57); the kernel is lowered once (``vocab_block``, one jitted function for every
+  block). With ``with_exp``
+  (the objective path), each block's kernel writes its ``exp`` terms in place into one
+  ``[C, exp_width(V_local)]`` array at the block's first column, and the columns left
+  are written into it after (XLA's update in place): no block's terms are copied. Every
+  call writes its statistics in place into one array (``_Into``): none is concatenated.
+  Returns ``(statistics,)``, or ``(statistics, exp terms)``; with ``segment`` (a
+  ``_Segment``: ``weight`` is one segment's columns) nothing: the statistics and terms are
+  written into the segment's. Memory: one block's copy, with ``with_exp`` the columns
+  left's terms twice."""
   width, count = blocks
   num_rows, num_columns = hidden.shape[0], weight.shape[vocab_dim]
-  if width * count == num_columns:
-    raise ValueError(f"{num_columns} columns are {count} whole blocks of {width}: read "
-                     "them in place")
   if segment is None:
-    # (uninitialized: the blocks write every column of every row)
+    terms_width = exp_width(num_columns, hidden.dtype)
+    # (uninitialized: the blocks and the columns left write every column of every row)
     stats = _statistics_ref(num_columns, num_rows)
-    terms = (jax.new_ref(lax.empty((num_rows, exp_width(num_columns, hidden.dtype)),
-                                   hidden.dtype)) if with_exp else None)
+    terms = jax.new_ref(lax.empty((num_rows, terms_width), hidden.dtype)) if with_exp else None
     first_tile, index = 0, 0
   else:
     stats, terms, index = segment.stats, segment.terms, segment.index
     first_tile = index * num_tiles(num_columns)
-  options = tuple(sorted(options.items()))
-  last_start = width * max(count - 1, 0)
+  vocab_block = _vocab_block(width, vocab_dim, with_exp, tuple(sorted(options.items())))
 
-  def block(start, stop):
-    call = _vocab_block(num_tiles(stop - start) * TILE_N, stop - start, vocab_dim, with_exp,
-                        options)
-    columns = head.pad_columns(lax.slice_in_dim(weight, start, stop, axis=vocab_dim),
-                               num_tiles(stop - start) * TILE_N, vocab_dim)
-    call(hidden, columns, labels, inv_temp, None if limit is None else limit - start,
-         None if kept is None else kept[:, start // 32:-(-stop // 32)],
-         jnp.asarray(column_start + start, jnp.int32),
-         _Into(stats, terms, _offset(start, first_tile, index)))
+  def block(start):
+    vocab_block(hidden, lax.slice_in_dim(weight, start, start + width, axis=vocab_dim),
+                labels, inv_temp, None if limit is None else limit - start,
+                None if kept is None else kept[:, start // 32:(start + width) // 32],
+                jnp.asarray(column_start + start, jnp.int32),
+                _Into(stats, terms, _offset(start, first_tile, index)))
 
-  for start in range(0, last_start, width):
-    block(start, start + width)
-  block(last_start, num_columns)
+  for j in range(count):
+    block(j * width)
+  if width * count == num_columns:
+    raise ValueError(f"{num_columns} columns are {count} whole blocks of {width}: read "
+                     "them in place")
+  last = _rest_statistics(width * count, hidden, weight, labels, inv_temp, limit, kept,
+                          column_start=column_start, vocab_dim=vocab_dim, with_exp=with_exp,
+                          into=_Into(stats, None, _offset(width * count, first_tile, index)),
+                          **options)
   if segment is not None:
+    if with_exp:
+      terms[:, index, width * count:] = last[0][:, :num_columns - width * count]
     return None
-  return (stats[...],) if not with_exp else (stats[...], terms[...])
+  if not with_exp:
+    return (stats[...],)
+  # (an odd width: the columns left's zero padding fills the terms' last columns)
+  terms[:, width * count:] = last[0][:, :terms_width - width * count]
+  return stats[...], terms[...]
 
 
 @functools.lru_cache(maxsize=None)
-def _vocab_block(width, num_columns, vocab_dim, with_exp, options):
-  """The jitted ``_statistics`` of one of ``_blockwise_statistics``' vocab blocks, its
-  first ``num_columns`` columns of ``width`` (a multiple of ``TILE_N``; the columns past
-  them zeros, masked), written in place (``_Into``): one function, lowered once, for every
-  block of that shape of a call (and every segment's): ``vocab_block`` for whole tiles,
-  ``last_block`` for the last block's partial tile."""
+def _vocab_block(width, vocab_dim, with_exp, options):
+  """The jitted ``_statistics`` of one of ``_blockwise_statistics``' vocab blocks of
+  ``width`` columns, written in place (``_Into``): one function, lowered once, for every
+  block of a call (and every segment's)."""
 
-  def block(hidden, columns, labels, inv_temp, limit, block_kept, column_start, into):
-    _statistics(hidden, columns, labels, inv_temp, limit, block_kept, num_columns=num_columns,
+  @jax.jit
+  def vocab_block(hidden, columns, labels, inv_temp, limit, block_kept, column_start, into):
+    _statistics(hidden, columns, labels, inv_temp, limit, block_kept, num_columns=width,
                 column_start=column_start, vocab_dim=vocab_dim, with_exp=with_exp,
                 into=into, **dict(options))
 
-  block.__name__ = "vocab_block" if width == num_columns else "last_block"
-  return jax.jit(block)
+  return vocab_block
 
 
 class _Segment(NamedTuple):

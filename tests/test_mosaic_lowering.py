@@ -47,10 +47,14 @@ def _logits(x, labels, g, **kw):
   return jax.grad(loss)(x)
 
 
+def _cuda_program(f, *args):
+  """The StableHLO of ``jax.jit(f)`` traced at ``args`` and lowered for CUDA."""
+  return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
 def _lowered_kernels(f, *args):
   """The number of Mosaic GPU kernel calls in ``f``'s program lowered for CUDA."""
-  text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-  return text.count("mosaic_gpu")
+  return _cuda_program(f, *args).count("mosaic_gpu")
 
 
 @pytest.mark.parametrize("columns", [151643, 50257])
@@ -69,8 +73,7 @@ def test_unpadded_widths_lower_for_cuda_with_no_matmul_over_odd_rows(columns, mo
   for path in (_fused, _objective):
     for layout, shape in (("dv", (DEPTH, columns)), ("vd", (columns, DEPTH))):
       call = lambda *a: path(*a, weight_layout=layout)  # pylint: disable=cell-var-from-loop
-      text = jax.jit(call).trace(hidden, S(shape, jnp.bfloat16), labels, g).lower(
-          lowering_platforms=("cuda",)).as_text()
+      text = _cuda_program(call, hidden, S(shape, jnp.bfloat16), labels, g)
       assert text.count("mosaic_gpu"), (path.__name__, layout)
       matmuls = [line for line in text.splitlines() if "stablehlo.dot_general" in line]
       assert matmuls and not [line for line in matmuls if odd.search(line)], (
@@ -87,8 +90,7 @@ def _forward_program(path, columns):
     call = lambda h, w, l: jaxce.linear_logprobs_and_entropy(h, w, l)
   else:
     call = lambda h, w, l: _objective(h, w, l, jnp.ones(l.shape, jnp.float32))
-  return jax.jit(call).trace(hidden, weight, labels).lower(
-      lowering_platforms=("cuda",)).as_text()
+  return _cuda_program(call, hidden, weight, labels)
 
 
 @pytest.mark.parametrize("path", ["fused", "objective"])
@@ -179,7 +181,7 @@ def test_the_kernel_forward_over_shards_gathers_once_and_reduces_nothing(path, m
     call = lambda x, labels: jaxce.logprobs_and_entropy(x, labels, vocab_axis="v")
     specs, args = (P(None, "v"), P()), (S((TOKENS, 151936), jnp.bfloat16),)
   sharded = jax.shard_map(call, mesh=mesh, in_specs=specs, out_specs=(P(), P()))
-  text = jax.jit(sharded).trace(*args, labels).lower(lowering_platforms=("cuda",)).as_text()
+  text = _cuda_program(sharded, *args, labels)
   assert "mosaic_gpu" in text
   assert text.count("stablehlo.all_gather") == 1
   assert "stablehlo.all_reduce" not in text
@@ -204,7 +206,7 @@ def test_shards_of_whole_tile_segments_are_read_in_place(path, monkeypatch):
   weight = S((DEPTH, 248320), jnp.bfloat16, sharding=NamedSharding(mesh, P(None, "v")))
   args = (S((TOKENS, DEPTH), jnp.bfloat16), weight, S((TOKENS,), jnp.int32),
           S((TOKENS,), jnp.float32))
-  text = jax.jit(sharded).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  text = _cuda_program(sharded, *args)
   assert "mosaic_gpu" in text
   assert "vocab_block" not in text
   assert not re.search(rf"stablehlo.pad .*-> tensor<{DEPTH}x[0-9]+xbf16>", text)

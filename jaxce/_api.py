@@ -250,7 +250,9 @@ def linear_logprobs_and_entropy(hidden: ArrayLike, weight: ArrayLike, labels: Ar
   tiles, and the smaller of (``jaxce.plan.linear_backward_order``) an f32 ``[T, D]``
   accumulator for ``d hidden`` with an f32 ``[D, Vb]`` one for the weight block (none of
   the first with ``hidden_grad_accumulation="output"``), or an f32 accumulator like the
-  weight with an f32 ``[chunk, D]`` one: past ``V_local`` tokens, flat in T.
+  weight with an f32 ``[chunk, D]`` one: past ``V_local`` tokens, flat in T (with the
+  Mosaic kernels, past ``V_local`` tokens that take more than one chunk:
+  ``jaxce.plan.linear_kernel_backward_order``).
 
   Example:
     >>> import jax.numpy as jnp

@@ -191,7 +191,9 @@ def linear_kernel_tiles(num_tokens: int, num_columns: int, requested_chunk: int 
   slices and no partial ``d W`` sums; when it does not, the fewest, most even chunks
   within :func:`linear_tiles`' budget (``_kernel_chunk``). With token chunks outer, the
   fewest, most even chunks whose tile with the largest block fits that budget: fewer,
-  larger chunks add each block's ``d W`` sum fewer times. A requested chunk (or
+  larger chunks add each block's ``d W`` sum fewer times. Where that is one chunk (``T``
+  past ``V_local`` but within the budget: 32768 tokens over 18992 columns), the plan is
+  the vocab order's one chunk instead (:func:`linear_kernel_backward_order`). A requested chunk (or
   :func:`linear_tiles`' chunk for a requested block) is rounded down to a multiple of 256
   (all ``T`` when it is at least ``T``). Unless a size is requested, the block is the
   multiple of 128 between a quarter of the budget for ``[chunk, block]`` and the budget (at
@@ -215,6 +217,7 @@ def linear_kernel_tiles(num_tokens: int, num_columns: int, requested_chunk: int 
   elif planned and num_tokens > num_columns:  # (token chunks outer: the largest block's tile)
     chunk = _kernel_chunk(num_tokens, LINEAR_KERNEL_GRAD_BYTES // (2 * min(
         LINEAR_KERNEL_MAX_BLOCK, num_columns)))
+    whole = chunk == num_tokens and cap >= min(LINEAR_KERNEL_MIN_BLOCK, num_columns)
   elif planned:  # (vocab blocks outer, several chunks: linear_tiles' budget)
     chunk = _kernel_chunk(num_tokens, LINEAR_TILE_BYTES[budget_platform(platform)] // (4 * block))
   elif chunk < num_tokens:
@@ -266,6 +269,18 @@ def _kernel_block_cost(num_tokens: int, num_columns: int, depth: int, block: int
                + waves(-(-num_tokens * depth // (256 * 128))) * block
                + LINEAR_KERNEL_BLOCK_PASS * num_tokens * depth)
   return -(-num_columns // block) * per_block
+
+
+def linear_kernel_backward_order(num_tokens: int, num_columns: int, chunk: int,
+                                 hidden_grad_accumulation: str = "float32") -> str:
+  """:func:`linear_backward_order` for the Mosaic GPU kernels' planned tiles (``chunk``:
+  :func:`linear_kernel_tiles`' with neither size requested): ``"vocab"`` where the tokens
+  are one chunk. Token chunks outer would then hold both f32 sums, ``d hidden``'s rows of
+  that one chunk (all ``T``) and ``d W``'s, where the vocab order holds the first alone and
+  writes each block's ``d W`` once in the weight's dtype."""
+  if chunk >= num_tokens:
+    return "vocab"
+  return linear_backward_order(num_tokens, num_columns, hidden_grad_accumulation)
 
 
 def linear_backward_order(num_tokens: int, num_columns: int,

@@ -55,6 +55,7 @@ from jaxce._budgets import (  # noqa: F401  pylint: disable=unused-import
     LINEAR_KERNEL_WIDE_DEPTH,
     LINEAR_OBJECTIVE_GRAD_BYTES, LINEAR_OBJECTIVE_GRAD_PER_SUM, LINEAR_OBJECTIVE_ROWS_BYTES,
     LINEAR_TILE_BYTES, LOGITS_TILE_BYTES, budget_platform, chunk_size, linear_backward_order,
+    linear_kernel_backward_order,
     linear_kernel_chunk, linear_kernel_tiles, linear_objective_chunk,
     linear_objective_grad_chunk, linear_objective_kernel_tiles, linear_tiles, logits_chunk)
 from jaxce._kernels import chunking, head, softmax
@@ -68,7 +69,7 @@ __all__ = [
     "IMPLEMENTATIONS", "INVARIANCES", "FusedPlan", "LinearPlan", "LogitsPlan", "ObjectivePlan",
     "Plan", "Shard", "Target", "budget_platform", "chunk_size",
     "invariances", "kept_ids_unsupported", "linear_backward_order",
-    "linear_kernel_chunk", "linear_kernel_tiles", "linear_objective_chunk",
+    "linear_kernel_backward_order", "linear_kernel_chunk", "linear_kernel_tiles", "linear_objective_chunk",
     "linear_objective_grad_chunk", "linear_objective_kernel_tiles", "linear_tiles",
     "logits_chunk", "make", "matmul_precision", "of", "target",
 ]
@@ -384,7 +385,11 @@ def _fused_plan(options, shard: Shard, head: dict) -> FusedPlan:
   else:
     chunk, block = linear_tiles(rows, num_columns, options.chunk_size,
                                 options.vocab_block_size, platform)
-  order = linear_backward_order(rows, num_columns, options.hidden_grad_accumulation)
+  if mosaic and options.chunk_size is None and options.vocab_block_size is None:
+    order = linear_kernel_backward_order(rows, num_columns, chunk,
+                                         options.hidden_grad_accumulation)
+  else:
+    order = linear_backward_order(rows, num_columns, options.hidden_grad_accumulation)
   return FusedPlan(chunk=chunk, chunks=_row_chunks(rows, chunk, mosaic), block=block,
                    own_blocks=mosaic,
                    unrolled_blocks=(mosaic and order == "token"

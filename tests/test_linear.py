@@ -236,6 +236,8 @@ def test_mosaic_backward_tile_plan():
   # 0.6 % faster in 0.26 GiB less, bench/NOTES.md entry 71); 2-way: the same as one GPU's.
   assert tiles(32768, 37984) == (32768, 4224)
   assert tiles(32768, 75968) == (32768, 8448)
+  # Past V_local tokens in one chunk: the vocab order's plan (largest block by D).
+  assert tiles(32768, 18992) == (32768, 6400) and tiles(16384, 16000) == (16384, 16000)
   assert tiles(131072, 151936) == (8192, 8448)  # below LINEAR_KERNEL_MIN_BLOCK: chunks
   assert tiles(100000, 151936) == (7936, 8448)  # 13 even chunks of the budget's 8192
   assert tiles(1048576, 151936) == (35072, 8448)  # token order: 30 chunks of the budget
@@ -248,6 +250,30 @@ def test_mosaic_backward_tile_plan():
   # The model's order of the blocks measured at T = 32768 (the fastest first).
   assert cost(block=8448) < cost(block=8960) < cost(block=4224)
   assert cost(block=8448) < cost(block=8192)
+
+
+@pytest.mark.parametrize("tokens,columns,chunk,order", [
+    (32768, 18992, 32768, "vocab"),  # 151936 over 8: one chunk past V_local
+    (32768, 32000, 32768, "vocab"),  # a 32000-token vocabulary on one GPU
+    (65536, 32000, 32768, "token"),  # two chunks: d W's f32 sum is the smaller
+    (32768, 151936, 32768, "vocab")])
+def test_mosaic_backward_takes_vocab_order_for_one_chunk(tokens, columns, chunk, order,
+                                                         monkeypatch):
+  """With the Mosaic kernels and nothing requested, tokens past ``V_local`` that fit one
+  chunk take vocab blocks outer: token chunks outer would hold an f32 ``d W`` sum on top
+  of the one chunk's f32 ``d hidden`` rows (all ``T``), which the vocab order holds alone;
+  a requested size keeps the order by the sums' sizes."""
+  monkeypatch.setattr(jaxce.plan, "target", lambda *a, mesh=None: jaxce.plan.Target(
+      "gpu", "9.0", 132))
+  hidden = jax.ShapeDtypeStruct((tokens, 4096), jnp.bfloat16)
+  weight = jax.ShapeDtypeStruct((4096, columns), jnp.bfloat16)
+  labels = jax.ShapeDtypeStruct((tokens,), jnp.int32)
+  plan = jaxce.plan.of(jaxce.linear_logprobs_and_entropy, hidden, weight, labels)
+  assert (plan.backend, plan.chunk, plan.backward_order) == ("mosaic", chunk, order), plan
+  assert plan.chunks.sizes == (chunk,) * (tokens // chunk), plan
+  requested = jaxce.plan.of(jaxce.linear_logprobs_and_entropy, hidden, weight, labels,
+                            vocab_block_size=4096)
+  assert requested.backward_order == jaxce.plan.linear_backward_order(tokens, columns)
 
 
 def test_chunk_plan_keeps_one_chunk_when_everything_fits():

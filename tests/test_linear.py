@@ -142,11 +142,17 @@ def test_hidden_grad_accumulation_output():
     np.testing.assert_array_equal(a, r)
   err = lambda a: np.max(np.abs(np.asarray(a, np.float64) - g_r[0])) / np.max(np.abs(g_r[0]))
   assert err(g[0]) <= 3 * err(g_d[0]), (err(g[0]), err(g_d[0]))
-  # The program jaxce emits (XLA's CPU backend itself widens bf16 loop buffers to f32).
-  program = lambda **k: jax.jit(jax.grad(lambda h, w: jnp.sum(f(
-      h, w, None, loss_kw["labels"], **k)[0]), (0, 1))).lower(*bf16[:2]).as_text()
-  assert "tensor<128x32xf32>" in program()
-  assert "tensor<128x32xf32>" not in program(hidden_grad_accumulation="output")
+  # The program jaxce emits (XLA's CPU backend itself widens bf16 loop buffers to f32),
+  # with chunks of 32 rows and with one chunk of all 128 (the Mosaic kernels' plan on a
+  # GPU): no f32 [T, D] sum, and no f32 [T, D] d hidden rows of a block either (blocks of
+  # 64 columns: no tile of logits is [128, 32]).
+  for chunk in (32, 128):
+    program = lambda chunk=chunk, **k: jax.jit(jax.grad(
+        lambda h, w: jnp.sum(jaxce.linear_logprobs_and_entropy(
+            h, w, loss_kw["labels"], chunk_size=chunk, vocab_block_size=64, **k)[0]),
+        (0, 1))).lower(*bf16[:2]).as_text()
+    assert "tensor<128x32xf32>" in program(), chunk
+    assert "tensor<128x32xf32>" not in program(hidden_grad_accumulation="output"), chunk
 
 
 def test_unused_entropy_and_no_bias():

@@ -275,9 +275,10 @@ def _chunk_rows(bwd: _Backward, start, size):
 
 
 def _tile_grads(bwd: _Backward, rows, w_cols, b_cols, col, first_column, width=None,
-                dw_dtype=None):
+                dw_dtype=None, dh_dtype=None):
   """The tile of a chunk's ``rows`` (``_chunk_rows``) and ``width`` columns (the plan's
-  block unless given) from local column ``col``: its f32 ``d hidden`` rows ``[chunk, D]``,
+  block unless given) from local column ``col``: its ``d hidden`` rows ``[chunk, D]`` (f32,
+  or ``dh_dtype`` when given: rounded once by the matmul),
   its ``d W`` columns (f32, or ``dw_dtype`` when given: rounded once by the matmul) and
   its ``d bias`` columns (None without a bias), exactly 0 in a clamped block's overlap and
   at ignored rows. ``first_column``: the global id of the block's first column of its own
@@ -320,7 +321,7 @@ def _tile_grads(bwd: _Backward, rows, w_cols, b_cols, col, first_column, width=N
     d = dx.astype(head.dtypes(bwd.hidden, bwd.weight)[0])
     d_bias = None if bwd.bias is None else jnp.sum(dx, axis=0)
   dw_tile = head.weight_grad(h, d, vocab_dim, config.plan.precision, dw_dtype)
-  dh_rows = head.contract(d, w_cols, 1, vocab_dim, config.plan.precision)
+  dh_rows = head.contract(d, w_cols, 1, vocab_dim, config.plan.precision, dh_dtype)
   if dw_tile.shape[vocab_dim] > width:  # (a padded block's)
     dw_tile = lax.slice_in_dim(dw_tile, 0, width, axis=vocab_dim)
   return dh_rows, dw_tile, d_bias
@@ -416,13 +417,16 @@ def _block_grads(bwd: _Backward, whole, grads, col, w_cols, b_cols, first_column
   hidden`` rows added. ``whole``: the rows of the plan's one chunk (``_chunk_rows``),
   taken once for every block, or None (several chunks, scanned)."""
   d_hidden, d_weight, d_bias = grads
+  # (``d hidden``'s rows come out of their matmul in the sum's dtype: an f32 sum, or with
+  # hidden_grad_accumulation="output" hidden's own, so no f32 [chunk, D] array is made)
   if whole is not None:
     dh_rows, dw_block, db_block = _tile_grads(bwd, whole, w_cols, b_cols, col, first_column,
-                                              width, dw_dtype=bwd.weight.dtype)
+                                              width, dw_dtype=bwd.weight.dtype,
+                                              dh_dtype=d_hidden.dtype)
     return _write_block(bwd, (_add_rows(d_hidden, dh_rows, 0), d_weight, d_bias), col,
                         dw_block, db_block)
   step = lambda start, size: _tile_grads(bwd, _chunk_rows(bwd, start, size), w_cols, b_cols,
-                                         col, first_column, width)
+                                         col, first_column, width, dh_dtype=d_hidden.dtype)
 
   def chunk_step(carry, start, size):
     d_hidden, dw_block, db_block = carry

@@ -193,9 +193,10 @@ def linear_kernel_tiles(num_tokens: int, num_columns: int, requested_chunk: int 
   fewest, most even chunks whose tile with the largest block fits that budget: fewer,
   larger chunks add each block's ``d W`` sum fewer times. Where that is one chunk (``T``
   past ``V_local`` but within the budget: 32768 tokens over 18992 columns), the plan is
-  the vocab order's one chunk instead (:func:`linear_kernel_backward_order`). A requested chunk (or
-  :func:`linear_tiles`' chunk for a requested block) is rounded down to a multiple of 256
-  (all ``T`` when it is at least ``T``). Unless a size is requested, the block is the
+  the vocab order's one chunk instead (:func:`linear_kernel_backward_order`). A requested
+  chunk (or :func:`linear_tiles`' chunk for a requested block) is rounded down to a
+  multiple of 256 (all ``T`` when it is at least ``T``). Unless a size is requested, the
+  block is the
   multiple of 128 between a quarter of the budget for ``[chunk, block]`` and the budget (at
   most ``LINEAR_KERNEL_MAX_BLOCK``; with one chunk, ``_kernel_max_block(depth)``) with the
   least ``_kernel_block_cost`` on ``num_cores`` SMs for a hidden dim ``depth``, the larger

@@ -55,8 +55,7 @@ from jaxce._budgets import (  # noqa: F401  pylint: disable=unused-import
     LINEAR_KERNEL_WIDE_DEPTH,
     LINEAR_OBJECTIVE_GRAD_BYTES, LINEAR_OBJECTIVE_GRAD_PER_SUM, LINEAR_OBJECTIVE_ROWS_BYTES,
     LINEAR_TILE_BYTES, LOGITS_TILE_BYTES, budget_platform, chunk_size, linear_backward_order,
-    linear_kernel_backward_order,
-    linear_kernel_chunk, linear_kernel_tiles, linear_objective_chunk,
+    linear_kernel_backward_order, linear_kernel_chunk, linear_kernel_tiles, linear_objective_chunk,
     linear_objective_grad_chunk, linear_objective_kernel_tiles, linear_tiles, logits_chunk)
 from jaxce._kernels import chunking, head, softmax
 from jaxce._kernels.mosaic import head as mosaic_head, reciprocal as mosaic_reciprocal
@@ -69,8 +68,9 @@ __all__ = [
     "IMPLEMENTATIONS", "INVARIANCES", "FusedPlan", "LinearPlan", "LogitsPlan", "ObjectivePlan",
     "Plan", "Shard", "Target", "budget_platform", "chunk_size",
     "invariances", "kept_ids_unsupported", "linear_backward_order",
-    "linear_kernel_backward_order", "linear_kernel_chunk", "linear_kernel_tiles", "linear_objective_chunk",
-    "linear_objective_grad_chunk", "linear_objective_kernel_tiles", "linear_tiles",
+    "linear_kernel_backward_order", "linear_kernel_chunk", "linear_kernel_tiles",
+    "linear_objective_chunk", "linear_objective_grad_chunk", "linear_objective_kernel_tiles",
+    "linear_tiles",
     "logits_chunk", "make", "matmul_precision", "of", "target",
 ]
 

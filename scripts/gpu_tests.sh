@@ -43,10 +43,20 @@ if [ "$#" -eq 0 ]; then
     fi
   done
 fi
+# The commit: JAXCE_COMMIT, else git's HEAD, said to differ where tracked files do (a copy
+# of a working tree whose git metadata lags it names an older commit than the files').
+commit="${JAXCE_COMMIT:-}"
+if [ -z "$commit" ]; then
+  commit=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
+  changed=$(git status --porcelain --untracked-files=no 2>/dev/null | wc -l)
+  if [ "$changed" -gt 0 ]; then
+    commit="$commit, with $changed tracked files changed (set JAXCE_COMMIT to the tree's commit)"
+  fi
+fi
 {
   echo "device: $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)"
   echo "jax: $(python -c 'import jax; print(jax.__version__)')"
-  echo "commit: ${JAXCE_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
+  echo "commit: $commit"
   echo "tests: ${summary:-no summary (exit $tests_rc)}"
   cat "$out/tally.txt.part" 2>/dev/null
   echo "checks failed: $checks_failed"

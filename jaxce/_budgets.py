@@ -196,13 +196,13 @@ def linear_kernel_tiles(num_tokens: int, num_columns: int, requested_chunk: int 
   the vocab order's one chunk instead (:func:`linear_kernel_backward_order`). A requested
   chunk (or :func:`linear_tiles`' chunk for a requested block) is rounded down to a
   multiple of 256 (all ``T`` when it is at least ``T``). Unless a size is requested, the
-  block is the
-  multiple of 128 between a quarter of the budget for ``[chunk, block]`` and the budget (at
-  most ``LINEAR_KERNEL_MAX_BLOCK``; with one chunk, ``_kernel_max_block(depth)``) with the
-  least ``_kernel_block_cost`` on ``num_cores`` SMs for a hidden dim ``depth``, the larger
-  of two that cost the same (a shard's narrow vocabulary can take a smaller block in even
-  waves: 4224 columns, not 7680, at 37984 columns, T = 32768, D = 4096, 0.6 % faster on
-  an H200 in 0.26 GiB less, bench/NOTES.md entry 71); else
+  block is the multiple of 128 between a quarter of the budget for ``[chunk, block]`` and
+  the budget (at most ``LINEAR_KERNEL_MAX_BLOCK``; with one chunk,
+  ``_kernel_max_block(depth)``) with the least ``_kernel_block_cost`` on ``num_cores`` SMs
+  for a hidden dim ``depth``, the larger of two that cost the same (a shard's narrow
+  vocabulary can take a smaller block in even waves: 4224 columns, not 7680, at 37984
+  columns, T = 32768, D = 4096, 0.6 % faster on an H200 in 0.26 GiB less, bench/NOTES.md
+  entry 71); else
   :func:`linear_tiles`' block, rounded down to a multiple of 128 (at least that, at most
   the array).
   """

@@ -322,16 +322,19 @@ def _logits_plan(operation, options, shard: Shard, head: dict) -> LogitsPlan:
   in-place backward, and the gradient with kept sets, by the Mosaic kernels where ``T``
   is whole tiles of 8 rows."""
   one_pass = head["backend"] in ("mosaic", "triton")  # (the kernels read every row)
+  # (the gradient's kernels write rows in tiles of 8, in the tiles' swizzle: at other
+  # widths, XLA's pass)
+  grad_kernel = (head["backend"] == "mosaic" and shard.num_tokens % 8 == 0
+                 and mosaic_rows.tiled(mosaic_tile.segments(shard.num_columns, shard.num_shards),
+                                       shard.dtypes[0]))
   in_place = None
   if options.backward_in_place and not operation.is_objective:
-    in_place = ("kernel" if head["backend"] == "mosaic" and shard.num_tokens % 8 == 0
-                else "chunks")
+    in_place = "kernel" if grad_kernel else "chunks"
   chunk = None
   if not one_pass or in_place:
     chunk = logits_chunk(shard.num_tokens, shard.num_columns, options.chunk_size,
                          options.target.platform)
-  kept_grad_kernel = (head["backend"] == "mosaic" and options.has_keep
-                      and shard.num_tokens % 8 == 0)  # (TMA's row tiling)
+  kept_grad_kernel = grad_kernel and options.has_keep
   return LogitsPlan(chunk=chunk, in_place=in_place, kept_grad_kernel=kept_grad_kernel, **head)
 
 

@@ -147,6 +147,26 @@ def test_every_path_lowers_for_cuda(columns, monkeypatch):
                           S((1000,), jnp.int32), S((1000,), jnp.float32))
 
 
+@pytest.mark.parametrize("columns,dtype", [(151643, jnp.bfloat16), (50257, jnp.float32),
+                                           (1000, jnp.bfloat16)])
+def test_the_logits_paths_lower_for_cuda_at_widths_tma_cannot_tile(columns, dtype,
+                                                                   monkeypatch):
+  """Rows that are not a multiple of 32 bytes (odd widths; 1000 bf16 columns, 16 bytes
+  short): the logits paths' statistics read them untiled, ``[T / R, R V]``, each tile's
+  box from any column (``mosaic_rows.residues``), with kept sets, in place (the
+  gradient by XLA's pass) and at a ragged ``T``."""
+  monkeypatch.setattr(plan, "target", lambda *a, mesh=None: HOPPER)
+  labels, g = S((TOKENS,), jnp.int32), S((TOKENS,), jnp.float32)
+  logits = S((TOKENS, columns), dtype)
+  keep = S((TOKENS, -(-columns // 32)), jnp.uint32)
+  objective = lambda logp, entropy, a: a * logp + 0.01 * entropy
+  token_loss = lambda x, l, a: jax.grad(
+      lambda x: jaxce.token_loss(objective, x, l, a)[0])(x)
+  assert _lowered_kernels(lambda x, l, g, k: _logits(x, l, g, keep=k), logits, labels, g, keep)
+  assert _lowered_kernels(lambda *a: _logits(*a, backward_in_place=True), logits, labels, g)
+  assert _lowered_kernels(token_loss, logits, labels, g)
+
+
 def test_a_shard_of_a_sharded_call_lowers_for_cuda(monkeypatch):
   """Qwen3's 151936 columns over 4 devices inside ``shard_map``: each shard's 37984."""
   monkeypatch.setattr(plan, "target", lambda *a, mesh=None: HOPPER)

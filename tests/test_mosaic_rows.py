@@ -48,6 +48,9 @@ def _logits(rng, tokens, columns, dtype):
     (64, 1024, jnp.bfloat16, None, 1),    # 8 segments of one tile each: a group each
     (136, 2432, jnp.bfloat16, None, 2),   # 8 segments of 304: each tiled from its first
     (300, 1408, jnp.float32, 1300, 1),    # column, its last tile partial; 8 of 176, a limit
+    (136, 401, jnp.bfloat16, None, 2),    # an odd width: read as [T / 8, 8 V], untiled
+    (300, 1003, jnp.float32, 1000, 4),    # (f32: [T / 4, 4 V]; T padded to 4 * 64), a limit
+    (530, 200, jnp.float16, None, 1),     # rows of 16 bytes, not 32: untiled, in place
 ])
 def test_group_statistics_match_float64(tokens, columns, dtype, limit, min_tiles, monkeypatch):
   monkeypatch.setattr(mosaic_rows, "CONFIG", dataclasses.replace(mosaic_rows.CONFIG,
@@ -99,11 +102,11 @@ def test_only_the_partial_tiles_group_is_masked(columns, with_kept, monkeypatch)
     label_column = jnp.asarray(rng.integers(0, columns, tokens))
     words = mosaic_tile.segment_kept_words(
         jaxce.keep.pack(jnp.asarray(rng.random((tokens, columns)) < 0.3)), label_column, tokens,
-        layout)
+        layout)[None]  # (one residue: rows tiled)
   row_inputs = mosaic_tile.stack(mosaic_tile.RowsStatisticsInputs(
       inv_temp=inv_temp, picked=jnp.asarray(rng.normal(size=tokens), jnp.float32),
       limit=jnp.full((tokens,), float(columns), jnp.float32)))
-  row_inputs = row_inputs[:, mosaic_rows.block_rows(tokens)].transpose(1, 0, 2)
+  row_inputs = row_inputs[:, mosaic_rows.block_rows(tokens)].transpose(1, 0, 2)[None]
   kw = dict(layout=layout, with_entropy=True, stages=2,
             interpret=kernel_device()["interpret"])
   calls = []
@@ -113,8 +116,8 @@ def test_only_the_partial_tiles_group_is_masked(columns, with_kept, monkeypatch)
   split = mosaic_rows._statistics(x, row_inputs, words, masked=False, **kw)
   assert calls == [False, True]
   whole = one_call(mosaic_rows.columns_view(x, layout), row_inputs, words, lambda i: i,
-                   mosaic_rows.num_groups(layout), masked=True, **kw)
-  split, whole = np.asarray(split), np.asarray(whole)  # [groups, row blocks, 4, rows]
+                   mosaic_rows.num_groups(layout), masked=True, tiled_rows=True, **kw)
+  split, whole = np.asarray(split)[:, 0], np.asarray(whole)[:, 0]  # [groups, row blocks, 4, rows]
   for field in (0, 3):  # m, picked
     assert np.array_equal(split[:, :, field].view(np.uint32), whole[:, :, field].view(np.uint32))
   s, q = (split[:, :, i].astype(np.float64) for i in (1, 2))
@@ -129,6 +132,7 @@ def test_only_the_partial_tiles_group_is_masked(columns, with_kept, monkeypatch)
     (300, 256, jnp.float32, 200),    # a ragged row count (padded to 8), a limit
     (136, 400, jnp.bfloat16, None),  # a partial last tile: its words past V are zeros
     (136, 1408, jnp.bfloat16, None),  # 8 segments of 176: their words start mid-word
+    (300, 401, jnp.bfloat16, None),  # an odd width, untiled: each residue's words
 ])
 def test_group_statistics_over_kept_sets(tokens, columns, dtype, limit, monkeypatch):
   """Kept sets read with the tiles: ~5 % kept at random, a row keeping its label alone (or
@@ -169,11 +173,13 @@ def test_group_statistics_over_kept_sets(tokens, columns, dtype, limit, monkeypa
     assert_close(tiles[g, 2], q, 2e-6 * max(e.sum(axis=1).max(), 1) * (1 + scale), f"q {g}")
 
 
-@pytest.mark.parametrize("tokens,columns", [(40, 384), (300, 384), (300, 400), (136, 1408)])
+@pytest.mark.parametrize("tokens,columns", [(40, 384), (300, 384), (300, 400), (136, 1408),
+                                            (296, 401)])
 def test_matches_xla_and_reference(tokens, columns):
   """bf16 logits, per-token temperature, a padded vocabulary, ignored and masked tokens,
   random cotangents for both outputs: the Mosaic forward as exact as XLA's, the same
-  gradient; also at a width that is not a multiple of 128 (a partial last tile)."""
+  gradient; also at a width that is not a multiple of 128 (a partial last tile), and at
+  an odd one (rows read untiled, 8 a row; ``T`` in two parts, 256 rows and 40)."""
   rng = np.random.default_rng(tokens)
   x = _logits(rng, tokens, columns, jnp.bfloat16)
   vocab = 370 if columns == 384 else columns - 9  # (live columns in a partial tile)
@@ -256,6 +262,8 @@ def _weighted_sum(outputs, cot):
     (200, False, True, True, True, 1408),    # 8 segments of 176 (each's last tile
     (128, True, True, True, True, 1408),     # partial): in place, with kept sets,
     (200, True, False, True, True, 1408),    # into a new array
+    (200, False, True, True, False, 401),    # an odd width: XLA's loop in place,
+    (128, True, False, True, False, 401),    # its fused pass with kept sets
 ])
 def test_gradient_kernels_match_xla(tokens, keep, in_place, entropy_cotangent, kernel, columns):
   """The gradient kernel on the Mosaic plan, over the logits (``backward_in_place=True``:
@@ -344,15 +352,17 @@ def test_objective_paths_match_xla(path):
     assert_close(np.asarray(g, np.float32), w, 2**-7 * np.max(np.abs(w)), "gradient")
 
 
-def test_each_tokens_bits_do_not_depend_on_the_call():
+@pytest.mark.parametrize("columns", [256, 401])
+def test_each_tokens_bits_do_not_depend_on_the_call(columns):
   """Batch invariance by construction, in either mode: a token's logp and entropy are the
   same bits alone (padded to the kernel's rows), among 9 and 200 tokens at random
   positions (one the last row), inside ``jit(grad)`` with the temperature closed over or
-  passed, and forward only. The planner says so. (On GPUs the same test is in the GPU
+  passed, and forward only; at an odd width too, where a token's rows are read 8 a row
+  and its position sets where in that row it lies. The planner says so. (On GPUs the same test is in the GPU
   tally: there the temperature's reciprocal comes from ``mosaic_reciprocal``.)"""
   rng = np.random.default_rng(9)
-  x = _logits(rng, 200, 256, jnp.bfloat16)
-  labels = rng.integers(0, 256, 200)
+  x = _logits(rng, 200, columns, jnp.bfloat16)
+  labels = rng.integers(0, columns, 200)
   temperature = rng.uniform(0.6, 1.4, 200).astype(np.float32)
   probes = np.arange(3)
 
@@ -377,8 +387,7 @@ def test_each_tokens_bits_do_not_depend_on_the_call():
     for tokens, extra in ((9, {}), (200, {}), (200, dict(differentiate=True, constant=True)),
                           (200, dict(differentiate=True))):
       others = rng.permutation(np.arange(3, 200))[:tokens - len(probes)]
-      at = rng.permutation(tokens)[:len(probes)]
-      at[0] = tokens - 1
+      at = np.concatenate([[tokens - 1], rng.permutation(tokens - 1)[:len(probes) - 1]])
       rows = np.empty(tokens, np.int64)
       rows[at] = probes
       rows[np.setdiff1d(np.arange(tokens), at)] = others

@@ -43,14 +43,14 @@ def test_the_kernels_run_every_shard_of_a_real_vocabulary(vocab, shards, monkeyp
 
 
 @pytest.mark.parametrize("columns", [151643, 50257])
-def test_odd_widths_run_the_fused_kernels_and_the_logits_path_says_why_not(columns,
-                                                                         monkeypatch):
-  """An unpadded vocabulary (Qwen's 151643 tokens, GPT-2's 50257: rows TMA cannot read,
-  not a multiple of 16 columns) runs the fused head's kernels in either layout (its
-  weight read in blocks copied out: ``test_mosaic_linear.py``), and the objective path's
-  (its terms ``mosaic_head.exp_width`` columns wide); the logits path, whose kernels read
-  the caller's ``[T, V]`` logits, stays on XLA, and the plan says why; asked for by name,
-  a ValueError."""
+def test_odd_widths_run_the_kernels_on_every_path(columns, monkeypatch):
+  """An unpadded vocabulary (Qwen's 151643 tokens, GPT-2's 50257: not a multiple of 16
+  columns, rows TMA cannot tile) runs the fused head's kernels in either layout (its
+  weight read in blocks copied out: ``test_mosaic_linear.py``), the objective path's
+  (its terms ``mosaic_head.exp_width`` columns wide), and the logits paths' statistics
+  (the rows read untiled, 8 a row of ``[T / 8, 8 V]``: ``mosaic_rows.residues``); the
+  logits path's gradient there is XLA's pass (in place: chunk by chunk), its kernels
+  writing rows in the tiles' swizzle."""
   monkeypatch.setattr(plan, "target", lambda *a, mesh=None: HOPPER)
   hidden = jax.ShapeDtypeStruct((256, 1024), jnp.bfloat16)
   weight = jax.ShapeDtypeStruct((1024, columns), jnp.bfloat16)
@@ -62,12 +62,18 @@ def test_odd_widths_run_the_fused_kernels_and_the_logits_path_says_why_not(colum
     got = plan.of(jaxce.linear_token_loss, objective, hidden, w, labels, weight_layout=layout)
     assert got.backend == "mosaic" and got.kernel_chunk is not None, got
   logits = jax.ShapeDtypeStruct((256, columns), jnp.bfloat16)
+  keep = jax.ShapeDtypeStruct((256, -(-columns // 32)), jnp.uint32)
   for call in ((jaxce.logprobs_and_entropy, logits, labels),
                (jaxce.token_loss, objective, logits, labels)):
     got = plan.of(*call)
-    assert got.backend == "xla" and "multiple of 16 for bfloat16 logits" in got.reason, got
-    with pytest.raises(ValueError, match=f"multiple of .*{columns}"):
-      plan.of(*call, implementation="mosaic")
+    assert got.backend == "mosaic" and not got.kept_grad_kernel, got
+    assert plan.of(*call, implementation="mosaic").backend == "mosaic"
+  got = plan.of(jaxce.logprobs_and_entropy, logits, labels, keep=keep, backward_in_place=True)
+  assert got.backend == "mosaic" and got.in_place == "chunks" and not got.kept_grad_kernel, got
+  whole = jax.ShapeDtypeStruct((256, 1024 * 37), jnp.bfloat16)
+  got = plan.of(jaxce.logprobs_and_entropy, whole, labels, backward_in_place=True,
+                keep=jax.ShapeDtypeStruct((256, 1024 * 37 // 32), jnp.uint32))
+  assert got.in_place == "kernel" and got.kept_grad_kernel, got
 
 
 @pytest.mark.parametrize("columns,layout,copied", [

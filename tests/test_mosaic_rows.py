@@ -102,11 +102,11 @@ def test_only_the_partial_tiles_group_is_masked(columns, with_kept, monkeypatch)
     label_column = jnp.asarray(rng.integers(0, columns, tokens))
     words = mosaic_tile.segment_kept_words(
         jaxce.keep.pack(jnp.asarray(rng.random((tokens, columns)) < 0.3)), label_column, tokens,
-        layout)[None]  # (one residue: rows tiled)
+        layout)
   row_inputs = mosaic_tile.stack(mosaic_tile.RowsStatisticsInputs(
       inv_temp=inv_temp, picked=jnp.asarray(rng.normal(size=tokens), jnp.float32),
       limit=jnp.full((tokens,), float(columns), jnp.float32)))
-  row_inputs = row_inputs[:, mosaic_rows.block_rows(tokens)].transpose(1, 0, 2)[None]
+  row_inputs = row_inputs[:, mosaic_rows.block_rows(tokens)].transpose(1, 0, 2)
   kw = dict(layout=layout, with_entropy=True, stages=2,
             interpret=kernel_device()["interpret"])
   calls = []
@@ -117,7 +117,7 @@ def test_only_the_partial_tiles_group_is_masked(columns, with_kept, monkeypatch)
   assert calls == [False, True]
   whole = one_call(mosaic_rows.columns_view(x, layout), row_inputs, words, lambda i: i,
                    mosaic_rows.num_groups(layout), masked=True, tiled_rows=True, **kw)
-  split, whole = np.asarray(split)[:, 0], np.asarray(whole)[:, 0]  # [groups, row blocks, 4, rows]
+  split, whole = np.asarray(split), np.asarray(whole)  # [groups, row blocks, 4, rows]
   for field in (0, 3):  # m, picked
     assert np.array_equal(split[:, :, field].view(np.uint32), whole[:, :, field].view(np.uint32))
   s, q = (split[:, :, i].astype(np.float64) for i in (1, 2))

@@ -49,10 +49,9 @@ from jaxce._kernels.mosaic import merge as mosaic_merge, tile as mosaic_tile
 plgpu = plumbing.lazy_module("jax.experimental.pallas.mosaic_gpu")
 
 TILE, WORDS = mosaic_tile.TILE, mosaic_tile.WORDS  # columns per pipeline step, their words
-# Columns an untiled tile's box reads past the tile (``residues``): rows of ``TILE + 8``
-# 16-bit columns lie 4 banks apart in shared memory, so the loads into the WGMMA layout
-# meet no bank conflict.
-UNTILED_PAD = 8
+# The registers of a tile the kernel loads itself (``direct_columns``): WGMMA's, a column
+# a register (2-byte loads at any address; WGMMA's own loads two columns at once).
+DIRECT_LAYOUT = plgpu.Layout._WGMMA_ACC_32BIT  # pylint: disable=protected-access
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -148,49 +147,16 @@ def row_width(layout: mosaic_tile.Segments) -> int:
   return layout.width if layout.split else layout.count * layout.width
 
 
-def residues(layout: mosaic_tile.Segments, dtype) -> int:
-  """How many rows of ``[T, V_local]`` the kernels read as one row of a ``[T / R, R *
-  V_local]`` view (``residue_view``): 1 where TMA tiles the rows as the tiles' swizzle
-  (a row a multiple of 32 bytes, ``mosaic_tile.array_swizzle``), and 1, 2, 4 or 8 for
-  the rest (one segment of any width: Qwen's unpadded 151643, GPT-2's 50257), the fewest
-  rows that make a multiple of 16 bytes, TMA's stride between rows. Those are read
-  untiled: a tile's ``[CONFIG.rows, TILE]`` box starts at any column, its rows
-  ``R`` tokens apart; 0 when neither fits (several segments of an unaligned width)."""
-  row_bytes = row_width(layout) * jnp.dtype(dtype).itemsize
-  if mosaic_tile.array_swizzle(row_width(layout), dtype):
-    return 1
-  if layout.split:
-    return 0
-  return next(r for r in (1, 2, 4, 8) if not r * row_bytes % 16)
-
-
-def residue_view(x, num_residues: int):
-  """``x [T, V_local]`` (``T`` a multiple of ``num_residues``) as ``[T / R, R * V_local]``
-  (a free reshape): row ``t`` is row ``t // R``'s columns from ``(t % R) * V_local``."""
-  return x.reshape(x.shape[0] // num_residues, num_residues * x.shape[1])
-
-
-def by_residue(a, num_residues: int):
-  """``a [..., T]`` -> ``[R, ..., T / R]``: each residue's rows (``residue_view``'s row
-  order), in order."""
-  a = a.reshape(*a.shape[:-1], a.shape[-1] // num_residues, num_residues)
-  return jnp.moveaxis(a, -1, 0)
-
-
-def tile_specs(group: Group, dtype, has_words, layout: mosaic_tile.Segments, residue=None):
+def tile_specs(group: Group, dtype, has_words, layout: mosaic_tile.Segments):
   """The pipeline's ``in_specs`` over ``group``'s tiles of ``segment_columns``: step
-  ``k``'s ``[CONFIG.rows, TILE]`` tile of ``dtype`` (a partial one padded with zeros, or,
-  read untiled, with the columns that follow) and, with ``has_words``, its ``[WORDS,
-  CONFIG.rows]`` block of the transposed kept-set words. ``residue``: None where TMA
-  tiles the rows (``tiled``), else the rows' residue in ``residue_view``, whose tiles
-  are read untiled from column ``residue * V_local``."""
-  if residue is None:
-    tile = plgpu.BlockSpec((CONFIG.rows, TILE), lambda k: (0, tile_index(group, k, layout)),
-                           transforms=tile_swizzle(dtype, row_width(layout)))
-  else:
-    tile = plgpu.BlockSpec((CONFIG.rows, pl.Element(TILE + UNTILED_PAD)),
-                           lambda k: (0, residue * layout.width + (group.first + k) * TILE))
-  specs = [tile]
+  ``k``'s ``[CONFIG.rows, TILE]`` tile of ``dtype`` (a partial one padded with zeros;
+  none where the rows are not ``tiled``: the kernel loads them itself) and, with
+  ``has_words``, its ``[WORDS, CONFIG.rows]`` block of the transposed kept-set words."""
+  specs = []
+  if tiled(layout, dtype):
+    specs.append(plgpu.BlockSpec((CONFIG.rows, TILE),
+                                 lambda k: (0, tile_index(group, k, layout)),
+                                 transforms=tile_swizzle(dtype, row_width(layout))))
   if has_words:
     specs.append(plgpu.BlockSpec((WORDS, CONFIG.rows), lambda k: (group.tile + k, 0)))
   return specs
@@ -198,8 +164,10 @@ def tile_specs(group: Group, dtype, has_words, layout: mosaic_tile.Segments, res
 
 def tiled(layout: mosaic_tile.Segments, dtype) -> bool:
   """Whether TMA reads (and writes) the rows in the tiles' swizzle: a row of
-  ``row_width(layout)`` columns a multiple of 32 bytes (else the statistics read them
-  untiled, ``residues``)."""
+  ``row_width(layout)`` columns a multiple of 32 bytes. Other rows (one segment of any
+  width: Qwen's unpadded 151643, GPT-2's 50257; TMA reads only from 16-byte aligned
+  addresses, and such rows start anywhere) the statistics kernel loads from device
+  memory itself (``direct_columns``), a column a load."""
   return bool(mosaic_tile.array_swizzle(row_width(layout), dtype))
 
 
@@ -210,24 +178,38 @@ def tile_swizzle(dtype, num_columns: int):
   return mosaic_tile.swizzle(TILE, dtype, mosaic_tile.array_swizzle(num_columns, dtype))
 
 
+def direct_columns(x_gmem, rows, group: Group, k, layout: mosaic_tile.Segments):
+  """``(tile, column, first)``: ``group``'s ``k``-th tile of ``x_gmem``'s ``rows`` (``[T,
+  V_local]`` in device memory, one segment), loaded a column a load (any alignment) into
+  the WGMMA layout; ``column``, the first column it holds, and ``first``, its first column
+  not in an earlier tile. A partial last tile is loaded as the row's last ``TILE``
+  columns (``column = V_local - TILE``), the columns before ``first`` masked: the loads
+  stay in the row, and the columns land where they do for every token (a function of the
+  width alone), so a token's sums round alike in every row."""
+  first = (group.first + k) * TILE
+  column = first
+  if layout.partial:
+    column = jnp.where(group.first + k == layout.tiles_per_segment - 1, layout.width - TILE,
+                       first)
+  tile = plgpu.load(x_gmem.at[rows, pl.ds(column, TILE)], layout=DIRECT_LAYOUT,
+                    optimized=False)  # (2-byte loads: no "optimized" plan takes them)
+  return tile, column, first
+
+
 def _statistics(x, row_inputs, words, *, layout, masked, with_entropy, stages, interpret):
-  """``[groups, R, row blocks, 4, CONFIG.rows]`` f32 group statistics of each block of rows
-  of each residue (``residues``: ``R``) of ``x [T, V_local]`` (``T`` a multiple of 8, TMA's
-  row tiling, and at least ``R * CONFIG.rows``; each residue's last block moved back
-  inside), its columns tiled as ``layout`` says; ``row_inputs [R, row blocks, 3,
-  CONFIG.rows]`` f32: each block's rows' (``block_rows`` of ``by_residue``)
-  ``mosaic_tile.RowsStatisticsInputs``; ``words``: uint32 ``[R, tiles * WORDS, T / R]``
-  kept sets of ``mosaic_tile.kept_words`` (``by_residue``; read with the tiles), or None. Where the last tile is partial (and no limit masks every
+  """``[groups, row blocks, 4, CONFIG.rows]`` f32 group statistics of each block of rows of ``x
+  [T, V_local]`` (``T >= CONFIG.rows``, a multiple of 8: TMA's row tiling; the last block moved
+  back inside), its columns tiled as ``layout`` says; ``row_inputs [row blocks, 3,
+  CONFIG.rows]`` f32: each block's rows' (``block_rows``) ``mosaic_tile.RowsStatisticsInputs``;
+  ``words``: uint32 ``[tiles * WORDS, T]`` kept sets of ``mosaic_tile.kept_words`` (read
+  with the tiles), or None. Where the last tile is partial (and no limit masks every
   tile), the last group takes a call of its own, the only one that masks its columns:
   a mask in every tile's fold cost 1.27x the time per column (bench/NOTES.md, entry 50).
   The same groups (a function of the width alone), the statistics concatenated (16 bytes
   per row per group); a whole tile's sums may round otherwise than under a mask that
   excludes none of its columns."""
   groups, per_segment = num_groups(layout), groups_per_segment(layout)
-  num_residues = row_inputs.shape[0]
-  view = (columns_view(x, layout) if tiled(layout, x.dtype) else
-          residue_view(x, num_residues))
-  call = partial(_group_statistics, view, row_inputs, words,
+  call = partial(_group_statistics, columns_view(x, layout), row_inputs, words,
                  layout=layout, tiled_rows=tiled(layout, x.dtype), with_entropy=with_entropy,
                  stages=stages, interpret=interpret)
   if masked or not layout.partial or per_segment == 1:
@@ -244,49 +226,53 @@ def _statistics(x, row_inputs, words, *, layout, masked, with_entropy, stages, i
 def _group_statistics(x, row_inputs, words, group_of, groups, *, layout, tiled_rows, masked,
                       with_entropy, stages, interpret):
   """``_statistics`` of the groups ``group_of(i)``, ``i < groups``, in one kernel call (``x``:
-  the ``columns_view``, or with ``tiled_rows`` False the ``residue_view``; ``masked``:
-  every tile's fold applies the rows' limit, and a partial last tile's columns past its
-  segment's end)."""
+  the ``columns_view``; ``masked``: every tile's fold applies the rows' limit, and a
+  partial last tile's columns past its segment's end; ``tiled_rows``: TMA streams the
+  tiles in, else the kernel loads them, ``direct_columns``)."""
   num_rows = x.shape[0]
-  num_residues = row_inputs.shape[0]
   row_blocks = -(-num_rows // CONFIG.rows)
   has_words = words is not None
 
   def kernel(x_gmem, rows_gmem, *refs):
     *words_gmem, out_gmem = refs
     block, local_group = lax.axis_index("rows"), lax.axis_index("groups")
-    residue = lax.axis_index("residues")
     group_index = group_of(local_group)
-    first_row = jnp.minimum(block * CONFIG.rows, num_rows - CONFIG.rows)
-    rows = pl.ds(pl.multiple_of(first_row, 8) if tiled_rows else first_row, CONFIG.rows)
-    inputs = mosaic_tile.load(mosaic_tile.RowsStatisticsInputs, rows_gmem.at[residue], block,
+    first_row = pl.multiple_of(jnp.minimum(block * CONFIG.rows, num_rows - CONFIG.rows), 8)
+    rows = pl.ds(first_row, CONFIG.rows)
+    inputs = mosaic_tile.load(mosaic_tile.RowsStatisticsInputs, rows_gmem, block,
                               optimized=False)
     group = group_at(group_index, layout)
-    if layout.partial and masked:  # (a partial last tile's columns past the segment are
-      # zeros, or read untiled the next row's: masked)
+    if layout.partial and masked:  # (a partial last tile's columns past the segment read zeros)
       end = ((group.segment + 1) * layout.width).astype(jnp.float32)
       inputs = inputs._replace(limit=jnp.minimum(inputs.limit, end))
 
-    def body(indices, x_smem, *smem):
+    def fold(k, x_tile, words_smem, carry):
+      column, first, tile_layout = group_column(group, k, layout), None, None
+      if x_tile is None:  # (loaded here: a partial last tile ends at the row's end)
+        x_tile, column, first = direct_columns(x_gmem, rows, group, k, layout)
+        tile_layout = DIRECT_LAYOUT
+      kept = mosaic_tile.kept_columns(words_smem, tile_layout) if has_words else None
+      return mosaic_tile.fold(x_tile, carry, inputs, column, kept, masked=masked,
+                              with_entropy=with_entropy, first=first if masked else None,
+                              layout=tile_layout)
+
+    def body(indices, *smem):
       (k,) = indices
-      *words_smem, carry = smem
-      column = group_column(group, k, layout)
-      kept = mosaic_tile.kept_columns(words_smem[0]) if has_words else None
-      tile = plgpu.load(x_smem, layout=plgpu.Layout.WGMMA)
-      if not tiled_rows:  # (the box's last columns are the next tile's)
-        tile = tile[:, :TILE]
-      return mosaic_tile.fold(tile, carry, inputs, column, kept, masked=masked,
-                              with_entropy=with_entropy)
+      *smem, carry = smem
+      x_tile = plgpu.load(smem.pop(0), layout=plgpu.Layout.WGMMA) if tiled_rows else None
+      return fold(k, x_tile, smem[0] if has_words else None, carry)
 
     zero = jnp.zeros((CONFIG.rows,), jnp.float32)
     init = (jnp.full((CONFIG.rows,), mosaic_tile.FLOOR, jnp.float32), zero, zero)
-    specs = tile_specs(group, x.dtype, has_words, layout,
-                       residue=None if tiled_rows else residue)
-    pipeline = plgpu.emit_pipeline(body, grid=(group.count,), in_specs=specs,
-                                   max_concurrent_steps=stages, init_carry=init)
-    columns = (segment_columns(x_gmem, rows, group, layout) if tiled_rows else
-               x_gmem.at[rows])
-    m, s, q = pipeline(columns, *(w.at[residue, :, rows] for w in words_gmem))
+    streams = ((segment_columns(x_gmem, rows, group, layout),) if tiled_rows else ()) + tuple(
+        w.at[:, rows] for w in words_gmem)
+    if streams:
+      pipeline = plgpu.emit_pipeline(body, grid=(group.count,),
+                                     in_specs=tile_specs(group, x.dtype, has_words, layout),
+                                     max_concurrent_steps=stages, init_carry=init)
+      m, s, q = pipeline(*streams)
+    else:
+      m, s, q = lax.fori_loop(0, group.count, lambda k, c: fold(k, None, None, c), init)
 
     @partial(pl.run_scoped, out_smem=plgpu.SMEM((4, CONFIG.rows), jnp.float32))
     def _store(out_smem):
@@ -299,15 +285,14 @@ def _group_statistics(x, row_inputs, words, group_of, groups, *, layout, tiled_r
         out_smem[3] = inputs.picked
 
       plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(out_smem, out_gmem.at[local_group, residue, block])
+      plgpu.copy_smem_to_gmem(out_smem, out_gmem.at[local_group, block])
       plgpu.wait_smem_to_gmem(0)
 
   return plgpu.kernel(
       kernel,
-      out_type=plumbing.shape_dtype_like(
-          x, (groups, num_residues, row_blocks, 4, CONFIG.rows), jnp.float32),
-      grid=(row_blocks, groups, num_residues),
-      grid_names=("rows", "groups", "residues"),
+      out_type=plumbing.shape_dtype_like(x, (groups, row_blocks, 4, CONFIG.rows), jnp.float32),
+      grid=(row_blocks, groups),
+      grid_names=("rows", "groups"),
       interpret=plgpu.InterpretGPUParams() if interpret else None,
   )(x, row_inputs, *([words] if has_words else []))
 
@@ -327,8 +312,9 @@ def statistics(x, inv_temp, picked, limit, kept=None, label_column=None, *, layo
   in the columns' order.
 
   Args:
-    x: ``[T, V_local]`` logits, bf16, f16 or f32; read once (a row a multiple of 32
-      bytes, or of any width in one segment: ``residues``).
+    x: ``[T, V_local]`` logits, bf16, f16 or f32, a row a multiple of 32 bytes (TMA
+      streams the tiles in) or at least ``TILE`` columns in one segment (the kernel
+      loads them, ``direct_columns``: any width); read once.
     inv_temp: ``[T]`` f32.
     picked: ``[T]`` f32: the label's ``z`` (0 when this shard does not own the label),
       carried into group 0.
@@ -351,14 +337,14 @@ def statistics(x, inv_temp, picked, limit, kept=None, label_column=None, *, layo
     bytes per row per group) and its blocked form; with ``kept``, its
     ``mosaic_tile.kept_words`` copy (``T * V_local / 8`` bytes). TMA reads rows in tiles
     of 8: when ``T`` is not a multiple of 8, the kernel reads the first ``T - T % 8`` rows
-    (XLA's slice) and then a padded copy of the last ``T % 8`` (``CONFIG.rows`` rows). Rows
-    read untiled (``residues``: ``R`` > 1) go in parts of ``T - T % 8R`` and ``T % 8R``,
-    the last padded to ``R * CONFIG.rows`` rows; below that many, a padded copy of ``x``.
+    (XLA's slice) and then a padded copy of the last ``T % 8`` (``CONFIG.rows`` rows); below
+    ``CONFIG.rows`` rows, a padded copy of ``x``.
   """
   num_rows, num_columns = x.shape
-  if num_columns != layout.count * layout.width or not residues(layout, x.dtype):
+  if num_columns != layout.count * layout.width or not (
+      tiled(layout, x.dtype) or (layout.count == 1 and num_columns >= TILE)):
     raise ValueError(f"{num_columns} columns: the layout's ({layout}), a row a multiple of "
-                     "32 bytes or one segment expected")
+                     f"32 bytes or one segment of at least {TILE} columns expected")
   if kept is not None and kept.shape != (num_rows, -(-num_columns // 32)):
     raise ValueError(f"kept: {kept.shape}, ({num_rows}, {-(-num_columns // 32)}) expected")
   if stages is None:
@@ -366,9 +352,8 @@ def statistics(x, inv_temp, picked, limit, kept=None, label_column=None, *, layo
   bound = jnp.float32(num_columns) if limit is None else jnp.asarray(limit, jnp.float32)
   part = partial(_part_statistics, layout=layout, bound=bound, masked=limit is not None,
                  with_entropy=with_entropy, stages=stages, interpret=interpret)
-  whole = 8 * residues(layout, x.dtype)  # (TMA's row tiles; the words' rows, 32 bytes)
-  aligned = num_rows // whole * whole
-  if aligned == num_rows or aligned < whole * CONFIG.rows // 8:
+  aligned = num_rows // 8 * 8
+  if aligned == num_rows or aligned < CONFIG.rows:
     return part(x, inv_temp, picked, kept, label_column)
   # (Each row's numbers depend on its own inputs alone: the same bits in either part.)
   rows = lambda v, start, stop: None if v is None else v[start:stop]
@@ -380,34 +365,27 @@ def statistics(x, inv_temp, picked, limit, kept=None, label_column=None, *, layo
 def _part_statistics(x, inv_temp, picked, kept, label_column, *, layout, bound, masked,
                      with_entropy, stages, interpret):
   """``statistics`` of rows ``x [T, V_local]`` in one kernel call: a padded copy of ``x``
-  (and of the rows' inputs) when ``T`` is not a multiple of 8 or is below ``R *
-  CONFIG.rows`` (``residues``); ``bound`` is the limit as f32."""
+  (and of the rows' inputs) when ``T`` is not a multiple of 8 or is below ``CONFIG.rows``;
+  ``bound`` is the limit as f32."""
   num_rows = x.shape[0]
-  num_residues = residues(layout, x.dtype)
-  # (TMA reads rows in tiles of 8, and each residue's kept words in rows of 32 bytes; each
-  # residue's rows at least a block)
-  whole = 8 * num_residues
-  padded = max(-(-num_rows // whole) * whole, num_residues * CONFIG.rows)
+  padded = max(-(-num_rows // 8) * 8, CONFIG.rows)  # (TMA reads rows in tiles of 8)
   x = chunking.pad_rows(x, padded)  # (a copy when padded)
   if kept is not None:
-    kept = by_residue(mosaic_tile.segment_kept_words(kept, label_column, padded, layout),
-                      num_residues)
+    kept = (mosaic_tile.segment_kept_words(kept, label_column, padded, layout)
+            if tiled(layout, x.dtype) else
+            mosaic_tile.row_end_kept_words(kept, label_column, padded, layout.width))
   pad = lambda v, fill: chunking.pad_rows(v.astype(jnp.float32), padded, fill)
   row_inputs = mosaic_tile.stack(mosaic_tile.RowsStatisticsInputs(
       inv_temp=pad(inv_temp, 1.0), picked=pad(picked, 0.0),
       limit=jnp.broadcast_to(bound, (padded,))))
-  per_residue = padded // num_residues
-  row_inputs = by_residue(row_inputs, num_residues)[:, :, block_rows(per_residue)]
-  row_inputs = row_inputs.transpose(0, 2, 1, 3)  # [R, row blocks, 3, CONFIG.rows]
+  row_inputs = row_inputs[:, block_rows(padded)].transpose(1, 0, 2)
   tiles = _statistics(x, row_inputs, kept, layout=layout, masked=masked,
                       with_entropy=with_entropy, stages=stages, interpret=interpret)
-  num_groups, _, row_blocks = tiles.shape[:3]
-  tiles = tiles.transpose(0, 3, 1, 2, 4)  # [groups, 4, R, row blocks, CONFIG.rows]
-  whole = tiles[:, :, :, :-1].reshape(num_groups, 4, num_residues,
-                                      (row_blocks - 1) * CONFIG.rows)
-  last = tiles[:, :, :, -1, (row_blocks - 1) * CONFIG.rows - (per_residue - CONFIG.rows):]
-  tiles = jnp.concatenate([whole, last], axis=3)  # [groups, 4, R, T / R]
-  return jnp.swapaxes(tiles, 2, 3).reshape(num_groups, 4, padded)[:, :, :num_rows]
+  num_groups, row_blocks = tiles.shape[:2]
+  tiles = tiles.transpose(0, 2, 1, 3)  # [groups, 4, row blocks, CONFIG.rows]
+  whole = tiles[:, :, :-1].reshape(num_groups, 4, (row_blocks - 1) * CONFIG.rows)
+  last = tiles[:, :, -1, (row_blocks - 1) * CONFIG.rows - (padded - CONFIG.rows):]
+  return jnp.concatenate([whole, last], axis=2)[:, :, :num_rows]
 
 
 def unsupported(*, operation, platform, capability, dtypes, num_columns,
@@ -431,4 +409,7 @@ def unsupported(*, operation, platform, capability, dtypes, num_columns,
     return "it computes in float32 and the inputs are float64"
   if jnp.dtype(dtypes[-1]) not in (jnp.bfloat16, jnp.float16, jnp.float32):
     return f"it reads bfloat16, float16 or float32 logits, got {jnp.dtype(dtypes[-1])}"
+  if num_columns < TILE and num_columns * jnp.dtype(dtypes[-1]).itemsize % 32:
+    return (f"the vocabulary (per device) is {num_columns} columns: below {TILE} a row "
+            "must be a multiple of 32 bytes (TMA's rows)")
   return None

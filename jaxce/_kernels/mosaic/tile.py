@@ -67,10 +67,11 @@ def _per_row(v, shape):
   return lax.broadcast_in_dim(v, shape, [0])
 
 
-def _columns(shape, column):
+def _columns(shape, column, layout=None):
   """f32 ``shape``: each element's column, the tile's first being ``column`` (exact below
-  2**24)."""
-  local = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
+  2**24); ``layout``: the tile's (default WGMMA)."""
+  layout = plgpu.Layout.WGMMA if layout is None else layout
+  local = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=layout)
   return (local + column).astype(jnp.float32)
 
 
@@ -208,16 +209,33 @@ def segment_kept_words(kept, label_column, num_rows, layout: Segments):
       for segment in range(layout.count)])
 
 
-def kept_columns(words_smem):
+def row_end_kept_words(kept, label_column, num_rows, num_columns: int):
+  """``kept_words`` of the tiles ``mosaic_rows.direct_columns`` loads from one segment of
+  ``num_columns`` (at least ``TILE``): its whole tiles from column 0, and a partial last
+  tile as the row's last ``TILE`` columns (``segment_words`` from ``num_columns - TILE``);
+  ``label_column [T]`` as ``kept_words``. One XLA fusion; memory: ``num_rows * tiles *
+  WORDS * 4`` bytes."""
+  whole = num_columns // TILE * TILE
+  if whole == num_columns:
+    return kept_words(kept, label_column, num_rows, num_columns)
+  end = num_columns - TILE
+  return jnp.concatenate([
+      kept_words(segment_words(kept, 0, whole), label_column, num_rows, whole),
+      kept_words(segment_words(kept, end, TILE), label_column - end, num_rows, TILE)])
+
+
+def kept_columns(words_smem, layout=None):
   """``bool [R, TILE]`` (WGMMA layout): the kept columns of a tile of ``R`` rows, from
   its rows' words (``words_smem``, ``[WORDS, R]`` uint32 of ``kept_words``: bit ``v % 32``
-  of word ``v // 32`` for the tile's column ``v``)."""
+  of word ``v // 32`` for the tile's column ``v``); ``layout``: the tile's (default
+  WGMMA)."""
+  layout = plgpu.Layout.WGMMA if layout is None else layout
   shape = (words_smem.shape[1], TILE)
   row_layout = plgpu.Layout.WGMMA.reduce(1)
   words = [plgpu.load(words_smem.at[j], layout=row_layout, optimized=False)
            for j in range(WORDS)]
   per_row = lambda v: _per_row(v, shape)
-  local = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
+  local = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=layout)
   low, high = (jnp.where(local < 32 * (2 * i + 1), per_row(words[2 * i]),
                          per_row(words[2 * i + 1])) for i in range(2))
   word = jnp.where(local < 64, low, high)
@@ -238,7 +256,8 @@ class RowsStatisticsInputs(NamedTuple):
   limit: jnp.ndarray  # the first excluded column
 
 
-def fold(x, carry, inputs: RowsStatisticsInputs, column, kept, *, masked, with_entropy):
+def fold(x, carry, inputs: RowsStatisticsInputs, column, kept, *, masked, with_entropy,
+         first=None, layout=None):
   """``(m, s, q)`` ``[R]`` f32 with the tile ``x [R, TILE]`` (WGMMA layout), whose first
   column is ``column``, folded in (``mosaic_rows``' online softmax)::
 
@@ -246,13 +265,18 @@ def fold(x, carry, inputs: RowsStatisticsInputs, column, kept, *, masked, with_e
       s' = s e + Σ_v exp(z_v - m'),       e = exp(m - m')
       q' = e (q + (m - m') s) + Σ_v exp(z_v - m') (z_v - m')
 
-  ``masked``: apply ``limit``; ``kept``: the tile's kept columns (``kept_columns``) or
-  None."""
+  ``masked``: apply ``limit``, and with ``first`` exclude the columns before it (a
+  tile loaded over columns an earlier tile folded); ``kept``: the tile's kept columns
+  (``kept_columns``) or None; ``layout``: ``x``'s (default WGMMA)."""
   m, s, q = carry
   per_row = lambda v: _per_row(v, x.shape)
   z = x.astype(jnp.float32) * per_row(inputs.inv_temp)
   if masked:
-    z = jnp.where(_columns(x.shape, column) < per_row(inputs.limit), z, -jnp.inf)
+    columns = _columns(x.shape, column, layout)
+    live = columns < per_row(inputs.limit)
+    if first is not None:
+      live = live & (columns >= jnp.asarray(first).astype(jnp.float32))
+    z = jnp.where(live, z, -jnp.inf)
   if kept is not None:
     z = jnp.where(kept, z, -jnp.inf)
   m_new = jnp.maximum(m, jnp.max(z, axis=1))  # m starts at the floor: never -inf

@@ -145,12 +145,14 @@ def test_the_default_follows_the_platform_of_the_call(monkeypatch):
 
 
 @pytest.mark.parametrize("operation,implementation,reason", [
-    ("logprobs_and_entropy", "mosaic", "the vocabulary .per device. must be a multiple of 16"),
-    ("token_loss", "mosaic", "the vocabulary .per device. must be a multiple of 16"),
-    # (the fused head's kernels refuse the hidden dim; the rows from XLA's matmul are f32:
-    # 8 columns make the 32 bytes TMA tiles a row by)
+    # (100 columns: below a tile, rows the kernel cannot load itself, and TMA's need 32
+    # bytes)
+    ("logprobs_and_entropy", "mosaic", "the vocabulary .per device. is 100 columns: below "
+     "128 a row must be a multiple of 32 bytes"),
+    ("token_loss", "mosaic", "the vocabulary .per device. is 100 columns"),
+    # (the fused head's kernels refuse the hidden dim; the rows from XLA's matmul are f32)
     ("linear_token_loss", "mosaic", "the hidden dim must be a multiple of 64, got 48; nor "
-     "from XLA's matmul: the vocabulary .per device. must be a multiple of 8"),
+     "from XLA's matmul: the vocabulary .per device. is 100 columns"),
     ("linear_logprobs_and_entropy", "mosaic", "the hidden dim must be a multiple of 64"),
 ])
 def test_an_implementation_that_cannot_run_says_why(operation, implementation, reason,
@@ -159,13 +161,13 @@ def test_an_implementation_that_cannot_run_says_why(operation, implementation, r
   local_fn, _, names = OPERATIONS[operation]
   inputs = _inputs(V_LOCAL)
   operands = [inputs[n][:, :48] if n == "hidden" else inputs[n] for n in names]
-  if "weight" in names:  # (the fused objective's rows: 196 columns, no TMA tiling fits)
-    operands[1] = operands[1][:48, :196] if operation == "linear_token_loss" else operands[1][:48]
+  if "weight" in names:
+    operands[1] = operands[1][:48, :100] if operation == "linear_token_loss" else operands[1][:48]
   else:
-    operands[0] = operands[0][:, :196]
+    operands[0] = operands[0][:, :100]
   with pytest.raises(ValueError, match=f'implementation="{implementation}" cannot run this '
                                        f"call: {reason}"):
-    plan.of(_call, operation, local_fn, operands, inputs["labels"] % 196, inputs["adv"],
+    plan.of(_call, operation, local_fn, operands, inputs["labels"] % 100, inputs["adv"],
             implementation=implementation)
 
 

@@ -49,9 +49,7 @@ from jaxce._kernels.mosaic import merge as mosaic_merge, tile as mosaic_tile
 plgpu = plumbing.lazy_module("jax.experimental.pallas.mosaic_gpu")
 
 TILE, WORDS = mosaic_tile.TILE, mosaic_tile.WORDS  # columns per pipeline step, their words
-# The registers of a tile the kernel loads itself (``direct_columns``): WGMMA's, a column
-# a register (2-byte loads at any address; WGMMA's own loads two columns at once).
-DIRECT_LAYOUT = plgpu.Layout._WGMMA_ACC_32BIT  # pylint: disable=protected-access
+
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -178,6 +176,13 @@ def tile_swizzle(dtype, num_columns: int):
   return mosaic_tile.swizzle(TILE, dtype, mosaic_tile.array_swizzle(num_columns, dtype))
 
 
+def direct_layout():
+  """The registers of a tile the kernel loads itself (``direct_columns``): WGMMA's, a
+  column a register (2-byte loads at any address; WGMMA's own layout loads two columns
+  at once, 4 bytes that odd rows do not align)."""
+  return plgpu.Layout._WGMMA_ACC_32BIT  # pylint: disable=protected-access
+
+
 def direct_columns(x_gmem, rows, group: Group, k, layout: mosaic_tile.Segments):
   """``(tile, column, first)``: ``group``'s ``k``-th tile of ``x_gmem``'s ``rows`` (``[T,
   V_local]`` in device memory, one segment), loaded a column a load (any alignment) into
@@ -191,7 +196,7 @@ def direct_columns(x_gmem, rows, group: Group, k, layout: mosaic_tile.Segments):
   if layout.partial:
     column = jnp.where(group.first + k == layout.tiles_per_segment - 1, layout.width - TILE,
                        first)
-  tile = plgpu.load(x_gmem.at[rows, pl.ds(column, TILE)], layout=DIRECT_LAYOUT,
+  tile = plgpu.load(x_gmem.at[rows, pl.ds(column, TILE)], layout=direct_layout(),
                     optimized=False)  # (2-byte loads: no "optimized" plan takes them)
   return tile, column, first
 
@@ -250,7 +255,7 @@ def _group_statistics(x, row_inputs, words, group_of, groups, *, layout, tiled_r
       column, first, tile_layout = group_column(group, k, layout), None, None
       if x_tile is None:  # (loaded here: a partial last tile ends at the row's end)
         x_tile, column, first = direct_columns(x_gmem, rows, group, k, layout)
-        tile_layout = DIRECT_LAYOUT
+        tile_layout = direct_layout()
       kept = mosaic_tile.kept_columns(words_smem, tile_layout) if has_words else None
       return mosaic_tile.fold(x_tile, carry, inputs, column, kept, masked=masked,
                               with_entropy=with_entropy, first=first if masked else None,

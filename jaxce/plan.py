@@ -320,10 +320,10 @@ def make(operation, options, shard: Shard) -> Plan:
 def _logits_plan(operation, options, shard: Shard, head: dict) -> LogitsPlan:
   """The logits paths' plan: the XLA forward's (and the in-place backward's) chunk; the
   in-place backward, and the gradient with kept sets, by the Mosaic kernels where ``T``
-  is whole tiles of 8 rows."""
+  is whole tiles of 8 rows and TMA tiles the rows (a multiple of 32 bytes)."""
   one_pass = head["backend"] in ("mosaic", "triton")  # (the kernels read every row)
-  # (the gradient's kernels write rows in tiles of 8, in the tiles' swizzle: at other
-  # widths, XLA's pass)
+  # (the gradient's kernels stream rows in tiles of 8, in the tiles' swizzle: elsewhere,
+  # XLA's pass)
   grad_kernel = (head["backend"] == "mosaic" and shard.num_tokens % 8 == 0
                  and mosaic_rows.tiled(mosaic_tile.segments(shard.num_columns, shard.num_shards),
                                        shard.dtypes[0]))

@@ -124,11 +124,12 @@ class LogitsPlan(Plan):
     chunk: tokens per step of the XLA forward's scan and of the in-place backward's loop,
       or ``None`` where no loop over tokens runs (the one-pass kernels).
     in_place: the backward overwrites the logits (``backward_in_place``): ``"kernel"``
-      (``mosaic_rows_grad.overwrite``: the Mosaic plan with ``T`` a multiple of 8) or
-      ``"chunks"`` (a loop over the chunks); ``None``: the gradient is a new array.
+      (``mosaic_rows_grad.overwrite``: the Mosaic plan with ``T`` a multiple of 8 and
+      rows TMA tiles, ``mosaic_rows.tiled``) or ``"chunks"`` (a loop over the chunks);
+      ``None``: the gradient is a new array.
     kept_grad_kernel: the gradient's pass over the rows with kept sets (into a new array)
       is ``mosaic_rows_grad.gradient``'s kernel, which reads the kept words with its
-      tiles (the Mosaic plan with ``T`` a multiple of 8: TMA's row tiling); else XLA's
+      tiles (the Mosaic plan with ``T`` a multiple of 8 and rows TMA tiles); else XLA's
       fused pass.
   """
   chunk: int | None = None

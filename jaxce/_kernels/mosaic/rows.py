@@ -27,9 +27,11 @@ Rows past a multiple of ``CONFIG.rows`` are covered by moving the last row block
 the array (its rows overlap the block before and are written twice, with the same
 bits). TMA reads rows in tiles of 8: when ``T`` is not a multiple of 8, the kernel reads
 the first ``T - T % 8`` rows where they lie and, in a second call, a padded copy of the
-last ``T % 8`` (``CONFIG.rows`` rows; below ``CONFIG.rows`` rows, of the whole array). A row of
-``V_local`` columns must take a multiple of 32 bytes (TMA tiles the rows as the tiles'
-swizzle, ``mosaic_tile.array_swizzle``).
+last ``T % 8`` (``CONFIG.rows`` rows; below ``CONFIG.rows`` rows, of the whole array). TMA
+tiles a row of ``V_local`` columns as the tiles' swizzle (``mosaic_tile.array_swizzle``),
+so it streams rows of a multiple of 32 bytes; other rows (one segment of at least
+``TILE`` columns: an odd width) the kernel loads itself, a column a load, the last tile
+from the row's last ``TILE`` columns (``direct_columns``).
 Off GPUs the kernel runs in JAX's GPU interpreter (tests).
 """
 

@@ -53,7 +53,6 @@ plgpu = plumbing.lazy_module("jax.experimental.pallas.mosaic_gpu")
 TILE, WORDS = mosaic_tile.TILE, mosaic_tile.WORDS  # columns per pipeline step, their words
 
 
-
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Config:
   """The row statistics kernel's tiling: it reads ``CONFIG`` (tests swap in another with
@@ -188,11 +187,11 @@ def direct_layout():
 def direct_columns(x_gmem, rows, group: Group, k, layout: mosaic_tile.Segments):
   """``(tile, column, first)``: ``group``'s ``k``-th tile of ``x_gmem``'s ``rows`` (``[T,
   V_local]`` in device memory, one segment), loaded a column a load (any alignment) into
-  the WGMMA layout; ``column``, the first column it holds, and ``first``, its first column
-  not in an earlier tile. A partial last tile is loaded as the row's last ``TILE``
-  columns (``column = V_local - TILE``), the columns before ``first`` masked: the loads
-  stay in the row, and the columns land where they do for every token (a function of the
-  width alone), so a token's sums round alike in every row."""
+  ``direct_layout()``'s registers; ``column``, the first column it holds, and ``first``,
+  its first column not in an earlier tile. A partial last tile is loaded as the row's
+  last ``TILE`` columns (``column = V_local - TILE``), the columns before ``first``
+  masked: the loads stay in the row, and the columns land where they do for every token
+  (a function of the width alone), so a token's sums round alike in every row."""
   first = (group.first + k) * TILE
   column = first
   if layout.partial:

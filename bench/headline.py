@@ -211,7 +211,8 @@ def shards_chart(results: dict, path: str) -> None:
 
 
 WIDTH_MODES = (("fwd", "fused forward"), ("fwd_bwd", "fused fwd+bwd"),
-               ("objective", "objective fwd+bwd"), ("logits", "logits fwd+bwd"))
+               ("objective", "objective fwd+bwd"), ("logits_fwd", "logits forward"),
+               ("logits", "logits fwd+bwd"))
 
 
 def widths_table(results: dict) -> str:

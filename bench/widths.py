@@ -11,7 +11,8 @@ the nearest width above whose segments are whole tiles, in one process on one GP
 Modes: ``fwd`` and ``fwd_bwd``, the fused head (``linear_logprobs_and_entropy``, both
 outputs, random per-token cotangents); ``objective``, the GRPO objective path
 (``linear_token_loss``, the bench's GRPO objective) forward and backward; ``logits``, the
-logits path (``logprobs_and_entropy`` of ``[T, V]`` bf16 logits) forward and backward.
+logits path (``logprobs_and_entropy`` of ``[T, V]`` bf16 logits) forward and backward,
+and ``logits_fwd`` its forward alone.
 
 A kernel sees only its shard: a local call at V = 37984 is what each GPU of a 4-way Qwen3
 call runs. Each row: the median of ``--rounds`` x ``--repeats`` timed calls
@@ -53,12 +54,13 @@ def round_width(columns: int) -> int:
 
 def _inputs(tokens, depth, columns, mode="fwd", seed=0):
   """``(hidden, weight, labels, cotangents)`` on the device, made on the host; for the
-  ``logits`` mode ``hidden`` is ``[T, columns]`` logits (shifted, some rows peaked), and
+  ``logits`` modes ``hidden`` is ``[T, columns]`` logits (shifted, some rows peaked), and
   ``weight`` (unused) ``[1, columns]``."""
   import jax  # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   rng = np.random.default_rng(seed)
-  if mode == "logits":  # (made on the device: a [T, V] f32 array on the host is slow)
+  logits_mode = mode.startswith("logits")
+  if logits_mode:  # (made on the device: a [T, V] f32 array on the host is slow)
     logits = jax.random.normal(jax.random.key(seed), (tokens, columns), jnp.float32) * 2 + 10
     logits = logits.at[::7, 0].add(40).astype(jnp.bfloat16)
     depth = 1
@@ -68,7 +70,7 @@ def _inputs(tokens, depth, columns, mode="fwd", seed=0):
   labels = rng.integers(0, columns, tokens).astype(np.int32)
   cotangents = rng.normal(size=(2, tokens)).astype(np.float32)
   put = lambda a: jax.device_put(jnp.asarray(a, jnp.bfloat16))
-  return (logits if mode == "logits" else put(hidden), put(weight), jax.device_put(labels),
+  return (logits if logits_mode else put(hidden), put(weight), jax.device_put(labels),
           jax.device_put(cotangents))
 
 
@@ -84,7 +86,9 @@ def _call(mode):
       loss = lambda h, w: jnp.sum(jaxce.linear_token_loss(objective, h, w, labels,
                                                           *token_args)[0])
       return jax.grad(loss, (0, 1))(hidden, weight)
-    if mode == "logits":  # (hidden is the [T, V] logits here)
+    if mode == "logits_fwd":  # (hidden is the [T, V] logits here, and in "logits")
+      return jaxce.logprobs_and_entropy(hidden, labels)
+    if mode == "logits":
       def logits_loss(x):
         logp, entropy = jaxce.logprobs_and_entropy(x, labels)
         return jnp.sum(logp * cotangents[0] + entropy * cotangents[1])
@@ -151,7 +155,7 @@ def merge(old: dict | None, new: dict) -> dict:
 def main(argv=None):
   p = argparse.ArgumentParser(prog="python -m bench.widths", description=__doc__.splitlines()[0])
   p.add_argument("--V", default=",".join(map(str, WIDTHS)), help="comma list of widths")
-  p.add_argument("--mode", default="fwd,fwd_bwd", help="comma list: fwd,fwd_bwd,objective,logits")
+  p.add_argument("--mode", default="fwd,fwd_bwd", help="comma list: fwd,fwd_bwd,objective,logits,logits_fwd")
   p.add_argument("--T", type=int, default=32768)
   p.add_argument("--D", type=int, default=4096)
   p.add_argument("--repeats", type=int, default=5, help="timed calls per width and round")

@@ -845,11 +845,12 @@ def test_widths_every_mode_on_cpu(tmp_path):
   segments, 2 of 128) and saves each row, with the commit, as it finishes."""
   from bench import widths
   out = tmp_path / "widths.json"
-  widths.main(["--V", "200", "--mode", "fwd,fwd_bwd,objective,logits", "--T", "64",
-               "--D", "32", "--repeats", "1", "--rounds", "2", "--out", str(out)])
+  widths.main(["--V", "200", "--mode", "fwd,fwd_bwd,objective,logits,logits_fwd", "--T",
+               "64", "--D", "32", "--repeats", "1", "--rounds", "2", "--out", str(out)])
   with open(out) as f:
     saved = json.load(f)
-  assert [r["mode"] for r in saved["rows"]] == ["fwd", "fwd_bwd", "objective", "logits"]
+  assert [r["mode"] for r in saved["rows"]] == ["fwd", "fwd_bwd", "objective", "logits",
+                                                "logits_fwd"]
   for row in saved["rows"]:
     assert (row["V"], row["V_round"], row["commit"]) == (200, 256, saved["commit"])
     assert row["timed_calls"] == 2  # (a round of each width, then another)

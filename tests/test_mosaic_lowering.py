@@ -152,9 +152,9 @@ def test_every_path_lowers_for_cuda(columns, monkeypatch):
 def test_the_logits_paths_lower_for_cuda_at_widths_tma_cannot_tile(columns, dtype,
                                                                    monkeypatch):
   """Rows that are not a multiple of 32 bytes (odd widths; 1000 bf16 columns, 16 bytes
-  short): the logits paths' statistics read them untiled, ``[T / R, R V]``, each tile's
-  box from any column (``mosaic_rows.residues``), with kept sets, in place (the
-  gradient by XLA's pass) and at a ragged ``T``."""
+  short): the logits paths' statistics kernel loads them itself, a column a load
+  (``mosaic_rows.direct_columns``; JAX 0.12's layout inference takes no other layout
+  there), with kept sets, in place (the gradient by XLA's pass) and at a ragged ``T``."""
   monkeypatch.setattr(plan, "target", lambda *a, mesh=None: HOPPER)
   labels, g = S((TOKENS,), jnp.int32), S((TOKENS,), jnp.float32)
   logits = S((TOKENS, columns), dtype)

@@ -48,9 +48,9 @@ def _logits(rng, tokens, columns, dtype):
     (64, 1024, jnp.bfloat16, None, 1),    # 8 segments of one tile each: a group each
     (136, 2432, jnp.bfloat16, None, 2),   # 8 segments of 304: each tiled from its first
     (300, 1408, jnp.float32, 1300, 1),    # column, its last tile partial; 8 of 176, a limit
-    (136, 401, jnp.bfloat16, None, 2),    # an odd width: read as [T / 8, 8 V], untiled
-    (300, 1003, jnp.float32, 1000, 4),    # (f32: [T / 4, 4 V]; T padded to 4 * 64), a limit
-    (530, 200, jnp.float16, None, 1),     # rows of 16 bytes, not 32: untiled, in place
+    (136, 401, jnp.bfloat16, None, 2),    # an odd width: loaded by the kernel itself,
+    (300, 1003, jnp.float32, 1000, 4),    # its last tile the row's last 128 columns; a limit
+    (530, 200, jnp.float16, None, 1),     # rows of 16 bytes, not 32
 ])
 def test_group_statistics_match_float64(tokens, columns, dtype, limit, min_tiles, monkeypatch):
   monkeypatch.setattr(mosaic_rows, "CONFIG", dataclasses.replace(mosaic_rows.CONFIG,
@@ -132,7 +132,7 @@ def test_only_the_partial_tiles_group_is_masked(columns, with_kept, monkeypatch)
     (300, 256, jnp.float32, 200),    # a ragged row count (padded to 8), a limit
     (136, 400, jnp.bfloat16, None),  # a partial last tile: its words past V are zeros
     (136, 1408, jnp.bfloat16, None),  # 8 segments of 176: their words start mid-word
-    (300, 401, jnp.bfloat16, None),  # an odd width, untiled: each residue's words
+    (300, 401, jnp.bfloat16, None),  # an odd width: the last tile's words from V - 128
 ])
 def test_group_statistics_over_kept_sets(tokens, columns, dtype, limit, monkeypatch):
   """Kept sets read with the tiles: ~5 % kept at random, a row keeping its label alone (or
@@ -179,7 +179,7 @@ def test_matches_xla_and_reference(tokens, columns):
   """bf16 logits, per-token temperature, a padded vocabulary, ignored and masked tokens,
   random cotangents for both outputs: the Mosaic forward as exact as XLA's, the same
   gradient; also at a width that is not a multiple of 128 (a partial last tile), and at
-  an odd one (rows read untiled, 8 a row; ``T`` in two parts, 256 rows and 40)."""
+  an odd one (rows the kernel loads itself; the last block of 64 rows moved back)."""
   rng = np.random.default_rng(tokens)
   x = _logits(rng, tokens, columns, jnp.bfloat16)
   vocab = 370 if columns == 384 else columns - 9  # (live columns in a partial tile)
@@ -357,9 +357,9 @@ def test_each_tokens_bits_do_not_depend_on_the_call(columns):
   """Batch invariance by construction, in either mode: a token's logp and entropy are the
   same bits alone (padded to the kernel's rows), among 9 and 200 tokens at random
   positions (one the last row), inside ``jit(grad)`` with the temperature closed over or
-  passed, and forward only; at an odd width too, where a token's rows are read 8 a row
-  and its position sets where in that row it lies. The planner says so. (On GPUs the same test is in the GPU
-  tally: there the temperature's reciprocal comes from ``mosaic_reciprocal``.)"""
+  passed, and forward only; at an odd width too, where a token's row starts at any
+  address. The planner says so. (On GPUs the same test is in the GPU tally: there the
+  temperature's reciprocal comes from ``mosaic_reciprocal``.)"""
   rng = np.random.default_rng(9)
   x = _logits(rng, 200, columns, jnp.bfloat16)
   labels = rng.integers(0, columns, 200)

@@ -48,9 +48,9 @@ def test_odd_widths_run_the_kernels_on_every_path(columns, monkeypatch):
   columns, rows TMA cannot tile) runs the fused head's kernels in either layout (its
   weight read in blocks copied out: ``test_mosaic_linear.py``), the objective path's
   (its terms ``mosaic_head.exp_width`` columns wide), and the logits paths' statistics
-  (the rows read untiled, 8 a row of ``[T / 8, 8 V]``: ``mosaic_rows.residues``); the
-  logits path's gradient there is XLA's pass (in place: chunk by chunk), its kernels
-  writing rows in the tiles' swizzle."""
+  (the rows loaded by the kernel itself: ``mosaic_rows.direct_columns``); the logits
+  path's gradient there is XLA's pass (in place: chunk by chunk), its kernels writing
+  rows in the tiles' swizzle."""
   monkeypatch.setattr(plan, "target", lambda *a, mesh=None: HOPPER)
   hidden = jax.ShapeDtypeStruct((256, 1024), jnp.bfloat16)
   weight = jax.ShapeDtypeStruct((1024, columns), jnp.bfloat16)

@@ -286,10 +286,10 @@ def exp_overwrite(e, tiles, tokens: Tokens, saved, cotangents, column_start, *, 
 
 def _check_shape(x, layout):
   """A ``ValueError`` unless ``x``'s rows are a multiple of 8, its columns those of
-  ``layout`` and a row a multiple of 32 bytes (``mosaic_tile.array_swizzle``)."""
+  ``layout`` and a row a multiple of 32 bytes (TMA tiles it: ``mosaic_rows.tiled``)."""
   num_rows, num_columns = x.shape
   if (num_columns != layout.count * layout.width or num_rows % 8
-      or not mosaic_tile.array_swizzle(mosaic_rows.row_width(layout), x.dtype)):
+      or not mosaic_rows.tiled(layout, x.dtype)):
     raise ValueError(f"x: {x.shape}, rows a multiple of 8, the columns of {layout} and a "
                      "row a multiple of 32 bytes expected")
 

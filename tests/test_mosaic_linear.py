@@ -246,9 +246,11 @@ def test_segments_are_each_segments_own_bits(softcap, padded, with_kept, with_ex
   statistics and ``exp`` terms are, segment by segment, those of a call over that
   segment's columns alone (its first global id, limit and kept words its own), bit for
   bit, as a shard holding those columns computes them; a segment's partial last tile
-  masks its columns past the segment's end, whose terms no store reaches. With a
-  temperature, labels in and out of the shard, a padded vocabulary (its limit inside the
-  last segment), kept sets, a softcap."""
+  masks its columns past the segment's end, whose terms no store reaches. The segments'
+  columns left after their vocab blocks are read in one call (8 of 176: 2 tiles each, the
+  first whole; 4 of 560: one partial tile each). With a temperature, labels in and out of
+  the shard, a padded vocabulary (its limit inside the last segment), kept sets, a
+  softcap."""
   dim = 64
   hidden, weight, labels, inv_temp, limit, kept, kw = _split_inputs(
       9, dim, num_columns, vocab_dim, softcap, num_columns - 100 if padded else None, with_kept)

@@ -66,7 +66,8 @@ Over a vocabulary cut into segments that are not whole tiles (``mosaic_tile.segm
 Qwen3's 151936 columns are 8 segments of 18992, a shard of 2 or 4 devices holds 4 or 2),
 the forward tiles each segment from its own first column, as a weight of that segment's
 columns alone (``_segment_statistics``: its vocab blocks copied out, its last tile
-partial), so a token's tiles and bits do not depend on the shard count; the backward's
+partial; the segments' columns left after their blocks read in one call, not a call a
+segment), so a token's tiles and bits do not depend on the shard count; the backward's
 ``d logits`` do not depend on the tiles.
 
 Off GPUs the kernel runs in Pallas' GPU interpreter (tests only).
@@ -399,7 +400,8 @@ def _offset(start: int, first_tile: int = 0, segment: int = 0):
 
 
 def _tile_statistics(hidden, weight, row_inputs, words, *, num_columns, vocab_dim, softcap,
-                     with_entropy, with_exp, masked, interpret, num_cores, into=None):
+                     with_entropy, with_exp, masked, interpret, num_cores, into=None,
+                     rests=None):
   """``(statistics, terms)``, each returned or written in place: ``statistics``, ``[vocab
   tiles, 4, C]`` f32, ``(m, s, q, picked)`` of every ``[row, tile]`` of the weight's first
   ``num_columns`` columns (``V``: the array's, or its last tile's zero padding left out,
@@ -408,7 +410,11 @@ def _tile_statistics(hidden, weight, row_inputs, words, *, num_columns, vocab_di
   the statistics, and the terms where it holds them, are written there in place and not
   returned. ``row_inputs [3, C]``: the rows' ``mosaic_tile.HeadStatisticsInputs``,
   stacked; ``words`` as ``_tiles``; ``masked``: apply the rows' ``limit``
-  (``mosaic_tile.tile_statistics``; a partial last tile also stops at ``V``)."""
+  (``mosaic_tile.tile_statistics``; a partial last tile also stops at ``V``). With
+  ``rests`` (a ``_Rests``) the weight is every segment's columns left side by side, each
+  zero-padded to whole tiles: a tile's statistics go to its segment's tiles in ``into``,
+  and its columns are masked as that segment's own call masks them (the rows' ``limit``
+  then counts from the columns left's first column in segment 0)."""
   num_rows = hidden.shape[0]
   terms_into = into is not None and into.terms is not None
   returned = ("stats",) * (into is None) + ("exp",) * (with_exp and not terms_into)
@@ -419,6 +425,7 @@ def _tile_statistics(hidden, weight, row_inputs, words, *, num_columns, vocab_di
     out = mosaic_tile.tile_statistics(mosaic_tile.cap(x, softcap), inputs, column, kept,
                                       with_entropy, masked, with_exp)
     first_tile = 0 if into is None else outs["offset"][0]
+    stats_tile = first_tile + n_idx if rests is None else first_tile + rests.tile(n_idx)
     if with_exp:
       out, e = out
       terms = outs["exp"]
@@ -430,10 +437,12 @@ def _tile_statistics(hidden, weight, row_inputs, words, *, num_columns, vocab_di
           terms = terms.at[:, outs["offset"][2]]
       _store_pieces(scratch["exp"], e.astype(hidden.dtype),
                     terms.at[row_slice, pl.ds(start, TILE_N)], num_columns)
-    _copy_out(scratch["stats"], out, outs["stats"].at[first_tile + n_idx, :, row_slice])
+    _copy_out(scratch["stats"], out, outs["stats"].at[stats_tile, :, row_slice])
 
   def finish(x, inputs, column, kept, scratch, outs, n_idx, row_slice):
     args = (x, inputs, column, kept, scratch, outs, n_idx, row_slice)
+    if rests is not None:
+      return rests.finish(tile_finish, masked, *args)
     if not num_columns % TILE_N:
       return tile_finish(*args, masked)
     # The partial last tile reads zeros past V: its columns there are masked, in that tile
@@ -679,9 +688,10 @@ def _blockwise_statistics(blocks, hidden, weight, labels, inv_temp, limit, kept,
   are written into it after (XLA's update in place): no block's terms are copied. Every
   call writes its statistics in place into one array (``_Into``): none is concatenated.
   Returns ``(statistics,)``, or ``(statistics, exp terms)``; with ``segment`` (a
-  ``_Segment``: ``weight`` is one segment's columns) nothing: the statistics and terms are
-  written into the segment's. Memory: one block's copy, with ``with_exp`` the columns
-  left's terms twice."""
+  ``_Segment``: ``weight`` is one segment's columns) nothing: the blocks' statistics and
+  terms are written into the segment's, and its columns left are not read (the caller
+  reads every segment's in one call, ``_segment_rests``). Memory: one block's copy, with
+  ``with_exp`` the columns left's terms twice."""
   width, count = blocks
   num_rows, num_columns = hidden.shape[0], weight.shape[vocab_dim]
   if segment is None:
@@ -707,14 +717,12 @@ def _blockwise_statistics(blocks, hidden, weight, labels, inv_temp, limit, kept,
   if width * count == num_columns:
     raise ValueError(f"{num_columns} columns are {count} whole blocks of {width}: read "
                      "them in place")
+  if segment is not None:
+    return None  # (the segments' columns left: one call over all of them, _segment_rests)
   last = _rest_statistics(width * count, hidden, weight, labels, inv_temp, limit, kept,
                           column_start=column_start, vocab_dim=vocab_dim, with_exp=with_exp,
                           into=_Into(stats, None, _offset(width * count, first_tile, index)),
                           **options)
-  if segment is not None:
-    if with_exp:
-      terms[:, index, width * count:] = last[0][:, :num_columns - width * count]
-    return None
   if not with_exp:
     return (stats[...],)
   # (an odd width: the columns left's zero padding fills the terms' last columns)
@@ -765,6 +773,7 @@ def _segment_statistics(layout, hidden, weight, labels, inv_temp, limit, kept, *
   terms = (jax.new_ref(lax.empty((num_rows, count, width), hidden.dtype)) if with_exp
            else None)
   blocks = column_blocks(width, depth=hidden.shape[1], dtype=hidden.dtype)
+  options = dict(options, vocab_dim=vocab_dim, with_exp=with_exp)
   for index in range(count):
     start = index * width
     _blockwise_statistics(blocks, hidden, lax.slice_in_dim(weight, start, start + width,
@@ -772,11 +781,102 @@ def _segment_statistics(layout, hidden, weight, labels, inv_temp, limit, kept, *
                           labels, inv_temp, None if limit is None else limit - start,
                           None if kept is None else mosaic_tile.segment_words(kept, start,
                                                                               width),
-                          column_start=column_start + start, vocab_dim=vocab_dim,
-                          with_exp=with_exp, segment=_Segment(stats, terms, index), **options)
+                          column_start=column_start + start,
+                          segment=_Segment(stats, terms, index), **options)
+  _segment_rests(_Rests(width, blocks[0] * blocks[1], layout.tiles_per_segment), count,
+                 hidden, weight, labels, inv_temp, limit, kept, column_start=column_start,
+                 into=_Into(stats, terms, _offset(0)), **options)
   if not with_exp:
     return (stats[...],)
   return stats[...], terms[...].reshape(num_rows, count * width)
+
+
+class _Rests(NamedTuple):
+  """The columns left of each of a weight's segments after its vocab blocks
+  (``_segment_rests``), read in one call: a segment's columns from ``start`` (a multiple
+  of ``TILE_N``) to its end (``width``), zero-padded to whole tiles, the segments' side by
+  side; ``tiles_per_segment``: a segment's tiles in the statistics."""
+  width: int
+  start: int
+  tiles_per_segment: int
+
+  @property
+  def columns(self) -> int:
+    return self.width - self.start
+
+  @property
+  def tiles(self) -> int:
+    """A segment's tiles in the call (its last one partial)."""
+    return num_tiles(self.columns)
+
+  def _segment(self, n_idx):
+    return n_idx if self.tiles == 1 else n_idx // self.tiles
+
+  def tile(self, n_idx):
+    """The statistics' tile (from the first segment's first) of the call's tile ``n_idx``."""
+    within = 0 if self.tiles == 1 else n_idx % self.tiles
+    return self._segment(n_idx) * self.tiles_per_segment + self.start // TILE_N + within
+
+  def finish(self, tile_finish, masked, x, inputs, column, kept, scratch, outs, n_idx,
+             row_slice):
+    """``tile_finish`` of the call's tile ``n_idx``, its columns masked as its segment's
+    own call masks them: the last tile of a segment (partial) always, at the segment's end
+    and the rows' limit; the others (whole) where ``masked``, at the rows' limit."""
+    segment = self._segment(n_idx).astype(jnp.float32)
+    limit = segment * (self.tiles * TILE_N) + jnp.clip(
+        inputs.limit - segment * self.width, 0.0, float(self.columns))
+    args = (x, inputs._replace(limit=limit), column, kept, scratch, outs, n_idx, row_slice)
+    if self.tiles == 1:
+      return tile_finish(*args, True)
+    partial = n_idx % self.tiles == self.tiles - 1
+
+    @pl.when(partial)
+    def _partial():
+      tile_finish(*args, True)
+
+    @pl.when(jnp.logical_not(partial))
+    def _whole():
+      tile_finish(*args, masked)
+
+
+def _segment_rests(rests, count, hidden, weight, labels, inv_temp, limit, kept, *,
+                   column_start, vocab_dim, with_exp, into, **options):
+  """The statistics (and with ``with_exp`` the ``exp`` terms) of the columns left of each of
+  the weight's ``count`` segments (``rests``), in one kernel call written into ``into``
+  (a ``_Segment``'s arrays: ``[segments * tiles per segment, 4, C]``, ``[C, segments,
+  width]``): a call a segment read all of hidden again for a tile's columns (4 of them
+  cost 3 % of the forward's time at 32064 columns, T = 32768, D = 4096 on an H200,
+  bench/NOTES.md entry 69). A tile's columns, rows and masks are those of the segment's
+  own call: the same statistics and terms, bit for bit. Memory: the columns left's copy
+  (``count`` tiles of the weight for a partial last tile each), with ``with_exp`` their
+  terms twice."""
+  num_rows = hidden.shape[0]
+  width, start, tiles = rests.width, rests.start, rests.tiles
+  padded = tiles * TILE_N
+  if vocab_dim:
+    left = weight.reshape(weight.shape[0], count, width)[:, :, start:]
+    left = head.pad_columns(left, padded, 2).reshape(weight.shape[0], count * padded)
+  else:
+    left = weight.reshape(count, width, weight.shape[1])[:, start:]
+    left = head.pad_columns(left, padded, 1).reshape(count * padded, weight.shape[1])
+  column = labels.astype(jnp.int32) - column_start
+  segment = column // width
+  within = column - segment * width - start
+  here = (column >= 0) & (column < count * width) & (within >= 0)
+  label = jnp.where(here, segment * padded + within, -1)
+  row_limit = (count * width if limit is None else limit) - start
+  row_inputs = mosaic_tile.stack(mosaic_tile.HeadStatisticsInputs(
+      inv_temp=inv_temp.astype(jnp.float32), label=label.astype(jnp.float32),
+      limit=jnp.broadcast_to(jnp.asarray(row_limit, jnp.float32), inv_temp.shape)))
+  words = None if kept is None else jnp.concatenate([
+      _words(mosaic_tile.segment_words(kept, s * width + start, rests.columns),
+             column - (s * width + start), num_rows, rests.columns)
+      for s in range(count)])
+  out = _tile_statistics(hidden, left, row_inputs, words, num_columns=count * padded,
+                         vocab_dim=vocab_dim, with_exp=with_exp, masked=limit is not None,
+                         into=_Into(into.stats, None, into.offset), rests=rests, **options)
+  if with_exp:
+    into.terms[:, :, start:] = out[0].reshape(num_rows, count, padded)[:, :, :rests.columns]
 
 
 def _words(kept, label_column, num_rows, num_columns):

@@ -117,24 +117,31 @@ def test_tile_statistics_match_float64(tokens, dim, num_columns, vocab_dim, soft
 
 def test_column_blocks_of_the_widths_users_shard_to():
   """A ``[D, V]`` weight that is not whole tiles is read in blocks of whole tiles: the
-  most equal blocks of at most ``CONFIG.block_bytes`` that leave the fewest tiles over (a prime
-  number of tiles, as Qwen3's 151936 over 2 GPUs, leaves one), at least
-  ``CONFIG.min_block_tiles`` tiles each; none for fewer tiles. The vocabularies users shard:
-  Qwen3's 151936 over 2, 4 and 8 GPUs, Llama 3's 128256 and DeepSeek-V3's 129280 over 4
-  and 8, the unpadded 151643 and GPT-2's 50257."""
-  blocks = lambda v, d=4096: mosaic_head.column_blocks(v, depth=d, dtype=jnp.bfloat16)
-  assert blocks(37984) == (9472, 4) and blocks(18992) == (9472, 2)
-  assert blocks(75968) == (9472, 8)  # (593 tiles: 8 blocks of 74, one tile and 64 left)
-  assert blocks(16032) == (3200, 5) and blocks(37984, 8192) == (4736, 8)
-  assert blocks(32064) == (6400, 5) and blocks(32320) == (10752, 3)
-  assert blocks(151643) == (9472, 16) and blocks(50257) == (7168, 7)
-  assert blocks(37984, 1024) == (37888, 1)
-  assert blocks(128 * 7 + 32) == (128, 0)
+  fewest blocks of at most ``CONFIG.block_bytes`` that hold every whole tile, as equal as
+  whole tiles allow (the wider first), so only the partial last tile is left (each block
+  is a kernel call, whose last wave leaves SMs idle: Llama 3's 16032-column segments in 5
+  blocks of 25 tiles cost 4 % of the forward at 128256 columns on an H200); none for
+  fewer than ``CONFIG.min_block_tiles`` tiles. The vocabularies users shard: Qwen3's
+  151936 over 2, 4 and 8 GPUs and its segments of 18992, Llama 3's 128256 over 4 and its
+  segments of 16032, DeepSeek-V3's 129280 over 4 and 8, the unpadded 151643 and GPT-2's
+  50257."""
+  tiles = lambda v, d=4096: [w // 128 for w in mosaic_head.column_blocks(
+      v, depth=d, dtype=jnp.bfloat16)]
+  assert tiles(37984) == [74] * 4 and tiles(18992) == [74] * 2
+  assert tiles(75968) == [85] * 5 + [84] * 2  # (593 tiles: 7 blocks, not 8 of 74 and one)
+  assert tiles(16032) == [63, 62] and tiles(37984, 8192) == [43] * 2 + [42] * 5
+  assert tiles(32064) == [84, 83, 83] and tiles(32320) == [84] * 3 and tiles(8016) == [62]
+  assert tiles(151643) == [92] + [91] * 12 and tiles(50257) == [79] * 2 + [78] * 3
+  assert tiles(37984, 1024) == [296]
+  assert tiles(128 * 7 + 32) == []
   for depth in (1024, 4096, 5120, 8192):
-    for columns in (37984, 75968, 16160, 151643):
-      width, count = blocks(columns, depth)
-      assert width % 128 == 0 and width * depth * 2 <= mosaic_head.CONFIG.block_bytes
-      assert columns - width * count < width + 128, (columns, depth)
+    for columns in (37984, 75968, 16160, 16032, 151643):
+      widths = mosaic_head.column_blocks(columns, depth=depth, dtype=jnp.bfloat16)
+      assert max(widths) - min(widths) <= 128 and all(w % 128 == 0 for w in widths)
+      assert max(widths) * depth * 2 <= mosaic_head.CONFIG.block_bytes
+      assert columns - sum(widths) < 128, (columns, depth)
+      most = mosaic_head.CONFIG.block_bytes // (128 * depth * 2)  # (tiles a block)
+      assert len(widths) == -(-(columns // 128) // most), (columns, depth)
 
 
 def _split_inputs(seed, dim, num_columns, vocab_dim, softcap, limit, with_kept, tokens=264):
@@ -176,7 +183,7 @@ def test_blockwise_statistics_are_the_whole_arrays_bits(softcap, padded, with_ke
       7, dim, num_columns, vocab_dim, softcap, num_columns - 200 if padded else None, with_kept)
   monkeypatch.setattr(mosaic_head, "CONFIG", dataclasses.replace(
       mosaic_head.CONFIG, block_bytes=dim * 2 * 128 * 4, min_block_tiles=4))
-  assert mosaic_head.column_blocks(num_columns, depth=dim, dtype=hidden.dtype) == (512, 2)
+  assert mosaic_head.column_blocks(num_columns, depth=dim, dtype=hidden.dtype) == (512, 512)
   calls = []
   blockwise = mosaic_head._blockwise_statistics
   monkeypatch.setattr(mosaic_head, "_blockwise_statistics",

@@ -652,21 +652,30 @@ def _rest_statistics(start, hidden, weight, labels, inv_temp, limit, kept, *, co
                      vocab_dim=vocab_dim, with_exp=with_exp, **options)
 
 
-def column_blocks(num_columns: int, *, depth: int, dtype) -> tuple[int, int]:
-  """``(width, count)``: the forward's ``count`` vocab blocks of ``width`` columns (whole
-  tiles, at most ``CONFIG.block_bytes`` of a ``[D, V_local]`` weight, at least
-  ``CONFIG.min_block_tiles`` tiles), the count that leaves the fewest whole tiles over (then the
-  widest), for a weight that TMA cannot read in place at the 128-byte swizzle: its rows
-  take a narrower swizzle or none (a ``V_local`` that is not a multiple of 64: Qwen3's
-  151936 over 4 GPUs gives 37984; GPT-2's 50257). ``count`` is 0 where the
-  weight has fewer than ``CONFIG.min_block_tiles`` whole tiles."""
+def column_blocks(num_columns: int, *, depth: int, dtype) -> tuple[int, ...]:
+  """The widths (whole tiles) of the forward's vocab blocks of a weight that TMA cannot
+  read in place at the 128-byte swizzle (its rows take a narrower swizzle or none: a
+  ``V_local`` that is not a multiple of 64, as Qwen3's 151936 over 4 GPUs gives 37984, or
+  GPT-2's 50257; or a segment's columns, ``_segment_statistics``): the fewest blocks of at
+  most ``CONFIG.block_bytes`` of a ``[D, V_local]`` weight that hold every whole tile,
+  their widths as equal as whole tiles allow (the wider first), so that only the partial
+  last tile is left. Each block is a kernel call whose last wave of tiles leaves SMs idle:
+  Llama 3's 16032-column segments in 5 blocks of 25 tiles ran the forward at 128256
+  columns 1.044x the time per column of a width read in place, on an H200 at T = 32768,
+  D = 4096 (bench/NOTES.md entry 73). Where blocks that wide would be narrower than
+  ``CONFIG.min_block_tiles`` tiles, blocks of the most tiles allowed, the whole tiles over
+  left with the partial one; none where the weight has fewer than ``CONFIG.min_block_tiles``
+  whole tiles."""
   tiles = num_columns // TILE_N
   max_tiles = max(CONFIG.block_bytes // (depth * jnp.dtype(dtype).itemsize * TILE_N), 1)
   least = min(CONFIG.min_block_tiles, max_tiles)
   if tiles < least:
-    return TILE_N, 0
-  per_block = min(range(least, min(max_tiles, tiles) + 1), key=lambda b: (tiles % b, -b))
-  return per_block * TILE_N, tiles // per_block
+    return ()
+  count = -(-tiles // max_tiles)
+  if tiles // count < least:
+    return (max_tiles * TILE_N,) * (tiles // max_tiles)
+  narrow, wider = divmod(tiles, count)
+  return ((narrow + 1) * TILE_N,) * wider + (narrow * TILE_N,) * (count - wider)
 
 
 def _blockwise_statistics(blocks, hidden, weight, labels, inv_temp, limit, kept, *,
@@ -681,8 +690,8 @@ def _blockwise_statistics(blocks, hidden, weight, labels, inv_temp, limit, kept,
   sequence and masks); only the swizzle differs. The blocks are unrolled, not a loop: as
   a scan they left the GPU idle between the calls (0.4 ms in 7.6 at 18992 columns on an
   H200, bench/NOTES.md entry 55; the backward's scan over its blocks leaves no such gaps,
-  entry 57); the kernel is lowered once (``vocab_block``, one jitted function for every
-  block). With ``with_exp``
+  entry 57); the kernel is lowered once a block width (``vocab_block``, one jitted function
+  for every block of a width; ``column_blocks`` makes at most two). With ``with_exp``
   (the objective path), each block's kernel writes its ``exp`` terms in place into one
   ``[C, exp_width(V_local)]`` array at the block's first column, and the columns left
   are written into it after (XLA's update in place): no block's terms are copied. Every
@@ -692,7 +701,6 @@ def _blockwise_statistics(blocks, hidden, weight, labels, inv_temp, limit, kept,
   terms are written into the segment's, and its columns left are not read (the caller
   reads every segment's in one call, ``_segment_rests``). Memory: one block's copy, with
   ``with_exp`` the columns left's terms twice."""
-  width, count = blocks
   num_rows, num_columns = hidden.shape[0], weight.shape[vocab_dim]
   if segment is None:
     terms_width = exp_width(num_columns, hidden.dtype)
@@ -703,30 +711,27 @@ def _blockwise_statistics(blocks, hidden, weight, labels, inv_temp, limit, kept,
   else:
     stats, terms, index = segment.stats, segment.terms, segment.index
     first_tile = index * num_tiles(num_columns)
-  vocab_block = _vocab_block(width, vocab_dim, with_exp, tuple(sorted(options.items())))
-
-  def block(start):
+  start = 0
+  for width in blocks:
+    vocab_block = _vocab_block(width, vocab_dim, with_exp, tuple(sorted(options.items())))
     vocab_block(hidden, lax.slice_in_dim(weight, start, start + width, axis=vocab_dim),
                 labels, inv_temp, None if limit is None else limit - start,
                 None if kept is None else kept[:, start // 32:(start + width) // 32],
                 jnp.asarray(column_start + start, jnp.int32),
                 _Into(stats, terms, _offset(start, first_tile, index)))
-
-  for j in range(count):
-    block(j * width)
-  if width * count == num_columns:
-    raise ValueError(f"{num_columns} columns are {count} whole blocks of {width}: read "
-                     "them in place")
+    start += width
+  if start == num_columns:
+    raise ValueError(f"{num_columns} columns are whole blocks {blocks}: read them in place")
   if segment is not None:
     return None  # (the segments' columns left: one call over all of them, _segment_rests)
-  last = _rest_statistics(width * count, hidden, weight, labels, inv_temp, limit, kept,
+  last = _rest_statistics(start, hidden, weight, labels, inv_temp, limit, kept,
                           column_start=column_start, vocab_dim=vocab_dim, with_exp=with_exp,
-                          into=_Into(stats, None, _offset(width * count, first_tile, index)),
+                          into=_Into(stats, None, _offset(start, first_tile, index)),
                           **options)
   if not with_exp:
     return (stats[...],)
   # (an odd width: the columns left's zero padding fills the terms' last columns)
-  terms[:, width * count:] = last[0][:, :terms_width - width * count]
+  terms[:, start:] = last[0][:, :terms_width - start]
   return stats[...], terms[...]
 
 
@@ -783,7 +788,7 @@ def _segment_statistics(layout, hidden, weight, labels, inv_temp, limit, kept, *
                                                                               width),
                           column_start=column_start + start,
                           segment=_Segment(stats, terms, index), **options)
-  _segment_rests(_Rests(width, blocks[0] * blocks[1], layout.tiles_per_segment), count,
+  _segment_rests(_Rests(width, sum(blocks), layout.tiles_per_segment), count,
                  hidden, weight, labels, inv_temp, limit, kept, column_start=column_start,
                  into=_Into(stats, terms, _offset(0)), **options)
   if not with_exp:

@@ -39,7 +39,8 @@ from bench.__main__ import git
 WIDTHS = (37984, 75968, 18992, 32064)
 # Whose width each is (the sharded guide's table).
 LABELS = {151936: "Qwen3, 8 segments", 37984: "151936 over 4", 75968: "151936 over 2",
-          18992: "151936 over 8", 32064: "128256 over 4", 151643: "Qwen, unpadded", 50257: "GPT-2"}
+          18992: "151936 over 8", 32064: "128256 over 4", 151643: "Qwen, unpadded", 50257: "GPT-2",
+          128256: "Llama 3, 8 segments"}
 
 
 def round_width(columns: int) -> int:

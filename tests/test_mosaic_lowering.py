@@ -118,8 +118,8 @@ def test_the_segments_columns_left_are_read_in_one_call(path, monkeypatch):
   """Over segments whose last tiles are partial (2, 4 and 8 of 18992 at 37984, 75968 and
   151936 columns; 4 of 8016 at 32064), the columns each segment leaves after its vocab
   blocks are read in one kernel call, as a lone segment's (18992) are: a call a segment
-  read all of hidden again for a tile's columns (4 of them cost 3 % of the forward's time
-  at 32064 columns on an H200). The program holds as many Mosaic calls at every count."""
+  read all of hidden again for a tile's columns (8 of them cost 3 % of the forward's time
+  at 151936 columns on an H200). The program holds as many Mosaic calls at every count."""
   monkeypatch.setattr(plan, "target", lambda *a, mesh=None: HOPPER)
   calls = {columns: sum("custom_call @mosaic_gpu" in line
                         for line in _forward_program(path, columns).splitlines())

@@ -848,10 +848,10 @@ def _segment_rests(rests, count, hidden, weight, labels, inv_temp, limit, kept, 
                    column_start, vocab_dim, with_exp, into, **options):
   """The statistics (and with ``with_exp`` the ``exp`` terms) of the columns left of each of
   the weight's ``count`` segments (``rests``), in one kernel call written into ``into``
-  (a ``_Segment``'s arrays: ``[segments * tiles per segment, 4, C]``, ``[C, segments,
-  width]``): a call a segment read all of hidden again for a tile's columns (4 of them
-  cost 3 % of the forward's time at 32064 columns, T = 32768, D = 4096 on an H200,
-  bench/NOTES.md entry 69). A tile's columns, rows and masks are those of the segment's
+  (an ``_Into`` of the segments' arrays: ``[segments * tiles per segment, 4, C]``, ``[C,
+  segments, width]``): a call a segment read all of hidden again for a tile's columns (8
+  of them cost 3 % of the forward's time at 151936 columns, T = 32768, D = 4096 on an
+  H200, bench/NOTES.md entry 73). A tile's columns, rows and masks are those of the segment's
   own call: the same statistics and terms, bit for bit. Memory: the columns left's copy
   (``count`` tiles of the weight for a partial last tile each), with ``with_exp`` their
   terms twice."""

@@ -592,14 +592,21 @@ def _statistics(hidden, weight, labels, inv_temp, limit, kept, *, num_columns, c
   as ``_tile_statistics``'s."""
   label_column = labels - column_start
   label_column = jnp.where((label_column >= 0) & (label_column < num_columns), label_column, -1)
-  row_inputs = mosaic_tile.stack(mosaic_tile.HeadStatisticsInputs(
-      inv_temp=inv_temp.astype(jnp.float32), label=label_column.astype(jnp.float32),
-      limit=jnp.broadcast_to(jnp.asarray(num_columns if limit is None else limit, jnp.float32),
-                             inv_temp.shape)))
+  row_inputs = _statistics_inputs(inv_temp, label_column,
+                                  num_columns if limit is None else limit)
   return _tile_statistics(hidden, weight, row_inputs,
                           _words(kept, label_column, hidden.shape[0], num_columns),
                           num_columns=num_columns, vocab_dim=vocab_dim,
                           masked=limit is not None, **options)
+
+
+def _statistics_inputs(inv_temp, label_column, limit):
+  """f32 ``[3, C]``: the rows' ``mosaic_tile.HeadStatisticsInputs`` stacked, from
+  ``inv_temp [C]``, ``label_column [C]`` (the label's column in the call, -1: not there)
+  and ``limit`` (a scalar: the call's columns at or past it are excluded)."""
+  return mosaic_tile.stack(mosaic_tile.HeadStatisticsInputs(
+      inv_temp=inv_temp.astype(jnp.float32), label=label_column.astype(jnp.float32),
+      limit=jnp.broadcast_to(jnp.asarray(limit, jnp.float32), inv_temp.shape)))
 
 
 def _whole_tiles_then_rest(hidden, weight, labels, inv_temp, limit, kept, *, column_start,
@@ -790,7 +797,7 @@ def _segment_statistics(layout, hidden, weight, labels, inv_temp, limit, kept, *
                           segment=_Segment(stats, terms, index), **options)
   _segment_rests(_Rests(width, sum(blocks), layout.tiles_per_segment), count,
                  hidden, weight, labels, inv_temp, limit, kept, column_start=column_start,
-                 into=_Into(stats, terms, _offset(0)), **options)
+                 stats=stats, terms=terms, **options)
   if not with_exp:
     return (stats[...],)
   return stats[...], terms[...].reshape(num_rows, count * width)
@@ -845,11 +852,11 @@ class _Rests(NamedTuple):
 
 
 def _segment_rests(rests, count, hidden, weight, labels, inv_temp, limit, kept, *,
-                   column_start, vocab_dim, with_exp, into, **options):
+                   column_start, vocab_dim, with_exp, stats, terms, **options):
   """The statistics (and with ``with_exp`` the ``exp`` terms) of the columns left of each of
-  the weight's ``count`` segments (``rests``), in one kernel call written into ``into``
-  (an ``_Into`` of the segments' arrays: ``[segments * tiles per segment, 4, C]``, ``[C,
-  segments, width]``): a call a segment read all of hidden again for a tile's columns (8
+  the weight's ``count`` segments (``rests``), in one kernel call written into the
+  segments' ``stats`` (``[segments * tiles per segment, 4, C]``) and ``terms`` (``[C,
+  segments, width]``, or None), ``jax.Ref``s: a call a segment read all of hidden again for a tile's columns (8
   of them cost 3 % of the forward's time at 151936 columns, T = 32768, D = 4096 on an
   H200, bench/NOTES.md entry 73). A tile's columns, rows and masks are those of the segment's
   own call: the same statistics and terms, bit for bit. Memory: the columns left's copy
@@ -870,18 +877,16 @@ def _segment_rests(rests, count, hidden, weight, labels, inv_temp, limit, kept, 
   here = (column >= 0) & (column < count * width) & (within >= 0)
   label = jnp.where(here, segment * padded + within, -1)
   row_limit = (count * width if limit is None else limit) - start
-  row_inputs = mosaic_tile.stack(mosaic_tile.HeadStatisticsInputs(
-      inv_temp=inv_temp.astype(jnp.float32), label=label.astype(jnp.float32),
-      limit=jnp.broadcast_to(jnp.asarray(row_limit, jnp.float32), inv_temp.shape)))
+  row_inputs = _statistics_inputs(inv_temp, label, row_limit)
   words = None if kept is None else jnp.concatenate([
       _words(mosaic_tile.segment_words(kept, s * width + start, rests.columns),
              column - (s * width + start), num_rows, rests.columns)
       for s in range(count)])
   out = _tile_statistics(hidden, left, row_inputs, words, num_columns=count * padded,
                          vocab_dim=vocab_dim, with_exp=with_exp, masked=limit is not None,
-                         into=_Into(into.stats, None, into.offset), rests=rests, **options)
+                         into=_Into(stats, None, _offset(0)), rests=rests, **options)
   if with_exp:
-    into.terms[:, :, start:] = out[0].reshape(num_rows, count, padded)[:, :, :rests.columns]
+    terms[:, :, start:] = out[0].reshape(num_rows, count, padded)[:, :, :rests.columns]
 
 
 def _words(kept, label_column, num_rows, num_columns):

@@ -223,16 +223,18 @@ def widths_table(results: dict) -> str:
   than its neighbour. Rows at more than one shape: one line per shape and width, the
   shape in its first column."""
   from bench import widths  # pylint: disable=import-outside-toplevel
-  rows = {(r["mode"], r["T"], r["D"], r["V"]): r for r in results["rows"]}
+  rows = {widths.row_key(r): r for r in results["rows"]}
   modes = [(m, name) for m, name in WIDTH_MODES if any(k[0] == m for k in rows)]
   shapes = len({k[1:3] for k in rows}) > 1
   lines = ["| " + ("shape | " if shapes else "") + "columns a GPU | "
            + " | ".join(name for _, name in modes) + " |",
            "|---" * (len(modes) + 1 + shapes) + "|"]
-  for tokens, depth, columns in dict.fromkeys(k[1:] for k in rows):
-    label = f" ({widths.LABELS[columns]})" if columns in widths.LABELS else ""
+  for tokens, depth, columns, shards in dict.fromkeys(k[1:] for k in rows):
+    label = widths.LABELS.get((columns, shards), f"a shard of {shards}" * (shards > 1))
+    label = f" ({label})" if label else ""
     cells = [f"{row['per_column']:.2f}×{_backend_note(row)}"
-             if (row := rows.get((m, tokens, depth, columns))) else "–" for m, _ in modes]
+             if (row := rows.get((m, tokens, depth, columns, shards))) else "–"
+             for m, _ in modes]
     shape = f"T = {tokens}, D = {depth} | " if shapes else ""
     lines.append(f"| {shape}{columns}{label} | " + " | ".join(cells) + " |")
   return "\n".join(lines)

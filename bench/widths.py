@@ -7,6 +7,7 @@ the nearest width above whose segments are whole tiles, in one process on one GP
     python -m bench.widths --mode objective,logits          # the other two paths
     python -m bench.widths --V 37984 --mode fwd --out OUT/w.json \
         --merge-into bench/results/nvidia-h200-x1-widths.json  # replace those rows there
+    python -m bench.widths --V 128256/4 --mode fwd          # a shard of 128256 over 4 GPUs
 
 Modes: ``fwd`` and ``fwd_bwd``, the fused head (``linear_logprobs_and_entropy``, both
 outputs, random per-token cotangents); ``objective``, the GRPO objective path
@@ -15,7 +16,11 @@ logits path (``logprobs_and_entropy`` of ``[T, V]`` bf16 logits) forward and bac
 and ``logits_fwd`` its forward alone.
 
 A kernel sees only its shard: a local call at V = 37984 is what each GPU of a 4-way Qwen3
-call runs. Each row: the median of ``--rounds`` x ``--repeats`` timed calls
+call runs. Not at every width: the kernels cut a shard's columns into segments fixed by the
+whole vocabulary (``mosaic_tile.segments``), and Llama 3's 128256 over 4 GPUs is 2 segments
+of 16032 a shard where a local call at 32064 is 4 of 8016. ``--V 128256/4`` times the
+shard's own segments: the local call at 32064 columns with the kernels tiling them as
+that shard (the row's ``shards``: 4). Each row: the median of ``--rounds`` x ``--repeats`` timed calls
 (``bench.timing``), inputs made on the host (the logits mode's logits on the device);
 ``per_column`` is the ragged width's time per column over its round neighbour's, from the
 same process, the two timed in alternating rounds. The round neighbour is the nearest
@@ -27,6 +32,7 @@ segments' cost itself and would hide it.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -35,12 +41,43 @@ import numpy as np
 
 from bench.__main__ import git
 
-# Qwen3's 151936 over 2, 4, 8 GPUs; Llama 3's 128256 over 4.
-WIDTHS = (37984, 75968, 18992, 32064)
-# Whose width each is (the sharded guide's table).
-LABELS = {151936: "Qwen3, 8 segments", 37984: "151936 over 4", 75968: "151936 over 2",
-          18992: "151936 over 8", 32064: "128256 over 4", 151643: "Qwen, unpadded", 50257: "GPT-2",
-          128256: "Llama 3, 8 segments"}
+# Qwen3's 151936 over 2, 4, 8 GPUs (a local call at those widths is the shard's);
+# Llama 3's 128256 over 4, and a local call at its shard's width.
+WIDTHS = ("37984", "75968", "18992", "128256/4", "32064")
+# Whose width each is (the sharded guide's table), by (columns, shards).
+LABELS = {(151936, 1): "Qwen3, 8 segments", (37984, 1): "151936 over 4",
+          (75968, 1): "151936 over 2", (18992, 1): "151936 over 8",
+          (32064, 1): "4 segments of 8016", (32064, 4): "128256 over 4: 2 segments of 16032",
+          (151643, 1): "Qwen, unpadded", (50257, 1): "GPT-2",
+          (128256, 1): "Llama 3, 8 segments"}
+
+
+def parse_width(spec: str) -> tuple[int, int]:
+  """``(columns, shards)`` of a ``--V`` entry: ``"37984"`` (a local call, one device's
+  segments) or ``"128256/4"`` (a shard of 128256 over 4: 32064 columns in that shard's
+  segments)."""
+  vocab, _, shards = spec.partition("/")
+  shards = int(shards or 1)
+  if int(vocab) % shards:
+    raise ValueError(f"--V {spec}: {vocab} does not split over {shards} devices")
+  return int(vocab) // shards, shards
+
+
+@contextlib.contextmanager
+def _tiled_as_shard(columns: int, shards: int):
+  """The kernels tile a local call's ``columns`` as one of ``shards`` devices' shard of
+  ``columns * shards`` (``logits_rows.layout``, which every kernel path asks), other widths
+  as before."""
+  from jaxce._kernels import logits_rows  # pylint: disable=import-outside-toplevel
+  from jaxce._kernels.mosaic import tile  # pylint: disable=import-outside-toplevel
+  own = logits_rows.layout
+  logits_rows.layout = lambda num_columns, vocab_axis: (
+      tile.segments(num_columns, shards) if num_columns == columns and vocab_axis is None
+      else own(num_columns, vocab_axis))
+  try:
+    yield
+  finally:
+    logits_rows.layout = own
 
 
 def round_width(columns: int) -> int:
@@ -104,45 +141,53 @@ def _call(mode):
 
 
 def measure(widths, modes, tokens, depth, repeats, on_row=lambda rows: None, rounds=3):
-  """Rows ``{mode, V, V_round, ms, ms_round, per_column, backend}``; ``on_row(rows)``
-  after each. The two widths of a row are timed in ``rounds`` alternating rounds of
+  """Rows ``{mode, V, shards, V_round, ms, ms_round, per_column, backend}`` of ``widths``
+  (``--V`` entries, ``parse_width``); ``on_row(rows)`` after each. The two widths of a row are timed in ``rounds`` alternating rounds of
   ``repeats`` calls each (both programs compiled and their inputs held beforehand), and
   each width's ``ms`` is the median of all its calls: a GPU's clocks drift over a run (by
   3 % in a 7 ms forward on an H200), and widths timed one after the other took the drift
   for a difference between them."""
-  import jax  # pylint: disable=import-outside-toplevel
-  import jaxce  # pylint: disable=import-outside-toplevel
-  from bench.timing import time_calls  # pylint: disable=import-outside-toplevel
   rows = []
   for mode in modes:
-    for columns in widths:
-      round_columns = round_width(columns)
-      pair = (columns, round_columns)
-      args = {width: _inputs(tokens, depth, width, mode) for width in pair}
-      call = _call(mode)  # (one jitted function: a program per width's shapes)
-      backend = {width: jaxce.plan.of(call, *args[width]).backend for width in pair}
-      timed = {width: [] for width in pair}
-      for index in range(rounds):
-        for width in pair:
-          timed[width] += time_calls(call, args[width], repeats=repeats,
-                                     warmup=2 if index == 0 else 1)
-      ms = {width: statistics.median(timed[width]) for width in pair}
-      del args, call
-      jax.clear_caches()
-      row = dict(mode=mode, V=columns, V_round=round_columns, T=tokens, D=depth,
-                 ms=ms[columns], ms_round=ms[round_columns],
-                 per_column=(ms[columns] / columns) / (ms[round_columns] / round_columns),
-                 backend=backend[columns], backend_round=backend[round_columns],
-                 timed_calls=len(timed[columns]))
-      print(json.dumps(row), flush=True)
-      rows.append(row)
+    for columns, shards in map(parse_width, widths):
+      with _tiled_as_shard(columns, shards):
+        rows.append(_row(mode, columns, shards, tokens, depth, repeats, rounds))
       on_row(rows)
   return rows
 
 
+def _row(mode, columns, shards, tokens, depth, repeats, rounds):
+  """One row of ``measure``: ``columns`` (tiled as one of ``shards`` devices' shard) and
+  its round neighbour."""
+  import jax  # pylint: disable=import-outside-toplevel
+  import jaxce  # pylint: disable=import-outside-toplevel
+  from bench.timing import time_calls  # pylint: disable=import-outside-toplevel
+  round_columns = round_width(columns)
+  pair = (columns, round_columns)
+  args = {width: _inputs(tokens, depth, width, mode) for width in pair}
+  call = _call(mode)  # (one jitted function: a program per width's shapes)
+  backend = {width: jaxce.plan.of(call, *args[width]).backend for width in pair}
+  timed = {width: [] for width in pair}
+  for index in range(rounds):
+    for width in pair:
+      timed[width] += time_calls(call, args[width], repeats=repeats,
+                                 warmup=2 if index == 0 else 1)
+  ms = {width: statistics.median(timed[width]) for width in pair}
+  del args, call
+  jax.clear_caches()
+  row = dict(mode=mode, V=columns, shards=shards, V_round=round_columns, T=tokens, D=depth,
+             ms=ms[columns], ms_round=ms[round_columns],
+             per_column=(ms[columns] / columns) / (ms[round_columns] / round_columns),
+             backend=backend[columns], backend_round=backend[round_columns],
+             timed_calls=len(timed[columns]))
+  print(json.dumps(row), flush=True)
+  return row
+
+
 def row_key(row) -> tuple:
-  """A row's shape: ``(mode, T, D, V)`` (a newer row of the same shape replaces it)."""
-  return row["mode"], row["T"], row["D"], row["V"]
+  """A row's shape: ``(mode, T, D, V, shards)`` (a newer row of the same shape replaces
+  it)."""
+  return row["mode"], row["T"], row["D"], row["V"], row.get("shards", 1)
 
 
 def merge(old: dict | None, new: dict) -> dict:
@@ -178,7 +223,7 @@ def main(argv=None):
       with open(args.out, "w", encoding="utf-8") as f:
         json.dump(results(rows), f, indent=1)
 
-  rows = measure([int(v) for v in args.V.split(",")], args.mode.split(","), args.T, args.D,
+  rows = measure(args.V.split(","), args.mode.split(","), args.T, args.D,
                  args.repeats, save, args.rounds)
   if args.merge_into:
     old = None

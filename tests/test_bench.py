@@ -858,6 +858,34 @@ def test_widths_every_mode_on_cpu(tmp_path):
     assert row["per_column"] == pytest.approx((row["ms"] / 200) / (row["ms_round"] / 256))
 
 
+def test_widths_time_a_shard_in_its_own_segments(tmp_path):
+  """``--V 2304/4`` times a shard of 2304 columns over 4 devices: a local call at 576
+  columns whose kernels tile them as that shard does (2 of the vocabulary's 8 segments of
+  288), where a local call at 576 is 4 segments of 144 (as Llama 3's 128256 over 4 GPUs
+  is 2 segments of 16032 a shard, and a local call at 32064 is 4 of 8016). The row says
+  so (``shards``), and is a shape of its own when merged."""
+  from bench import widths
+  from jaxce._kernels import logits_rows
+  from jaxce._kernels.mosaic import tile
+  assert widths.parse_width("2304/4") == (576, 4) and widths.parse_width("576") == (576, 1)
+  with pytest.raises(ValueError, match="2305 does not split over 4"):
+    widths.parse_width("2305/4")
+  assert logits_rows.layout(576, None) == tile.Segments(144, 4, 4)
+  with widths._tiled_as_shard(576, 4):  # pylint: disable=protected-access
+    assert logits_rows.layout(576, None) == tile.Segments(288, 2, 8)
+    assert logits_rows.layout(640, None) == tile.segments(640)
+  assert logits_rows.layout(576, None) == tile.Segments(144, 4, 4)
+  out = tmp_path / "widths.json"
+  widths.main(["--V", "2304/4,576", "--mode", "fwd", "--T", "64", "--D", "32", "--repeats",
+               "1", "--rounds", "1", "--out", str(out)])
+  with open(out) as f:
+    rows = json.load(f)["rows"]
+  round_columns = widths.round_width(576)
+  assert [(r["V"], r["shards"], r["V_round"]) for r in rows] == [(576, 4, round_columns),
+                                                                (576, 1, round_columns)]
+  assert len({widths.row_key(r) for r in rows}) == 2
+
+
 def test_widths_rows_merge_by_shape(tmp_path):
   """``--merge-into`` replaces the committed rows of the shapes run (mode, T, D, V) in
   their place, keeps the others with their commits, and appends new shapes."""

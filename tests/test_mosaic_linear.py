@@ -115,33 +115,60 @@ def test_tile_statistics_match_float64(tokens, dim, num_columns, vocab_dim, soft
                  name)
 
 
-def test_column_blocks_of_the_widths_users_shard_to():
-  """A ``[D, V]`` weight that is not whole tiles is read in blocks of whole tiles: the
-  fewest blocks of at most ``CONFIG.block_bytes`` that hold every whole tile, as equal as
-  whole tiles allow (the wider first), so only the partial last tile is left (each block
-  is a kernel call, whose last wave leaves SMs idle: Llama 3's 16032-column segments in 5
-  blocks of 25 tiles cost 4 % of the forward at 128256 columns on an H200); none for
-  fewer than ``CONFIG.min_block_tiles`` tiles. The vocabularies users shard: Qwen3's
-  151936 over 2, 4 and 8 GPUs and its segments of 18992, Llama 3's 128256 over 4 and its
-  segments of 16032, DeepSeek-V3's 129280 over 4 and 8, the unpadded 151643 and GPT-2's
-  50257."""
-  tiles = lambda v, d=4096: [w // 128 for w in mosaic_head.column_blocks(
-      v, depth=d, dtype=jnp.bfloat16)]
-  assert tiles(37984) == [74] * 4 and tiles(18992) == [74] * 2
-  assert tiles(75968) == [85] * 5 + [84] * 2  # (593 tiles: 7 blocks, not 8 of 74 and one)
-  assert tiles(16032) == [63, 62] and tiles(37984, 8192) == [43] * 2 + [42] * 5
-  assert tiles(32064) == [84, 83, 83] and tiles(32320) == [84] * 3 and tiles(8016) == [62]
-  assert tiles(151643) == [92] + [91] * 12 and tiles(50257) == [79] * 2 + [78] * 3
-  assert tiles(37984, 1024) == [296]
-  assert tiles(128 * 7 + 32) == []
-  for depth in (1024, 4096, 5120, 8192):
-    for columns in (37984, 75968, 16160, 16032, 151643):
-      widths = mosaic_head.column_blocks(columns, depth=depth, dtype=jnp.bfloat16)
-      assert max(widths) - min(widths) <= 128 and all(w % 128 == 0 for w in widths)
-      assert max(widths) * depth * 2 <= mosaic_head.CONFIG.block_bytes
-      assert columns - sum(widths) < 128, (columns, depth)
+def test_column_blocks_fill_the_waves_of_the_widths_users_shard_to():
+  """The whole tiles of a weight that TMA cannot read in place (every segment's, side by
+  side) are read in vocab blocks of at most ``CONFIG.block_bytes``, each a kernel call
+  whose last wave of tiles leaves SMs idle: of the fewest blocks, one more, and blocks that
+  fill whole waves, the one that leaves the fewest idle, a call counted as
+  ``CONFIG.call_waves``. At T = 32768 on 132 SMs a block of 66 tiles is 64 waves: Llama 3's
+  128256 over 4 GPUs (2 segments of 125 whole tiles) was read a segment's block of 62 or
+  63 tiles at a time, 3.6 waves idle, now 0.6; a local 32064 (4 segments of 62), 0.5.
+  Checked over the vocabularies users shard (Qwen3's 151936 over 1, 2, 4 and 8 GPUs,
+  Llama 3's 128256 over 1 and 4, DeepSeek-V3's 129280 over 4 and 8, the unpadded 151643
+  and GPT-2's 50257), D from 1024 to 8192, ragged and round T, 132, 114 and 78 SMs: every
+  whole tile in one block, none wider than allowed, at most two widths, never more idle
+  than the fewest blocks; none for fewer than ``CONFIG.min_block_tiles`` tiles."""
+  segments = mosaic_tile.segments
+
+  def blocks(layout, rows=32768, depth=4096, cores=132):
+    return mosaic_head.column_blocks(layout.count * (layout.width // 128), depth=depth,
+                                     dtype=jnp.bfloat16, num_rows=rows, num_cores=cores)
+
+  def idle(widths, rows=32768, cores=132):
+    return sum(-(mosaic_head.row_blocks(rows) * b) % cores for b in widths) / cores
+
+  assert segments(32064, 4) == mosaic_tile.Segments(16032, 2, 8)
+  assert blocks(segments(32064, 4)) == (66, 66, 66, 52)
+  assert idle((63, 62) * 2) > 3.5 and idle(blocks(segments(32064, 4))) < 0.6
+  assert blocks(segments(32064)) == (66, 66, 66, 50)  # (4 segments of 8016)
+  assert blocks(segments(151936)) == (66,) * 17 + (62,)
+  assert blocks(segments(37984, 4), depth=1024) == (296,)  # (fewer calls than waves idle)
+  assert mosaic_head.column_blocks(7, depth=4096, dtype=jnp.bfloat16, num_rows=32768,
+                                   num_cores=132) == ()
+  shards = [(151936, n) for n in (1, 2, 4, 8)] + [(128256, 1), (128256, 4), (129280, 4),
+                                                  (129280, 8), (151643, 1), (50257, 1)]
+  for vocab, count in shards:
+    layout = segments(vocab // count, count)
+    tiles = layout.count * (layout.width // 128)
+    for depth in (1024, 4096, 5120, 8192):
       most = mosaic_head.CONFIG.block_bytes // (128 * depth * 2)  # (tiles a block)
-      assert len(widths) == -(-(columns // 128) // most), (columns, depth)
+      for rows in (4096, 8184, 30000, 32768, 262144):
+        for cores in (132, 114, 78):
+          widths = blocks(layout, rows, depth, cores)
+          fewest = -(-tiles // most)
+          equal = (-(-tiles // fewest),) * (tiles % fewest) + (tiles // fewest,) * (
+              fewest - tiles % fewest)
+          shape = (vocab, count, depth, rows, cores)
+          assert sum(widths) == tiles and max(widths) <= most and len(set(widths)) <= 2, shape
+          assert idle(widths, rows, cores) + 0.25 * len(widths) <= idle(
+              equal, rows, cores) + 0.25 * fewest, shape
+
+
+def _in_one_program(*args, **kw):
+  """``mosaic_head.statistics`` of a weight read in several kernel calls, under ``jax.jit`` as
+  users' programs run it (in the interpreter, on 2 cores, calls dispatched one by one
+  could wait on each other's threads for good)."""
+  return jax.jit(lambda *a: mosaic_head.statistics(*a, **kw))(*args)
 
 
 def _split_inputs(seed, dim, num_columns, vocab_dim, softcap, limit, with_kept, tokens=264):
@@ -183,14 +210,14 @@ def test_blockwise_statistics_are_the_whole_arrays_bits(softcap, padded, with_ke
       7, dim, num_columns, vocab_dim, softcap, num_columns - 200 if padded else None, with_kept)
   monkeypatch.setattr(mosaic_head, "CONFIG", dataclasses.replace(
       mosaic_head.CONFIG, block_bytes=dim * 2 * 128 * 4, min_block_tiles=4))
-  assert mosaic_head.column_blocks(num_columns, depth=dim, dtype=hidden.dtype) == (512, 512)
+  assert len(mosaic_head.column_blocks(num_columns // 128, depth=dim, dtype=hidden.dtype,
+                                      num_rows=264, num_cores=kernel_device()["num_cores"])) > 1
   calls = []
-  blockwise = mosaic_head._blockwise_statistics
-  monkeypatch.setattr(mosaic_head, "_blockwise_statistics",
+  blockwise = mosaic_head._segment_statistics
+  monkeypatch.setattr(mosaic_head, "_segment_statistics",
                       lambda *a, **k: calls.append(1) or blockwise(*a, **k))
-  got = mosaic_head.statistics(hidden, weight, labels, inv_temp, limit, kept,
-                               with_exp=with_exp, layout=mosaic_tile.Segments(num_columns, 1, 1),
-                               **kw)
+  got = _in_one_program(hidden, weight, labels, inv_temp, limit, kept, with_exp=with_exp,
+                        layout=mosaic_tile.Segments(num_columns, 1, 1), **kw)
   assert len(calls) == (1 if vocab_dim else num_columns % 8 != 0)
   aligned = jnp.pad(weight, [(0, -num_columns % 16) if dim == vocab_dim else (0, 0)
                              for dim in range(2)])
@@ -265,14 +292,14 @@ def test_segments_are_each_segments_own_bits(softcap, padded, with_kept, with_ex
       mosaic_head.CONFIG, block_bytes=dim * 2 * 128 * 2, min_block_tiles=2))
   layout = mosaic_tile.segments(num_columns)
   assert layout.split
-  got = mosaic_head.statistics(hidden, weight, labels, inv_temp, limit, kept,
-                               with_exp=with_exp, layout=layout, **kw)
+  got = _in_one_program(hidden, weight, labels, inv_temp, limit, kept, with_exp=with_exp,
+                        layout=layout, **kw)
   got = got if with_exp else (got,)
   width, per = layout.width, layout.tiles_per_segment
   assert got[0].shape == (layout.num_tiles, 4, hidden.shape[0])
   for segment in range(layout.count):
     start = segment * width
-    own = mosaic_head.statistics(
+    own = _in_one_program(
         hidden, jax.lax.slice_in_dim(weight, start, start + width, axis=vocab_dim), labels,
         inv_temp, None if limit is None else limit - start,
         None if kept is None else mosaic_tile.segment_words(kept, start, width),

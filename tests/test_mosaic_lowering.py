@@ -17,6 +17,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from helpers import devices, jaxce
 from jaxce import plan
+from jaxce._kernels.mosaic import head as mosaic_head, tile as mosaic_tile
 
 if not hasattr(plgpu, "InterpretGPUParams"):
   pytest.skip(f"lowering the Mosaic GPU kernels needs JAX >= 0.11 (this is {jax.__version__});"
@@ -94,20 +95,27 @@ def _forward_program(path, columns):
 
 
 @pytest.mark.parametrize("path", ["fused", "objective"])
-def test_the_forward_blocks_are_unrolled_and_their_kernel_lowered_once(path, monkeypatch):
+def test_the_forward_blocks_are_unrolled_and_their_kernel_lowered_once_a_width(path,
+                                                                               monkeypatch):
   """A ``[D, V]`` weight of 37984 columns (Qwen3 over 4 GPUs: 2 of the vocabulary's
   segments of 18992, whose rows TMA reads in place only at a 32-byte swizzle) goes through
-  the fused forward in 2 vocab blocks copied out per segment: 4 calls of one lowered
-  kernel, not a loop, whose steps left the GPU idle between the calls (0.4 ms in 7.6 at
-  18992 columns on an H200). The objective path's forward too, its blocks writing their
-  ``exp`` terms into one uninitialized ``[C, 2, 18992]`` array (no concatenation of
-  them)."""
+  the fused forward in ``column_blocks``' vocab blocks copied out (both segments' whole
+  tiles side by side) and a call over the columns left: a call a block, not a loop, whose
+  steps left the GPU idle between the calls (0.4 ms in 7.6 at 18992 columns on an H200),
+  the kernel lowered once a block width. The objective path's forward too, its blocks
+  writing their ``exp`` terms into one uninitialized ``[C, 2, 18992]`` array (no
+  concatenation of them)."""
   monkeypatch.setattr(plan, "target", lambda *a, mesh=None: HOPPER)
   text = _forward_program(path, 37984)
-  assert text.count("func.func private @vocab_block(") == 1
-  assert text.count("call @vocab_block(") == 4
+  blocks = mosaic_head.column_blocks(2 * (18992 // 128), depth=4096, dtype=jnp.bfloat16,
+                                     num_rows=mosaic_head.padded_rows(TOKENS),
+                                     num_cores=HOPPER.num_cores)
+  assert len(blocks) > 2 and len(set(blocks)) == 2, blocks  # (the test's premise)
+  functions = re.findall(r"func.func private @(vocab_block[_0-9]*)\(", text)
+  assert len(functions) == 3, functions  # (2 block widths, the columns left)
+  assert sum(text.count(f"call @{name}(") for name in functions) == len(blocks) + 1
   lines = text.splitlines()
-  assert not [line for line in lines if "stablehlo.while" in line and "4096x9472xbf16" in line]
+  assert not [line for line in lines if "stablehlo.while" in line and "4096x" in line]
   assert not [line for line in lines if "stablehlo.concatenate" in line and "x37984x" in line]
   if path == "objective":
     assert [line for line in lines if "@AllocateBuffer" in line and "x2x18992xbf16" in line]
@@ -119,11 +127,19 @@ def test_the_segments_columns_left_are_read_in_one_call(path, monkeypatch):
   151936 columns; 4 of 8016 at 32064), the columns each segment leaves after its vocab
   blocks are read in one kernel call, as a lone segment's (18992) are: a call a segment
   read all of hidden again for a tile's columns (8 of them cost 3 % of the forward's time
-  at 151936 columns on an H200). The program holds as many Mosaic calls at every count."""
+  at 151936 columns on an H200). The program holds as many Mosaic calls besides its vocab
+  blocks' at every count."""
   monkeypatch.setattr(plan, "target", lambda *a, mesh=None: HOPPER)
+
+  def blocks(columns):
+    layout = mosaic_tile.segments(columns)
+    return len(mosaic_head.column_blocks(
+        layout.count * (layout.width // 128), depth=4096, dtype=jnp.bfloat16,
+        num_rows=mosaic_head.padded_rows(TOKENS), num_cores=HOPPER.num_cores))
+
   calls = {columns: sum("custom_call @mosaic_gpu" in line
                         for line in _forward_program(path, columns).splitlines())
-           for columns in (18992, 37984, 75968, 151936, 32064)}
+           - blocks(columns) for columns in (18992, 37984, 75968, 151936, 32064)}
   assert len(set(calls.values())) == 1, calls
 
 

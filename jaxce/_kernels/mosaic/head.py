@@ -49,12 +49,12 @@ tiles the arrays whose rows are the vocabulary as the tiles' swizzle (a row a mu
 of 32 to 128 bytes, ``mosaic_tile.array_swizzle``; a narrower swizzle costs 1.43x the
 forward's time per column, bench/NOTES.md entry 43) and a ``[V_local, D]`` weight in
 tiles of 8 rows. So the forward (``statistics``) reads a weight whose last tile is
-partial in two calls: its whole tiles, in place where TMA reads it at the 128-byte
-swizzle (75968 columns) and else in vocab blocks copied out (``column_blocks``: at most
-``CONFIG.block_bytes`` each; 37984, 151643 columns), then the columns left copied out and
-zero-padded to one tile: the same tiles, statistics and bits as one call over the whole
-array, and no tile of a call runs the masked epilogue for a partial tile's sake (entry
-49). Each call writes its statistics in place into one array (a ``jax.Ref``) from its
+partial in more than one call: its whole tiles, in place where TMA reads it at the
+128-byte swizzle (a lone segment: 31040 columns) and else in vocab blocks copied out
+(``column_blocks``: at most ``CONFIG.block_bytes`` each, sized to fill the persistent
+grid's waves; 37984, 151643 columns), then the columns left copied out and zero-padded to
+whole tiles: the same tiles, statistics and bits as one call over the whole array, and no
+tile of a call runs the masked epilogue for a partial tile's sake (entry 49). Each call writes its statistics in place into one array (a ``jax.Ref``) from its
 first tile on: nothing is concatenated after them. The objective path's forward reads the
 weight the same way, each call writing its ``exp`` terms in place into one ``[C,
 V_local]`` array from the call's first column on; at an odd width, whose rows TMA cannot
@@ -65,10 +65,10 @@ zero-padded to whole tiles the same way.
 Over a vocabulary cut into segments that are not whole tiles (``mosaic_tile.segments``:
 Qwen3's 151936 columns are 8 segments of 18992, a shard of 2 or 4 devices holds 4 or 2),
 the forward tiles each segment from its own first column, as a weight of that segment's
-columns alone (``_segment_statistics``: its vocab blocks copied out, its last tile
-partial; the segments' columns left after their blocks read in one call, not a call a
-segment), so a token's tiles and bits do not depend on the shard count; the backward's
-``d logits`` do not depend on the tiles.
+columns alone (``_segment_statistics``: every segment's whole tiles side by side in vocab
+blocks copied out, a block's tiles from one segment or two; the segments' columns left in
+one call, not a call a segment), so a token's tiles and bits do not depend on the shard
+count; the backward's ``d logits`` do not depend on the tiles.
 
 Off GPUs the kernel runs in Pallas' GPU interpreter (tests only).
 """
@@ -113,6 +113,9 @@ class Config:
       (a weight TMA cannot read in place: ``column_blocks``).
     min_block_tiles: fewer whole tiles than this: no block, one padded copy of the
       whole weight.
+    call_waves: what ``column_blocks`` counts a kernel call as, in waves of tiles on
+      every SM, against the SMs a call's last wave leaves idle (its launch and the first
+      tiles' pipeline fill; a wave is about 50 us at D = 4096 on an H200).
   """
   tile_m: int = 128
   tile_k: int = 64
@@ -123,6 +126,7 @@ class Config:
   snake_width: int = 8
   block_bytes: int = 96 * 2**20
   min_block_tiles: int = 8
+  call_waves: float = 0.25
 
   @property
   def min_rows(self) -> int:
@@ -401,7 +405,7 @@ def _offset(start: int, first_tile: int = 0, segment: int = 0):
 
 def _tile_statistics(hidden, weight, row_inputs, words, *, num_columns, vocab_dim, softcap,
                      with_entropy, with_exp, masked, interpret, num_cores, into=None,
-                     rests=None):
+                     span=None):
   """``(statistics, terms)``, each returned or written in place: ``statistics``, ``[vocab
   tiles, 4, C]`` f32, ``(m, s, q, picked)`` of every ``[row, tile]`` of the weight's first
   ``num_columns`` columns (``V``: the array's, or its last tile's zero padding left out,
@@ -411,10 +415,10 @@ def _tile_statistics(hidden, weight, row_inputs, words, *, num_columns, vocab_di
   returned. ``row_inputs [3, C]``: the rows' ``mosaic_tile.HeadStatisticsInputs``,
   stacked; ``words`` as ``_tiles``; ``masked``: apply the rows' ``limit``
   (``mosaic_tile.tile_statistics``; a partial last tile also stops at ``V``). With
-  ``rests`` (a ``_Rests``) the weight is every segment's columns left side by side, each
-  zero-padded to whole tiles: a tile's statistics go to its segment's tiles in ``into``,
-  and its columns are masked as that segment's own call masks them (the rows' ``limit``
-  then counts from the columns left's first column in segment 0)."""
+  ``span`` (a ``_Span``) the weight is pieces of several segments side by side, each
+  zero-padded to whole tiles, from the sequence's tile ``into.offset[0]`` on: a tile's
+  statistics (and terms) go to its segment's tiles (and columns) in ``into``, and its
+  columns are masked as that segment's own call masks them."""
   num_rows = hidden.shape[0]
   terms_into = into is not None and into.terms is not None
   returned = ("stats",) * (into is None) + ("exp",) * (with_exp and not terms_into)
@@ -425,24 +429,33 @@ def _tile_statistics(hidden, weight, row_inputs, words, *, num_columns, vocab_di
     out = mosaic_tile.tile_statistics(mosaic_tile.cap(x, softcap), inputs, column, kept,
                                       with_entropy, masked, with_exp)
     first_tile = 0 if into is None else outs["offset"][0]
-    stats_tile = first_tile + n_idx if rests is None else first_tile + rests.tile(n_idx)
+    if span is None:
+      stats_tile = first_tile + n_idx
+    else:
+      segment, within = span.locate(first_tile, n_idx)
+      stats_tile = segment * span.tiles_per_segment + span.skip + within
     if with_exp:
       out, e = out
       terms = outs["exp"]
       start = column
       if terms_into:
         # (a call starts on a tile: Mosaic infers the stores' layouts only when told so)
-        start = pl.multiple_of(outs["offset"][1] + column, TILE_N)
+        if span is None:
+          start, segment = outs["offset"][1] + column, outs["offset"][2]
+        else:
+          start = (span.skip + within) * TILE_N
+        start = pl.multiple_of(start, TILE_N)
         if len(into.terms.shape) == 3:
-          terms = terms.at[:, outs["offset"][2]]
+          terms = terms.at[:, segment]
       _store_pieces(scratch["exp"], e.astype(hidden.dtype),
                     terms.at[row_slice, pl.ds(start, TILE_N)], num_columns)
     _copy_out(scratch["stats"], out, outs["stats"].at[stats_tile, :, row_slice])
 
   def finish(x, inputs, column, kept, scratch, outs, n_idx, row_slice):
     args = (x, inputs, column, kept, scratch, outs, n_idx, row_slice)
-    if rests is not None:
-      return rests.finish(tile_finish, masked, *args)
+    if span is not None:
+      first = outs[len(returned) + 1][0]  # (into.offset)
+      return span.finish(tile_finish, masked, first, *args)
     if not num_columns % TILE_N:
       return tile_finish(*args, masked)
     # The partial last tile reads zeros past V: its columns there are masked, in that tile
@@ -544,18 +557,13 @@ def statistics(hidden, weight, labels, inv_temp, limit, kept=None, *, column_sta
   layout = mosaic_tile.segments(num_columns) if layout is None else layout
   if layout.count * layout.width != num_columns:
     raise ValueError(f"{num_columns} columns: the layout's ({layout}) expected")
-  in_place = _reads_in_place(num_columns, hidden.dtype, vocab_dim)
-  if layout.split:
+  if reads_in_blocks(num_columns, hidden.dtype, vocab_dim, layout):
     out = _segment_statistics(layout, hidden, weight, labels, inv_temp, limit, kept,
                               with_exp=with_exp, **options)
-  elif num_columns % TILE_N and num_columns > TILE_N and in_place:
+  elif num_columns % TILE_N and num_columns > TILE_N and _reads_in_place(
+      num_columns, hidden.dtype, vocab_dim):
     out = _whole_tiles_then_rest(hidden, weight, labels, inv_temp, limit, kept,
                                  with_exp=with_exp, **options)
-  elif reads_in_blocks(num_columns, hidden.dtype, vocab_dim, layout):
-    out = _blockwise_statistics(column_blocks(num_columns, depth=hidden.shape[1],
-                                              dtype=hidden.dtype),
-                                hidden, weight, labels, inv_temp, limit, kept,
-                                with_exp=with_exp, **options)
   else:
     out = _statistics(hidden, weight, labels, inv_temp, limit, kept, num_columns=num_columns,
                       with_exp=with_exp, **options)
@@ -659,188 +667,88 @@ def _rest_statistics(start, hidden, weight, labels, inv_temp, limit, kept, *, co
                      vocab_dim=vocab_dim, with_exp=with_exp, **options)
 
 
-def column_blocks(num_columns: int, *, depth: int, dtype) -> tuple[int, ...]:
-  """The widths (whole tiles) of the forward's vocab blocks of a weight that TMA cannot
-  read in place at the 128-byte swizzle (its rows take a narrower swizzle or none: a
-  ``V_local`` that is not a multiple of 64, as Qwen3's 151936 over 4 GPUs gives 37984, or
-  GPT-2's 50257; or a segment's columns, ``_segment_statistics``): the fewest blocks of at
-  most ``CONFIG.block_bytes`` of a ``[D, V_local]`` weight that hold every whole tile,
-  their widths as equal as whole tiles allow (the wider first), so that only the partial
-  last tile is left. Each block is a kernel call whose last wave of tiles leaves SMs idle:
-  Llama 3's 16032-column segments in 5 blocks of 25 tiles ran the forward at 128256
-  columns 1.044x the time per column of a width read in place, on an H200 at T = 32768,
-  D = 4096 (bench/NOTES.md entry 73). Where blocks that wide would be narrower than
-  ``CONFIG.min_block_tiles`` tiles, blocks of the most tiles allowed, the whole tiles over
-  left with the partial one; none where the weight has fewer than ``CONFIG.min_block_tiles``
-  whole tiles."""
-  tiles = num_columns // TILE_N
+def column_blocks(tiles: int, *, depth: int, dtype, num_rows: int,
+                  num_cores: int) -> tuple[int, ...]:
+  """The vocab blocks, in whole tiles each, of the ``tiles`` whole tiles of a weight that
+  TMA cannot read in place at the 128-byte swizzle (``_segment_statistics``: a segment's
+  columns; a ``V_local`` that is not a multiple of 64, as GPT-2's 50257), every segment's
+  whole tiles side by side: each block is copied out (at most ``CONFIG.block_bytes`` of a
+  ``[D, V_local]`` weight) and is one kernel call, whose tiles ``row_blocks(num_rows) *
+  block`` run on ``num_cores`` SMs in waves, the last one partial. Of the fewest blocks
+  (as equal as tiles allow), one more, and blocks that fill whole waves (the widest such
+  width, the tiles over in one block), the one that leaves the fewest SMs idle, each
+  call counting ``CONFIG.call_waves``: Llama 3's 128256 over 4 GPUs is 2 segments of 125
+  whole tiles, read a block of 62 or 63 tiles at a time (61 waves a call, 0.9 of the last
+  idle, at T = 32768 on 132 SMs) until blocks of 66 tiles (64 waves each) and the 52
+  over. None where there are fewer than ``CONFIG.min_block_tiles`` (the columns left's
+  call reads them all). At most two widths (each lowered once)."""
   max_tiles = max(CONFIG.block_bytes // (depth * jnp.dtype(dtype).itemsize * TILE_N), 1)
-  least = min(CONFIG.min_block_tiles, max_tiles)
-  if tiles < least:
+  if tiles < min(CONFIG.min_block_tiles, max_tiles):
     return ()
-  count = -(-tiles // max_tiles)
-  if tiles // count < least:
-    return (max_tiles * TILE_N,) * (tiles // max_tiles)
-  narrow, wider = divmod(tiles, count)
-  return ((narrow + 1) * TILE_N,) * wider + (narrow * TILE_N,) * (count - wider)
+  rows = row_blocks(num_rows)
+
+  def cost(blocks):  # (idle SMs of each call's last wave, and the calls, in waves)
+    return sum(-(rows * b) % num_cores for b in blocks) / num_cores + CONFIG.call_waves * len(
+        blocks)
+
+  def equal(count):
+    narrow, wider = divmod(tiles, count)
+    return (narrow + 1,) * wider + (narrow,) * (count - wider)
+
+  fewest = -(-tiles // max_tiles)
+  candidates = [equal(count) for count in (fewest, fewest + 1) if count <= tiles]
+  whole_waves = next((b for b in range(max_tiles, 0, -1) if not rows * b % num_cores), None)
+  if whole_waves:
+    count, over = divmod(tiles, whole_waves)
+    candidates.append((whole_waves,) * count + ((over,) if over else ()))
+  return min(candidates, key=lambda blocks: (cost(blocks), len(blocks)))
 
 
-def _blockwise_statistics(blocks, hidden, weight, labels, inv_temp, limit, kept, *,
-                          column_start, vocab_dim, with_exp, segment=None, **options):
-  """``statistics`` of a weight that TMA cannot read in place at the 128-byte swizzle (a
-  ``[D, V_local]`` one whose rows are not whole 128-byte swizzles, a ``[V_local, D]`` one
-  that is not whole tiles of 8 rows), in ``column_blocks``' blocks: each block's columns
-  copied out (at most ``CONFIG.block_bytes``) and read with the 128-byte swizzle, then the
-  columns left (fewer than a block) copied out as whole tiles, zero-padded: the last tile's
-  padding is masked as a partial tile's columns past the array are. A tile's statistics
-  are those of one call over the whole array, bit for bit (the same columns, rows, wgmma
-  sequence and masks); only the swizzle differs. The blocks are unrolled, not a loop: as
-  a scan they left the GPU idle between the calls (0.4 ms in 7.6 at 18992 columns on an
-  H200, bench/NOTES.md entry 55; the backward's scan over its blocks leaves no such gaps,
-  entry 57); the kernel is lowered once a block width (``vocab_block``, one jitted function
-  for every block of a width; ``column_blocks`` makes at most two). With ``with_exp``
-  (the objective path), each block's kernel writes its ``exp`` terms in place into one
-  ``[C, exp_width(V_local)]`` array at the block's first column, and the columns left
-  are written into it after (XLA's update in place): no block's terms are copied. Every
-  call writes its statistics in place into one array (``_Into``): none is concatenated.
-  Returns ``(statistics,)``, or ``(statistics, exp terms)``; with ``segment`` (a
-  ``_Segment``: ``weight`` is one segment's columns) nothing: the blocks' statistics and
-  terms are written into the segment's, and its columns left are not read (the caller
-  reads every segment's in one call, ``_segment_rests``). Memory: one block's copy, with
-  ``with_exp`` the columns left's terms twice."""
-  num_rows, num_columns = hidden.shape[0], weight.shape[vocab_dim]
-  if segment is None:
-    terms_width = exp_width(num_columns, hidden.dtype)
-    # (uninitialized: the blocks and the columns left write every column of every row)
-    stats = _statistics_ref(num_columns, num_rows)
-    terms = jax.new_ref(lax.empty((num_rows, terms_width), hidden.dtype)) if with_exp else None
-    first_tile, index = 0, 0
-  else:
-    stats, terms, index = segment.stats, segment.terms, segment.index
-    first_tile = index * num_tiles(num_columns)
-  start = 0
-  for width in blocks:
-    vocab_block = _vocab_block(width, vocab_dim, with_exp, tuple(sorted(options.items())))
-    vocab_block(hidden, lax.slice_in_dim(weight, start, start + width, axis=vocab_dim),
-                labels, inv_temp, None if limit is None else limit - start,
-                None if kept is None else kept[:, start // 32:(start + width) // 32],
-                jnp.asarray(column_start + start, jnp.int32),
-                _Into(stats, terms, _offset(start, first_tile, index)))
-    start += width
-  if start == num_columns:
-    raise ValueError(f"{num_columns} columns are whole blocks {blocks}: read them in place")
-  if segment is not None:
-    return None  # (the segments' columns left: one call over all of them, _segment_rests)
-  last = _rest_statistics(start, hidden, weight, labels, inv_temp, limit, kept,
-                          column_start=column_start, vocab_dim=vocab_dim, with_exp=with_exp,
-                          into=_Into(stats, None, _offset(start, first_tile, index)),
-                          **options)
-  if not with_exp:
-    return (stats[...],)
-  # (an odd width: the columns left's zero padding fills the terms' last columns)
-  terms[:, start:] = last[0][:, :terms_width - start]
-  return stats[...], terms[...]
-
-
-@functools.lru_cache(maxsize=None)
-def _vocab_block(width, vocab_dim, with_exp, options):
-  """The jitted ``_statistics`` of one of ``_blockwise_statistics``' vocab blocks of
-  ``width`` columns, written in place (``_Into``): one function, lowered once, for every
-  block of a call (and every segment's)."""
-
-  @jax.jit
-  def vocab_block(hidden, columns, labels, inv_temp, limit, block_kept, column_start, into):
-    _statistics(hidden, columns, labels, inv_temp, limit, block_kept, num_columns=width,
-                column_start=column_start, vocab_dim=vocab_dim, with_exp=with_exp,
-                into=into, **dict(options))
-
-  return vocab_block
-
-
-class _Segment(NamedTuple):
-  """The segment ``index`` of ``_segment_statistics``: the statistics (``[segments *
-  tiles per segment, 4, C]``) and terms (``[C, segments, width]``, or None) its calls
-  write into."""
-  stats: Any
-  terms: Any
-  index: int
-
-
-def _segment_statistics(layout, hidden, weight, labels, inv_temp, limit, kept, *,
-                        column_start, vocab_dim, with_exp, **options):
-  """``statistics`` of a weight cut into ``layout``'s segments whose last tiles are
-  partial (``layout.split``: Qwen3's 151936 columns are 8 segments of 18992, and a shard
-  of 2 or 4 devices holds 4 or 2 of them): each segment's tiles from its own first
-  column, its statistics those of a weight of that segment's columns alone
-  (``_blockwise_statistics``: its vocab blocks copied out, at most ``CONFIG.block_bytes``
-  each, then the columns left zero-padded to a tile and masked), so a token's tiles, and
-  its bits, are the same on every device count whose shards hold whole segments. The
-  segments' statistics go in order into one ``[segments * tiles per segment, 4, C]``
-  array; with ``with_exp`` their terms into one ``[C, segments, width]`` array, returned
-  as ``[C, V_local]`` (the kernels' stores past a segment's end are dropped by TMA's
-  bounds). Memory: one block's copy, with ``with_exp`` the columns left's terms twice."""
-  width, count = layout.width, layout.count
-  num_rows = hidden.shape[0]
-  stats = jax.new_ref(lax.empty((layout.num_tiles, 4, num_rows), jnp.float32))
-  terms = (jax.new_ref(lax.empty((num_rows, count, width), hidden.dtype)) if with_exp
-           else None)
-  blocks = column_blocks(width, depth=hidden.shape[1], dtype=hidden.dtype)
-  options = dict(options, vocab_dim=vocab_dim, with_exp=with_exp)
-  for index in range(count):
-    start = index * width
-    _blockwise_statistics(blocks, hidden, lax.slice_in_dim(weight, start, start + width,
-                                                           axis=vocab_dim),
-                          labels, inv_temp, None if limit is None else limit - start,
-                          None if kept is None else mosaic_tile.segment_words(kept, start,
-                                                                              width),
-                          column_start=column_start + start,
-                          segment=_Segment(stats, terms, index), **options)
-  _segment_rests(_Rests(width, sum(blocks), layout.tiles_per_segment), count,
-                 hidden, weight, labels, inv_temp, limit, kept, column_start=column_start,
-                 stats=stats, terms=terms, **options)
-  if not with_exp:
-    return (stats[...],)
-  return stats[...], terms[...].reshape(num_rows, count * width)
-
-
-class _Rests(NamedTuple):
-  """The columns left of each of a weight's segments after its vocab blocks
-  (``_segment_rests``), read in one call: a segment's columns from ``start`` (a multiple
-  of ``TILE_N``) to its end (``width``), zero-padded to whole tiles, the segments' side by
-  side; ``tiles_per_segment``: a segment's tiles in the statistics."""
+class _Span(NamedTuple):
+  """A kernel call over a piece of each of a weight's ``count`` segments of ``width``
+  columns (``_span_statistics``): a segment's tiles ``skip`` to ``skip + piece`` (its
+  columns from ``skip * TILE_N``, the last piece's last tile partial where ``width``
+  ends it), the segments' pieces side by side, zero-padded to whole tiles, the call's
+  ``tiles`` of them from the first tile ``_Into.offset[0]`` of that sequence on;
+  ``tiles_per_segment``: a segment's tiles in the statistics."""
   width: int
-  start: int
+  count: int
+  skip: int
+  piece: int
+  tiles: int
   tiles_per_segment: int
 
   @property
   def columns(self) -> int:
-    return self.width - self.start
+    """A segment's columns in its piece (fewer than ``piece * TILE_N`` where it ends
+    the segment at a partial tile)."""
+    return min(self.width - self.skip * TILE_N, self.piece * TILE_N)
 
   @property
-  def tiles(self) -> int:
-    """A segment's tiles in the call (its last one partial)."""
-    return num_tiles(self.columns)
+  def partial(self) -> bool:
+    return self.columns < self.piece * TILE_N
 
-  def _segment(self, n_idx):
-    return n_idx if self.tiles == 1 else n_idx // self.tiles
+  def locate(self, first, n_idx):
+    """``(segment, within)`` of the call's tile ``n_idx``: its segment and its tile in the
+    segment's piece."""
+    index = first + n_idx
+    return index // self.piece, index % self.piece
 
-  def tile(self, n_idx):
-    """The statistics' tile (from the first segment's first) of the call's tile ``n_idx``."""
-    within = 0 if self.tiles == 1 else n_idx % self.tiles
-    return self._segment(n_idx) * self.tiles_per_segment + self.start // TILE_N + within
-
-  def finish(self, tile_finish, masked, x, inputs, column, kept, scratch, outs, n_idx,
+  def finish(self, tile_finish, masked, first, x, inputs, column, kept, scratch, outs, n_idx,
              row_slice):
     """``tile_finish`` of the call's tile ``n_idx``, its columns masked as its segment's
-    own call masks them: the last tile of a segment (partial) always, at the segment's end
-    and the rows' limit; the others (whole) where ``masked``, at the rows' limit."""
-    segment = self._segment(n_idx).astype(jnp.float32)
-    limit = segment * (self.tiles * TILE_N) + jnp.clip(
-        inputs.limit - segment * self.width, 0.0, float(self.columns))
+    own call masks them: the partial last tile of a segment always, at the segment's end
+    and the rows' limit; a whole tile where ``masked``, at the rows' limit (``inputs.limit``
+    counts from the segment's column ``skip * TILE_N``)."""
+    segment, within = self.locate(first, n_idx)
+    limit = (n_idx - within).astype(jnp.float32) * TILE_N + jnp.clip(
+        inputs.limit - segment.astype(jnp.float32) * self.width, 0.0, float(self.columns))
     args = (x, inputs._replace(limit=limit), column, kept, scratch, outs, n_idx, row_slice)
-    if self.tiles == 1:
+    if not self.partial:
+      return tile_finish(*args, masked)
+    if self.piece == 1:
       return tile_finish(*args, True)
-    partial = n_idx % self.tiles == self.tiles - 1
+    partial = within == self.piece - 1
 
     @pl.when(partial)
     def _partial():
@@ -851,42 +759,111 @@ class _Rests(NamedTuple):
       tile_finish(*args, masked)
 
 
-def _segment_rests(rests, count, hidden, weight, labels, inv_temp, limit, kept, *,
-                   column_start, vocab_dim, with_exp, stats, terms, **options):
-  """The statistics (and with ``with_exp`` the ``exp`` terms) of the columns left of each of
-  the weight's ``count`` segments (``rests``), in one kernel call written into the
-  segments' ``stats`` (``[segments * tiles per segment, 4, C]``) and ``terms`` (``[C,
-  segments, width]``, or None), ``jax.Ref``s: a call a segment read all of hidden again for a tile's columns (8
-  of them cost 3 % of the forward's time at 151936 columns, T = 32768, D = 4096 on an
-  H200, bench/NOTES.md entry 73). A tile's columns, rows and masks are those of the segment's
-  own call: the same statistics and terms, bit for bit. Memory: the columns left's copy
-  (``count`` tiles of the weight for a partial last tile each), with ``with_exp`` their
-  terms twice."""
-  num_rows = hidden.shape[0]
-  width, start, tiles = rests.width, rests.start, rests.tiles
-  padded = tiles * TILE_N
-  if vocab_dim:
-    left = weight.reshape(weight.shape[0], count, width)[:, :, start:]
-    left = head.pad_columns(left, padded, 2).reshape(weight.shape[0], count * padded)
-  else:
-    left = weight.reshape(count, width, weight.shape[1])[:, start:]
-    left = head.pad_columns(left, padded, 1).reshape(count * padded, weight.shape[1])
+def _segment_statistics(layout, hidden, weight, labels, inv_temp, limit, kept, *,
+                        column_start, vocab_dim, with_exp, **options):
+  """``statistics`` (with ``with_exp`` its ``exp`` terms) of a weight that TMA cannot read
+  where it lies: cut into ``layout``'s segments whose last tiles are partial
+  (``layout.split``: Qwen3's 151936 columns are 8 segments of 18992, and a shard of 2 or 4
+  devices holds 4 or 2 of them), or one segment not read in place (a ``[D, V_local]``
+  weight whose rows are not whole 128-byte swizzles, 50257; a ``[V_local, D]`` one that
+  is not whole tiles of 8 rows). Each segment is tiled from its own first column, its
+  statistics those of a weight of that segment's columns alone, so a token's tiles, and
+  its bits, are the same on every device count whose shards hold whole segments.
+
+  Every segment's whole tiles, side by side, are read in ``column_blocks``' vocab blocks,
+  each copied out and read at the 128-byte swizzle by one call (a block may hold the end
+  of one segment and the start of the next); then every segment's columns left in one
+  call, zero-padded to whole tiles, the padding masked (``_span_statistics``). The
+  segments' statistics go in order into one ``[segments * tiles per segment, 4, C]``
+  array; with ``with_exp`` their terms into one ``[C, segments, width]`` array (``[C, 1,
+  exp_width(V_local)]`` for one segment, the padding's terms zeros), returned as ``[C,
+  V_local]`` (``exp_width``). Memory: one block's copy, with ``with_exp`` the columns
+  left's terms twice."""
+  width, count = layout.width, layout.count
+  num_rows, depth = hidden.shape
+  stats = jax.new_ref(lax.empty((layout.num_tiles, 4, num_rows), jnp.float32))
+  terms_width = width if count > 1 else exp_width(width, hidden.dtype)
+  terms = (jax.new_ref(lax.empty((num_rows, count, terms_width), hidden.dtype)) if with_exp
+           else None)
+  whole = width // TILE_N
+  blocks = column_blocks(count * whole, depth=depth, dtype=hidden.dtype, num_rows=num_rows,
+                         num_cores=options["num_cores"])
+  span = functools.partial(_span_statistics, hidden=hidden, weight=weight,
+                           labels=labels, inv_temp=inv_temp, limit=limit, kept=kept,
+                           column_start=column_start, vocab_dim=vocab_dim, with_exp=with_exp,
+                           stats=stats, terms=terms, **options)
+  first = 0
+  for tiles in blocks:
+    span(_Span(width, count, 0, whole, tiles, layout.tiles_per_segment), first)
+    first += tiles
+  skip = whole if blocks else 0
+  rest = num_tiles(width - skip * TILE_N)
+  left = span(_Span(width, count, skip, rest, count * rest, layout.tiles_per_segment), 0)
+  if not with_exp:
+    return (stats[...],)
+  # (the columns left's terms: their zero padding fills an odd width's last columns)
+  terms[:, :, skip * TILE_N:] = left.reshape(num_rows, count, rest * TILE_N)[
+      :, :, :terms_width - skip * TILE_N]
+  return stats[...], terms[...].reshape(num_rows, count * terms_width)
+
+
+def _span_statistics(span, first, *, hidden, weight, labels, inv_temp, limit, kept,
+                     column_start, vocab_dim, with_exp, stats, terms, **options):
+  """The statistics of ``span``'s tiles from ``first`` on (their segments' pieces copied out
+  side by side, zero-padded to whole tiles), in one kernel call written into the segments'
+  ``stats`` (``[segments * tiles per segment, 4, C]``, a ``jax.Ref``); with ``with_exp``
+  their ``exp`` terms, written in place into ``terms`` (``[C, segments, width]``) where
+  the span is whole tiles, else returned (``[C, span.tiles * TILE_N]``). A tile's columns,
+  rows and masks are those of its segment's own call: the same statistics and terms, bit
+  for bit. The columns left of all segments are one call: a call a segment read all of
+  hidden again for a tile's columns (8 of them cost 3 % of the forward's time at 151936
+  columns, T = 32768, D = 4096 on an H200, bench/NOTES.md entry 73). Memory: the call's
+  copy of the weight."""
+  num_rows, width, padded = hidden.shape[0], span.width, span.piece * TILE_N
+  start = span.skip * TILE_N
+  # (the call's part of each segment's piece: its first column and columns, and the tiles
+  # they are padded to)
+  pieces = []
+  for s in range(first // span.piece, -(-(first + span.tiles) // span.piece)):
+    a = max(first - s * span.piece, 0)
+    b = min(first + span.tiles - s * span.piece, span.piece)
+    pieces.append((s * width + start + a * TILE_N,
+                   min((b - a) * TILE_N, span.columns - a * TILE_N), (b - a) * TILE_N))
+  columns = jnp.concatenate([
+      head.pad_columns(lax.slice_in_dim(weight, begin, begin + size, axis=vocab_dim), tiled,
+                       vocab_dim) for begin, size, tiled in pieces], axis=vocab_dim)
   column = labels.astype(jnp.int32) - column_start
   segment = column // width
   within = column - segment * width - start
-  here = (column >= 0) & (column < count * width) & (within >= 0)
-  label = jnp.where(here, segment * padded + within, -1)
-  row_limit = (count * width if limit is None else limit) - start
-  row_inputs = _statistics_inputs(inv_temp, label, row_limit)
+  flat = segment * padded + within - first * TILE_N
+  here = ((column >= 0) & (column < span.count * width) & (within >= 0)
+          & (within < span.columns) & (flat >= 0) & (flat < span.tiles * TILE_N))
+  row_inputs = _statistics_inputs(inv_temp, jnp.where(here, flat, -1),
+                                  (span.count * width if limit is None else limit) - start)
   words = None if kept is None else jnp.concatenate([
-      _words(mosaic_tile.segment_words(kept, s * width + start, rests.columns),
-             column - (s * width + start), num_rows, rests.columns)
-      for s in range(count)])
-  out = _tile_statistics(hidden, left, row_inputs, words, num_columns=count * padded,
-                         vocab_dim=vocab_dim, with_exp=with_exp, masked=limit is not None,
-                         into=_Into(stats, None, _offset(0)), rests=rests, **options)
-  if with_exp:
-    terms[:, :, start:] = out[0].reshape(num_rows, count, padded)[:, :, :rests.columns]
+      _words(mosaic_tile.segment_words(kept, begin, size), column - begin, num_rows, size)
+      for begin, size, _ in pieces])
+  in_place = terms is not None and not span.partial
+  call = _span_call(span, vocab_dim, with_exp, limit is not None, in_place,
+                    tuple(sorted(options.items())))
+  return call(hidden, columns, row_inputs, words,
+              _Into(stats, terms if in_place else None, jnp.asarray([first, 0, 0], jnp.int32)))
+
+
+@functools.lru_cache(maxsize=None)
+def _span_call(span, vocab_dim, with_exp, masked, terms_in_place, options):
+  """The jitted kernel call of ``_span_statistics``: one function, lowered once, for every
+  call of ``span``'s shape (its first tile is read in the kernel, ``_Into.offset``)."""
+
+  @jax.jit
+  def vocab_block(hidden, columns, row_inputs, words, into):
+    out = _tile_statistics(hidden, columns, row_inputs, words,
+                           num_columns=span.tiles * TILE_N, vocab_dim=vocab_dim,
+                           with_exp=with_exp, masked=masked, into=into, span=span,
+                           **dict(options))
+    return out[0] if with_exp and not terms_in_place else None
+
+  return vocab_block
 
 
 def _words(kept, label_column, num_rows, num_columns):

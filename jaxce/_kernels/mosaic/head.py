@@ -677,11 +677,13 @@ def column_blocks(tiles: int, *, depth: int, dtype, num_rows: int,
   block`` run on ``num_cores`` SMs in waves, the last one partial. Of the fewest blocks
   (as equal as tiles allow), one more, and blocks that fill whole waves (the widest such
   width, the tiles over in one block), the one that leaves the fewest SMs idle, each
-  call counting ``CONFIG.call_waves``: Llama 3's 128256 over 4 GPUs is 2 segments of 125
-  whole tiles, read a block of 62 or 63 tiles at a time (61 waves a call, 0.9 of the last
-  idle, at T = 32768 on 132 SMs) until blocks of 66 tiles (64 waves each) and the 52
-  over. None where there are fewer than ``CONFIG.min_block_tiles`` (the columns left's
-  call reads them all). At most two widths (each lowered once)."""
+  call counting ``CONFIG.call_waves``: a shard of Llama 3's 128256 over 4 GPUs is 2
+  segments of 125 whole tiles, once read a segment's block of 62 or 63 tiles at a time
+  (61 waves a call at T = 32768 on 132 SMs, 0.9 of the last idle; 1.041x the forward's
+  time per column of a width read in place, on an H200), now in blocks of 66 tiles (64
+  waves each) and one of the 52 over (1.021x; bench/NOTES.md entry 74). None where there
+  are fewer than ``CONFIG.min_block_tiles`` (the columns left's call reads them all). At
+  most two widths (each lowered once)."""
   max_tiles = max(CONFIG.block_bytes // (depth * jnp.dtype(dtype).itemsize * TILE_N), 1)
   if tiles < min(CONFIG.min_block_tiles, max_tiles):
     return ()

@@ -391,7 +391,9 @@ class _Into(NamedTuple):
   ``[C, columns]`` or, over segments (``_segment_statistics``), ``[C, segments, width]``,
   or None (the call returns its own); ``offset``, int32 ``[3]``: the call's first tile in
   ``stats``, its first column in a row of ``terms`` (a multiple of ``TILE_N``) and its
-  segment there (read in the kernel: one lowering for every offset)."""
+  segment there (read in the kernel: one lowering for every offset); for a call over
+  segments' pieces (``_Span``), the first of its tiles in the pieces' sequence (each tile
+  finds its segment and columns from it), then zeros."""
   stats: Any
   terms: Any
   offset: Any

@@ -388,21 +388,18 @@ class _Into(NamedTuple):
   """Where one of several calls over a weight's columns writes in place (``jax.Ref``s
   shared by the calls, so nothing is concatenated after them): ``stats``, the f32 ``[tiles
   of the whole weight, 4, C]`` statistics; ``terms``, the ``exp`` terms in hidden's dtype,
-  ``[C, columns]`` or, over segments (``_segment_statistics``), ``[C, segments, width]``,
-  or None (the call returns its own); ``offset``, int32 ``[3]``: the call's first tile in
-  ``stats``, its first column in a row of ``terms`` (a multiple of ``TILE_N``) and its
-  segment there (read in the kernel: one lowering for every offset); for a call over
-  segments' pieces (``_Span``), the first of its tiles in the pieces' sequence (each tile
-  finds its segment and columns from it), then zeros."""
+  ``[C, segments, width]`` (``_segment_statistics``), or None (the call returns its own); ``offset``, int32 ``[1]``: the call's first tile in
+  ``stats``, or for a call over segments' pieces (``_Span``, the only calls that write
+  ``terms`` in place) in the pieces' sequence, each tile finding its segment and columns
+  from it (read in the kernel: one lowering for every offset)."""
   stats: Any
   terms: Any
   offset: Any
 
 
-def _offset(start: int, first_tile: int = 0, segment: int = 0):
-  """``_Into.offset`` of a call whose first column is ``start`` (a multiple of ``TILE_N``)
-  of a segment whose first tile is ``first_tile``."""
-  return jnp.asarray([first_tile + start // TILE_N, start, segment], jnp.int32)
+def _offset(first_tile: int):
+  """``_Into.offset`` of a call whose first tile is ``first_tile``."""
+  return jnp.asarray([first_tile], jnp.int32)
 
 
 def _tile_statistics(hidden, weight, row_inputs, words, *, num_columns, vocab_dim, softcap,
@@ -440,15 +437,10 @@ def _tile_statistics(hidden, weight, row_inputs, words, *, num_columns, vocab_di
       out, e = out
       terms = outs["exp"]
       start = column
-      if terms_into:
-        # (a call starts on a tile: Mosaic infers the stores' layouts only when told so)
-        if span is None:
-          start, segment = outs["offset"][1] + column, outs["offset"][2]
-        else:
-          start = (span.skip + within) * TILE_N
-        start = pl.multiple_of(start, TILE_N)
-        if len(into.terms.shape) == 3:
-          terms = terms.at[:, segment]
+      if terms_into:  # (a span's tiles, into their segments' ``[C, segments, width]`` terms)
+        # (a multiple of TILE_N: Mosaic infers the stores' layouts only when told so)
+        start = pl.multiple_of((span.skip + within) * TILE_N, TILE_N)
+        terms = terms.at[:, segment]
       _store_pieces(scratch["exp"], e.astype(hidden.dtype),
                     terms.at[row_slice, pl.ds(start, TILE_N)], num_columns)
     _copy_out(scratch["stats"], out, outs["stats"].at[stats_tile, :, row_slice])
@@ -456,7 +448,7 @@ def _tile_statistics(hidden, weight, row_inputs, words, *, num_columns, vocab_di
   def finish(x, inputs, column, kept, scratch, outs, n_idx, row_slice):
     args = (x, inputs, column, kept, scratch, outs, n_idx, row_slice)
     if span is not None:
-      first = outs[len(returned) + 1][0]  # (into.offset)
+      first = dict(zip(returned + passed, outs))["offset"][0]
       return span.finish(tile_finish, masked, first, *args)
     if not num_columns % TILE_N:
       return tile_finish(*args, masked)
@@ -633,7 +625,7 @@ def _whole_tiles_then_rest(hidden, weight, labels, inv_temp, limit, kept, *, col
   num_columns = weight.shape[vocab_dim]
   whole = num_columns // TILE_N * TILE_N
   stats = _statistics_ref(num_columns, hidden.shape[0])
-  into = lambda start: _Into(stats, None, _offset(start))
+  into = lambda start: _Into(stats, None, _offset(start // TILE_N))
   first = _statistics(hidden, weight, labels, inv_temp, limit,
                       None if kept is None else kept[:, :whole // 32], num_columns=whole,
                       column_start=column_start, vocab_dim=vocab_dim, with_exp=with_exp,
@@ -851,7 +843,7 @@ def _span_statistics(span, first, *, hidden, weight, labels, inv_temp, limit, ke
   call = _span_call(span, vocab_dim, with_exp, limit is not None, in_place,
                     tuple(sorted(options.items())))
   return call(hidden, columns, row_inputs, words,
-              _Into(stats, terms if in_place else None, jnp.asarray([first, 0, 0], jnp.int32)))
+              _Into(stats, terms if in_place else None, _offset(first)))
 
 
 @functools.lru_cache(maxsize=None)

@@ -61,6 +61,19 @@ def free_port() -> int:
     return s.getsockname()[1]
 
 
+def on_a_free_port(run, attempts=3):
+  """``run(coordinator)`` with ``coordinator`` a free ``localhost:port``; again on another
+  port when a process took that one between ``free_port`` and the coordinator's bind
+  (``run``'s ``RuntimeError`` carries the workers' output, "Address already in use"):
+  beside a test suite's other workers a free port does not stay free."""
+  for attempt in range(attempts):
+    try:
+      return run(f"localhost:{free_port()}")
+    except RuntimeError as error:
+      if "Address already in use" not in str(error) or attempt == attempts - 1:
+        raise
+
+
 def layout_devices(layout: str, data: int, vocab: int):
   """The global devices in mesh order (row-major ``[data, vocab]``) for ``layout``."""
   import jax
@@ -160,7 +173,12 @@ def launch(problem=(), *, num_processes=2, local_devices=4, layouts=LAYOUTS, tim
   ``timeout`` (seconds, for all of them together) runs out; then every worker still
   running is killed at once (the others would wait for it in a collective).
   """
-  coordinator = f"localhost:{free_port()}"
+  return on_a_free_port(lambda coordinator: _launch(
+      problem, num_processes=num_processes, local_devices=local_devices, layouts=layouts,
+      timeout=timeout, out=out, coordinator=coordinator))
+
+
+def _launch(problem, *, num_processes, local_devices, layouts, timeout, out, coordinator):
   base = [sys.executable, "-m", "examples.multihost", "--num-processes", str(num_processes),
           "--local-devices", str(local_devices), "--layouts", ",".join(layouts),
           "--coordinator", coordinator]

@@ -127,11 +127,17 @@ def env_for(args, kind):
 def run(args, kind, out):
   """The workers of one run to completion; RuntimeError with their output when one fails
   or the run passes ``--timeout`` (every worker still running is then killed)."""
+  if kind == "many":
+    return multihost.on_a_free_port(lambda coordinator: _run(args, kind, out, coordinator))
+  return _run(args, kind, out, None)
+
+
+def _run(args, kind, out, coordinator):
   base = [sys.executable, "-m", "scripts.gpu_check_multiprocess", "--worker", kind,
           "--devices", str(args.devices), "--repeats", str(args.repeats), "--out", out]
   base += ["--tiny"] if args.tiny else []
-  if kind == "many":
-    base += ["--coordinator", f"localhost:{multihost.free_port()}"]
+  if coordinator:
+    base += ["--coordinator", coordinator]
   ids = range(args.devices) if kind == "many" else [0]
   logs = [tempfile.TemporaryFile("w+") for _ in ids]
   procs = [subprocess.Popen(base + ["--process-id", str(i)], env=env_for(args, kind),

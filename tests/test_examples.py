@@ -158,6 +158,40 @@ def test_one_process_per_device_check(tmp_path, monkeypatch):
   assert report["max_abs_error"] <= 1e-5 and report["processes_ms"] > 0, report
 
 
+def test_a_coordinator_port_taken_meanwhile_is_tried_again_on_another():
+  """``multihost.on_a_free_port``: a run whose coordinator found its port taken (another
+  process bound it after ``free_port`` let it go) runs again on a new port; any other
+  failure, or the port taken every time, is raised."""
+  tried = []
+
+  def taken_once(coordinator):
+    tried.append(coordinator)
+    if len(tried) == 1:
+      raise RuntimeError("process 0 exited\n--- process 0 ---\nbind: Address already in use")
+    return "ran"
+
+  assert multihost.on_a_free_port(taken_once) == "ran" and len(tried) == 2
+  assert all(c.startswith("localhost:") and int(c.split(":")[1]) > 0 for c in tried)
+
+  def always_taken(coordinator):
+    tried.append(coordinator)
+    raise RuntimeError("Address already in use")
+
+  tried.clear()
+  with pytest.raises(RuntimeError, match="already in use"):
+    multihost.on_a_free_port(always_taken, attempts=3)
+  assert len(tried) == 3
+
+  def other(coordinator):
+    tried.append(coordinator)
+    raise RuntimeError("process 1 exited with an error")
+
+  tried.clear()
+  with pytest.raises(RuntimeError, match="process 1"):
+    multihost.on_a_free_port(other)
+  assert len(tried) == 1
+
+
 def test_entropy_coef_zero(problem, reference):
   """Coefficient 0 with the entropy logged (computed, gradient-free) == the term dropped
   (``return_entropy=False``), within the float32 tolerance (the two programs round in a

@@ -420,7 +420,8 @@ def _tile_statistics(hidden, weight, row_inputs, words, *, num_columns, vocab_di
   columns are masked as that segment's own call masks them."""
   num_rows = hidden.shape[0]
   terms_into = into is not None and into.terms is not None
-  returned = ("stats",) * (into is None) + ("exp",) * (with_exp and not terms_into)
+  returned = (("stats",) * (into is None) + ("exp",) * (with_exp and not terms_into)
+              + ("done",) * (span is not None))
   passed = () if into is None else ("stats", "offset") + ("exp",) * terms_into
 
   def tile_finish(x, inputs, column, kept, scratch, outs, n_idx, row_slice, masked):
@@ -468,6 +469,7 @@ def _tile_statistics(hidden, weight, row_inputs, words, *, num_columns, vocab_di
   n_iters = num_tiles(num_columns)
   exp_columns = into.terms.shape[-1] if terms_into else weight.shape[vocab_dim]
   stats_type = jax.ShapeDtypeStruct((n_iters, 4, num_rows), jnp.float32)
+  done_type = jax.ShapeDtypeStruct((1,), jnp.int32)  # (a span's: never written, see _Span)
   exp_type = jax.ShapeDtypeStruct((num_rows, exp_columns), hidden.dtype)
   scratch = dict(stats=plgpu.SMEM((2, 4, CONFIG.tile_m), jnp.float32))
   if with_exp:
@@ -475,7 +477,8 @@ def _tile_statistics(hidden, weight, row_inputs, words, *, num_columns, vocab_di
   return _tiles(hidden, weight, row_inputs, words,
                 inputs_type=mosaic_tile.HeadStatisticsInputs, vocab_dim=vocab_dim,
                 stages=CONFIG.exp_stages if with_exp else CONFIG.stages, finish=finish,
-                out_type=tuple(dict(stats=stats_type, exp=exp_type)[name] for name in returned),
+                out_type=tuple(dict(stats=stats_type, exp=exp_type, done=done_type)[name]
+                               for name in returned),
                 scratch=scratch, interpret=interpret, num_cores=num_cores, tiles=n_iters,
                 operands=() if into is None else (into.stats, into.offset) + (
                     (into.terms,) if terms_into else ()))
@@ -788,13 +791,18 @@ def _segment_statistics(layout, hidden, weight, labels, inv_temp, limit, kept, *
                            labels=labels, inv_temp=inv_temp, limit=limit, kept=kept,
                            column_start=column_start, vocab_dim=vocab_dim, with_exp=with_exp,
                            stats=stats, terms=terms, **options)
-  first = 0
+  # (in a program over several devices XLA's schedule made every block's copy before the
+  # first call, all alive at once: there each copy waits for the call before)
+  ordered = bool(plumbing.varying_axes(weight))
+  first, done = 0, None
   for tiles in blocks:
-    span(_Span(width, count, 0, whole, tiles, layout.tiles_per_segment), first)
+    _, done = span(_Span(width, count, 0, whole, tiles, layout.tiles_per_segment), first,
+                   done if ordered else None)
     first += tiles
   skip = whole if blocks else 0
   rest = num_tiles(width - skip * TILE_N)
-  left = span(_Span(width, count, skip, rest, count * rest, layout.tiles_per_segment), 0)
+  left, _ = span(_Span(width, count, skip, rest, count * rest, layout.tiles_per_segment), 0,
+                 done if ordered else None)
   if not with_exp:
     return (stats[...],)
   # (the columns left's terms: their zero padding fills an odd width's last columns)
@@ -803,7 +811,7 @@ def _segment_statistics(layout, hidden, weight, labels, inv_temp, limit, kept, *
   return stats[...], terms[...].reshape(num_rows, count * terms_width)
 
 
-def _span_statistics(span, first, *, hidden, weight, labels, inv_temp, limit, kept,
+def _span_statistics(span, first, after, *, hidden, weight, labels, inv_temp, limit, kept,
                      column_start, vocab_dim, with_exp, stats, terms, **options):
   """The statistics of ``span``'s tiles from ``first`` on (their segments' pieces copied out
   side by side, zero-padded to whole tiles), in one kernel call written into the segments'
@@ -825,6 +833,8 @@ def _span_statistics(span, first, *, hidden, weight, labels, inv_temp, limit, ke
     b = min(first + span.tiles - s * span.piece, span.piece)
     pieces.append((s * width + start + a * TILE_N,
                    min((b - a) * TILE_N, span.columns - a * TILE_N), (b - a) * TILE_N))
+  if after is not None:  # (copied once the call before is done: its copy is then dead)
+    weight, _ = lax.optimization_barrier((weight, after))
   columns = jnp.concatenate([
       head.pad_columns(lax.slice_in_dim(weight, begin, begin + size, axis=vocab_dim), tiled,
                        vocab_dim) for begin, size, tiled in pieces], axis=vocab_dim)
@@ -857,7 +867,7 @@ def _span_call(span, vocab_dim, with_exp, masked, terms_in_place, options):
                            num_columns=span.tiles * TILE_N, vocab_dim=vocab_dim,
                            with_exp=with_exp, masked=masked, into=into, span=span,
                            **dict(options))
-    return out[0] if with_exp and not terms_in_place else None
+    return (out[0] if with_exp and not terms_in_place else None), out[-1]
 
   return vocab_block
 

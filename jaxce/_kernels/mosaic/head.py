@@ -417,7 +417,9 @@ def _tile_statistics(hidden, weight, row_inputs, words, *, num_columns, vocab_di
   ``span`` (a ``_Span``) the weight is pieces of several segments side by side, each
   zero-padded to whole tiles, from the sequence's tile ``into.offset[0]`` on: a tile's
   statistics (and terms) go to its segment's tiles (and columns) in ``into``, and its
-  columns are masked as that segment's own call masks them."""
+  columns are masked as that segment's own call masks them; the call then also returns,
+  last, a token (int32 ``[1]``, never written) that XLA sees made by it
+  (``_span_statistics``' ``after``)."""
   num_rows = hidden.shape[0]
   terms_into = into is not None and into.terms is not None
   returned = (("stats",) * (into is None) + ("exp",) * (with_exp and not terms_into)
@@ -469,7 +471,7 @@ def _tile_statistics(hidden, weight, row_inputs, words, *, num_columns, vocab_di
   n_iters = num_tiles(num_columns)
   exp_columns = into.terms.shape[-1] if terms_into else weight.shape[vocab_dim]
   stats_type = jax.ShapeDtypeStruct((n_iters, 4, num_rows), jnp.float32)
-  done_type = jax.ShapeDtypeStruct((1,), jnp.int32)  # (a span's: never written, see _Span)
+  done_type = jax.ShapeDtypeStruct((1,), jnp.int32)  # (a span's token: never written)
   exp_type = jax.ShapeDtypeStruct((num_rows, exp_columns), hidden.dtype)
   scratch = dict(stats=plgpu.SMEM((2, 4, CONFIG.tile_m), jnp.float32))
   if with_exp:
@@ -777,7 +779,12 @@ def _segment_statistics(layout, hidden, weight, labels, inv_temp, limit, kept, *
   array; with ``with_exp`` their terms into one ``[C, segments, width]`` array (``[C, 1,
   exp_width(V_local)]`` for one segment, the padding's terms zeros), returned as ``[C,
   V_local]`` (``exp_width``). Memory: one block's copy, with ``with_exp`` the columns
-  left's terms twice."""
+  left's terms twice. Inside ``shard_map`` (a weight varying over a mesh axis) each
+  block's copy is made once the call before has returned (an optimization barrier on the
+  weight with that call's token): XLA's schedule of a program over several devices made
+  every copy before the first call, all alive at once (0.58 GiB at 2 H200s' 75968 columns,
+  T = 32768, D = 4096; bench/NOTES.md entry 75). A local call keeps XLA's own order, which
+  holds one copy where the barriers held two."""
   width, count = layout.width, layout.count
   num_rows, depth = hidden.shape
   stats = jax.new_ref(lax.empty((layout.num_tiles, 4, num_rows), jnp.float32))
@@ -813,16 +820,18 @@ def _segment_statistics(layout, hidden, weight, labels, inv_temp, limit, kept, *
 
 def _span_statistics(span, first, after, *, hidden, weight, labels, inv_temp, limit, kept,
                      column_start, vocab_dim, with_exp, stats, terms, **options):
-  """The statistics of ``span``'s tiles from ``first`` on (their segments' pieces copied out
-  side by side, zero-padded to whole tiles), in one kernel call written into the segments'
-  ``stats`` (``[segments * tiles per segment, 4, C]``, a ``jax.Ref``); with ``with_exp``
-  their ``exp`` terms, written in place into ``terms`` (``[C, segments, width]``) where
-  the span is whole tiles, else returned (``[C, span.tiles * TILE_N]``). A tile's columns,
+  """``(terms or None, token)``: the statistics of ``span``'s tiles from ``first`` on
+  (their segments' pieces copied out side by side, zero-padded to whole tiles), in one
+  kernel call written into the segments' ``stats`` (``[segments * tiles per segment, 4,
+  C]``, a ``jax.Ref``); with ``with_exp`` their ``exp`` terms, written in place into
+  ``terms`` (``[C, segments, width]``) where the span is whole tiles, else returned
+  (``[C, span.tiles * TILE_N]``). A tile's columns,
   rows and masks are those of its segment's own call: the same statistics and terms, bit
   for bit. The columns left of all segments are one call: a call a segment read all of
   hidden again for a tile's columns (8 of them cost 3 % of the forward's time at 151936
-  columns, T = 32768, D = 4096 on an H200, bench/NOTES.md entry 73). Memory: the call's
-  copy of the weight."""
+  columns, T = 32768, D = 4096 on an H200, bench/NOTES.md entry 73). ``after``: None, or
+  the token (int32 ``[1]``, never written) a call before returned: the copy waits for it.
+  Memory: the call's copy of the weight."""
   num_rows, width, padded = hidden.shape[0], span.width, span.piece * TILE_N
   start = span.skip * TILE_N
   # (the call's part of each segment's piece: its first column and columns, and the tiles

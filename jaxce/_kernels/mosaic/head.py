@@ -825,13 +825,13 @@ def _span_statistics(span, first, after, *, hidden, weight, labels, inv_temp, li
   kernel call written into the segments' ``stats`` (``[segments * tiles per segment, 4,
   C]``, a ``jax.Ref``); with ``with_exp`` their ``exp`` terms, written in place into
   ``terms`` (``[C, segments, width]``) where the span is whole tiles, else returned
-  (``[C, span.tiles * TILE_N]``). A tile's columns,
-  rows and masks are those of its segment's own call: the same statistics and terms, bit
-  for bit. The columns left of all segments are one call: a call a segment read all of
-  hidden again for a tile's columns (8 of them cost 3 % of the forward's time at 151936
-  columns, T = 32768, D = 4096 on an H200, bench/NOTES.md entry 73). ``after``: None, or
-  the token (int32 ``[1]``, never written) a call before returned: the copy waits for it.
-  Memory: the call's copy of the weight."""
+  (``[C, span.tiles * TILE_N]``). A tile's columns, rows and masks are those of its
+  segment's own call: the same statistics and terms, bit for bit. The columns left of all
+  segments are one call: a call a segment read all of hidden again for a tile's columns (8
+  of them cost 3 % of the forward's time at 151936 columns, T = 32768, D = 4096 on an
+  H200, bench/NOTES.md entry 73). ``after``: None, or the token (int32 ``[1]``, never
+  written) a call before returned: the copy waits for it. Memory: the call's copy of the
+  weight."""
   num_rows, width, padded = hidden.shape[0], span.width, span.piece * TILE_N
   start = span.skip * TILE_N
   # (the call's part of each segment's piece: its first column and columns, and the tiles

@@ -25,8 +25,10 @@ Peak device memory can only be read, never reset, inside a process, so the drive
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
+import re
 import traceback
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
@@ -51,6 +53,22 @@ def _plan_bytes(compiled) -> int | None:
     return None
 
 
+def _program(compiled) -> dict | None:
+  """What the compiled program runs as: its custom calls by target (``mosaic_gpu_v2``:
+  jaxce's Mosaic kernels; ``__gpu$xla.gpu.triton``: Pallas Triton; ``__cublas$gemm``) and
+  its collectives by kind, each instruction of XLA's optimized HLO counted once (a loop
+  body's too, however many times it runs; an async pair as one)."""
+  try:
+    text = compiled.as_text()
+  except Exception:  # pylint: disable=broad-except  # not every backend prints its program
+    return None
+  collective = r"(all-gather|all-reduce|reduce-scatter|all-to-all|collective-permute)"
+  return dict(custom_calls=dict(sorted(collections.Counter(
+                  re.findall(r'custom_call_target="([^"]+)"', text)).items())),
+              collectives=dict(sorted(collections.Counter(
+                  re.findall(rf"\b{collective}(?:-start)?\(", text)).items())))
+
+
 def _stats(devices, key):
   stats = [d.memory_stats() for d in devices]
   return None if any(s is None or key not in s for s in stats) else [s[key] for s in stats]
@@ -71,7 +89,7 @@ def run_jax(config: Config, blocks: dict) -> dict:
   abstract = [jax.ShapeDtypeStruct(blocks[k][1], blocks[k][0].dtype, sharding=shardings[k])
               for k in built.names]
   compiled = jax.jit(built.fn, donate_argnums=built.donate).lower(*abstract).compile()
-  plan = _plan_bytes(compiled)
+  plan, program = _plan_bytes(compiled), _program(compiled)
   compile_peak = _stats(devices, "peak_bytes_in_use")
 
   # Inputs: host blocks put on the device, tiled to full size there (see bench.inputs).
@@ -100,7 +118,8 @@ def run_jax(config: Config, blocks: dict) -> dict:
                      after=refill if built.donate else None)
   peak = _stats(devices, "peak_bytes_in_use")
   row = dict(ms=float(np.median(times)), ms_all=times, repeats=len(times),
-             plan_extra_bytes=plan, n_devices=n, chunk_used=built.chunk_used, note=built.note, device=devices[0].device_kind)
+             plan_extra_bytes=plan, program=program, n_devices=n,
+             chunk_used=built.chunk_used, note=built.note, device=devices[0].device_kind)
   if peak is not None and base is not None and max(compile_peak) >= max(peak):
     # The allocator's peak was set while compiling (XLA's GEMM autotuner allocates the
     # outputs it tries, twice with its correctness check), so the run's own peak cannot

@@ -93,6 +93,22 @@ def test_row_schema(smoke):
     assert row["logits_bytes"] == row["T"] * (row["V"] // row["n_devices"]) * 2, row
 
 
+def test_rows_say_what_their_program_ran(smoke):
+  """Each JAX row records its compiled program's custom calls and collectives (XLA's
+  optimized HLO, an instruction once): a sharded row shows its collectives, a row on one
+  device none; on CPU no kernel is a custom call."""
+  _, results, _ = smoke
+  for row in results["rows"]:
+    if row["status"] != "ok" or row["impl"] in configs.TORCH_IMPLS:
+      continue
+    program = row["program"]
+    assert set(program) == {"custom_calls", "collectives"}, row
+    for counts in program.values():
+      assert all(isinstance(k, str) and isinstance(v, int) and v > 0
+                 for k, v in counts.items()), row
+    assert bool(program["collectives"]) == (row["n_devices"] > 1), (report.name(row), program)
+
+
 def test_jaxce_and_plain_ran_in_both_modes(smoke):
   _, results, _ = smoke
   failed = [r for r in results["rows"] if r["status"] != "ok"]

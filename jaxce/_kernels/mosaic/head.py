@@ -54,8 +54,9 @@ partial in more than one call: its whole tiles, in place where TMA reads it at t
 (``column_blocks``: at most ``CONFIG.block_bytes`` each, sized to fill the persistent
 grid's waves; 37984, 151643 columns), then the columns left copied out and zero-padded to
 whole tiles: the same tiles, statistics and bits as one call over the whole array, and no
-tile of a call runs the masked epilogue for a partial tile's sake (entry 49). Each call writes its statistics in place into one array (a ``jax.Ref``) from its
-first tile on: nothing is concatenated after them. The objective path's forward reads the
+tile of a call runs the masked epilogue for a partial tile's sake (entry 49). Each call
+writes its statistics in place into one array (a ``jax.Ref``) from its first tile on:
+nothing is concatenated after them. The objective path's forward reads the
 weight the same way, each call writing its ``exp`` terms in place into one ``[C,
 V_local]`` array from the call's first column on; at an odd width, whose rows TMA cannot
 write, ``[C, exp_width(V_local)]`` (the next multiple of 128 bytes), the padding's terms
@@ -388,10 +389,11 @@ class _Into(NamedTuple):
   """Where one of several calls over a weight's columns writes in place (``jax.Ref``s
   shared by the calls, so nothing is concatenated after them): ``stats``, the f32 ``[tiles
   of the whole weight, 4, C]`` statistics; ``terms``, the ``exp`` terms in hidden's dtype,
-  ``[C, segments, width]`` (``_segment_statistics``), or None (the call returns its own); ``offset``, int32 ``[1]``: the call's first tile in
-  ``stats``, or for a call over segments' pieces (``_Span``, the only calls that write
-  ``terms`` in place) in the pieces' sequence, each tile finding its segment and columns
-  from it (read in the kernel: one lowering for every offset)."""
+  ``[C, segments, width]`` (``_segment_statistics``), or None (the call returns its own);
+  ``offset``, int32 ``[1]``: the call's first tile in ``stats``, or for a call over
+  segments' pieces (``_Span``, the only calls that write ``terms`` in place) in the
+  pieces' sequence, each tile finding its segment and columns from it (read in the
+  kernel: one lowering for every offset)."""
   stats: Any
   terms: Any
   offset: Any
@@ -801,15 +803,15 @@ def _segment_statistics(layout, hidden, weight, labels, inv_temp, limit, kept, *
   # (in a program over several devices XLA's schedule made every block's copy before the
   # first call, all alive at once: there each copy waits for the call before)
   ordered = bool(plumbing.varying_axes(weight))
-  first, done = 0, None
+  first, after = 0, None
   for tiles in blocks:
     _, done = span(_Span(width, count, 0, whole, tiles, layout.tiles_per_segment), first,
-                   done if ordered else None)
-    first += tiles
+                   after)
+    first, after = first + tiles, done if ordered else None
   skip = whole if blocks else 0
   rest = num_tiles(width - skip * TILE_N)
   left, _ = span(_Span(width, count, skip, rest, count * rest, layout.tiles_per_segment), 0,
-                 done if ordered else None)
+                 after)
   if not with_exp:
     return (stats[...],)
   # (the columns left's terms: their zero padding fills an odd width's last columns)

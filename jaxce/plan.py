@@ -319,10 +319,8 @@ def make(operation, options, shard: Shard) -> Plan:
 
 def _logits_plan(operation, options, shard: Shard, head: dict) -> LogitsPlan:
   """The logits paths' plan: the XLA forward's (and the in-place backward's) chunk; the
-  gradient, in place or into a new array, by the Mosaic kernel where ``T`` is whole tiles
-  of 8 rows and TMA tiles the rows (a multiple of 32 bytes): on one H200 it took 0.97x
-  XLA's fused pass's fwd+bwd time at 151936 columns and at a shard's (bench/NOTES.md
-  entry 76)."""
+  in-place backward, and the gradient with kept sets, by the Mosaic kernels where ``T``
+  is whole tiles of 8 rows and TMA tiles the rows (a multiple of 32 bytes)."""
   one_pass = head["backend"] in ("mosaic", "triton")  # (the kernels read every row)
   # (the gradient's kernels stream rows in tiles of 8, in the tiles' swizzle: elsewhere,
   # XLA's pass)
@@ -336,7 +334,11 @@ def _logits_plan(operation, options, shard: Shard, head: dict) -> LogitsPlan:
   if not one_pass or in_place:
     chunk = logits_chunk(shard.num_tokens, shard.num_columns, options.chunk_size,
                          options.target.platform)
-  return LogitsPlan(chunk=chunk, in_place=in_place, grad_kernel=grad_kernel, **head)
+  # (without a kept set XLA's fused pass, though the kernel takes 0.97x its fwd+bwd time:
+  # XLA writes its pass into the logits' buffer where they are dead, as in a training
+  # step, and skips an unused entropy's terms; bench/NOTES.md, entry 76)
+  kept_grad_kernel = grad_kernel and options.has_keep
+  return LogitsPlan(chunk=chunk, in_place=in_place, kept_grad_kernel=kept_grad_kernel, **head)
 
 
 def _objective_plan(options, shard: Shard, head: dict, head_reason) -> ObjectivePlan:

@@ -238,13 +238,13 @@ def test_every_keyword_reaches_the_request(operation, monkeypatch):
       assert getattr(request, name) is sentinel, f"{local.__name__}: {name} is lost"
 
 
-def test_the_plan_holds_the_reciprocal_the_logits_gradient_and_the_rows(monkeypatch):
+def test_the_plan_holds_the_reciprocal_the_in_place_backward_and_the_rows(monkeypatch):
   """Decided by the planner, read by the kernels: how ``1 / temperature`` is computed
   (XLA's division off GPUs and for a Python number; on GPUs, for an array, the Hopper
-  kernel or XLA's division behind a barrier), the logits path's gradient (the Mosaic
-  kernel where ``T`` is a multiple of 8, in place or not; else XLA's pass, in place chunk
-  by chunk) and the rows the fused kernels run on (``T`` padded to the Mosaic kernels'
-  multiple of 8, at least 256; the objective's at least one group)."""
+  kernel or XLA's division behind a barrier), the logits path's in-place backward (the
+  Mosaic kernel where ``T`` is a multiple of 8, else chunk by chunk) and the rows the
+  fused kernels run on (``T`` padded to the Mosaic kernels' multiple of 8, at least 256;
+  the objective's at least one group)."""
   # pylint: disable-next=import-outside-toplevel
   from jaxce._kernels.mosaic import reciprocal as mosaic_reciprocal
   inputs = _inputs(V_LOCAL)
@@ -268,9 +268,9 @@ def test_the_plan_holds_the_reciprocal_the_logits_gradient_and_the_rows(monkeypa
   assert of_logits(backward_in_place=True).in_place == "kernel"
   assert of_logits(T - 3, backward_in_place=True).in_place == "chunks"
   keep = jaxce.keep.pack(np.ones((T, logits.shape[-1]), bool))
-  assert of_logits(keep=keep).grad_kernel and of_logits().grad_kernel  # (the gradient's kernel)
-  assert not of_logits(T - 3, keep=keep[:T - 3]).grad_kernel  # (TMA's rows of 8)
-  assert not of_logits(T - 3).grad_kernel
+  assert of_logits(keep=keep).kept_grad_kernel  # (kept sets: the gradient's kernel)
+  assert not of_logits(T - 3, keep=keep[:T - 3]).kept_grad_kernel  # (TMA's rows of 8)
+  assert not of_logits().kept_grad_kernel
   assert [of_linear(n).rows for n in (T, T - 3, 100)] == [T, T, 256]
   objective = plan.of(jaxce.linear_token_loss, OBJECTIVE, hidden[:100], weight, labels[:100],
                       adv[:100])
@@ -279,4 +279,4 @@ def test_the_plan_holds_the_reciprocal_the_logits_gradient_and_the_rows(monkeypa
       capability="8.0"))
   assert of_logits(temperature=temperature).reciprocal == "barrier"
   assert of_logits(backward_in_place=True).in_place == "chunks"
-  assert not of_logits(keep=keep).grad_kernel  # (no Mosaic kernel off Hopper)
+  assert not of_logits(keep=keep).kept_grad_kernel  # (no Mosaic kernel off Hopper)

@@ -175,25 +175,6 @@ def test_every_path_lowers_for_cuda(columns, monkeypatch):
                           S((1000,), jnp.int32), S((1000,), jnp.float32))
 
 
-@pytest.mark.parametrize("columns", (151936,) + WIDTHS)
-def test_the_logits_paths_gradient_is_the_kernel_where_rows_are_whole_tiles(columns,
-                                                                            monkeypatch):
-  """The logits paths' default backward (the gradient into a new array; the per-token
-  call and the objective's, which forms it in its forward) lowers for CUDA as one Mosaic
-  kernel more than their forward where ``T`` is a multiple of 8 (TMA's tiles of rows),
-  at one GPU's width and a shard's; XLA's pass at a ragged ``T``."""
-  monkeypatch.setattr(plan, "target", lambda *a, mesh=None: HOPPER)
-  objective = lambda logp, entropy, a: a * logp + 0.01 * entropy
-  per_token = lambda x, l, g: jnp.sum(jaxce.logprobs_and_entropy(x, l)[0] * g)
-  token_loss = lambda x, l, g: jaxce.token_loss(objective, x, l, g)[0]
-  for tokens, gradient_kernels in ((1000, 1), (TOKENS, 0)):
-    args = (S((tokens, columns), jnp.bfloat16), S((tokens,), jnp.int32),
-            S((tokens,), jnp.float32))
-    for loss in (per_token, token_loss):
-      forward = _lowered_kernels(loss, *args)
-      assert forward and _lowered_kernels(jax.grad(loss), *args) == forward + gradient_kernels
-
-
 @pytest.mark.parametrize("columns,dtype", [(151643, jnp.bfloat16), (50257, jnp.float32),
                                            (1000, jnp.bfloat16)])
 def test_the_logits_paths_lower_for_cuda_at_widths_tma_cannot_tile(columns, dtype,

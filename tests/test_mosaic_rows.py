@@ -253,25 +253,21 @@ def _weighted_sum(outputs, cot):
     (128, True, True, True, True, 384),      # kept sets read with the tiles
     (64, False, True, False, True, 384),     # no entropy cotangent (a symbolic zero)
     (60, False, True, True, False, 384),     # T not a multiple of 8: XLA's loop
-    (200, False, False, True, True, 384),    # a new array (the default): the last block
-    (200, True, False, True, True, 384),     # moved back; with kept sets
+    (200, True, False, True, True, 384),     # kept sets, a new array: the last block moved back
     (40, True, False, False, True, 384),     # below ROWS rows: a padded copy
-    (40, False, False, True, True, 400),     # (and a partial last tile)
     (60, True, False, True, False, 384),     # T not a multiple of 8: XLA's fused pass
-    (60, False, False, False, False, 384),
     (200, False, True, True, True, 400),     # the last tile partial: in place,
     (128, True, True, True, True, 400),      # with kept sets,
     (200, True, False, True, True, 400),     # into a new array
     (200, False, True, True, True, 1408),    # 8 segments of 176 (each's last tile
     (128, True, True, True, True, 1408),     # partial): in place, with kept sets,
-    (200, True, False, True, True, 1408),    # into a new array, without kept sets too
-    (136, False, False, False, True, 1408),
+    (200, True, False, True, True, 1408),    # into a new array
     (200, False, True, True, False, 401),    # an odd width: XLA's loop in place,
     (128, True, False, True, False, 401),    # its fused pass with kept sets
 ])
 def test_gradient_kernels_match_xla(tokens, keep, in_place, entropy_cotangent, kernel, columns):
   """The gradient kernel on the Mosaic plan, over the logits (``backward_in_place=True``:
-  its output aliases them) or into a new array (the default), with a padded
+  its output aliases them) or, with a kept set, into a new array, with a padded
   vocabulary, per-token temperature, ignored tokens and random cotangents; the same
   gradient as XLA's, float64's within bf16 rounding, exactly zero at excluded columns and
   ignored rows. ``kernel``: whether the backward runs the kernel (one more Pallas call in

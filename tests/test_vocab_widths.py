@@ -66,14 +66,14 @@ def test_odd_widths_run_the_kernels_on_every_path(columns, monkeypatch):
   for call in ((jaxce.logprobs_and_entropy, logits, labels),
                (jaxce.token_loss, objective, logits, labels)):
     got = plan.of(*call)
-    assert got.backend == "mosaic" and not got.grad_kernel, got
+    assert got.backend == "mosaic" and not got.kept_grad_kernel, got
     assert plan.of(*call, implementation="mosaic").backend == "mosaic"
   got = plan.of(jaxce.logprobs_and_entropy, logits, labels, keep=keep, backward_in_place=True)
-  assert got.backend == "mosaic" and got.in_place == "chunks" and not got.grad_kernel, got
+  assert got.backend == "mosaic" and got.in_place == "chunks" and not got.kept_grad_kernel, got
   whole = jax.ShapeDtypeStruct((256, 1024 * 37), jnp.bfloat16)
   got = plan.of(jaxce.logprobs_and_entropy, whole, labels, backward_in_place=True,
                 keep=jax.ShapeDtypeStruct((256, 1024 * 37 // 32), jnp.uint32))
-  assert got.in_place == "kernel" and got.grad_kernel, got
+  assert got.in_place == "kernel" and got.kept_grad_kernel, got
 
 
 @pytest.mark.parametrize("columns,layout,copied", [

@@ -127,14 +127,14 @@ class LogitsPlan(Plan):
       (``mosaic_rows_grad.overwrite``: the Mosaic plan with ``T`` a multiple of 8 and
       rows TMA tiles, ``mosaic_rows.tiled``) or ``"chunks"`` (a loop over the chunks);
       ``None``: the gradient is a new array.
-    grad_kernel: the gradient's pass is ``mosaic_rows_grad``'s kernel (the Mosaic plan
-      with ``T`` a multiple of 8 and rows TMA tiles; it reads kept sets with its tiles):
-      over the logits with ``in_place="kernel"``, else into a new array. ``False``: XLA's
+    kept_grad_kernel: the gradient's pass over the rows with kept sets (into a new array)
+      is ``mosaic_rows_grad.gradient``'s kernel, which reads the kept words with its
+      tiles (the Mosaic plan with ``T`` a multiple of 8 and rows TMA tiles); else XLA's
       fused pass.
   """
   chunk: int | None = None
   in_place: str | None = None
-  grad_kernel: bool = False
+  kept_grad_kernel: bool = False
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

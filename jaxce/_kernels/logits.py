@@ -3,11 +3,11 @@ with a hand-written backward, on arrays the front door has checked and flattened
 
 Forward: ``logits_rows.forward`` (the row statistics of every token by the Mosaic GPU or
 Triton kernel in one pass, or by XLA in a scan over chunks of tokens; shards combine them
-with one pmax and one psum). Backward: one elementwise pass writes the gradient into a
-new array (``logits_rows.gradient``: the Mosaic GPU kernel ``mosaic_rows_grad`` where the
-plan's ``grad_kernel`` says so, else XLA's fused pass), or (the plan's ``in_place``) the
-logits' buffer is overwritten: by that kernel (whose output aliases its input;
-``"kernel"``), or by a loop chunk by chunk (``"chunks"``).
+with one pmax and one psum). Backward: one fused elementwise pass writes the gradient, or
+(the plan's ``in_place``) the logits' buffer is overwritten: by the Mosaic GPU kernel
+``mosaic_rows_grad`` (whose output aliases its input; ``"kernel"``), or by a loop chunk by
+chunk (``"chunks"``). With a kept set on the Mosaic plan, the
+gradient's pass is ``mosaic_rows_grad``'s kernel too (``logits_rows.gradient``).
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
 """Full logits rows ``[C, V_local]``: their forward statistics (XLA's two fused passes, or
 a one-pass kernel, ``mosaic_rows`` merged by ``mosaic_merge`` or ``triton_rows`` merged by
 ``triton_merge``, as the plan says)
-combined over the vocab shards, and their gradient in one elementwise pass (the Mosaic
-kernel ``mosaic_rows_grad`` or XLA's, as the plan says). Shared by the
+combined over the vocab shards, and their gradient in one elementwise pass. Shared by the
 logits path's per-token and objective kernels and by the fused objective kernel, which
 holds a chunk's full rows."""
 
@@ -122,11 +121,11 @@ def gradient(x, tokens: Tokens, saved, cotangents, mask_vocab, column_start, con
   tokens, the statistics the forward saved (``(m, log s, entropy or None)``) and the
   per-token cotangents (``(g_logp, g_entropy)``, ``[C]`` each; ``None`` for a symbolic
   zero): one elementwise pass. ``column_start``: the global id of ``x``'s first column.
-  Where ``config``'s plan says so (``grad_kernel``: all the rows), the pass is
-  ``mosaic_rows_grad``'s kernel, which reads kept sets with its tiles; else (or without
-  ``config``: a chunk of rows) XLA's fused pass."""
+  Where ``config``'s plan says so (``kept_grad_kernel``: all the rows, with kept sets),
+  the pass is ``mosaic_rows_grad``'s kernel, which reads the kept words with its tiles;
+  else (or without ``config``: a chunk of rows) XLA's fused pass."""
   labels, inv_temp, valid, kept = tokens
-  if config is not None and config.plan.grad_kernel:
+  if config is not None and config.plan.kept_grad_kernel:
     limit = softmax.kernel_limit(mask_vocab, column_start, x.shape[1])
     return mosaic_rows_grad.gradient(x, tokens, saved, cotangents, column_start, limit,
                                      layout=layout(x.shape[1], config.vocab_axis),

@@ -1,10 +1,9 @@
 """The gradient of logits rows ``[T, V_local]`` as a Pallas Mosaic GPU kernel (Hopper):
 written over the logits' own buffer (``overwrite``: the logits path's backward with
-``backward_in_place=True``) or into a new array (``gradient``: the logits paths' backward
-otherwise: the fwd+bwd in 0.97x the time of XLA's fused pass on an H200, and with kept
-sets read with the tiles, whose bits XLA's pass unpacks slowly); and the fused objective
-path's ``d``, written over its rows' ``exp(z - m_tile)`` terms (``exp_overwrite``: the
-same kernel with each tile's shift streamed beside it, ``mosaic_tile.exp_gradient``).
+``backward_in_place=True``) or into a new array (``gradient``: the backward with a kept
+set, whose bits XLA's fused pass unpacks slowly); and the fused objective path's
+``d``, written over its rows' ``exp(z - m_tile)`` terms (``exp_overwrite``: the same
+kernel with each tile's shift streamed beside it, ``mosaic_tile.exp_gradient``).
 
 In place, the kernel writes into the logits through a mutable reference
 (``jax.new_ref``), which reaches XLA as an output aliasing its input: XLA writes the

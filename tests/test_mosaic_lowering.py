@@ -53,10 +53,15 @@ def _cuda_program(f, *args):
   return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
+def _kernel_calls(text):
+  """The Mosaic GPU kernel calls in a program's text (its custom calls: the name also
+  occurs in their serialized modules)."""
+  return len(re.findall(r"custom_call @mosaic_gpu", text))
+
+
 def _lowered_kernels(f, *args):
-  """The number of Mosaic GPU kernel calls in ``f``'s program lowered for CUDA (its custom
-  calls: the name also occurs in their serialized modules)."""
-  return len(re.findall(r"custom_call @mosaic_gpu", _cuda_program(f, *args)))
+  """The number of Mosaic GPU kernel calls in ``f``'s program lowered for CUDA."""
+  return _kernel_calls(_cuda_program(f, *args))
 
 
 @pytest.mark.parametrize("columns", [151643, 50257])
@@ -76,7 +81,7 @@ def test_unpadded_widths_lower_for_cuda_with_no_matmul_over_odd_rows(columns, mo
     for layout, shape in (("dv", (DEPTH, columns)), ("vd", (columns, DEPTH))):
       call = lambda *a: path(*a, weight_layout=layout)  # pylint: disable=cell-var-from-loop
       text = _cuda_program(call, hidden, S(shape, jnp.bfloat16), labels, g)
-      assert text.count("mosaic_gpu"), (path.__name__, layout)
+      assert _kernel_calls(text), (path.__name__, layout)
       matmuls = [line for line in text.splitlines() if "stablehlo.dot_general" in line]
       assert matmuls and not [line for line in matmuls if odd.search(line)], (
           path.__name__, layout, [line for line in matmuls if odd.search(line)][:2])
@@ -151,7 +156,7 @@ def test_the_forward_calls_write_their_statistics_into_one_array(path, columns, 
   at T = 8184, D = 1024, 37984 columns, and held the statistics twice)."""
   monkeypatch.setattr(plan, "target", lambda *a, mesh=None: HOPPER)
   text = _forward_program(path, columns)
-  assert text.count("mosaic_gpu") >= 2
+  assert _kernel_calls(text) >= 2
   statistics = re.compile(r"-> tensor<[0-9]+x4x[0-9]+xf32>")
   concatenated = [line for line in text.splitlines()
                   if "stablehlo.concatenate" in line and statistics.search(line)]

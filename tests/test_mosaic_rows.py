@@ -12,7 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers import assert_close, count_primitives, devices, jaxce, kernel_device, reference
+from helpers import TOLERANCE, assert_close, count_primitives, devices, jaxce, kernel_device
+from helpers import reference
 from helpers import skip_module_without_mosaic_interpreter, value_and_grads
 from jaxce._kernels.mosaic import merge as mosaic_merge, rows as mosaic_rows
 from jaxce._kernels.mosaic import tile as mosaic_tile
@@ -303,6 +304,34 @@ def test_gradient_kernels_match_xla(tokens, keep, in_place, entropy_cotangent, k
     dropped = ~mask
     dropped[np.arange(tokens), labels] = False
     assert np.all(g[dropped] == 0)
+
+
+@pytest.mark.parametrize("keep,in_place", [(True, False), (False, True), (True, True)])
+def test_gradient_kernel_precision_at_large_logits(keep, in_place):
+  """f32 logits ~100 at temperature 0.1 (z ~ 1000, where an f32 ulp is 6e-5), two equal
+  maxima per row and a per-row shift: the gradient kernel (with a kept set, over the
+  logits, or both) as close to float64 as plain JAX's f32 gradient, within ``TOLERANCE``.
+  A kernel that forms ``z - (m + log s)`` rounds ``m + log s`` at 1000 and is 6e-4 off;
+  ``(z - m) - log s`` is exact where ``z`` is near ``m``, as ``softmax.logit_grad``."""
+  tokens, columns = 128, 256  # (two whole blocks of rows: the kernel takes every row)
+  x = np.full((tokens, columns), 97.0)
+  x[:, :2] = 100.0
+  x = jnp.asarray(x + 0.037 * np.arange(tokens)[:, None], jnp.float32)
+  labels = jnp.asarray(np.arange(tokens) % 3, jnp.int32)
+  cot = np.random.default_rng(5).normal(size=(2, tokens))
+  kw = dict(labels=labels, temperature=0.1)
+  if keep:  # (every column but a few: the label's column is always in the row's set)
+    kw["keep"] = jaxce.keep.pack(jnp.asarray((np.arange(columns) % 61 != 60)[None]
+                                             .repeat(tokens, 0)))
+  loss = lambda f, **o: lambda x: _weighted_sum(f(x, **o, **kw), cot)
+  forward = loss(jaxce.logprobs_and_entropy, implementation="mosaic", backward_in_place=in_place)
+  kernels = lambda fn: count_primitives(jax.make_jaxpr(fn)(x), "mpmd_map", "pallas_call")
+  assert kernels(jax.grad(forward)) - kernels(forward) == 1
+  got = jax.jit(jax.grad(forward))(x)
+  plain = jax.jit(jax.grad(loss(reference.logprobs_and_entropy)))(x)
+  exact = jax.grad(loss(reference.logprobs_and_entropy))(jnp.asarray(x, jnp.float64))
+  err = lambda g: float(np.max(np.abs(np.asarray(g, np.float64) - np.asarray(exact))))
+  assert err(got) <= err(plain) + TOLERANCE[jnp.float32]["grad"], (err(got), err(plain))
 
 
 def test_sharded_kept_sets_gradient_kernel():

@@ -69,7 +69,7 @@ def _kernel(x, row_inputs, words, tile_shift=None, *, layout, in_place, masked, 
   ``mosaic_tile.RowsGradientInputs``; ``words``: uint32 ``[tiles * WORDS, R]`` kept sets
   of ``mosaic_tile.kept_words``, or None; ``layout``: the columns' tiling
   (``mosaic_tile.Segments``). With ``tile_shift`` (f32 ``[row blocks, tiles, CONFIG.rows]``,
-  each row's ``m_tile - (m + log s)`` per tile, streamed beside
+  each row's ``(m_tile - m) - log s`` per tile, streamed beside
   the tiles), ``x`` holds the fused head's ``exp(z - m_tile)`` terms, ``row_inputs`` the
   rows' ``mosaic_tile.ExpGradientInputs``, and each tile's gradient is
   ``mosaic_tile.exp_gradient`` (``softcap``, ``with_log_p``; no words, no mask)."""
@@ -163,7 +163,8 @@ def _row_inputs(tokens: Tokens, saved, cotangents, column_start, limit):
   (an ignored row, or one with no cotangent, gets exactly zero gradient)."""
   shift, log_sum, _ = saved
   return mosaic_tile.stack(mosaic_tile.RowsGradientInputs(
-      inv_temp=tokens.inv_temp, log_norm=jnp.where(tokens.valid, shift + log_sum, jnp.inf),
+      inv_temp=tokens.inv_temp, shift=jnp.where(tokens.valid, shift, jnp.inf),
+      log_sum=jnp.where(tokens.valid, log_sum, 0),
       **_cotangent_fields(tokens.valid, saved, cotangents),
       label_column=tokens.labels - column_start,
       limit=jnp.broadcast_to(limit, shift.shape)))
@@ -277,7 +278,7 @@ def exp_overwrite(e, tiles, tokens: Tokens, saved, cotangents, column_start, *, 
       label_column=tokens.labels - column_start,
       label_capped=jnp.sum(tiles[:, 3], axis=0) / tokens.inv_temp, row_mask=valid))
   blocks = num_rows // CONFIG.rows
-  tile_shift = jnp.where(valid, tiles[:, 0] - log_norm, 0)
+  tile_shift = jnp.where(valid, (tiles[:, 0] - shift) - log_sum, 0)  # (m, log s apart)
   stages = _default_stages(e.dtype) if stages is None else stages
   return _kernel(e, _by_block(rows, blocks), None, _by_block(tile_shift, blocks),
                  layout=layout, in_place=True, masked=False, stages=stages, interpret=interpret,

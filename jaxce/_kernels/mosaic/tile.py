@@ -292,7 +292,8 @@ def fold(x, carry, inputs: RowsStatisticsInputs, column, kept, *, masked, with_e
 class RowsGradientInputs(NamedTuple):
   """Per-row inputs of ``mosaic_rows_grad``'s kernel (``rows_gradient``)."""
   inv_temp: jnp.ndarray
-  log_norm: jnp.ndarray  # m + log s (+inf: no gradient)
+  shift: jnp.ndarray  # the forward's m (+inf: no gradient)
+  log_sum: jnp.ndarray  # and log s, apart: z - m is exact where z is near m
   coef: jnp.ndarray  # g_logp + g_entropy H
   g_entropy: jnp.ndarray
   g_logp: jnp.ndarray
@@ -305,11 +306,11 @@ def rows_gradient(x, inputs: RowsGradientInputs, column, kept, *, masked):
   ``column``::
 
       z = x * inv_temp     (-inf beyond the vocabulary or outside the row's kept set)
-      log p = max(z - (m + log s), f32 min)             p = exp(log p)
+      log p = max((z - m) - log s, f32 min)             p = exp(log p)
       d x = inv_temp * (-p (g_logp + g_entropy (log p + H)) + g_logp [v == label])
 
   ``kept``: the tile's kept columns (``kept_columns``) or None."""
-  inv_temp, log_norm, coef, g_entropy, g_logp, label_column, limit = (
+  inv_temp, shift, log_sum, coef, g_entropy, g_logp, label_column, limit = (
       _per_row(v, x.shape) for v in inputs)
   z = x.astype(jnp.float32) * inv_temp
   columns = _columns(x.shape, column)
@@ -317,7 +318,7 @@ def rows_gradient(x, inputs: RowsGradientInputs, column, kept, *, masked):
     z = jnp.where(columns < limit, z, -jnp.inf)
   if kept is not None:
     z = jnp.where(kept, z, -jnp.inf)
-  log_p = jnp.maximum(z - log_norm, FLOOR)  # (an excluded column: p = 0, finite log p)
+  log_p = jnp.maximum((z - shift) - log_sum, FLOOR)  # (an excluded column: p = 0, finite)
   p = jnp.exp2(log_p * LOG2_E)
   dz = -(p * coef + (p * log_p) * g_entropy)  # (p log p: 0 there, never 0 * inf)
   dz = jnp.where(columns == label_column, dz + g_logp, dz)
@@ -430,7 +431,7 @@ def exp_gradient(e, inputs: ExpGradientInputs, tile_shift, column, *, softcap,
   """``d x`` ``[R, TILE]`` f32 (WGMMA layout) of a tile of the fused head's rows held as
   their ``e = exp(z - m_tile)`` terms (``tile_statistics`` with ``with_exp``, rounded to
   16 bits; 0 at excluded columns), ``x`` before the softcap, the tile's first column
-  ``column`` and ``tile_shift [R]`` f32 each row's ``m_tile - (m + log s)``::
+  ``column`` and ``tile_shift [R]`` f32 each row's ``(m_tile - m) - log s``::
 
       p = e exp(tile_shift)                     log p = max(log e + tile_shift, f32 min)
       d x = inv_temp (-p (coef + g_entropy log p) + g_logp [v == label])

@@ -334,6 +334,33 @@ def test_gradient_kernel_precision_at_large_logits(keep, in_place):
   assert err(got) <= err(plain) + TOLERANCE[jnp.float32]["grad"], (err(got), err(plain))
 
 
+@pytest.mark.parametrize("keep,in_place", [(True, False), (False, True)])
+def test_gradient_kernel_zero_at_ignored_rows_of_nan_or_inf(keep, in_place):
+  """Ignored rows (``where=False``) whose logits hold NaN or +inf (padding rows of a model
+  that left them undefined) get an exactly zero gradient from the gradient kernel, as
+  from XLA's pass, and the other rows theirs: the row mask comes after every factor."""
+  rng = np.random.default_rng(8)
+  tokens, columns = 128, 256  # (whole blocks of rows: the kernel takes every row)
+  x = np.array(_logits(rng, tokens, columns, jnp.float32))
+  where = np.ones(tokens, bool)
+  where[[3, 70, 71]] = False
+  x[3, 5], x[70, :], x[71, 9] = np.nan, np.inf, np.inf
+  x = jnp.asarray(x, jnp.bfloat16)
+  kw = dict(labels=rng.integers(0, columns, tokens), where=where)
+  if keep:
+    kw["keep"] = jaxce.keep.pack(jnp.asarray(rng.random((tokens, columns)) < 0.5))
+  cot = rng.normal(size=(2, tokens))
+  loss = lambda **o: lambda x: _weighted_sum(jaxce.logprobs_and_entropy(x, **o, **kw), cot)
+  forward = loss(implementation="mosaic", backward_in_place=in_place)
+  kernels = lambda fn: count_primitives(jax.make_jaxpr(fn)(x), "mpmd_map", "pallas_call")
+  assert kernels(jax.grad(forward)) - kernels(forward) == 1
+  got = np.asarray(jax.jit(jax.grad(forward))(x), np.float32)
+  want = np.asarray(jax.jit(jax.grad(loss(implementation="xla")))(x), np.float32)
+  assert np.all(want[~where] == 0), want[~where]
+  assert np.all(got[~where] == 0), got[~where]
+  assert_close(got[where], want[where], 2**-7 * np.max(np.abs(want)), "valid rows")
+
+
 def test_sharded_kept_sets_gradient_kernel():
   """The sharded call (``shard_map`` over a vocab axis of two devices; one on a host of
   one GPU) with a kept set on the Mosaic plan: the gradient kernel's output typed as

@@ -163,11 +163,10 @@ def _row_inputs(tokens: Tokens, saved, cotangents, column_start, limit):
   (an ignored row, or one with no cotangent, gets exactly zero gradient)."""
   shift, log_sum, _ = saved
   return mosaic_tile.stack(mosaic_tile.RowsGradientInputs(
-      inv_temp=tokens.inv_temp, shift=jnp.where(tokens.valid, shift, jnp.inf),
-      log_sum=jnp.where(tokens.valid, log_sum, 0),
+      inv_temp=tokens.inv_temp, shift=shift, log_sum=log_sum,
       **_cotangent_fields(tokens.valid, saved, cotangents),
       label_column=tokens.labels - column_start,
-      limit=jnp.broadcast_to(limit, shift.shape)))
+      limit=jnp.broadcast_to(limit, shift.shape), row_mask=tokens.valid))
 
 
 def overwrite(x, tokens: Tokens, saved, cotangents, column_start, limit, tail_gradient, *,

@@ -292,13 +292,14 @@ def fold(x, carry, inputs: RowsStatisticsInputs, column, kept, *, masked, with_e
 class RowsGradientInputs(NamedTuple):
   """Per-row inputs of ``mosaic_rows_grad``'s kernel (``rows_gradient``)."""
   inv_temp: jnp.ndarray
-  shift: jnp.ndarray  # the forward's m (+inf: no gradient)
+  shift: jnp.ndarray  # the forward's m
   log_sum: jnp.ndarray  # and log s, apart: z - m is exact where z is near m
   coef: jnp.ndarray  # g_logp + g_entropy H
   g_entropy: jnp.ndarray
   g_logp: jnp.ndarray
   label_column: jnp.ndarray
   limit: jnp.ndarray  # the first excluded column
+  row_mask: jnp.ndarray  # 1 or 0
 
 
 def rows_gradient(x, inputs: RowsGradientInputs, column, kept, *, masked):
@@ -309,8 +310,9 @@ def rows_gradient(x, inputs: RowsGradientInputs, column, kept, *, masked):
       log p = max((z - m) - log s, f32 min)             p = exp(log p)
       d x = inv_temp * (-p (g_logp + g_entropy (log p + H)) + g_logp [v == label])
 
-  ``kept``: the tile's kept columns (``kept_columns``) or None."""
-  inv_temp, shift, log_sum, coef, g_entropy, g_logp, label_column, limit = (
+  ``kept``: the tile's kept columns (``kept_columns``) or None. Exactly 0 at rows whose
+  ``row_mask`` is 0 (after every factor: an ignored row's NaN or infinite logits)."""
+  inv_temp, shift, log_sum, coef, g_entropy, g_logp, label_column, limit, row_mask = (
       _per_row(v, x.shape) for v in inputs)
   z = x.astype(jnp.float32) * inv_temp
   columns = _columns(x.shape, column)
@@ -322,7 +324,7 @@ def rows_gradient(x, inputs: RowsGradientInputs, column, kept, *, masked):
   p = jnp.exp2(log_p * LOG2_E)
   dz = -(p * coef + (p * log_p) * g_entropy)  # (p log p: 0 there, never 0 * inf)
   dz = jnp.where(columns == label_column, dz + g_logp, dz)
-  return dz * inv_temp
+  return jnp.where(row_mask > 0, dz * inv_temp, 0.0)
 
 
 # -- the fused head's tiles (mosaic_head) -------------------------------------------------

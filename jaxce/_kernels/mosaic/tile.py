@@ -12,9 +12,10 @@ what they compute on a tile is here:
   ``mosaic_merge`` merges them over the tiles), and its ``exp(z - m)`` terms for the fused
   objective path;
 * ``rows_gradient`` and ``head_gradient``: the tile's ``d logits``. Both are
-  ``softmax.logit_grad``'s maths; they guard ``log p`` of an excluded column in two ways
-  (a floor, a select) and take ``exp`` in two ways (``exp2`` of a product, ``exp``), and
-  each path's gradients keep the bits they were released with;
+  ``softmax.logit_grad``'s maths (``log p = (z - m) - log s``, the rows masked after every
+  factor); they guard ``log p`` of an excluded column in two ways (a floor, a select) and
+  take ``exp`` in two ways (``exp2`` of a product, ``exp``), and each path's gradients keep
+  the bits they were released with;
 * ``exp_gradient``: the same gradient from a tile's ``exp(z - m_tile)`` terms
   (``mosaic_rows_grad.exp_overwrite``, the fused objective path's ``d``).
 

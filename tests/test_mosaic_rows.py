@@ -249,6 +249,13 @@ def _weighted_sum(outputs, cot):
   return jnp.sum(cot[0] * outputs[0]) + jnp.sum(cot[1] * outputs[1])
 
 
+def _backward_kernels(loss, x):
+  """The kernel calls ``jax.grad(loss)`` at ``x`` adds to ``loss``'s own (its backward's)."""
+  # (plgpu.kernel's primitive is mpmd_map in JAX 0.11 and 0.12; pallas_call counts too)
+  kernels = lambda fn: count_primitives(jax.make_jaxpr(fn)(x), "mpmd_map", "pallas_call")
+  return kernels(jax.grad(loss)) - kernels(loss)
+
+
 @pytest.mark.parametrize("tokens,keep,in_place,entropy_cotangent,kernel,columns", [
     (200, False, True, True, True, 384),     # 3 whole blocks of rows, then 8 rows by XLA
     (128, True, True, True, True, 384),      # kept sets read with the tiles
@@ -289,9 +296,7 @@ def test_gradient_kernels_match_xla(tokens, keep, in_place, entropy_cotangent, k
   f = jaxce.logprobs_and_entropy
   forward = loss(f, implementation="mosaic", backward_in_place=in_place)
   mosaic = jax.grad(forward)
-  # (plgpu.kernel's primitive is mpmd_map in JAX 0.11 and 0.12; pallas_call counts too)
-  kernels = lambda fn: count_primitives(jax.make_jaxpr(fn)(x), "mpmd_map", "pallas_call")
-  assert kernels(mosaic) - kernels(forward) == kernel
+  assert _backward_kernels(forward, x) == kernel
   got = jax.jit(mosaic)(x)
   new = jax.jit(jax.grad(loss(f, implementation="xla")))(x)
   exact = jax.grad(loss(reference.logprobs_and_entropy))(jnp.asarray(x, jnp.float64))
@@ -325,8 +330,7 @@ def test_gradient_kernel_precision_at_large_logits(keep, in_place):
                                              .repeat(tokens, 0)))
   loss = lambda f, **o: lambda x: _weighted_sum(f(x, **o, **kw), cot)
   forward = loss(jaxce.logprobs_and_entropy, implementation="mosaic", backward_in_place=in_place)
-  kernels = lambda fn: count_primitives(jax.make_jaxpr(fn)(x), "mpmd_map", "pallas_call")
-  assert kernels(jax.grad(forward)) - kernels(forward) == 1
+  assert _backward_kernels(forward, x) == 1
   got = jax.jit(jax.grad(forward))(x)
   plain = jax.jit(jax.grad(loss(reference.logprobs_and_entropy)))(x)
   exact = jax.grad(loss(reference.logprobs_and_entropy))(jnp.asarray(x, jnp.float64))
@@ -352,8 +356,7 @@ def test_gradient_kernel_zero_at_ignored_rows_of_nan_or_inf(keep, in_place):
   cot = rng.normal(size=(2, tokens))
   loss = lambda **o: lambda x: _weighted_sum(jaxce.logprobs_and_entropy(x, **o, **kw), cot)
   forward = loss(implementation="mosaic", backward_in_place=in_place)
-  kernels = lambda fn: count_primitives(jax.make_jaxpr(fn)(x), "mpmd_map", "pallas_call")
-  assert kernels(jax.grad(forward)) - kernels(forward) == 1
+  assert _backward_kernels(forward, x) == 1
   got = np.asarray(jax.jit(jax.grad(forward))(x), np.float32)
   want = np.asarray(jax.jit(jax.grad(loss(implementation="xla")))(x), np.float32)
   assert np.all(want[~where] == 0), want[~where]

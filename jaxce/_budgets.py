@@ -33,6 +33,11 @@ LINEAR_OBJECTIVE_GRAD_BYTES = {"gpu": 5 * 2**28, "cpu": 4 * 2**20}
 # writes once: fewer, larger groups run faster, each holding more d (bench/NOTES.md,
 # entry 39).
 LINEAR_OBJECTIVE_GRAD_PER_SUM = {"gpu": 1.0, "cpu": 1.0}
+# ... and, where the kernel copies its weight out in vocab blocks (mosaic_head.
+# reads_in_blocks: a segment or width TMA cannot read in place), the most bytes of that
+# copy made once a call, before the groups, alive until the last (mosaic_head.
+# weight_blocks), against a copy a group, one block alive at a time: bench/NOTES.md, entry 81.
+LINEAR_OBJECTIVE_COPY_BYTES = {"gpu": 2**30, "cpu": 2**20}
 # Fused path, Mosaic GPU forward: bytes of one chunk's f32 [V_local / 128, 4, chunk] tile
 # statistics (1/32 of its f32 [chunk, V_local] logits).
 LINEAR_KERNEL_STATS_BYTES = 256 * 2**20
@@ -159,6 +164,20 @@ def linear_objective_kernel_tiles(num_tokens: int, num_columns: int,
             mosaic_head.CONFIG.min_rows)
   group = round_up(-(-num_tokens // -(-num_tokens // cap)))
   return group, group
+
+
+def linear_objective_weight_copy(num_groups: int, copy_bytes: int | None,
+                                 platform: str | None = None) -> str | None:
+  """Where the fused objective path's kernel copies a weight it cannot read in place
+  (``copy_bytes``, ``mosaic_head.weight_blocks_bytes``; None: it reads the weight in
+  place, and this returns None): ``"call"``, once, before the ``num_groups`` groups, where
+  there are several and the copy fits ``LINEAR_OBJECTIVE_COPY_BYTES`` of ``platform``;
+  else ``"group"``, each group's call copying a vocab block at a time."""
+  if copy_bytes is None:
+    return None
+  if num_groups > 1 and copy_bytes <= LINEAR_OBJECTIVE_COPY_BYTES[budget_platform(platform)]:
+    return "call"
+  return "group"
 
 
 def linear_kernel_chunk(num_tokens: int, num_columns: int, copied_weight_bytes: int = 0) -> int:

@@ -53,10 +53,12 @@ from jaxce._budgets import (  # noqa: F401  pylint: disable=unused-import
     DEFAULT_VOCAB_BLOCK, LINEAR_KERNEL_BLOCK_PASS, LINEAR_KERNEL_GRAD_BYTES,
     LINEAR_KERNEL_MAX_BLOCK, LINEAR_KERNEL_MIN_BLOCK, LINEAR_KERNEL_STATS_BYTES,
     LINEAR_KERNEL_WIDE_DEPTH,
-    LINEAR_OBJECTIVE_GRAD_BYTES, LINEAR_OBJECTIVE_GRAD_PER_SUM, LINEAR_OBJECTIVE_ROWS_BYTES,
+    LINEAR_OBJECTIVE_COPY_BYTES, LINEAR_OBJECTIVE_GRAD_BYTES, LINEAR_OBJECTIVE_GRAD_PER_SUM,
+    LINEAR_OBJECTIVE_ROWS_BYTES,
     LINEAR_TILE_BYTES, LOGITS_TILE_BYTES, budget_platform, chunk_size, linear_backward_order,
     linear_kernel_backward_order, linear_kernel_chunk, linear_kernel_tiles, linear_objective_chunk,
-    linear_objective_grad_chunk, linear_objective_kernel_tiles, linear_tiles, logits_chunk)
+    linear_objective_grad_chunk, linear_objective_kernel_tiles, linear_objective_weight_copy,
+    linear_tiles, logits_chunk)
 from jaxce._kernels import chunking, head, softmax
 from jaxce._kernels.mosaic import head as mosaic_head, reciprocal as mosaic_reciprocal
 from jaxce._kernels.mosaic import rows as mosaic_rows, tile as mosaic_tile
@@ -70,7 +72,7 @@ __all__ = [
     "invariances", "kept_ids_unsupported", "linear_backward_order",
     "linear_kernel_backward_order", "linear_kernel_chunk", "linear_kernel_tiles",
     "linear_objective_chunk", "linear_objective_grad_chunk", "linear_objective_kernel_tiles",
-    "linear_tiles",
+    "linear_objective_weight_copy", "linear_tiles",
     "logits_chunk", "make", "matmul_precision", "of", "target",
 ]
 
@@ -353,6 +355,14 @@ def _objective_plan(options, shard: Shard, head: dict, head_reason) -> Objective
                                                       options.chunk_size, platform, itemsize,
                                                       shard.depth)
     kernel_chunk = chunk
+    weight_dtype = shard.dtypes[-1]
+    layout = mosaic_tile.segments(num_columns, shard.num_shards)
+    copy_bytes = (mosaic_head.weight_blocks_bytes(num_columns, shard.depth, weight_dtype,
+                                                  shard.num_shards)
+                  if mosaic_head.reads_in_blocks(num_columns, weight_dtype, options.vocab_dim,
+                                                 layout) else None)
+    weight_copy = linear_objective_weight_copy(
+        chunking.num_chunks(max(num_tokens, grad_chunk), grad_chunk), copy_bytes, platform)
   else:
     if head_reason:
       head = dict(head, reason=f"{head['reason']}; the rows from XLA's matmul: {head_reason}",
@@ -362,9 +372,9 @@ def _objective_plan(options, shard: Shard, head: dict, head_reason) -> Objective
              linear_objective_chunk(num_tokens, num_columns, options.chunk_size, platform))
     grad_chunk = chunk if exact else linear_objective_grad_chunk(
         num_tokens, num_columns, chunk, platform, itemsize)
-    kernel_chunk = None
+    kernel_chunk = weight_copy = None
   return ObjectivePlan(chunk=chunk, grad_chunk=grad_chunk, kernel_chunk=kernel_chunk,
-                       rows=max(num_tokens, grad_chunk), **head)
+                       weight_copy=weight_copy, rows=max(num_tokens, grad_chunk), **head)
 
 
 def _fused_plan(options, shard: Shard, head: dict) -> FusedPlan:

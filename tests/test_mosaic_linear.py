@@ -842,6 +842,64 @@ def test_objective_gradients_from_the_kernels_terms_match_float64(weight_layout,
   assert np.all(np.asarray(grads[0])[:20] == 0), "ignored tokens get exactly 0"
 
 
+def _weight_copies(jaxpr, shapes, times=1):
+  """How many arrays of the ``shapes`` of a weight's vocab blocks a traced program copies
+  out (the concatenate of a block's pieces, the pad of a lone piece), scans' trip counts
+  included."""
+  total = 0
+  for eqn in getattr(jaxpr, "jaxpr", jaxpr).eqns:
+    total += times * (eqn.primitive.name in ("concatenate", "pad")
+                      and eqn.outvars[0].aval.shape in shapes)
+    inner_times = times * eqn.params.get("length", 1) if eqn.primitive.name == "scan" else times
+    for param in eqn.params.values():
+      for sub in (param if isinstance(param, (tuple, list)) else (param,)):
+        if hasattr(getattr(sub, "jaxpr", sub), "eqns"):
+          total += _weight_copies(sub, shapes, inner_times)
+  return total
+
+
+@pytest.mark.parametrize("columns", [1408, 391])
+def test_objective_copies_its_weight_once_a_call_or_once_a_group(columns, monkeypatch):
+  """Where the kernel cannot read the weight in place (8 segments of 176 columns, as
+  Qwen3's 151936 are 8 of 18992; an odd width, 391) and the path runs several groups, the
+  plan's ``weight_copy`` says where the weight is copied out in vocab blocks: ``"call"``,
+  within ``LINEAR_OBJECTIVE_COPY_BYTES``, once before the groups (no copy in the scan over
+  them), else ``"group"``, in each group's call. Both give the same bits: loss, log-probs,
+  entropies and both gradients (600 tokens in three groups of 256, the last clamped back;
+  a temperature, kept sets, a padded vocabulary, a softcap)."""
+  monkeypatch.setitem(jaxce.plan.LINEAR_OBJECTIVE_GRAD_BYTES, "cpu", 300 * columns * 2)
+  monkeypatch.setitem(jaxce.plan.LINEAR_OBJECTIVE_GRAD_BYTES, "gpu", 300 * columns * 2)
+  tokens, dim = 600, 64
+  rng, hidden, weight = _inputs(23, tokens, dim, columns, 1)
+  labels = rng.integers(0, columns - 9, tokens)
+  labels[:7] = -100
+  mask = rng.random((tokens, columns)) < 0.5
+  mask[np.arange(tokens), np.maximum(labels, 0)] = True
+  a, b = rng.normal(size=tokens), rng.normal(size=tokens)
+  objective = lambda logp, entropy, a, b: a * logp + b * entropy
+  options = dict(temperature=rng.uniform(0.6, 1.5, tokens), logit_softcap=20.0,
+                 vocab_size=columns - 9, keep=jaxce.keep.pack(mask), implementation="mosaic")
+  call = lambda h, w: jaxce.linear_token_loss(objective, h, w, labels, a, b, **options)
+  step = jax.value_and_grad(call, (0, 1), has_aux=True)
+  copy_bytes = mosaic_head.weight_blocks_bytes(columns, dim, jnp.bfloat16)
+  results = {}
+  for budget, where in ((copy_bytes, "call"), (copy_bytes - 1, "group")):
+    monkeypatch.setitem(jaxce.plan.LINEAR_OBJECTIVE_COPY_BYTES, "cpu", budget)
+    monkeypatch.setitem(jaxce.plan.LINEAR_OBJECTIVE_COPY_BYTES, "gpu", budget)
+    plan = jaxce.plan.of(jaxce.linear_token_loss, objective, hidden, weight, labels, a, b,
+                         **options)
+    assert (plan.backend, plan.grad_chunk, plan.weight_copy) == ("mosaic", 256, where), plan
+    # the weight's vocab blocks copied out: once, or once in each of the 3 groups
+    blocks = mosaic_head.weight_blocks(weight, num_rows=256, vocab_dim=1,
+                                       num_cores=kernel_device()["num_cores"])
+    copies = _weight_copies(jax.make_jaxpr(step)(hidden, weight), {b.shape for b in blocks})
+    assert copies == len(blocks) * (1 if where == "call" else 3), (where, copies, len(blocks))
+    results[where] = jax.tree.leaves(jax.jit(step)(hidden, weight))
+  bits = lambda a: np.asarray(a).reshape(-1).view(f"u{a.dtype.itemsize}")
+  for got, want in zip(results["call"], results["group"]):
+    assert got.dtype == want.dtype and np.array_equal(bits(got), bits(want))
+
+
 @pytest.mark.parametrize("softcap", [None, 8.0])
 def test_exp_overwrite_is_the_logit_gradient_of_its_terms(softcap):
   """``mosaic_rows_grad.exp_overwrite``: each column's ``d x`` from its bf16 term ``e =

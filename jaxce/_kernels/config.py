@@ -204,10 +204,16 @@ class ObjectivePlan(LinearPlan):
     grad_chunk: tokens per pair of gradient matmuls, a multiple of ``chunk``.
     kernel_chunk: with the fused head's kernel, its tokens per call (``chunk``, a group,
       whose ``exp(z - m)`` terms the kernel writes with their statistics); else ``None``.
+    weight_copy: where the kernel copies a weight it cannot read in place into vocab
+      blocks (``mosaic_head.reads_in_blocks``): ``"call"``, once a call, before the
+      groups (``mosaic_head.weight_blocks``: about the weight's bytes, alive until the
+      last group); ``"group"``, in each group's kernel call, one block alive at a time;
+      ``None``, no copy (the kernel reads the weight in place, or XLA's matmul runs).
   """
   chunk: int | None = None
   grad_chunk: int | None = None
   kernel_chunk: int | None = None
+  weight_copy: str | None = None
 
 
 class Gathered(NamedTuple):

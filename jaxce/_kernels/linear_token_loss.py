@@ -27,8 +27,9 @@ two ways:
 
 The custom_vjp's backward only scales the stored gradients by the loss's cotangent.
 Extra memory: the gradients, the f32 ``d weight`` sum and one group's ``d`` (without the
-kernel, one chunk's f32 rows too; at an odd width, the padded copy of the weight), flat in
-T beyond ``d hidden``.
+kernel, one chunk's f32 rows too; at an odd width, the padded copy of the weight; where the
+kernel copies the weight in vocab blocks once a call, the plan's ``weight_copy`` ``"call"``,
+that copy), flat in T beyond ``d hidden``.
 """
 
 from __future__ import annotations
@@ -64,13 +65,16 @@ class _Call(NamedTuple):
   """What every group of a call reads: the ``objective``, the ``weight`` and ``bias`` (or
   None), the weight the gradient matmuls read (``matmul_weight``: ``weight``, or at an
   odd width its copy zero-padded to the kernel's terms, ``mosaic_head.exp_width``), the
-  call's ``config``, this shard's first global column, whether the gradients are formed
-  (``with_grads``), the padded rows (``hidden [rows, D]``, the ``tokens`` and
-  ``token_args``) and the primals as passed (the gradients take their types)."""
+  kernel's copy of the weight in vocab blocks made once for every group (``weight_blocks``,
+  the plan's ``weight_copy`` ``"call"``; else None), the call's ``config``, this shard's
+  first global column, whether the gradients are formed (``with_grads``), the padded rows
+  (``hidden [rows, D]``, the ``tokens`` and ``token_args``) and the primals as passed (the
+  gradients take their types)."""
   objective: Callable
   weight: Any
   bias: Any
   matmul_weight: Any
+  weight_blocks: Any
   config: Config
   column_start: Any
   with_grads: bool
@@ -98,8 +102,8 @@ def _run(objective, hidden, weight, bias, tokens, token_args, config, with_grads
   # (the plan's rows: fewer tokens than a group are padded to it, so the batch-invariant
   # matmul keeps its rows and the kernel takes at least its 256 and a multiple of 8)
   padded = config.plan.rows
-  call = _Call(objective, weight, bias, _matmul_weight(weight, config), config,
-               softmax.shard_column_start(num_columns, config.vocab_axis), with_grads,
+  call = _Call(objective, weight, bias, _matmul_weight(weight, config),
+               _weight_blocks(weight, config), config, softmax.shard_column_start(num_columns, config.vocab_axis), with_grads,
                chunking.pad_rows(hidden, padded), tokens.padded(padded),
                tuple(chunking.pad_rows(a, padded) for a in token_args), primals)
   hidden, tokens = call.hidden, call.tokens
@@ -215,7 +219,8 @@ def _kernel_group(call: _Call, group_rows):
       h, call.weight, group_tokens.labels, group_tokens.inv_temp, limit, group_tokens.kept,
       column_start=column_start, vocab_dim=config.vocab_dim, softcap=config.logit_softcap,
       with_entropy=config.with_entropy, interpret=config.plan.interpret,
-      num_cores=config.plan.num_cores, with_exp=with_grads, layout=segments)
+      num_cores=config.plan.num_cores, with_exp=with_grads, layout=segments,
+      blocks=call.weight_blocks)
   tiles, e = out if with_grads else (out, None)
   logp, shift, log_sum, entropy = logits_rows.tile_outputs(tiles, group_tokens, config,
                                                            segments)
@@ -248,6 +253,20 @@ def _matmul_weight(weight, config):
   if width == num_columns:
     return weight
   return head.pad_columns(weight, width, config.vocab_dim)
+
+
+def _weight_blocks(weight, config):
+  """With the plan's ``weight_copy`` ``"call"``, the kernel's copy of a weight it cannot read
+  in place, in vocab blocks, made once before the groups (``mosaic_head.weight_blocks``:
+  about the weight's bytes, alive until the last group); else None (each group's call
+  copies a block at a time, or none is needed). A copy a group cost the GRPO step ~4 % at
+  Qwen3's 151936 columns, D = 1024, on an H200 (bench/NOTES.md, entries 80 and 81)."""
+  if config.plan.weight_copy != "call":
+    return None
+  return mosaic_head.weight_blocks(
+      weight, num_rows=config.plan.grad_chunk, vocab_dim=config.vocab_dim,
+      num_cores=config.plan.num_cores,
+      layout=logits_rows.layout(weight.shape[config.vocab_dim], config.vocab_axis))
 
 
 def _rows(hidden, weight, bias, tokens, column_start, config):

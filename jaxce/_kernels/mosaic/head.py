@@ -512,7 +512,7 @@ def _tile_logits_grad(hidden, weight, row_inputs, words, *, vocab_dim, softcap, 
 
 def statistics(hidden, weight, labels, inv_temp, limit, kept=None, *, column_start,
                vocab_dim, softcap, with_entropy, interpret, num_cores, with_exp=False,
-               layout=None):
+               layout=None, blocks=None):
   """Per-tile ``(m, s, q, picked)`` of ``z = softcap(hidden @ weight) * inv_temp`` over
   this weight's columns below ``limit``, for ``mosaic_merge.merge`` to merge in the
   columns' order; with ``with_exp`` also the ``exp(z - m)`` terms of ``s`` (the fused
@@ -535,6 +535,8 @@ def statistics(hidden, weight, labels, inv_temp, limit, kept=None, *, column_sta
     layout: the columns' segments (``mosaic_tile.segments`` of ``V_local`` and the shard
       count; default: one device's). Where their last tiles are partial (``split``),
       each segment is tiled from its own first column (``_segment_statistics``).
+    blocks: for a weight read in blocks (``reads_in_blocks``), its ``weight_blocks`` for
+      ``C`` rows, made once for several calls; or None: the call copies its own.
 
   Returns:
     ``[layout.num_tiles, 4, C]`` float32: ``(m, s, q, picked)`` of each row over each
@@ -550,7 +552,7 @@ def statistics(hidden, weight, labels, inv_temp, limit, kept=None, *, column_sta
     ``mosaic_tile.kept_words`` copy. A weight whose last tile is partial:
     that tile's copy (the calls write their statistics into one array); where TMA cannot read
     it in place at the 128-byte swizzle, one vocab block's copy too (``column_blocks``: at
-    most ``CONFIG.block_bytes``).
+    most ``CONFIG.block_bytes``), none with ``blocks``.
   """
   num_columns = weight.shape[vocab_dim]
   options = dict(column_start=column_start, vocab_dim=vocab_dim, softcap=softcap,
@@ -558,9 +560,13 @@ def statistics(hidden, weight, labels, inv_temp, limit, kept=None, *, column_sta
   layout = mosaic_tile.segments(num_columns) if layout is None else layout
   if layout.count * layout.width != num_columns:
     raise ValueError(f"{num_columns} columns: the layout's ({layout}) expected")
-  if reads_in_blocks(num_columns, hidden.dtype, vocab_dim, layout):
+  in_blocks = reads_in_blocks(num_columns, hidden.dtype, vocab_dim, layout)
+  if blocks is not None and not in_blocks:
+    raise ValueError(f"blocks: none expected, TMA reads a weight of {num_columns} columns "
+                     f"({layout}) in place")
+  if in_blocks:
     out = _segment_statistics(layout, hidden, weight, labels, inv_temp, limit, kept,
-                              with_exp=with_exp, **options)
+                              with_exp=with_exp, blocks=blocks, **options)
   elif num_columns % TILE_N and num_columns > TILE_N and _reads_in_place(
       num_columns, hidden.dtype, vocab_dim):
     out = _whole_tiles_then_rest(hidden, weight, labels, inv_temp, limit, kept,
@@ -763,7 +769,7 @@ class _Span(NamedTuple):
 
 
 def _segment_statistics(layout, hidden, weight, labels, inv_temp, limit, kept, *,
-                        column_start, vocab_dim, with_exp, **options):
+                        column_start, vocab_dim, with_exp, blocks=None, **options):
   """``statistics`` (with ``with_exp`` its ``exp`` terms) of a weight that TMA cannot read
   where it lies: cut into ``layout``'s segments whose last tiles are partial
   (``layout.split``: Qwen3's 151936 columns are 8 segments of 18992, and a shard of 2 or 4
@@ -780,75 +786,139 @@ def _segment_statistics(layout, hidden, weight, labels, inv_temp, limit, kept, *
   segments' statistics go in order into one ``[segments * tiles per segment, 4, C]``
   array; with ``with_exp`` their terms into one ``[C, segments, width]`` array (``[C, 1,
   exp_width(V_local)]`` for one segment, the padding's terms zeros), returned as ``[C,
-  V_local]`` (``exp_width``). Memory: one block's copy, with ``with_exp`` the columns
-  left's terms twice. Inside ``shard_map`` (a weight varying over a mesh axis) each
-  block's copy is made once the call before has returned (an optimization barrier on the
-  weight with that call's token): XLA's schedule of a program over several devices made
-  every copy before the first call, all alive at once (0.58 GiB at 2 H200s' 75968 columns,
-  T = 32768, D = 4096; bench/NOTES.md entry 75). A local call keeps XLA's own order, which
-  holds one copy where the barriers held two."""
+  V_local]`` (``exp_width``). ``blocks``: the calls' copies made before (``weight_blocks``
+  for these rows), or None: each call makes its own. Memory: one block's copy (none with
+  ``blocks``), with ``with_exp`` the columns left's terms twice. Inside ``shard_map`` (a
+  weight varying over a mesh axis) each block's copy is made once the call before has
+  returned (an optimization barrier on the weight with that call's token): XLA's schedule
+  of a program over several devices made every copy before the first call, all alive at
+  once (0.58 GiB at 2 H200s' 75968 columns, T = 32768, D = 4096; bench/NOTES.md entry 75).
+  A local call keeps XLA's own order, which holds one copy where the barriers held two."""
   width, count = layout.width, layout.count
   num_rows, depth = hidden.shape
   stats = jax.new_ref(lax.empty((layout.num_tiles, 4, num_rows), jnp.float32))
   terms_width = width if count > 1 else exp_width(width, hidden.dtype)
   terms = (jax.new_ref(lax.empty((num_rows, count, terms_width), hidden.dtype)) if with_exp
            else None)
-  whole = width // TILE_N
-  blocks = column_blocks(count * whole, depth=depth, dtype=hidden.dtype, num_rows=num_rows,
-                         num_cores=options["num_cores"])
-  span = functools.partial(_span_statistics, hidden=hidden, weight=weight,
-                           labels=labels, inv_temp=inv_temp, limit=limit, kept=kept,
-                           column_start=column_start, vocab_dim=vocab_dim, with_exp=with_exp,
-                           stats=stats, terms=terms, **options)
+  calls = _segment_calls(layout, num_rows, depth, hidden.dtype, options["num_cores"])
+  if blocks is not None and [b.shape for b in blocks] != [
+      _block_shape(span, depth, vocab_dim) for span, _ in calls]:
+    raise ValueError(f"blocks of shapes {[b.shape for b in blocks]}: weight_blocks' for "
+                     f"{num_rows} rows expected")
+  span_statistics = functools.partial(
+      _span_statistics, hidden=hidden, labels=labels, inv_temp=inv_temp, limit=limit,
+      kept=kept, column_start=column_start, vocab_dim=vocab_dim, with_exp=with_exp,
+      stats=stats, terms=terms, **options)
   # (in a program over several devices XLA's schedule made every block's copy before the
   # first call, all alive at once: there each copy waits for the call before)
-  ordered = bool(plumbing.varying_axes(weight))
-  first, after = 0, None
-  for tiles in blocks:
-    _, done = span(_Span(width, count, 0, whole, tiles, layout.tiles_per_segment), first,
-                   after)
-    first, after = first + tiles, done if ordered else None
-  skip = whole if blocks else 0
-  rest = num_tiles(width - skip * TILE_N)
-  left, _ = span(_Span(width, count, skip, rest, count * rest, layout.tiles_per_segment), 0,
-                 after)
+  ordered = blocks is None and bool(plumbing.varying_axes(weight))
+  after = None
+  for i, (span, first) in enumerate(calls):
+    if blocks is None:
+      columns = _span_columns(span, first, weight, vocab_dim, after)
+    else:
+      columns = blocks[i]
+    left, done = span_statistics(span, first, columns)
+    after = done if ordered else None
   if not with_exp:
     return (stats[...],)
   # (the columns left's terms: their zero padding fills an odd width's last columns)
-  terms[:, :, skip * TILE_N:] = left.reshape(num_rows, count, rest * TILE_N)[
+  skip = span.skip
+  terms[:, :, skip * TILE_N:] = left.reshape(num_rows, count, span.piece * TILE_N)[
       :, :, :terms_width - skip * TILE_N]
   return stats[...], terms[...].reshape(num_rows, count * terms_width)
 
 
-def _span_statistics(span, first, after, *, hidden, weight, labels, inv_temp, limit, kept,
-                     column_start, vocab_dim, with_exp, stats, terms, **options):
-  """``(terms or None, token)``: the statistics of ``span``'s tiles from ``first`` on
-  (their segments' pieces copied out side by side, zero-padded to whole tiles), in one
-  kernel call written into the segments' ``stats`` (``[segments * tiles per segment, 4,
-  C]``, a ``jax.Ref``); with ``with_exp`` their ``exp`` terms, written in place into
-  ``terms`` (``[C, segments, width]``) where the span is whole tiles, else returned
-  (``[C, span.tiles * TILE_N]``). A tile's columns, rows and masks are those of its
-  segment's own call: the same statistics and terms, bit for bit. The columns left of all
-  segments are one call: a call a segment read all of hidden again for a tile's columns (8
-  of them cost 3 % of the forward's time at 151936 columns, T = 32768, D = 4096 on an
-  H200, bench/NOTES.md entry 73). ``after``: None, or the token (int32 ``[1]``, never
-  written) a call before returned: the copy waits for it. Memory: the call's copy of the
-  weight."""
-  num_rows, width, padded = hidden.shape[0], span.width, span.piece * TILE_N
-  start = span.skip * TILE_N
-  # (the call's part of each segment's piece: its first column and columns, and the tiles
-  # they are padded to)
+def weight_blocks(weight, *, num_rows, vocab_dim, num_cores, layout=None):
+  """The vocab blocks ``statistics`` copies out of a weight TMA cannot read in place
+  (``reads_in_blocks``), made once for several calls of ``num_rows`` rows each (the
+  fused objective path's groups): ``statistics(..., blocks=...)`` reads them instead of
+  copying its own, so the weight is copied once a call of the path, not once a group
+  (bench/NOTES.md entry 81). ``layout`` as ``statistics``'. Returns a tuple of ``[D,
+  columns]`` (``vocab_dim`` 1) or ``[columns, D]`` arrays in the weight's dtype, one a
+  kernel call: every segment's whole tiles in ``column_blocks``' blocks, then their
+  columns left, zero-padded to whole tiles. Memory: about the weight's bytes (its
+  segments' partial tiles padded to whole ones), alive while the calls run."""
+  num_columns = weight.shape[vocab_dim]
+  layout = mosaic_tile.segments(num_columns) if layout is None else layout
+  if not reads_in_blocks(num_columns, weight.dtype, vocab_dim, layout):
+    raise ValueError(f"a weight of {num_columns} columns ({layout}) is read in place: "
+                     "no blocks to copy")
+  depth = weight.shape[1 - vocab_dim]
+  return tuple(_span_columns(span, first, weight, vocab_dim, None) for span, first in
+               _segment_calls(layout, num_rows, depth, weight.dtype, num_cores))
+
+
+def weight_blocks_bytes(num_columns: int, depth: int, dtype, num_shards: int = 1) -> int:
+  """The bytes of ``weight_blocks``' copy of a ``[D, V_local]`` (or ``[V_local, D]``)
+  weight of ``num_columns`` columns, ``depth`` ``D`` and ``dtype``: its segments (those of
+  ``num_shards`` shards) in whole tiles."""
+  return (mosaic_tile.segments(num_columns, num_shards).num_tiles * TILE_N * depth
+          * jnp.dtype(dtype).itemsize)
+
+
+def _segment_calls(layout, num_rows, depth, dtype, num_cores):
+  """``[(span, first tile)]``: ``_segment_statistics``' kernel calls in order, every
+  segment's whole tiles in ``column_blocks``' blocks, then their columns left."""
+  width, count = layout.width, layout.count
+  whole = width // TILE_N
+  blocks = column_blocks(count * whole, depth=depth, dtype=dtype, num_rows=num_rows,
+                         num_cores=num_cores)
+  calls, first = [], 0
+  for tiles in blocks:
+    calls.append((_Span(width, count, 0, whole, tiles, layout.tiles_per_segment), first))
+    first += tiles
+  skip = whole if blocks else 0
+  rest = num_tiles(width - skip * TILE_N)
+  calls.append((_Span(width, count, skip, rest, count * rest, layout.tiles_per_segment), 0))
+  return calls
+
+
+def _pieces(span, first):
+  """The call's part of each segment's piece: ``[(first column, columns, the tiles'
+  columns they are padded to)]``."""
   pieces = []
   for s in range(first // span.piece, -(-(first + span.tiles) // span.piece)):
     a = max(first - s * span.piece, 0)
     b = min(first + span.tiles - s * span.piece, span.piece)
-    pieces.append((s * width + start + a * TILE_N,
+    pieces.append((s * span.width + span.skip * TILE_N + a * TILE_N,
                    min((b - a) * TILE_N, span.columns - a * TILE_N), (b - a) * TILE_N))
-  if after is not None:  # (copied once the call before is done: its copy is then dead)
+  return pieces
+
+
+def _block_shape(span, depth, vocab_dim):
+  """The shape of ``_span_columns``' copy for ``span``."""
+  return (depth, span.tiles * TILE_N) if vocab_dim else (span.tiles * TILE_N, depth)
+
+
+def _span_columns(span, first, weight, vocab_dim, after):
+  """``span``'s tiles from ``first`` on, copied out of ``weight``: its segments' pieces side
+  by side, each zero-padded to whole tiles. ``after``: None, or the token (int32 ``[1]``,
+  never written) a call before returned: the copy waits for it (its copy is then dead)."""
+  if after is not None:
     weight, _ = lax.optimization_barrier((weight, after))
-  columns = jnp.concatenate([
+  return jnp.concatenate([
       head.pad_columns(lax.slice_in_dim(weight, begin, begin + size, axis=vocab_dim), tiled,
-                       vocab_dim) for begin, size, tiled in pieces], axis=vocab_dim)
+                       vocab_dim) for begin, size, tiled in _pieces(span, first)],
+      axis=vocab_dim)
+
+
+def _span_statistics(span, first, columns, *, hidden, labels, inv_temp, limit, kept,
+                     column_start, vocab_dim, with_exp, stats, terms, **options):
+  """``(terms or None, token)``: the statistics of ``span``'s tiles from ``first`` on, read
+  from ``columns`` (``_span_columns``' copy: their segments' pieces side by side,
+  zero-padded to whole tiles), in one kernel call written into the segments' ``stats``
+  (``[segments * tiles per segment, 4, C]``, a ``jax.Ref``); with ``with_exp`` their
+  ``exp`` terms, written in place into ``terms`` (``[C, segments, width]``) where the span
+  is whole tiles, else returned (``[C, span.tiles * TILE_N]``). A tile's columns, rows
+  and masks are those of its segment's own call: the same statistics and terms, bit for
+  bit. The columns left of all segments are one call: a call a segment read all of hidden
+  again for a tile's columns (8 of them cost 3 % of the forward's time at 151936 columns,
+  T = 32768, D = 4096 on an H200, bench/NOTES.md entry 73). The token (int32 ``[1]``,
+  never written) says the call is done."""
+  num_rows, width, padded = hidden.shape[0], span.width, span.piece * TILE_N
+  start = span.skip * TILE_N
+  pieces = _pieces(span, first)
   column = labels.astype(jnp.int32) - column_start
   segment = column // width
   within = column - segment * width - start

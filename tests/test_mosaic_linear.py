@@ -879,13 +879,16 @@ def test_objective_copies_its_weight_once_a_call_or_once_a_group(columns, monkey
   objective = lambda logp, entropy, a, b: a * logp + b * entropy
   options = dict(temperature=rng.uniform(0.6, 1.5, tokens), logit_softcap=20.0,
                  vocab_size=columns - 9, keep=jaxce.keep.pack(mask), implementation="mosaic")
-  call = lambda h, w: jaxce.linear_token_loss(objective, h, w, labels, a, b, **options)
-  step = jax.value_and_grad(call, (0, 1), has_aux=True)
   copy_bytes = mosaic_head.weight_blocks_bytes(columns, dim, jnp.bfloat16)
   results = {}
   for budget, where in ((copy_bytes, "call"), (copy_bytes - 1, "group")):
     monkeypatch.setitem(jaxce.plan.LINEAR_OBJECTIVE_COPY_BYTES, "cpu", budget)
     monkeypatch.setitem(jaxce.plan.LINEAR_OBJECTIVE_COPY_BYTES, "gpu", budget)
+    # (a function of its own for each budget: JAX reuses a function's trace for the same
+    # shapes, and the budget is read when the call is traced)
+    step = jax.value_and_grad(
+        lambda h, w: jaxce.linear_token_loss(objective, h, w, labels, a, b, **options),
+        (0, 1), has_aux=True)
     plan = jaxce.plan.of(jaxce.linear_token_loss, objective, hidden, weight, labels, a, b,
                          **options)
     assert (plan.backend, plan.grad_chunk, plan.weight_copy) == ("mosaic", 256, where), plan

@@ -36,8 +36,11 @@ LINEAR_OBJECTIVE_GRAD_PER_SUM = {"gpu": 1.0, "cpu": 1.0}
 # ... and, where the kernel copies its weight out in vocab blocks (mosaic_head.
 # reads_in_blocks: a segment or width TMA cannot read in place), the most bytes of that
 # copy made once a call, before the groups, alive until the last (mosaic_head.
-# weight_blocks), against a copy a group, one block alive at a time: bench/NOTES.md, entry 81.
-LINEAR_OBJECTIVE_COPY_BYTES = {"gpu": 2**30, "cpu": 2**20}
+# weight_blocks), against a copy a group, one block alive at a time. A copy a group costs
+# about 100 / group of the call's time (bench/NOTES.md, entry 81, one H200: 2.6-3.1 % at
+# Qwen3's 151936 columns, D = 1024, groups of 2048, for 0.22 GiB; 1.5-1.7 % at D = 2048
+# and 4096, groups of 4096, for 0.52 and 1.11 GiB): the budget takes the first.
+LINEAR_OBJECTIVE_COPY_BYTES = {"gpu": 2**29, "cpu": 2**20}
 # Fused path, Mosaic GPU forward: bytes of one chunk's f32 [V_local / 128, 4, chunk] tile
 # statistics (1/32 of its f32 [chunk, V_local] logits).
 LINEAR_KERNEL_STATS_BYTES = 256 * 2**20

@@ -9,7 +9,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers import jaxce
+from jax.sharding import Mesh
+
+from helpers import devices, jaxce
 from jaxce import plan
 from jaxce._kernels.mosaic import head as mosaic_head, tile as mosaic_tile
 
@@ -194,6 +196,36 @@ def test_kept_words_of_a_partial_tile():
   padded[:rows, :columns] = want
   bits = (got.T[:, :, None] >> np.arange(32, dtype=np.uint32)) & 1
   np.testing.assert_array_equal(bits.reshape(8, 512).astype(bool), padded)
+
+
+@pytest.mark.parametrize("depth,columns,shards,want", [
+    (1024, 151936, 1, "call"),   # a Qwen3 head of D = 1024: 0.29 GiB, copied once
+    (1536, 151936, 1, "call"),   # 0.44 GiB
+    (2048, 151936, 1, "group"),  # 0.58 GiB: past the budget, a copy a group
+    (4096, 151936, 1, "group"),  # 1.16 GiB
+    (4096, 37984, 4, "call"),    # a shard of four: 2 segments of 18992, 0.29 GiB
+    (4096, 75968, 2, "group"),   # a shard of two: 4 segments of 18992, 0.58 GiB
+    (1024, 151643, 1, "call"),   # unpadded: one segment TMA cannot read in place
+    (4096, 152064, 1, None),     # whole tiles, read in place: no copy
+    (4096, 62080, 4, None)])     # Qwen3.5's 248320 over 4: whole tiles
+def test_objective_weight_copy_at_the_shapes_users_run(depth, columns, shards, want,
+                                                       monkeypatch):
+  """Where the fused objective path copies a weight its kernel cannot read in place, on a
+  Hopper GPU at real shapes (T = 32768, several groups; a shard's segments as the sharded
+  call tiles them): once a call where the copy fits ``LINEAR_OBJECTIVE_COPY_BYTES``, once
+  a group past it, never where the kernel reads the weight in place. One group needs no
+  copy made before it."""
+  monkeypatch.setattr(plan, "target", lambda *a, mesh=None: HOPPER)
+  mesh = Mesh(np.array(devices(shards)), ("vocab",))
+  weight = jax.ShapeDtypeStruct((depth, columns * shards), jnp.bfloat16)
+  objective = lambda logp, entropy: logp
+  for tokens, where in ((32768, want), (256, want and "group")):
+    hidden = jax.ShapeDtypeStruct((tokens, depth), jnp.bfloat16)
+    labels = jax.ShapeDtypeStruct((tokens,), jnp.int32)
+    call = lambda h, w, lab: jaxce.sharded_linear_token_loss(objective, h, w, lab, mesh=mesh,
+                                                             vocab_axis="vocab")
+    got = plan.of(call, hidden, weight, labels)
+    assert got.backend == "mosaic" and got.weight_copy == where, (tokens, got)
 
 
 @pytest.mark.parametrize("tokens", [8184, 16192, 32760, 100000, 262144])

@@ -117,6 +117,26 @@ def test_the_same_bits_on_shards_of_partial_tiles(path, options):
   _check_same_bits(path, PARTIAL_TILES, options)
 
 
+@pytest.mark.parametrize("options", ["temperature+softcap", "kept sets"])
+def test_the_objective_paths_bits_in_groups_on_shards_of_partial_tiles(options, monkeypatch):
+  """The objective path in groups of 256 tokens (4 on a GPU, 2 off GPUs, the last clamped
+  back), over Qwen3's 151936 columns (off GPUs 640): each shard's segments are copied out
+  once a call, before the groups (the plan's ``weight_copy``), inside ``shard_map`` as on
+  one device, and a token's bits are the same at every shard count."""
+  columns = PARTIAL_TILES
+  for platform in ("cpu", "gpu"):
+    monkeypatch.setitem(jaxce.plan.LINEAR_OBJECTIVE_GRAD_BYTES, platform, 256 * 2 * columns // 4)
+  inputs = _inputs(columns)
+  for shards in (1,) + tuple(n for n in SHARD_COUNTS if n <= jax.device_count()):
+    mesh = Mesh(np.array(devices(shards)), ("v",))
+    got = jaxce.plan.of(
+        lambda h, w: jaxce.sharded_linear_token_loss(
+            lambda logp, entropy: logp, h, w, inputs["labels"], mesh=mesh, vocab_axis="v",
+            implementation="mosaic"), inputs["hidden"], inputs["weight"])
+    assert (got.grad_chunk, got.weight_copy) == (256, "call"), (shards, got)
+  _check_same_bits("objective", columns, options)
+
+
 @pytest.mark.parametrize("shards", SHARD_COUNTS)
 @pytest.mark.parametrize("layout", ["dv", "vd"])
 @pytest.mark.parametrize("path", ["per-token", "objective"])

@@ -898,7 +898,7 @@ def test_objective_copies_its_weight_once_a_call_or_once_a_group(columns, monkey
     copies = _weight_copies(jax.make_jaxpr(step)(hidden, weight), {b.shape for b in blocks})
     assert copies == len(blocks) * (1 if where == "call" else 3), (where, copies, len(blocks))
     results[where] = jax.tree.leaves(jax.jit(step)(hidden, weight))
-  bits = lambda a: np.asarray(a).reshape(-1).view(f"u{a.dtype.itemsize}")
+  bits = lambda x: np.asarray(x).reshape(-1).view(f"u{x.dtype.itemsize}")
   for got, want in zip(results["call"], results["group"]):
     assert got.dtype == want.dtype and np.array_equal(bits(got), bits(want))
 

@@ -103,7 +103,8 @@ def _run(objective, hidden, weight, bias, tokens, token_args, config, with_grads
   # matmul keeps its rows and the kernel takes at least its 256 and a multiple of 8)
   padded = config.plan.rows
   call = _Call(objective, weight, bias, _matmul_weight(weight, config),
-               _weight_blocks(weight, config), config, softmax.shard_column_start(num_columns, config.vocab_axis), with_grads,
+               _weight_blocks(weight, config), config,
+               softmax.shard_column_start(num_columns, config.vocab_axis), with_grads,
                chunking.pad_rows(hidden, padded), tokens.padded(padded),
                tuple(chunking.pad_rows(a, padded) for a in token_args), primals)
   hidden, tokens = call.hidden, call.tokens

@@ -814,10 +814,8 @@ def _segment_statistics(layout, hidden, weight, labels, inv_temp, limit, kept, *
   ordered = blocks is None and bool(plumbing.varying_axes(weight))
   after = None
   for i, (span, first) in enumerate(calls):
-    if blocks is None:
-      columns = _span_columns(span, first, weight, vocab_dim, after)
-    else:
-      columns = blocks[i]
+    columns = (_span_columns(span, first, weight, vocab_dim, after) if blocks is None
+               else blocks[i])
     left, done = span_statistics(span, first, columns)
     after = done if ordered else None
   if not with_exp:

@@ -357,8 +357,7 @@ def _objective_plan(options, shard: Shard, head: dict, head_reason) -> Objective
     kernel_chunk = chunk
     weight_dtype = shard.dtypes[-1]
     layout = mosaic_tile.segments(num_columns, shard.num_shards)
-    copy_bytes = (mosaic_head.weight_blocks_bytes(num_columns, shard.depth, weight_dtype,
-                                                  shard.num_shards)
+    copy_bytes = (mosaic_head.weight_blocks_bytes(layout, shard.depth, weight_dtype)
                   if mosaic_head.reads_in_blocks(num_columns, weight_dtype, options.vocab_dim,
                                                  layout) else None)
     weight_copy = linear_objective_weight_copy(

@@ -635,7 +635,19 @@ def test_each_tokens_bits_do_not_depend_on_the_call():
   assert plan.invariant_to == ("tokens", "chunking", "differentiation", "constants")
 
 
-def _kernel_rows(jaxpr, dim, times=1):
+def _equations(jaxpr, times=1):
+  """``(equation, times it runs)`` for every equation of a traced program and of the jaxprs
+  in its parameters (kernels' bodies too), scans' trip counts included."""
+  for eqn in getattr(jaxpr, "jaxpr", jaxpr).eqns:
+    yield eqn, times
+    inner_times = times * eqn.params.get("length", 1) if eqn.primitive.name == "scan" else times
+    for param in eqn.params.values():
+      for sub in (param if isinstance(param, (tuple, list)) else (param,)):
+        if hasattr(getattr(sub, "jaxpr", sub), "eqns"):
+          yield from _equations(sub, inner_times)
+
+
+def _kernel_rows(jaxpr, dim):
   """``{"forward": rows x columns, "backward": rows x columns}``: the matmul work of the
   fused head's Mosaic kernels a traced program runs (each call's rows rounded up to its
   row blocks, ``mosaic_head.row_blocks``, times the columns of its ``[dim, V]`` weight
@@ -643,7 +655,7 @@ def _kernel_rows(jaxpr, dim, times=1):
   operand is ``hidden``'s ``[C, dim]`` rows; the backward's write ``[C, Vb]`` d logits,
   the forward's their statistics (``[tiles, 4, C]``, or into an array in place)."""
   rows = {"forward": 0, "backward": 0}
-  for eqn in getattr(jaxpr, "jaxpr", jaxpr).eqns:
+  for eqn, times in _equations(jaxpr):
     first = eqn.invars[0].aval if eqn.invars else None
     if (eqn.primitive.name in ("pallas_call", "mpmd_map") and first.ndim == 2
         and first.shape[1] == dim and first.dtype == jnp.bfloat16):
@@ -651,13 +663,6 @@ def _kernel_rows(jaxpr, dim, times=1):
       rows["backward" if backward else "forward"] += (
           times * mosaic_head.row_blocks(first.shape[0]) * mosaic_head.CONFIG.min_rows
           * eqn.invars[1].aval.shape[1])
-      continue
-    inner_times = times * eqn.params.get("length", 1) if eqn.primitive.name == "scan" else times
-    for param in eqn.params.values():
-      for sub in (param if isinstance(param, (tuple, list)) else (param,)):
-        if hasattr(getattr(sub, "jaxpr", sub), "eqns"):
-          for kind, n in _kernel_rows(sub, dim, inner_times).items():
-            rows[kind] += n
   return rows
 
 
@@ -842,20 +847,13 @@ def test_objective_gradients_from_the_kernels_terms_match_float64(weight_layout,
   assert np.all(np.asarray(grads[0])[:20] == 0), "ignored tokens get exactly 0"
 
 
-def _weight_copies(jaxpr, shapes, times=1):
+def _weight_copies(jaxpr, shapes):
   """How many arrays of the ``shapes`` of a weight's vocab blocks a traced program copies
   out (the concatenate of a block's pieces, the pad of a lone piece), scans' trip counts
   included."""
-  total = 0
-  for eqn in getattr(jaxpr, "jaxpr", jaxpr).eqns:
-    total += times * (eqn.primitive.name in ("concatenate", "pad")
-                      and eqn.outvars[0].aval.shape in shapes)
-    inner_times = times * eqn.params.get("length", 1) if eqn.primitive.name == "scan" else times
-    for param in eqn.params.values():
-      for sub in (param if isinstance(param, (tuple, list)) else (param,)):
-        if hasattr(getattr(sub, "jaxpr", sub), "eqns"):
-          total += _weight_copies(sub, shapes, inner_times)
-  return total
+  return sum(times for eqn, times in _equations(jaxpr)
+             if eqn.primitive.name in ("concatenate", "pad")
+             and eqn.outvars[0].aval.shape in shapes)
 
 
 @pytest.mark.parametrize("columns", [1408, 391])
@@ -879,7 +877,8 @@ def test_objective_copies_its_weight_once_a_call_or_once_a_group(columns, monkey
   objective = lambda logp, entropy, a, b: a * logp + b * entropy
   options = dict(temperature=rng.uniform(0.6, 1.5, tokens), logit_softcap=20.0,
                  vocab_size=columns - 9, keep=jaxce.keep.pack(mask), implementation="mosaic")
-  copy_bytes = mosaic_head.weight_blocks_bytes(columns, dim, jnp.bfloat16)
+  copy_bytes = mosaic_head.weight_blocks_bytes(mosaic_tile.segments(columns), dim,
+                                               jnp.bfloat16)
   results = {}
   for budget, where in ((copy_bytes, "call"), (copy_bytes - 1, "group")):
     monkeypatch.setitem(jaxce.plan.LINEAR_OBJECTIVE_COPY_BYTES, "cpu", budget)

@@ -847,12 +847,11 @@ def weight_blocks(weight, *, num_rows, vocab_dim, num_cores, layout=None):
                _segment_calls(layout, num_rows, depth, weight.dtype, num_cores))
 
 
-def weight_blocks_bytes(num_columns: int, depth: int, dtype, num_shards: int = 1) -> int:
+def weight_blocks_bytes(layout: mosaic_tile.Segments, depth: int, dtype) -> int:
   """The bytes of ``weight_blocks``' copy of a ``[D, V_local]`` (or ``[V_local, D]``)
-  weight of ``num_columns`` columns, ``depth`` ``D`` and ``dtype``: its segments (those of
-  ``num_shards`` shards) in whole tiles."""
-  return (mosaic_tile.segments(num_columns, num_shards).num_tiles * TILE_N * depth
-          * jnp.dtype(dtype).itemsize)
+  weight of ``layout``'s segments, ``depth`` ``D`` and ``dtype``: its segments in whole
+  tiles."""
+  return layout.num_tiles * TILE_N * depth * jnp.dtype(dtype).itemsize
 
 
 def _segment_calls(layout, num_rows, depth, dtype, num_cores):

@@ -33,18 +33,31 @@ MESHES = [((4,), ("v",), "v", "v", "dv"),
           ((2, 2), ("data", "v"), ("data", "v"), ("v",), "vd")]
 
 
-@pytest.mark.parametrize("shape,names,batch_axis,vocab_axis,layout,kept",
-                         [m + (False,) for m in MESHES] + [MESHES[1] + (True,)])
-def test_token_split_matches_reference(shape, names, batch_axis, vocab_axis, layout, kept):
+def _as_sequences(leading, hidden, labels, *token_dicts):
+  """The problem's tokens as ``leading`` dims (sequences of tokens, ``[B, S]``): hidden
+  ``[B, S, D]``, every per-token array ``[B, S]``; the dicts' arrays reshaped in place."""
+  for d in token_dicts:
+    d.update({k: np.reshape(v, leading) for k, v in d.items() if np.ndim(v) == 1})
+  return hidden.reshape(leading + hidden.shape[-1:]), labels.reshape(leading)
+
+
+@pytest.mark.parametrize("shape,names,batch_axis,vocab_axis,layout,kept,leading",
+                         [m + (False, None) for m in MESHES] + [MESHES[1] + (True, None)]
+                         + [MESHES[1] + (False, (8, 3)), MESHES[0] + (False, (4, 6))])
+def test_token_split_matches_reference(shape, names, batch_axis, vocab_axis, layout, kept,
+                                       leading):
   """Outputs, ``d hidden`` and ``d W`` of the token-split layout equal the unsharded
-  float64 reference, with and without kept sets, and the outputs come back split like
-  the tokens."""
+  float64 reference, with and without kept sets, with the tokens as sequences (``[B, S,
+  D]`` hidden states split by sequence: each device's own rows are its sequences' tokens),
+  and the outputs come back split like the tokens."""
   mesh = Mesh(np.array(devices(int(np.prod(shape)))).reshape(shape), names)
   rng, hidden, weight, labels, loss_kw, kw = _problem(len(shape), num_columns=512)
   if kept:
     sets = rng.random((labels.size, 512)) < 0.3
     sets[np.arange(labels.size), np.maximum(labels, 0)] = True
     kw["keep"] = np.asarray(jaxce.keep.pack(jnp.asarray(sets)))
+  if leading:
+    hidden, labels = _as_sequences(leading, hidden, labels, loss_kw, kw)
   stored = (lambda w: w) if layout == "dv" else (lambda w: w.T)
   f = lambda h, w, labels, **k: jaxce.sharded_linear_logprobs_and_entropy(
       h, stored(w), labels, mesh=mesh, vocab_axis=vocab_axis, batch_axis=batch_axis,
@@ -62,12 +75,16 @@ def test_token_split_matches_reference(shape, names, batch_axis, vocab_axis, lay
   assert logp.sharding.spec[0] == batch_axis, logp.sharding
 
 
-@pytest.mark.parametrize("shape,names,batch_axis,vocab_axis,layout", MESHES[:2])
-def test_token_split_objective_matches_reference(shape, names, batch_axis, vocab_axis, layout):
+@pytest.mark.parametrize("shape,names,batch_axis,vocab_axis,layout,leading",
+                         [m + (None,) for m in MESHES[:2]] + [MESHES[1] + ((8, 3),)])
+def test_token_split_objective_matches_reference(shape, names, batch_axis, vocab_axis, layout,
+                                                 leading):
   """The fused objective path in the token-split layout: the loss (each token once) and
-  its gradients equal the unsharded call's in float64."""
+  its gradients equal the unsharded call's in float64, tokens as sequences too."""
   mesh = Mesh(np.array(devices(int(np.prod(shape)))).reshape(shape), names)
   rng, hidden, weight, labels, _, kw = _problem(10 + len(shape))
+  if leading:
+    hidden, labels = _as_sequences(leading, hidden, labels, kw)
   advantages = rng.normal(size=labels.shape)
   objective = lambda logp, entropy, adv: -adv * logp - 0.01 * entropy
   sharded = lambda h, w: jaxce.sharded_linear_token_loss(
@@ -218,15 +235,23 @@ ORDERS = [pytest.param(48, 512, id="vocab-outer"), pytest.param(96, 128, id="tok
 
 
 @pytest.mark.parametrize("tokens,columns", ORDERS)
-@pytest.mark.parametrize("path", ["fused", "kept-ids", "objective"])
-def test_token_split_is_the_replicated_layouts_bits(path, tokens, columns):
+@pytest.mark.parametrize("path,sequences", [("fused", None), ("kept-ids", None),
+                                            ("objective", None), ("fused", 8),
+                                            ("objective", 8)])
+def test_token_split_is_the_replicated_layouts_bits(path, sequences, tokens, columns):
   """The token-split layout sums ``d hidden`` over the vocabulary shards as the replicated
   layout does (in f32, rounded once to hidden's dtype), then keeps its own tokens' rows:
   outputs, ``d hidden`` and ``d W`` are the replicated call's bits, in bf16 on 4 shards,
-  in both backward orders, on the fused, kept-ids and objective paths. (Before, the
-  shards' parts were rounded to bf16 and then summed in bf16 by the gather's transpose.)"""
+  in both backward orders, on the fused, kept-ids and objective paths, and with the tokens
+  as ``sequences`` (``[B, S, D]``, 2 sequences a device). (Before, the shards' parts were
+  rounded to bf16 and then summed in bf16 by the gather's transpose; and a device's own
+  rows of ``[B, S, D]`` were taken as ``B`` tokens, not ``B * S``.)"""
   mesh = Mesh(np.array(devices(4)), ("v",))
   hidden, weight, labels, cot, rng = _bf16_problem(7, tokens, 64, columns)
+  if sequences:
+    leading = (sequences, tokens // sequences)
+    hidden, labels, cot = (hidden.reshape(leading + (64,)), labels.reshape(leading),
+                           cot.reshape((2,) + leading))
   kw = dict(vocab_block_size=32, chunk_size=16) if path != "objective" else {}
   if path == "kept-ids":
     kw["keep"] = jaxce.keep.KeptIds(ids=jnp.asarray(rng.integers(0, columns, 40), jnp.int32),

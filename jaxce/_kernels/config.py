@@ -219,7 +219,8 @@ class ObjectivePlan(LinearPlan):
 class Gathered(NamedTuple):
   """The token-split layout's gather (``plumbing.gather_rows``): the mesh ``axes`` the
   hidden states were gathered over, in the order it names them, and ``rows``, each
-  device's own rows (the gathered array's first ``rows * n``)."""
+  device's own rows as the kernels see them, its tokens flattened (``B * S`` for its
+  ``[B, S, D]``; the gathered ``[T, D]``'s first ``rows * n``)."""
   axes: tuple
   rows: int
 

@@ -15,8 +15,10 @@
 #   bash bench/gpu_session.sh shards-more  # 4 GPUs: gpu-shards-more (V = 248320, T = 262144,
 #                                          # the 2 x 2 data x vocab mesh)
 #   bash bench/gpu_session.sh grpo-meshes [small|medium]  # the GRPO step on 1 x 1, 2 x n/2
-#                                          # (2 x 1 on 2 GPUs) and 1 x n meshes (ATTENTION=cudnn:
-#                                          # the model's attention on cuDNN)
+#                                          # (2 x 1 on 2 GPUs) and 1 x n meshes, the last two
+#                                          # also sequence parallel (":sp"; MESHES=... picks
+#                                          # others; ATTENTION=cudnn: the model's attention on
+#                                          # cuDNN)
 #   bash bench/gpu_session.sh profile-shards  # a host of several GPUs: each sharded path's
 #                                          # GPU time by kind of kernel at 1, 2, 4 GPUs
 #
@@ -90,9 +92,10 @@ case "$MODE" in
     n=$(nvidia-smi -L | grep -c "^GPU ")
     case $n in
       1) meshes="1x1" ;;
-      2) meshes="1x1,2x1,1x2" ;;
-      *) meshes="1x1,2x$(( n / 2 )),1x$n" ;;
+      2) meshes="1x1,2x1,1x2,1x2:sp" ;;
+      *) meshes="1x1,2x$(( n / 2 )),2x$(( n / 2 )):sp,1x$n,1x$n:sp" ;;
     esac
+    meshes=${MESHES:-$meshes}
     "$PY" -m bench.grpo_step --sizes "${1:-small}" --meshes "$meshes" \
       ${ATTENTION:+--attention "$ATTENTION"} --timeout "$(left)" --out "$DIR" \
       2>>"$LOG" | tee -a "$LOG"

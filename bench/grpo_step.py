@@ -7,10 +7,13 @@ path, written to bench/out/<device>-grpo_step.json (.md).
     python -m bench.grpo_step --reports small=a.json,medium=b.json  # tabulate gpu_run's reports
     python -m bench.grpo_step --sizes medium --merge         # add a size to the file there
     python -m bench.grpo_step --meshes 1x1,2x2               # 1 GPU, then 2 x 2 (data x vocab)
+    python -m bench.grpo_step --meshes 1x1,2x2,2x2:sp        # and sequence parallel on 2 x 2
     python -m bench.grpo_step --attention cudnn              # the model's attention on cuDNN
 
 Each size (and each mesh of ``--meshes``, ``DATAxVOCAB`` over the first ``DATA * VOCAB``
-devices; default: one ``1 x n`` mesh over every visible device) is one ``python -m
+devices; default: one ``1 x n`` mesh over every visible device; ``DATAxVOCAB:sp`` in the
+sequence-parallel layout, ``GRPOConfig.sequence_parallel``: the batch split over every
+device, the token embedding's rows over vocab) is one ``python -m
 examples.gpu_run`` (each path in its own fresh process: median
 step time, median scoring time, peak device memory; see examples/gpu_run.py), given
 ``--timeout`` seconds. The JSON holds one row per (size, path) and the raw gpu_run reports;
@@ -60,7 +63,8 @@ def parse_args(argv=None):
   p.add_argument("--reports", help="comma list of SIZE=FILE: tabulate these gpu_run reports "
                  "(the sizes' flags, JAXCE_COMMIT the commit they ran) instead of running")
   p.add_argument("--meshes", default="", help="comma list of DATAxVOCAB meshes, each over "
-                 "the first DATA * VOCAB devices (default: 1 x every visible device)")
+                 "the first DATA * VOCAB devices (default: 1 x every visible device); "
+                 "DATAxVOCAB:sp in the sequence-parallel layout")
   p.add_argument("--attention", choices=("xla", "cudnn"), default="xla",
                  help="the model's attention: XLA's (the default: the [B, heads, S, S] "
                  "scores materialized) or cuDNN's flash attention (GPUs)")
@@ -72,11 +76,10 @@ def parse_args(argv=None):
     args.reports = dict(item.split("=", 1) for item in args.reports.split(","))
     args.sizes = ",".join(args.reports)
   try:
-    args.meshes = [tuple(int(n) for n in m.split("x")) for m in args.meshes.split(",") if m]
+    args.meshes = [parse_mesh(m) for m in args.meshes.split(",") if m]
   except ValueError:
-    p.error(f"--meshes takes DATAxVOCAB items (1x1,2x2), got {args.meshes!r}")
-  if any(len(m) != 2 or min(m) < 1 for m in args.meshes):
-    p.error(f"--meshes takes DATAxVOCAB items of positive sizes, got {args.meshes}")
+    p.error(f"--meshes takes DATAxVOCAB or DATAxVOCAB:sp items (1x1,2x2,2x2:sp) of positive "
+            f"sizes, got {args.meshes!r}")
   if args.reports and args.meshes:
     p.error("--reports tabulates gpu_run's reports as they ran: give no --meshes")
   unknown = [s for s in args.sizes.split(",") if s not in SIZES]
@@ -87,13 +90,29 @@ def parse_args(argv=None):
   return args
 
 
+def parse_mesh(text: str) -> tuple:
+  """``"2x2"`` -> ``(2, 2, False)``, ``"2x2:sp"`` -> ``(2, 2, True)`` (data, vocab, whether
+  sequence parallel); ValueError for anything else."""
+  shape, _, layout = text.partition(":")
+  data, vocab = (int(n) for n in shape.split("x"))
+  if min(data, vocab) < 1 or layout not in ("", "sp"):
+    raise ValueError(text)
+  return data, vocab, layout == "sp"
+
+
+def mesh_name(mesh) -> str:
+  """``(2, 2, True)`` -> ``"2x2:sp"``, as ``--meshes`` takes it."""
+  return f"{mesh[0]}x{mesh[1]}" + (":sp" if mesh[2] else "")
+
+
 def gpu_run(size: dict, paths, timeout: float, mesh=None) -> dict:
   """The report of ``python -m examples.gpu_run`` at ``size`` (its flags) for ``paths``,
-  on ``mesh`` (``(data, vocab)`` over the first ``data * vocab`` devices; None: ``1 x``
-  every visible device), or ``{"error": ...}`` when it wrote none."""
+  on ``mesh`` (``(data, vocab, sequence_parallel)`` over the first ``data * vocab``
+  devices; None: ``1 x`` every visible device), or ``{"error": ...}`` when it wrote none."""
   flags = [x for k, v in size.items() for x in (f"--{k.replace('_', '-')}", str(v))]
   if mesh:
     flags += ["--devices", str(mesh[0] * mesh[1]), "--data", str(mesh[0])]
+    flags += ["--sequence-parallel"] * mesh[2]
   with tempfile.TemporaryDirectory() as tmp:
     out = os.path.join(tmp, "gpu_run.json")
     cmd = [sys.executable, "-m", "examples.gpu_run", *flags, "--paths", ",".join(paths),
@@ -119,12 +138,16 @@ def is_oom(error) -> bool:
 def make_row(name: str, size: dict, path: str, result: dict, commit: str = "",
              mesh=None) -> dict:
   """One (size, path) row from gpu_run's result for the path (device 0's bytes), run at
-  ``commit``; with ``mesh`` (data, vocab) given, the row names it."""
+  ``commit``; with ``mesh`` (data, vocab, sequence_parallel) given, the row names it. The
+  attention is the one the measuring process reports it ran."""
   first = lambda key: (result.get(key) or [None])[0]
-  return dict(size=name, path=path, commit=commit, **({"mesh": list(mesh)} if mesh else {}),
+  layout = {}
+  if mesh:
+    layout = dict(mesh=list(mesh[:2]), **({"sequence_parallel": True} if mesh[2] else {}))
+  return dict(size=name, path=path, commit=commit, **layout,
               d_model=size["d_model"], layers=size["layers"],
               heads=size["heads"], sequences=size["sequences"], seq_len=size["seq_len"],
-              attention=size.get("attention", "xla"),
+              attention=result.get("attention", size.get("attention", "xla")),
               tokens_per_step=size["sequences"] * (size["seq_len"] - 1),
               step_ms_median=result.get("step_ms_median"),
               score_ms_median=result.get("score_ms_median"),
@@ -176,12 +199,12 @@ def markdown(results: dict) -> str:
            "state and the batch."]
   columns = ["path", "step ms", "× plain JAX step", "scoring ms", "× plain scoring",
              "peak GiB", "× plain peak", "peak − before steps GiB", "× plain"]
-  group = lambda r: (r["size"], tuple(r.get("mesh") or ()))
-  for name, mesh in dict.fromkeys(group(r) for r in results["rows"]):
-    rows = [r for r in results["rows"] if group(r) == (name, mesh)]
+  group = lambda r: (r["size"], tuple(r.get("mesh") or ()), r.get("sequence_parallel", False))
+  for name, mesh, parallel in dict.fromkeys(group(r) for r in results["rows"]):
+    rows = [r for r in results["rows"] if group(r) == (name, mesh, parallel)]
     plain = next((r for r in rows if r["path"] == "plain" and not r["error"]), {})
     batch = ["largest batch"] if any("largest_batch_stop" in r for r in rows) else []
-    one = {r["path"]: r for r in results["rows"] if group(r) == (name, (1, 1))}
+    one = {r["path"]: r for r in results["rows"] if group(r) == (name, (1, 1), False)}
     versus_one = ["step × 1 device", "peak × 1 device"] if one and mesh != (1, 1) else []
     r0 = rows[0]
     attention = r0.get("attention", "xla")
@@ -191,6 +214,8 @@ def markdown(results: dict) -> str:
               f"({r0['tokens_per_step']} a step), V = {results['vocab']}"
               + (f", {mesh[0] * mesh[1]} device(s): {mesh[0]} × {mesh[1]} (data × vocab)"
                  if mesh else "")
+              + (", sequence parallel (the batch over every device, the token embedding's "
+                 "rows over vocab)" if parallel else "")
               + (f" (commit {r0['commit'][:7]})" if r0.get("commit", results["commit"])
                  != results["commit"] else ""), "",
               "| " + " | ".join(columns + versus_one + batch) + " |",
@@ -257,9 +282,9 @@ def main(argv=None):
         raise SystemExit(f"{args.reports[name]} ran {report['config']}, not {name}: {size}")
     else:
       print(f"{name}: python -m examples.gpu_run {size}"
-            + (f" on a {mesh[0]} x {mesh[1]} mesh" if mesh else ""), flush=True)
+            + (f" on a {mesh_name(mesh)} mesh" if mesh else ""), flush=True)
       report = gpu_run(size, args.paths.split(","), args.timeout, mesh)
-      runs[name if mesh is None else f"{name} {mesh[0]}x{mesh[1]}"] = report
+      runs[name if mesh is None else f"{name} {mesh_name(mesh)}"] = report
     facts.update({k: report[k] for k in ("device", "platform", "jax", "flax")
                   if k in report and k not in facts})
     if "num_devices" in report:  # (the run's most devices: its slug)

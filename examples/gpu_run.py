@@ -56,11 +56,17 @@ def parse_args(argv=None):
                  help="the first N visible devices (0: all of them)")
   p.add_argument("--data", type=int, default=1,
                  help="the mesh's data axis (the rest of the devices: its vocab axis)")
+  p.add_argument("--sequence-parallel", action="store_true",
+                 help="the batch split over every device (data and vocab), the token "
+                 "embedding's rows over vocab (GRPOConfig.sequence_parallel)")
   p.add_argument("--child", default=None, help=argparse.SUPPRESS)  # path, in the child
   args = p.parse_args(argv)
   if args.data < 1 or args.sequences % args.data or args.devices < 0:
     p.error(f"--data must be >= 1 and divide --sequences, got --data {args.data}, "
             f"--sequences {args.sequences} (and --devices >= 0, got {args.devices})")
+  if args.sequence_parallel and args.devices and args.sequences % args.devices:
+    p.error(f"--sequence-parallel splits the --sequences ({args.sequences}) over every one "
+            f"of the --devices ({args.devices}): they must divide them")
   return args
 
 
@@ -80,7 +86,7 @@ def measure(args, path: str) -> dict:
 
   from examples import model as model_lib
   from examples.loss import GRPOConfig
-  from examples.train import Runner, make_mesh, make_optimizer, param_shardings
+  from examples.train import Runner, make_mesh, make_optimizer
   from examples.train import synthetic_rollouts
 
   devices = jax.devices()[:args.devices or None]
@@ -91,15 +97,16 @@ def measure(args, path: str) -> dict:
       vocab_size=args.vocab, d_model=args.d_model, num_layers=args.layers,
       num_heads=args.heads, max_len=args.seq_len, dtype=jnp.bfloat16,
       attention=args.attention)
-  cfg = GRPOConfig(path=path, temperature=0.7, kl_coef=0.04, entropy_coef=0.01)
+  cfg = GRPOConfig(path=path, temperature=0.7, kl_coef=0.04, entropy_coef=0.01,
+                   sequence_parallel=args.sequence_parallel)
   graphdef = model_lib.abstract_graphdef(model_cfg)
   abstract = nnx.state(nnx.eval_shape(lambda: model_lib.CausalLM(model_cfg, rngs=nnx.Rngs(0))),
                        nnx.Param)
+  runner = Runner(graphdef, cfg, make_optimizer("adam", 1e-5), mesh=mesh)
   # Initialized where it lives: each device computes its own shard, nothing on the host.
   init = jax.jit(lambda: model_lib.init(model_cfg, 0)[1],
-                 out_shardings=param_shardings(abstract, mesh))
+                 out_shardings=runner.param_shardings(abstract))
   params, ref_params = init(), init()
-  runner = Runner(graphdef, cfg, make_optimizer("adam", 1e-5), mesh=mesh)
   rollouts = synthetic_rollouts(0, num_prompts=args.sequences // 2, group_size=2,
                                 seq_len=args.seq_len, vocab_size=args.vocab)
   tokens, mask, advantages = runner.place_rows(*rollouts)
@@ -121,6 +128,7 @@ def measure(args, path: str) -> dict:
   peak = [bytes_of(s, "peak_bytes_in_use") for s in peak]
   return dict(
       path=path, mesh=[args.data, len(devices) // args.data],
+      sequence_parallel=args.sequence_parallel, attention=args.attention,
       tokens_per_step=int(np.prod(np.shape(rollouts[1]))),
       valid_tokens=int(np.sum(rollouts[1])),
       step_ms_median=float(np.median(step_ms[args.warmup:])), step_ms=step_ms,
@@ -155,8 +163,9 @@ def gib(n):
 def child_argv(args, path: str, out: str):
   """The flags of this run for the child that measures ``path``."""
   sizes = ("vocab", "d_model", "layers", "heads", "sequences", "seq_len", "warmup", "steps",
-           "devices", "data")
+           "devices", "data", "attention")
   argv = [x for k in sizes for x in (f"--{k.replace('_', '-')}", str(getattr(args, k)))]
+  argv += ["--sequence-parallel"] * args.sequence_parallel
   return argv + ["--child", path, "--out", out]
 
 

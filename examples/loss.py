@@ -15,7 +15,11 @@ so the paths can be compared number for number:
 
 With a ``mesh`` (axes ``"data"`` and ``"vocab"``), arrays are global and sharded: the batch
 over ``data``, the LM head kernel's columns over ``vocab``; the jaxce paths run inside
-``shard_map`` through ``jaxce.sharded_*``, the plain path is left to the compiler.
+``shard_map`` through ``jaxce.sharded_*``, the plain path is left to the compiler. With
+``GRPOConfig.sequence_parallel`` the batch is split over both axes instead, as sequence
+parallelism leaves it (the model body runs each device's own tokens): the jaxce fused paths
+take that layout as it is (``batch_axis=("data", "vocab")``), the logits and plain paths
+gather the hidden states over ``vocab`` before the LM head, as Megatron's output layer does.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jaxce
 from examples.model import lm_head_kernel
@@ -70,6 +75,9 @@ class GRPOConfig:
     log_entropy: compute the entropy as a metric even when ``entropy_coef == 0``. It is
       free in the backward: jaxce's backward skips the entropy work when the entropy
       gets no gradient (a symbolic-zero cotangent).
+    sequence_parallel: on a mesh, the batch is split over ``data`` and ``vocab`` together
+      (each device runs the model body on its own sequences), not over ``data`` alone (the
+      body repeated on every ``vocab`` device); the batch must divide over all devices.
   """
   path: str = "objective"
   temperature: float = 1.0
@@ -77,6 +85,7 @@ class GRPOConfig:
   kl_coef: float = 0.04
   entropy_coef: float = 0.0
   log_entropy: bool = True
+  sequence_parallel: bool = False
 
 
 def plain_logprobs_and_entropy(logits, labels, *, temperature, where, return_entropy=True):
@@ -95,8 +104,17 @@ def plain_logprobs_and_entropy(logits, labels, *, temperature, where, return_ent
   return logp, jnp.where(where, -jnp.sum(jnp.exp(log_p) * log_p, axis=-1), 0)
 
 
+def token_axes(mesh, sequence_parallel: bool = False):
+  """The mesh axes the batch's rows are split over: ``"data"``, or with
+  ``sequence_parallel`` ``("data", "vocab")`` (the vocab axis last, as jaxce's token-split
+  layout takes it); None without a mesh."""
+  if mesh is None:
+    return None
+  return (DATA, VOCAB) if sequence_parallel else DATA
+
+
 def token_logprobs(model, tokens, mask, *, path="linear", temperature=1.0, return_entropy=True,
-                   mesh=None):
+                   mesh=None, sequence_parallel=False):
   """Log-prob of every next token, and the entropy of the distribution it was drawn from.
 
   Args:
@@ -108,6 +126,8 @@ def token_logprobs(model, tokens, mask, *, path="linear", temperature=1.0, retur
     return_entropy: False skips the entropy (forward and backward).
     mesh: a ``jax.sharding.Mesh`` with axes ``("data", "vocab")`` for global sharded arrays,
       or None on one device (and under ``pmap``, where each device holds its batch shard).
+    sequence_parallel: with ``mesh``, the rows are split over both axes
+      (:func:`token_axes`).
 
   Returns:
     ``(logp, entropy)`` float32 ``[B, S-1]`` (``entropy`` None without ``return_entropy``).
@@ -115,11 +135,19 @@ def token_logprobs(model, tokens, mask, *, path="linear", temperature=1.0, retur
   hidden = model.hidden_states(tokens[:, :-1])
   labels = tokens[:, 1:]
   kw = dict(temperature=temperature, where=mask, return_entropy=return_entropy)
-  sharding = {} if mesh is None else dict(mesh=mesh, vocab_axis=VOCAB, batch_axis=DATA)
+  rows = token_axes(mesh, sequence_parallel)
+  sharding = {} if mesh is None else dict(mesh=mesh, vocab_axis=VOCAB, batch_axis=rows)
   if path in ("linear", "objective"):  # the objective path scores with the fused head too
     fused = _JAXCE["linear"][mesh is not None]
     return fused(hidden, lm_head_kernel(model), labels, **sharding, **kw)
+  if mesh is not None and sequence_parallel:  # gather the rows over vocab for the logits
+    hidden = jax.lax.with_sharding_constraint(hidden, NamedSharding(mesh, P(DATA)))
+    labels, mask = (jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P(DATA)))
+                    for x in (labels, mask))
+    kw["where"], sharding["batch_axis"] = mask, DATA
   logits = model.lm_head(hidden)  # [B, S-1, V]: the array the fused path never builds
+  if mesh is not None and sequence_parallel:  # (and its gradient: rows over data alone)
+    logits = jax.lax.with_sharding_constraint(logits, NamedSharding(mesh, P(DATA, None, VOCAB)))
   if path == "logits":
     return _JAXCE[path][mesh is not None](logits, labels, **sharding, **kw)
   if path == "plain":  # with a mesh, the compiler partitions it
@@ -131,7 +159,8 @@ def policy_logprobs(params, tokens, mask, *, graphdef, cfg: GRPOConfig, mesh=Non
   """No-gradient log-probs ``[B, S-1]`` (old policy, reference policy): no entropy work."""
   model = nnx.merge(graphdef, params)
   logp, _ = token_logprobs(model, tokens, mask, path=cfg.path, temperature=cfg.temperature,
-                           return_entropy=False, mesh=mesh)
+                           return_entropy=False, mesh=mesh,
+                           sequence_parallel=cfg.sequence_parallel)
   return jax.lax.stop_gradient(logp)
 
 
@@ -167,7 +196,7 @@ def grpo_loss(params, graphdef, batch: Batch, cfg: GRPOConfig, mesh=None):
   with_entropy = cfg.entropy_coef != 0 or cfg.log_entropy
   logp, entropy = token_logprobs(model, batch.tokens, batch.mask, path=cfg.path,
                                  temperature=cfg.temperature, return_entropy=with_entropy,
-                                 mesh=mesh)
+                                 mesh=mesh, sequence_parallel=cfg.sequence_parallel)
   adv = batch.advantages[:, None]
   ratio = jnp.exp(logp - batch.old_logp)
   clipped = jnp.clip(ratio, 1 - cfg.clip_eps, 1 + cfg.clip_eps)
@@ -193,7 +222,8 @@ def _objective_loss(model, batch: Batch, cfg: GRPOConfig, mesh):
                                     entropy_coef=cfg.entropy_coef)
   token_args = (jnp.broadcast_to(batch.advantages[:, None], mask.shape), batch.old_logp,
                 batch.ref_logp, jaxce.objectives.token_weights(mask, "sequence_mean_token_mean"))
-  sharding = {} if mesh is None else dict(mesh=mesh, vocab_axis=VOCAB, batch_axis=DATA)
+  sharding = {} if mesh is None else dict(mesh=mesh, vocab_axis=VOCAB,
+                                          batch_axis=token_axes(mesh, cfg.sequence_parallel))
   fn = jaxce.sharded_linear_token_loss if mesh is not None else jaxce.linear_token_loss
   loss, (logp, entropy) = fn(
       objective, model.hidden_states(batch.tokens[:, :-1]), lm_head_kernel(model), labels,

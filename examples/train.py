@@ -3,7 +3,10 @@ under ``pmap``; host-side batches and placement that also work across processes.
 
 Parameters live in an ``nnx.Param`` state (a pytree) and are updated with plain optax.
 On a mesh every array is global: the batch is split over ``"data"``, the LM head kernel's
-vocabulary columns over ``"vocab"``, every other parameter is replicated.
+vocabulary columns over ``"vocab"``, every other parameter is replicated. With
+``GRPOConfig.sequence_parallel`` (the layout sequence parallelism leaves, as Megatron runs
+it) the batch is split over ``"data"`` and ``"vocab"`` together, and the token embedding's
+rows over ``"vocab"`` like the LM head's columns.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from examples.loss import DATA, VOCAB, Batch, GRPOConfig, completion_mask, group_advantages
-from examples.loss import grpo_loss, policy_logprobs
+from examples.loss import grpo_loss, policy_logprobs, token_axes
 
 
 def make_optimizer(name: str = "adam", learning_rate: float = 1e-3):
@@ -37,12 +40,18 @@ def make_mesh(data: int, vocab: int, devices=None) -> Mesh:
   return Mesh(devices.reshape(data, vocab), (DATA, VOCAB))
 
 
-def param_shardings(params, mesh: Mesh):
-  """``NamedSharding`` per parameter: the LM head kernel ``[D, V]`` split over ``vocab``
-  (a tied model would split the embedding's rows), everything else replicated."""
+def param_shardings(params, mesh: Mesh, *, split_embedding: bool = False):
+  """``NamedSharding`` per parameter: the LM head kernel ``[D, V]`` split over ``vocab``,
+  with ``split_embedding`` the token embedding's ``[V, D]`` rows too (Megatron's
+  vocab-parallel embedding: a lookup sums the devices' masked rows), everything else
+  replicated."""
   def sharding(path, _):
     names = {str(getattr(k, "key", getattr(k, "name", k))) for k in path}
-    spec = P(None, VOCAB) if {"lm_head", "kernel"} <= names else P()
+    spec = P()
+    if {"lm_head", "kernel"} <= names:
+      spec = P(None, VOCAB)
+    elif split_embedding and {"embed", "embedding"} <= names:
+      spec = P(VOCAB, None)
     return NamedSharding(mesh, spec)
   return jax.tree_util.tree_map_with_path(sharding, params)
 
@@ -98,6 +107,8 @@ class Runner:
     if mesh is not None and pmap:
       raise ValueError("pass a mesh or pmap=True, not both")
     self.mesh, self.pmap, self.optimizer = mesh, pmap, optimizer
+    self.sequence_parallel = cfg.sequence_parallel
+    self.row_axes = token_axes(mesh, cfg.sequence_parallel)
     self.devices = jax.local_device_count() if pmap else 1
     self.score = self.compile(partial(policy_logprobs, graphdef=graphdef, cfg=cfg, mesh=mesh))
     self.step = self.compile(
@@ -122,18 +133,24 @@ class Runner:
         transform_non_params=lambda _: NamedSharding(self.mesh, P()))
     return jax.jit(self.optimizer.init, out_shardings=shardings)(params)
 
+  def param_shardings(self, params):
+    """:func:`param_shardings` of this layout (a mesh's; with ``cfg.sequence_parallel``
+    the token embedding's rows split over ``vocab`` too)."""
+    return param_shardings(params, self.mesh, split_embedding=self.sequence_parallel)
+
   def place_params(self, params):
     """Host ``nnx.Param`` state -> device arrays for this layout."""
     if self.mesh is not None:
-      return put_global(params, param_shardings(params, self.mesh))
+      return put_global(params, self.param_shardings(params))
     if self.pmap:
       return jax.tree.map(lambda x: np.broadcast_to(x, (self.devices,) + x.shape), params)
     return jax.tree.map(jax.numpy.asarray, params)
 
   def place_rows(self, *arrays):
-    """Host ``[B, ...]`` arrays -> split by rows over ``data`` (or the pmap devices)."""
+    """Host ``[B, ...]`` arrays -> split by rows over ``data`` (with
+    ``cfg.sequence_parallel``: over ``data`` and ``vocab``; or over the pmap devices)."""
     if self.mesh is not None:
-      return tuple(put_global(x, NamedSharding(self.mesh, P(DATA))) for x in arrays)
+      return tuple(put_global(x, NamedSharding(self.mesh, P(self.row_axes))) for x in arrays)
     if self.pmap:
       return tuple(np.reshape(x, (self.devices, -1) + np.shape(x)[1:]) for x in arrays)
     return tuple(jax.numpy.asarray(x) for x in arrays)

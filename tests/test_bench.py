@@ -740,30 +740,36 @@ def test_grpo_step_suite_tiny(tmp_path):
   path in its own process (the fused objective path, which the suite adds to
   ``examples.gpu_run``, and plain JAX, the ratios' base; the other paths' steps are
   tests/test_examples.py's), on one device and on a 2 x 2 (data x vocab) mesh of simulated
-  devices: a row per mesh and path, a table per mesh against plain and, for the mesh,
-  against one device."""
+  devices, and on the mesh in the sequence-parallel layout (``2x2:sp``): a row per mesh
+  and path, a table per mesh against plain and, for the meshes, against one device."""
   from examples.gpu_run import PATHS
   assert PATHS == ("objective", "linear", "plain", "logits")
   paths = ("objective", "plain")
   env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
   proc = subprocess.run([sys.executable, "-m", "bench.grpo_step", "--tiny", "--sizes", "small",
-                         "--paths", ",".join(paths), "--meshes", "1x1,2x2", "--out",
+                         "--paths", ",".join(paths), "--meshes", "1x1,2x2,2x2:sp", "--out",
                          str(tmp_path)], cwd=ROOT, env=env, capture_output=True, text=True,
                         timeout=300)
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
   results = json.loads((tmp_path / "cpu-grpo_step.json").read_text())
-  assert [(r["size"], r["mesh"], r["path"]) for r in results["rows"]] == [
-      ("small", mesh, p) for mesh in ([1, 1], [2, 2]) for p in paths]
+  assert [(r["size"], r["mesh"], r.get("sequence_parallel", False), r["path"])
+          for r in results["rows"]] == [("small", mesh, parallel, p) for mesh, parallel in
+                                        (([1, 1], False), ([2, 2], False), ([2, 2], True))
+                                        for p in paths]
   for r in results["rows"]:
     assert r["error"] is None and r["step_ms_median"] > 0 and r["score_ms_median"] > 0, r
     assert r["tokens_per_step"] == 4 * 63 and r["first_step_s"] > 0, r
-  assert set(results["gpu_run"]) == {"small 1x1", "small 2x2"}
-  assert [res["mesh"] for res in results["gpu_run"]["small 2x2"]["results"]] == [[2, 2]] * 2
+    assert r["attention"] == "xla", r
+  assert set(results["gpu_run"]) == {"small 1x1", "small 2x2", "small 2x2:sp"}
+  for name, parallel in (("small 2x2", False), ("small 2x2:sp", True)):
+    assert [(res["mesh"], res["sequence_parallel"])
+            for res in results["gpu_run"][name]["results"]] == [([2, 2], parallel)] * 2
   assert results["device"] == "cpu" and results["vocab"] == 4096 and results["jax"]
   assert results["num_devices"] == 4
   md = (tmp_path / "cpu-grpo_step.md").read_text()
   assert "| path | step ms | × plain JAX step |" in md and "| plain | " in md
   assert "4 device(s): 2 × 2 (data × vocab)" in md and "| step × 1 device |" in md
+  assert md.count("| step × 1 device |") == 2 and md.count(", sequence parallel (") == 1
   assert md.strip() in proc.stdout
 
 

@@ -109,6 +109,75 @@ def test_mesh(problem, reference):
   assert_matches(run(problem, mesh=mesh), reference, problem["params"], what="mesh")
 
 
+@pytest.mark.parametrize("path", ["objective", "plain"])
+def test_mesh_sequence_parallel(problem, reference, path):
+  """The sequence-parallel layout on a 2 x 4 mesh: the batch over all 8 devices, the token
+  embedding's rows and the LM head's columns over vocab; jaxce takes the rows as they are
+  (its token-split layout), plain JAX gathers them for its logits. The same steps."""
+  mesh = make_mesh(2, 4, devices(8))
+  cfg = dataclasses.replace(problem["cfg"], sequence_parallel=True)
+  runner = Runner(problem["graphdef"], cfg, optax.sgd(LR), mesh=mesh)
+  params = runner.place_params(problem["params"])
+  assert params["embed"]["embedding"][...].sharding.spec == P("vocab", None)
+  assert runner.place_rows(problem["rollouts"][0])[0].sharding.spec == P(("data", "vocab"))
+  result = run(problem, mesh=mesh, path=path, sequence_parallel=True)
+  assert_matches(result, reference, problem["params"], what=f"sequence parallel {path}")
+
+
+def _compiled_step(mesh, sequence_parallel):
+  """XLA's compiled GRPO step (the objective path, Adam) at ``bench.grpo_step``'s small size
+  (D = 1024, 2 layers, 8 x 1024 tokens, V = 151936) on ``mesh``, from abstract arrays placed
+  as the layout places them: ``(temporary bytes per device, {collective: bytes})``, the
+  bytes of each collective's results summed over the program."""
+  import re
+  from flax import nnx
+  from jax.sharding import NamedSharding
+  from examples.loss import Batch, GRPOConfig
+  model_cfg = model_lib.ModelConfig(vocab_size=151936, d_model=1024, num_layers=2,
+                                    num_heads=8, max_len=1024, dtype=jnp.bfloat16)
+  cfg = GRPOConfig(temperature=0.7, entropy_coef=0.01, sequence_parallel=sequence_parallel)
+  runner = Runner(model_lib.abstract_graphdef(model_cfg), cfg, optax.adam(1e-5), mesh=mesh)
+  abstract = nnx.state(nnx.eval_shape(lambda: model_lib.CausalLM(model_cfg, rngs=nnx.Rngs(0))),
+                       nnx.Param)
+  place = lambda tree, shardings: jax.tree.map(
+      lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), tree, shardings)
+  params = place(abstract, runner.param_shardings(abstract))
+  adam = jax.eval_shape(runner.optimizer.init, params)
+  adam = place(adam, optax.tree_map_params(
+      runner.optimizer, lambda _, s: s, adam, jax.tree.map(lambda p: p.sharding, params),
+      transform_non_params=lambda _: NamedSharding(mesh, P())))
+  rows = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype,
+                                                   sharding=NamedSharding(mesh, P(runner.row_axes)))
+  batch = Batch(rows((8, 1024), jnp.int32), rows((8, 1023), jnp.bool_), rows((8,), jnp.float32),
+                rows((8, 1023), jnp.float32), rows((8, 1023), jnp.float32))
+  compiled = runner.step.lower(params, adam, batch).compile()
+  collectives = {}
+  for line in compiled.as_text().splitlines():
+    op = re.search(r"\s(all-reduce|all-gather|reduce-scatter)(-start)?\(", line)
+    if op and " = " in line[:op.start()]:
+      result = line[line.index(" = ") + 3:op.start()]
+      size = sum(np.prod([int(n) for n in dims.split(",") if n], dtype=np.int64)
+                 * {"bf16": 2, "f32": 4, "s32": 4, "pred": 1}[dtype]
+                 for dtype, dims in re.findall(r"\b(bf16|f32|s32|pred)\[([0-9,]*)\]", result))
+      collectives[op.group(1)] = collectives.get(op.group(1), 0) + int(size)
+  return compiled.memory_analysis().temp_size_in_bytes, collectives
+
+
+def test_sequence_parallel_step_holds_less_per_device():
+  """The sequence-parallel layout's compiled step on a 2 x 2 mesh, against the body repeated
+  on the vocab axis's devices: under 0.75x the temporaries per device (each device runs the
+  model body on its own sequences), and an all-reduce of the gradients smaller by at least
+  0.9x the token embedding's half (its rows split over vocab: each device sums only its
+  own rows' gradient over the data axis)."""
+  mesh = make_mesh(2, 2, devices(4))
+  temp, collectives = _compiled_step(mesh, False)
+  split_temp, split_collectives = _compiled_step(mesh, True)
+  embedding_half = 151936 * 1024 * 4 // 2
+  assert split_temp < 0.75 * temp, (split_temp, temp)
+  assert split_collectives["all-reduce"] <= collectives["all-reduce"] - 0.9 * embedding_half, (
+      split_collectives, collectives)
+
+
 def test_mesh_optimizer_state_sharding(problem):
   """Adam's moments are split like their parameters (the LM head kernel over vocab), not
   gathered on one device."""
@@ -205,6 +274,25 @@ def test_entropy_coef_zero(problem, reference):
   diff = max(np.max(np.abs(a - b)) for a, b in
              zip(jax.tree.leaves(logged[0]), jax.tree.leaves(with_bonus)))
   assert diff > 100 * param_tolerance(problem["params"], jnp.float32)
+
+
+def test_gpu_run_measures_with_every_flag_it_was_given():
+  """``examples.gpu_run`` measures each path in a child process: the child's flags carry
+  every option of the parent's (the run's own --out, --paths and --timeout aside). Each
+  option is given a value other than its default here, so one the child would not get
+  fails (``--attention`` did not reach it: rows said cuDNN's attention and ran XLA's)."""
+  from examples import gpu_run
+  given = ["--vocab", "4000", "--d-model", "32", "--layers", "3", "--heads", "4",
+           "--attention", "cudnn", "--sequences", "12", "--seq-len", "20", "--warmup", "3",
+           "--steps", "4", "--devices", "6", "--data", "2", "--sequence-parallel"]
+  args = gpu_run.parse_args(["--out", "parent.json", *given])
+  defaults = vars(gpu_run.parse_args(["--out", "parent.json"]))
+  own = {"out", "paths", "timeout", "child"}
+  assert {k for k, v in vars(args).items() if v != defaults[k]} == set(defaults) - own
+  child = vars(gpu_run.parse_args(gpu_run.child_argv(args, "plain", "child.json")))
+  assert child["child"] == "plain" and child["out"] == "child.json"
+  assert {k: v for k, v in child.items() if k not in own} == {
+      k: v for k, v in vars(args).items() if k not in own}
 
 
 def test_dispatch_check(tmp_path, monkeypatch):

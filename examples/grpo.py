@@ -5,6 +5,7 @@
     python -m examples.grpo --path logits                # jaxce on materialized logits
     python -m examples.grpo --path plain                 # jax.nn.log_softmax, for comparison
     python -m examples.grpo --mesh 2,4                   # data x vocab mesh (8 CPU devices)
+    python -m examples.grpo --mesh 2,4 --sequence-parallel  # the batch over all 8 devices
     python -m examples.grpo --pmap                       # data parallel, jax.pmap
 
 Each iteration samples ``group_size`` completions per prompt at ``--temperature``, rewards
@@ -48,6 +49,9 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--inner-steps", type=int, default=2, help="optimizer steps per batch")
   p.add_argument("--path", choices=PATHS, default="objective")
   p.add_argument("--mesh", default=None, help="'data,vocab' sizes, e.g. 2,4")
+  p.add_argument("--sequence-parallel", action="store_true",
+                 help="with --mesh: the batch split over every device, the token embedding's "
+                 "rows over vocab (GRPOConfig.sequence_parallel)")
   p.add_argument("--pmap", action="store_true", help="data parallel over local devices")
   p.add_argument("--cpu-devices", type=int, default=None,
                  help="simulated CPU devices (default: what --mesh / --pmap need)")
@@ -58,7 +62,10 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--optimizer", choices=("adam", "sgd"), default="adam")
   p.add_argument("--lr", type=float, default=1e-3)
   p.add_argument("--seed", type=int, default=0)
-  return p.parse_args(argv)
+  args = p.parse_args(argv)
+  if args.sequence_parallel and args.mesh is None:
+    p.error("--sequence-parallel splits the batch over a mesh's devices: give --mesh")
+  return args
 
 
 def mesh_shape(args):
@@ -72,7 +79,8 @@ def configs(args):
       vocab_size=args.vocab, d_model=args.d_model, num_layers=args.layers,
       num_heads=args.heads, max_len=args.prompt_len + args.completion_len)
   cfg = GRPOConfig(path=args.path, temperature=args.temperature, clip_eps=args.clip_eps,
-                   kl_coef=args.kl_coef, entropy_coef=args.entropy_coef)
+                   kl_coef=args.kl_coef, entropy_coef=args.entropy_coef,
+                   sequence_parallel=args.sequence_parallel)
   return model_cfg, cfg, make_optimizer(args.optimizer, args.lr)
 
 
@@ -151,7 +159,8 @@ def main(argv=None):
   key = jax.random.PRNGKey(args.seed)
   batch_size = args.prompts * args.group_size
   print(f"jax {jax.__version__} on {jax.device_count()} {jax.default_backend()} device(s); "
-        f"path={cfg.path} mesh={shape} pmap={args.pmap}; B={batch_size} sequences of "
+        f"path={cfg.path} mesh={shape} sequence_parallel={args.sequence_parallel} "
+        f"pmap={args.pmap}; B={batch_size} sequences of "
         f"{args.prompt_len}+{args.completion_len} tokens, V={args.vocab}")
   start = time.perf_counter()
   for it in range(args.iterations):

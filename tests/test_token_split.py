@@ -237,7 +237,7 @@ ORDERS = [pytest.param(48, 512, id="vocab-outer"), pytest.param(96, 128, id="tok
 @pytest.mark.parametrize("tokens,columns", ORDERS)
 @pytest.mark.parametrize("path,sequences", [("fused", None), ("kept-ids", None),
                                             ("objective", None), ("fused", 8),
-                                            ("objective", 8)])
+                                            ("kept-ids", 8), ("objective", 8)])
 def test_token_split_is_the_replicated_layouts_bits(path, sequences, tokens, columns):
   """The token-split layout sums ``d hidden`` over the vocabulary shards as the replicated
   layout does (in f32, rounded once to hidden's dtype), then keeps its own tokens' rows:

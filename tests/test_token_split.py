@@ -43,7 +43,8 @@ def _as_sequences(leading, hidden, labels, *token_dicts):
 
 @pytest.mark.parametrize("shape,names,batch_axis,vocab_axis,layout,kept,leading",
                          [m + (False, None) for m in MESHES] + [MESHES[1] + (True, None)]
-                         + [MESHES[1] + (False, (8, 3)), MESHES[0] + (False, (4, 6))])
+                         + [MESHES[1] + (False, (8, 3)), MESHES[0] + (False, (4, 6)),
+                            MESHES[2] + (True, (4, 6))])
 def test_token_split_matches_reference(shape, names, batch_axis, vocab_axis, layout, kept,
                                        leading):
   """Outputs, ``d hidden`` and ``d W`` of the token-split layout equal the unsharded
@@ -58,6 +59,8 @@ def test_token_split_matches_reference(shape, names, batch_axis, vocab_axis, lay
     kw["keep"] = np.asarray(jaxce.keep.pack(jnp.asarray(sets)))
   if leading:
     hidden, labels = _as_sequences(leading, hidden, labels, loss_kw, kw)
+    if kept:
+      kw["keep"] = kw["keep"].reshape(leading + kw["keep"].shape[-1:])
   stored = (lambda w: w) if layout == "dv" else (lambda w: w.T)
   f = lambda h, w, labels, **k: jaxce.sharded_linear_logprobs_and_entropy(
       h, stored(w), labels, mesh=mesh, vocab_axis=vocab_axis, batch_axis=batch_axis,

@@ -17,8 +17,8 @@
 #   bash bench/gpu_session.sh grpo-meshes [small|medium]  # the GRPO step on 1 x 1, 2 x n/2
 #                                          # (2 x 1 on 2 GPUs) and 1 x n meshes, the last two
 #                                          # also sequence parallel (":sp"; MESHES=... picks
-#                                          # others; ATTENTION=cudnn: the model's attention on
-#                                          # cuDNN)
+#                                          # others, merged into the file of the calls before;
+#                                          # ATTENTION=cudnn: the model's attention on cuDNN)
 #   bash bench/gpu_session.sh profile-shards  # a host of several GPUs: each sharded path's
 #                                          # GPU time by kind of kernel at 1, 2, 4 GPUs
 #
@@ -96,9 +96,11 @@ case "$MODE" in
       *) meshes="1x1,2x$(( n / 2 )),2x$(( n / 2 )):sp,1x$n,1x$n:sp" ;;
     esac
     meshes=${MESHES:-$meshes}
-    "$PY" -m bench.grpo_step --sizes "${1:-small}" --meshes "$meshes" \
-      ${ATTENTION:+--attention "$ATTENTION"} --timeout "$(left)" --out "$DIR" \
-      2>>"$LOG" | tee -a "$LOG"
+    # (--merge: calls of one machine session, a size or some meshes each, fill one file;
+    # another attention's rows go to a folder of their own)
+    "$PY" -m bench.grpo_step --sizes "${1:-small}" --meshes "$meshes" --merge \
+      ${ATTENTION:+--attention "$ATTENTION"} --timeout "$(left)" \
+      --out "$DIR${ATTENTION:+-$ATTENTION}" 2>>"$LOG" | tee -a "$LOG"
     ;;
   profile-shards)
     # GPU 0's kernels by kind (NCCL, cuBLAS, XLA, jaxce's) and its idle time, per path and n.

@@ -6,6 +6,7 @@ path, written to bench/out/<device>-grpo_step.json (.md).
     python -m bench.grpo_step --tiny --sizes small           # CPU smoke (tests/test_bench.py)
     python -m bench.grpo_step --reports small=a.json,medium=b.json  # tabulate gpu_run's reports
     python -m bench.grpo_step --sizes medium --merge         # add a size to the file there
+    python -m bench.grpo_step --sizes medium --meshes 2x2:sp --merge  # or a mesh of a size
     python -m bench.grpo_step --meshes 1x1,2x2               # 1 GPU, then 2 x 2 (data x vocab)
     python -m bench.grpo_step --meshes 1x1,2x2,2x2:sp        # and sequence parallel on 2 x 2
     python -m bench.grpo_step --attention cudnn              # the model's attention on cuDNN
@@ -69,7 +70,8 @@ def parse_args(argv=None):
                  help="the model's attention: XLA's (the default: the [B, heads, S, S] "
                  "scores materialized) or cuDNN's flash attention (GPUs)")
   p.add_argument("--merge", action="store_true", help="keep the destination file's sizes "
-                 "that this run does not redo (a run made one size per call)")
+                 "and meshes that this run does not redo (a run made a size or a mesh per "
+                 "call)")
   add_destination(p)
   args = p.parse_args(argv)
   if args.reports:
@@ -199,12 +201,11 @@ def markdown(results: dict) -> str:
            "state and the batch."]
   columns = ["path", "step ms", "× plain JAX step", "scoring ms", "× plain scoring",
              "peak GiB", "× plain peak", "peak − before steps GiB", "× plain"]
-  group = lambda r: (r["size"], tuple(r.get("mesh") or ()), r.get("sequence_parallel", False))
-  for name, mesh, parallel in dict.fromkeys(group(r) for r in results["rows"]):
-    rows = [r for r in results["rows"] if group(r) == (name, mesh, parallel)]
+  for name, mesh, parallel in dict.fromkeys(table_of(r) for r in results["rows"]):
+    rows = [r for r in results["rows"] if table_of(r) == (name, mesh, parallel)]
     plain = next((r for r in rows if r["path"] == "plain" and not r["error"]), {})
     batch = ["largest batch"] if any("largest_batch_stop" in r for r in rows) else []
-    one = {r["path"]: r for r in results["rows"] if group(r) == (name, (1, 1), False)}
+    one = {r["path"]: r for r in results["rows"] if table_of(r) == (name, (1, 1), False)}
     versus_one = ["step × 1 device", "peak × 1 device"] if one and mesh != (1, 1) else []
     r0 = rows[0]
     attention = r0.get("attention", "xla")
@@ -243,22 +244,28 @@ def markdown(results: dict) -> str:
   return "\n".join(lines) + "\n"
 
 
+def table_of(row: dict) -> tuple:
+  """The table a row belongs to: ``(size, mesh, sequence_parallel)`` (``mesh`` ``()`` for
+  a run without ``--meshes``)."""
+  return row["size"], tuple(row.get("mesh") or ()), row.get("sequence_parallel", False)
+
+
 def merged(previous: dict, results: dict) -> dict:
-  """``results`` with ``previous``'s sizes that it does not have (their rows keep the commit
-  they ran at), the sizes in :data:`SIZES`' order; both must come from the same device and
-  vocabulary."""
+  """``results`` with ``previous``'s tables (a size on a mesh) that it does not redo (their
+  rows keep the commit they ran at), the sizes in :data:`SIZES`' order, a size's meshes
+  in the order they ran; both must come from the same device and vocabulary."""
   for key in ("device", "num_devices", "jax", "vocab", "tiny", "attention"):
     default = "xla" if key == "attention" else None  # (files from before the flag: XLA's)
     if previous.get(key, default) != results.get(key, default):
       raise SystemExit(f"--merge: the destination ran {key}={previous.get(key)!r}, this run "
                        f"{results.get(key)!r}")
-  kept = [name for name in previous["sizes"] if name not in results["sizes"]]
+  redone = {table_of(r) for r in results["rows"]}
   for row in previous["rows"]:
     row.setdefault("commit", previous["commit"])
   order = lambda names: sorted(names, key=lambda n: list(SIZES).index(n.split()[0]))
-  sizes = {**{n: previous["sizes"][n] for n in kept}, **results["sizes"]}
-  rows = [r for r in previous["rows"] if r["size"] in kept] + results["rows"]
-  runs = {**{n: run for n, run in previous["gpu_run"].items() if n.split()[0] in kept},
+  sizes = {**previous["sizes"], **results["sizes"]}
+  rows = [r for r in previous["rows"] if table_of(r) not in redone] + results["rows"]
+  runs = {**{n: run for n, run in previous["gpu_run"].items() if n not in results["gpu_run"]},
           **results["gpu_run"]}
   return dict(results, sizes={n: sizes[n] for n in order(sizes)},
               rows=[r for n in order(sizes) for r in rows if r["size"] == n],

@@ -816,8 +816,8 @@ def test_grpo_step_largest_batch_doubles_until_out_of_memory(monkeypatch):
 
 def test_grpo_step_merge_keeps_the_sizes_not_rerun():
   """``--merge``: the destination's other sizes come first, each row with the commit it ran
-  at (the table names a size's commit when it is not the file's); another device or
-  vocabulary is refused."""
+  at (the table names a size's commit when it is not the file's), and so do a size's
+  meshes that the run does not redo; another device or vocabulary is refused."""
   from bench import grpo_step
   facts = dict(device="d", num_devices=1, jax="0", flax="0", vocab=8, tiny=False, date="")
   row = lambda size, path, commit=None: dict(
@@ -845,6 +845,22 @@ def test_grpo_step_merge_keeps_the_sizes_not_rerun():
   cudnn = dict(got, rows=[dict(r, attention="cudnn") for r in got["rows"]])
   assert "1 heads (cudnn attention), 8 × 2" in grpo_step.markdown(cudnn)
   assert "attention" not in md
+  # Meshes: a run of one mesh of a size replaces that mesh's table alone.
+  on = lambda mesh, commit, parallel=False: dict(
+      row("medium", "plain", commit), mesh=list(mesh),
+      **({"sequence_parallel": True} if parallel else {}))
+  old = dict(facts, commit="aaaaaaaa", sizes=dict(medium={}),
+             rows=[on((1, 1), "aaaaaaaa"), on((2, 2), "aaaaaaaa")],
+             gpu_run={"medium 1x1": {}, "medium 2x2": {}})
+  new = dict(facts, commit="bbbbbbbb", sizes=dict(medium={}),
+             rows=[on((2, 2), "bbbbbbbb"), on((2, 2), "bbbbbbbb", True)],
+             gpu_run={"medium 2x2": {"x": 1}, "medium 2x2:sp": {}})
+  got = grpo_step.merged(old, new)
+  assert [(r["mesh"], r.get("sequence_parallel", False), r["commit"]) for r in got["rows"]] == [
+      ([1, 1], False, "aaaaaaaa"), ([2, 2], False, "bbbbbbbb"), ([2, 2], True, "bbbbbbbb")]
+  assert got["gpu_run"] == {"medium 1x1": {}, "medium 2x2": {"x": 1}, "medium 2x2:sp": {}}
+  md = grpo_step.markdown(got)
+  assert md.count("(commit aaaaaaa)") == 1 and md.count(", sequence parallel (") == 1
 
 
 def test_precision_table_comes_from_the_committed_results():

@@ -124,8 +124,8 @@ def test_mesh_sequence_parallel(problem, reference, path):
   assert_matches(result, reference, problem["params"], what=f"sequence parallel {path}")
 
 
-def _compiled_step(mesh, sequence_parallel):
-  """XLA's compiled GRPO step (the objective path, Adam) at ``bench.grpo_step``'s small size
+def _compiled_step(mesh, sequence_parallel, path="objective"):
+  """XLA's compiled GRPO step (``path``'s loss, Adam) at ``bench.grpo_step``'s small size
   (D = 1024, 2 layers, 8 x 1024 tokens, V = 151936) on ``mesh``, from abstract arrays placed
   as the layout places them: ``(temporary bytes per device, {collective: bytes})``, the
   bytes of each collective's results summed over the program."""
@@ -135,7 +135,8 @@ def _compiled_step(mesh, sequence_parallel):
   from examples.loss import Batch, GRPOConfig
   model_cfg = model_lib.ModelConfig(vocab_size=151936, d_model=1024, num_layers=2,
                                     num_heads=8, max_len=1024, dtype=jnp.bfloat16)
-  cfg = GRPOConfig(temperature=0.7, entropy_coef=0.01, sequence_parallel=sequence_parallel)
+  cfg = GRPOConfig(path=path, temperature=0.7, entropy_coef=0.01,
+                   sequence_parallel=sequence_parallel)
   runner = Runner(model_lib.abstract_graphdef(model_cfg), cfg, optax.adam(1e-5), mesh=mesh)
   abstract = nnx.state(nnx.eval_shape(lambda: model_lib.CausalLM(model_cfg, rngs=nnx.Rngs(0))),
                        nnx.Param)
@@ -153,7 +154,7 @@ def _compiled_step(mesh, sequence_parallel):
   compiled = runner.step.lower(params, adam, batch).compile()
   collectives = {}
   for line in compiled.as_text().splitlines():
-    op = re.search(r"\s(all-reduce|all-gather|reduce-scatter)(-start)?\(", line)
+    op = re.search(r"\s(all-reduce|all-gather|reduce-scatter|all-to-all)(-start)?\(", line)
     if op and " = " in line[:op.start()]:
       result = line[line.index(" = ") + 3:op.start()]
       size = sum(np.prod([int(n) for n in dims.split(",") if n], dtype=np.int64)
@@ -177,6 +178,17 @@ def test_sequence_parallel_step_holds_less_per_device():
   assert split_temp < (0.75 if jax.default_backend() == "cpu" else 1) * temp, (split_temp, temp)
   assert split_collectives["all-reduce"] <= collectives["all-reduce"] - 0.9 * embedding_half, (
       split_collectives, collectives)
+
+
+def test_sequence_parallel_plain_step_gathers_only_the_hidden_states():
+  """Plain JAX's step in the sequence-parallel layout moves, besides the gradients'
+  all-reduce, only the hidden states' gathers over vocab (32 MiB of results, under 64):
+  its logits' gradient is not resharded through the batch split (without the example's
+  constraint on the logits XLA's partitioner replicated it and moved 7.6 GiB a step
+  through all-gathers and all-to-alls), so the comparison with jaxce's paths is fair."""
+  _, collectives = _compiled_step(make_mesh(2, 2, devices(4)), True, path="plain")
+  assert collectives.get("all-to-all", 0) == 0, collectives
+  assert collectives.get("all-gather", 0) <= 64 * 2**20, collectives
 
 
 def test_mesh_optimizer_state_sharding(problem):

@@ -109,7 +109,7 @@ def test_mesh(problem, reference):
   assert_matches(run(problem, mesh=mesh), reference, problem["params"], what="mesh")
 
 
-@pytest.mark.parametrize("path", ["objective", "plain"])
+@pytest.mark.parametrize("path", ["objective", "linear", "logits", "plain"])
 def test_mesh_sequence_parallel(problem, reference, path):
   """The sequence-parallel layout on a 2 x 4 mesh: the batch over all 8 devices, the token
   embedding's rows and the LM head's columns over vocab; jaxce takes the rows as they are

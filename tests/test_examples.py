@@ -184,8 +184,8 @@ def test_sequence_parallel_plain_step_gathers_only_the_hidden_states():
   """Plain JAX's step in the sequence-parallel layout moves, besides the gradients'
   all-reduce, only the hidden states' gathers over vocab (32 MiB of results, under 64):
   its logits' gradient is not resharded through the batch split (without the example's
-  constraint on the logits XLA's partitioner replicated it and moved 7.6 GiB a step
-  through all-gathers and all-to-alls), so the comparison with jaxce's paths is fair."""
+  constraint on the logits XLA's partitioner replicated it: 7.6 GiB of all-gathers and
+  2.3 GiB of all-to-alls a step), so the comparison with jaxce's paths is fair."""
   _, collectives = _compiled_step(make_mesh(2, 2, devices(4)), True, path="plain")
   assert collectives.get("all-to-all", 0) == 0, collectives
   assert collectives.get("all-gather", 0) <= 64 * 2**20, collectives

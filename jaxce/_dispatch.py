@@ -131,11 +131,11 @@ def _on_mesh(op, options, objective, operands, labels, request, token_args, mesh
     keep = shard_arrays[-1] if options.has_keep else None
     shard_arrays = shard_arrays[:-1] if options.has_keep else shard_arrays
     own_tokens = shard_arrays[0].shape[0]  # (the leading dim's: the outputs' own rows)
+    # (the kernels' rows are the tokens flattened: a device's own [B, S, D] are B * S rows)
+    own_rows = math.prod(shard_arrays[0].shape[:-1])
     if gathered:
       shard_arrays = (plumbing.gather_rows(shard_arrays[0], gathered), *shard_arrays[1:])
     shard_operands = shard_arrays + ((None,) if op.fused and len(shard_arrays) == 2 else ())
-    # (the kernels' rows are the tokens flattened: a device's own [B, S, D] are B * S rows)
-    own_rows = math.prod(shard_arrays[0].shape[1:-1]) * own_tokens
     out = _shard(op, options, objective, shard_operands, labels,
                  token.get("temperature", scalars.get("temperature")),
                  token.get("where", scalars.get("where")), keep, args, vocab_axis,

@@ -820,10 +820,11 @@ def _segment_statistics(layout, hidden, weight, labels, inv_temp, limit, kept, *
     after = done if ordered else None
   if not with_exp:
     return (stats[...],)
-  # (the columns left's terms: their zero padding fills an odd width's last columns)
-  skip = span.skip
-  terms[:, :, skip * TILE_N:] = left.reshape(num_rows, count, span.piece * TILE_N)[
-      :, :, :terms_width - skip * TILE_N]
+  # (the columns left's terms, the last call's: their zero padding fills an odd width's
+  # last columns)
+  rest, _ = calls[-1]
+  terms[:, :, rest.skip * TILE_N:] = left.reshape(num_rows, count, rest.piece * TILE_N)[
+      :, :, :terms_width - rest.skip * TILE_N]
   return stats[...], terms[...].reshape(num_rows, count * terms_width)
 
 

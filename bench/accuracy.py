@@ -33,6 +33,7 @@ from bench.configs import Config
 
 PREFIX = "ACCURACY "
 T, V, D = 512, 151936, 4096
+REFERENCE_ROWS = 2048  # tokens of the float64 reference at a time (reference)
 IMPLS = ("jaxce", "jaxce:batch_invariant", "jaxce:objective", "jax_plain", "jax_scan_remat",
          "tokamax:xla", "tokamax:chunked_xla", "torch_eager", "liger_flsce", "liger", "cce")
 DEFINITION = (
@@ -55,30 +56,42 @@ def host_problem(t, v, d, seed=0) -> dict:
               adv=rng.standard_normal(t).astype(np.float32))
 
 
-def reference(problem: dict, coef: float) -> dict:
+def reference(problem: dict, coef: float, rows: int = REFERENCE_ROWS) -> dict:
   """float64 ``logp, entropy, d_hidden [t, d]`` and ``d_W [d, v]`` (the last in float32:
   a gradient error is relative to its largest entry), as numpy, computed in float64 on the
-  default device (JAX's x64 mode on for this call only, then as it was)."""
+  default device (JAX's x64 mode on for this call only, then as it was), ``rows`` tokens
+  at a time (the loss is a sum over tokens: each chunk's ``d_hidden`` rows, and ``d_W``
+  summed over the chunks in float64), so its memory is a few float64 ``[rows, v]`` arrays
+  and ``d_W``'s, at any ``t``."""
   import jax  # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   was_x64 = jax.config.read("jax_enable_x64")
   jax.config.update("jax_enable_x64", True)
   try:
-    labels = jnp.asarray(problem["labels"])
-    adv = jnp.asarray(problem["adv"], jnp.float64)
-
-    def loss(h, w):
+    def loss(h, w, labels, adv):
       logp_all = jax.nn.log_softmax(h @ w, axis=-1)
       logp = jnp.take_along_axis(logp_all, labels[:, None], axis=-1)[:, 0]
       entropy = -jnp.sum(jnp.exp(logp_all) * logp_all, axis=-1)
       return jnp.sum(adv * logp) + coef * jnp.sum(entropy), (logp, entropy)
 
-    h, w = (jnp.asarray(problem[k].astype(np.float32), jnp.float64)
-            for k in ("hidden", "weight"))
-    f = jax.jit(jax.value_and_grad(loss, (0, 1), has_aux=True))
-    (_, (logp, entropy)), (d_hidden, d_w) = f(h, w)
-    return dict(logp=np.asarray(logp), entropy=np.asarray(entropy),
-                d_hidden=np.asarray(d_hidden), d_W=np.asarray(d_w.astype(jnp.float32)))
+    @jax.jit
+    def chunk(h, w, labels, adv, d_w):
+      (_, (logp, entropy)), (d_h, d_w_chunk) = jax.value_and_grad(
+          loss, (0, 1), has_aux=True)(h, w, labels, adv)
+      return logp, entropy, d_h, d_w + d_w_chunk
+
+    f64 = lambda x: jnp.asarray(np.asarray(x, np.float32), jnp.float64)
+    w = f64(problem["weight"])
+    d_w = jnp.zeros_like(w)
+    outs = []
+    for start in range(0, problem["hidden"].shape[0], rows):
+      part = slice(start, start + rows)
+      *out, d_w = chunk(f64(problem["hidden"][part]), w, jnp.asarray(problem["labels"][part]),
+                        f64(problem["adv"][part]), d_w)
+      outs.append([np.asarray(o) for o in out])
+    logp, entropy, d_hidden = (np.concatenate(o) for o in zip(*outs))
+    return dict(logp=logp, entropy=entropy, d_hidden=d_hidden,
+                d_W=np.asarray(d_w.astype(jnp.float32)))
   finally:
     jax.config.update("jax_enable_x64", was_x64)
 

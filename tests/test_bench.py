@@ -17,6 +17,7 @@ import sys
 import time
 
 import jax
+import numpy as np
 import pytest
 
 from bench import configs, report
@@ -644,6 +645,18 @@ def test_accuracy_rows_on_cpu():
              floor_ms=1.0, peak_extra_bytes=1, commit="")
   table = report.table([row], result)
   assert "error vs f64 at T=16" in table.splitlines()[0] and "e-0" in table.splitlines()[2]
+
+
+def test_accuracy_reference_in_chunks_of_tokens():
+  """The float64 reference taken a few tokens at a time (ragged chunks of 5 of 13, as it
+  takes 2048 of T = 32768 on a GPU) is the one-chunk reference: ``d W`` summed over the
+  chunks, every token's outputs and ``d hidden`` rows in order."""
+  from bench import accuracy
+  problem = accuracy.host_problem(13, 300, 16)
+  whole, chunked = (accuracy.reference(problem, 0.01, rows=r) for r in (13, 5))
+  for key in ("logp", "entropy", "d_hidden", "d_W"):
+    np.testing.assert_allclose(chunked[key], whole[key], rtol=1e-6, atol=1e-12, err_msg=key)
+  assert chunked["d_hidden"].shape == (13, 16) and chunked["d_W"].shape == (16, 300)
 
 
 def test_machine_floors_on_cpu():

@@ -240,36 +240,52 @@ def test_the_kernel_forward_over_shards_gathers_once_and_reduces_nothing(path, m
   assert "stablehlo.all_reduce" not in text
 
 
+@pytest.mark.parametrize("sharded", [False, True], ids=["local", "shard_map"])
 @pytest.mark.parametrize("path", ["fused", "objective"])
-def test_a_shards_block_copies_each_wait_for_the_call_before(path, monkeypatch):
-  """Qwen3's 151936 columns over 2 devices inside ``shard_map``: the forward's vocab
-  blocks are copied out of the shard one at a time, each copy (the weight it slices) held
-  by an optimization barrier until the call before returns. In a program over several
-  devices XLA's schedule otherwise made every block's copy before the first call (2 H200s,
-  T = 32768, D = 4096: all 9 alive, 0.58 GiB, the forward's plan 0.877 GiB per GPU against
-  0.356 for a local call at the shard's 75968 columns). A local call keeps XLA's own order
-  (on one GPU it holds one block's copy; the barriers there held two)."""
+def test_each_block_copy_waits_for_the_call_before(path, sharded, monkeypatch):
+  """Qwen3's 151936 columns over 2 devices (inside ``shard_map``), and a local call at a
+  shard's 75968 columns: the forward's vocab blocks are copied out of the weight one at a
+  time, each from an optimization barrier that joins the weight with the statistics the
+  call before wrote, and the next call writes into the statistics that come out of it
+  (so XLA keeps both operands of the barrier). XLA's schedule otherwise made every
+  block's copy before the first call, all alive at once: over several devices (2 H200s,
+  T = 32768, D = 4096: 9 copies, 0.58 GiB), and on one GPU in the fused fwd+bwd (151936
+  columns, T = 16192: 17 copies, 1.1 GiB), where a barrier on a token that nothing else
+  read had been dropped."""
   monkeypatch.setattr(plan, "target", lambda *a, mesh=None: HOPPER)
-  mesh = Mesh(devices(2), ("v",))
-  hidden, labels = S((TOKENS, 4096), jnp.bfloat16), S((TOKENS,), jnp.int32)
-  if path == "fused":
-    call = lambda h, w, l: jaxce.linear_logprobs_and_entropy(h, w, l, vocab_axis="v")
-    out_specs = (P(), P())
+  if sharded:
+    mesh = Mesh(devices(2), ("v",))
+    hidden, labels = S((TOKENS, 4096), jnp.bfloat16), S((TOKENS,), jnp.int32)
+    if path == "fused":
+      call = lambda h, w, l: jaxce.linear_logprobs_and_entropy(h, w, l, vocab_axis="v")
+      out_specs = (P(), P())
+    else:
+      call = lambda h, w, l: _objective(h, w, l, jnp.ones(l.shape, jnp.float32),
+                                        vocab_axis="v")
+      out_specs = (P(), P(None, "v"))
+    program = jax.shard_map(call, mesh=mesh, in_specs=(P(), P(None, "v"), P()),
+                            out_specs=out_specs)
+    text = _cuda_program(program, hidden, S((4096, 151936), jnp.bfloat16), labels)
   else:
-    call = lambda h, w, l: _objective(h, w, l, jnp.ones(l.shape, jnp.float32), vocab_axis="v")
-    out_specs = (P(), P(None, "v"))
-  sharded = jax.shard_map(call, mesh=mesh, in_specs=(P(), P(None, "v"), P()),
-                          out_specs=out_specs)
-  lines = _cuda_program(sharded, hidden, S((4096, 151936), jnp.bfloat16), labels).splitlines()
-  calls = [re.match(r"\s*(%[0-9]+)", line).group(1) for line in lines
-           if re.search(r"call @vocab_block[_0-9]*\(", line)]
-  barriers = [line for line in lines if "stablehlo.optimization_barrier" in line
-              and "x75968xbf16>, tensor<1xi32>" in line]
+    text = _forward_program(path, 75968)
+  calls, barriers = [], []
+  for line in text.splitlines():
+    call = re.match(r"\s*(%[0-9]+)(?::[0-9]+)? = (?:func\.)?call @vocab_block[_0-9]*\(([^)]*)\)",
+                    line)
+    if call:
+      calls.append((call.group(1), call.group(2).split(", ")))
+    barrier = re.match(r"\s*(%[0-9]+):2 = stablehlo.optimization_barrier (\S+), (\S+) : "
+                       r"tensor<4096x75968xbf16>", line)
+    if barrier:
+      barriers.append(barrier.groups())
   assert len(calls) > 3 and len(barriers) == len(calls) - 1, (len(calls), len(barriers))
-  for call_before, barrier in zip(calls, barriers):  # (a call's first result: its token)
-    assert f"{call_before}#0 :" in barrier, (call_before, barrier)
-  local = _forward_program(path, 75968)
-  assert "vocab_block" in local and "optimization_barrier" not in local
+  weight = None
+  for (before, _), (barrier, held, written), (_, operands) in zip(calls, barriers, calls[1:]):
+    assert written.split("#")[0] == before, (before, written)  # the call before's statistics
+    assert operands[3] == f"{barrier}#1", (barrier, operands)  # the next call writes there
+    assert weight is None or held == weight, (held, weight)  # the barriers in a chain
+    assert re.search(rf"stablehlo.slice {barrier}#0 ", text), barrier  # its block's copy
+    weight = f"{barrier}#0"
 
 
 @pytest.mark.parametrize("path", ["fused", "objective"])

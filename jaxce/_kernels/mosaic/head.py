@@ -419,13 +419,10 @@ def _tile_statistics(hidden, weight, row_inputs, words, *, num_columns, vocab_di
   ``span`` (a ``_Span``) the weight is pieces of several segments side by side, each
   zero-padded to whole tiles, from the sequence's tile ``into.offset[0]`` on: a tile's
   statistics (and terms) go to its segment's tiles (and columns) in ``into``, and its
-  columns are masked as that segment's own call masks them; the call then also returns,
-  last, a token (int32 ``[1]``, never written) that XLA sees made by it
-  (``_span_statistics``' ``after``)."""
+  columns are masked as that segment's own call masks them."""
   num_rows = hidden.shape[0]
   terms_into = into is not None and into.terms is not None
-  returned = (("stats",) * (into is None) + ("exp",) * (with_exp and not terms_into)
-              + ("done",) * (span is not None))
+  returned = ("stats",) * (into is None) + ("exp",) * (with_exp and not terms_into)
   passed = () if into is None else ("stats", "offset") + ("exp",) * terms_into
 
   def tile_finish(x, inputs, column, kept, scratch, outs, n_idx, row_slice, masked):
@@ -473,7 +470,6 @@ def _tile_statistics(hidden, weight, row_inputs, words, *, num_columns, vocab_di
   n_iters = num_tiles(num_columns)
   exp_columns = into.terms.shape[-1] if terms_into else weight.shape[vocab_dim]
   stats_type = jax.ShapeDtypeStruct((n_iters, 4, num_rows), jnp.float32)
-  done_type = jax.ShapeDtypeStruct((1,), jnp.int32)  # (a span's token: never written)
   exp_type = jax.ShapeDtypeStruct((num_rows, exp_columns), hidden.dtype)
   scratch = dict(stats=plgpu.SMEM((2, 4, CONFIG.tile_m), jnp.float32))
   if with_exp:
@@ -481,7 +477,7 @@ def _tile_statistics(hidden, weight, row_inputs, words, *, num_columns, vocab_di
   return _tiles(hidden, weight, row_inputs, words,
                 inputs_type=mosaic_tile.HeadStatisticsInputs, vocab_dim=vocab_dim,
                 stages=CONFIG.exp_stages if with_exp else CONFIG.stages, finish=finish,
-                out_type=tuple(dict(stats=stats_type, exp=exp_type, done=done_type)[name]
+                out_type=tuple(dict(stats=stats_type, exp=exp_type)[name]
                                for name in returned),
                 scratch=scratch, interpret=interpret, num_cores=num_cores, tiles=n_iters,
                 operands=() if into is None else (into.stats, into.offset) + (
@@ -787,13 +783,9 @@ def _segment_statistics(layout, hidden, weight, labels, inv_temp, limit, kept, *
   array; with ``with_exp`` their terms into one ``[C, segments, width]`` array (``[C, 1,
   exp_width(V_local)]`` for one segment, the padding's terms zeros), returned as ``[C,
   V_local]`` (``exp_width``). ``blocks``: the calls' copies made before (``weight_blocks``
-  for these rows), or None: each call makes its own. Memory: one block's copy (none with
-  ``blocks``), with ``with_exp`` the columns left's terms twice. Inside ``shard_map`` (a
-  weight varying over a mesh axis) each block's copy is made once the call before has
-  returned (an optimization barrier on the weight with that call's token): XLA's schedule
-  of a program over several devices made every copy before the first call, all alive at
-  once (0.58 GiB at 2 H200s' 75968 columns, T = 32768, D = 4096; bench/NOTES.md entry 75).
-  A local call keeps XLA's own order, which holds one copy where the barriers held two."""
+  for these rows), or None: each call makes its own, once the call before has returned
+  (``_after_the_call_before``). Memory: one block's copy (none with ``blocks``), with
+  ``with_exp`` the columns left's terms twice."""
   width, count = layout.width, layout.count
   num_rows, depth = hidden.shape
   stats = jax.new_ref(lax.empty((layout.num_tiles, 4, num_rows), jnp.float32))
@@ -809,15 +801,13 @@ def _segment_statistics(layout, hidden, weight, labels, inv_temp, limit, kept, *
       _span_statistics, hidden=hidden, labels=labels, inv_temp=inv_temp, limit=limit,
       kept=kept, column_start=column_start, vocab_dim=vocab_dim, with_exp=with_exp,
       stats=stats, terms=terms, **options)
-  # (in a program over several devices XLA's schedule made every block's copy before the
-  # first call, all alive at once: there each copy waits for the call before)
-  ordered = blocks is None and bool(plumbing.varying_axes(weight))
-  after = None
   for i, (span, first) in enumerate(calls):
-    columns = (_span_columns(span, first, weight, vocab_dim, after) if blocks is None
-               else blocks[i])
-    left, done = span_statistics(span, first, columns)
-    after = done if ordered else None
+    if blocks is None:
+      weight = _after_the_call_before(weight, stats) if i else weight
+      columns = _span_columns(span, first, weight, vocab_dim)
+    else:
+      columns = blocks[i]
+    left = span_statistics(span, first, columns)
   if not with_exp:
     return (stats[...],)
   # (the columns left's terms, the last call's: their zero padding fills an odd width's
@@ -844,7 +834,7 @@ def weight_blocks(weight, *, num_rows, vocab_dim, num_cores, layout=None):
     raise ValueError(f"a weight of {num_columns} columns ({layout}) is read in place: "
                      "no blocks to copy")
   depth = weight.shape[1 - vocab_dim]
-  return tuple(_span_columns(span, first, weight, vocab_dim, None) for span, first in
+  return tuple(_span_columns(span, first, weight, vocab_dim) for span, first in
                _segment_calls(layout, num_rows, depth, weight.dtype, num_cores))
 
 
@@ -889,12 +879,25 @@ def _block_shape(span, depth, vocab_dim):
   return (depth, span.tiles * TILE_N) if vocab_dim else (span.tiles * TILE_N, depth)
 
 
-def _span_columns(span, first, weight, vocab_dim, after):
+def _after_the_call_before(weight, stats):
+  """``weight``, held by an optimization barrier until the kernel call that last wrote
+  ``stats`` (the ``jax.Ref`` every call of ``_segment_statistics`` writes in place) has
+  returned: a block copied out of what this returns is made after that call, whose own
+  copy is then dead. The statistics go through the barrier too, and the next call
+  writes into what comes out of it, so XLA keeps both of its operands (a barrier output
+  that nothing reads is dropped, and the copy with it). Without it XLA's schedule made
+  every block's copy before the first call, all alive at once: the fused fwd+bwd at
+  151936 columns (T = 16192, D = 4096, one H200) planned 1.30 GiB of temporaries, 17
+  copies of 66 MiB side by side, where its backward needs 0.89 (bench/NOTES.md entry
+  83); so did the forward over several devices (entry 75)."""
+  weight, written = lax.optimization_barrier((weight, stats[...]))
+  stats[...] = written
+  return weight
+
+
+def _span_columns(span, first, weight, vocab_dim):
   """``span``'s tiles from ``first`` on, copied out of ``weight``: its segments' pieces side
-  by side, each zero-padded to whole tiles. ``after``: None, or the token (int32 ``[1]``,
-  never written) a call before returned: the copy waits for it (its copy is then dead)."""
-  if after is not None:
-    weight, _ = lax.optimization_barrier((weight, after))
+  by side, each zero-padded to whole tiles."""
   return jnp.concatenate([
       head.pad_columns(lax.slice_in_dim(weight, begin, begin + size, axis=vocab_dim), tiled,
                        vocab_dim) for begin, size, tiled in _pieces(span, first)],
@@ -903,7 +906,7 @@ def _span_columns(span, first, weight, vocab_dim, after):
 
 def _span_statistics(span, first, columns, *, hidden, labels, inv_temp, limit, kept,
                      column_start, vocab_dim, with_exp, stats, terms, **options):
-  """``(terms or None, token)``: the statistics of ``span``'s tiles from ``first`` on, read
+  """``terms`` or None: the statistics of ``span``'s tiles from ``first`` on, read
   from ``columns`` (``_span_columns``' copy: their segments' pieces side by side,
   zero-padded to whole tiles), in one kernel call written into the segments' ``stats``
   (``[segments * tiles per segment, 4, C]``, a ``jax.Ref``); with ``with_exp`` their
@@ -912,8 +915,7 @@ def _span_statistics(span, first, columns, *, hidden, labels, inv_temp, limit, k
   and masks are those of its segment's own call: the same statistics and terms, bit for
   bit. The columns left of all segments are one call: a call a segment read all of hidden
   again for a tile's columns (8 of them cost 3 % of the forward's time at 151936 columns,
-  T = 32768, D = 4096 on an H200, bench/NOTES.md entry 73). The token (int32 ``[1]``,
-  never written) says the call is done."""
+  T = 32768, D = 4096 on an H200, bench/NOTES.md entry 73)."""
   num_rows, width, padded = hidden.shape[0], span.width, span.piece * TILE_N
   start = span.skip * TILE_N
   pieces = _pieces(span, first)
@@ -946,7 +948,7 @@ def _span_call(span, vocab_dim, with_exp, masked, terms_in_place, options):
                            num_columns=span.tiles * TILE_N, vocab_dim=vocab_dim,
                            with_exp=with_exp, masked=masked, into=into, span=span,
                            **dict(options))
-    return (out[0] if with_exp and not terms_in_place else None), out[-1]
+    return out[0] if with_exp and not terms_in_place else None
 
   return vocab_block
 

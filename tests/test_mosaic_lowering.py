@@ -311,3 +311,70 @@ def test_shards_of_whole_tile_segments_are_read_in_place(path, monkeypatch):
   assert "mosaic_gpu" in text
   assert "vocab_block" not in text
   assert not re.search(rf"stablehlo.pad .*-> tensor<{DEPTH}x[0-9]+xbf16>", text)
+
+
+def _unread_barrier_results(text):
+  """The results of ``text``'s optimization barriers that nothing after them in their
+  region reads, unless the same operand passes the barrier as a result that is read (XLA
+  drops an unread result's operand from the barrier, and with it the order the barrier
+  was there to keep)."""
+  lines, unread = [re.sub(r'"[^"]*"', '""', line) for line in text.splitlines()], []
+  for i, line in enumerate(lines):
+    barrier = re.match(r"\s*(%[0-9A-Za-z_]+)(?::([0-9]+))? = stablehlo.optimization_barrier "
+                       r"([^:]*) :", line)
+    if not barrier:
+      continue
+    name, count = barrier.group(1), int(barrier.group(2) or 1)
+    operands = barrier.group(3).split(", ")
+    results = [f"{name}#{k}" for k in range(count)] if count > 1 else [name]
+    later, depth = [], 0
+    for following in lines[i + 1:]:  # up to the end of the barrier's region
+      end = next((k for k, c in enumerate(following)
+                  if (depth := depth + (c == "{") - (c == "}")) < 0), None)
+      later.append(following if end is None else following[:end])
+      if end is not None:
+        break
+    rest = "\n".join(later)
+    read = {operand for operand, result in zip(operands, results)
+            if re.search(rf"{re.escape(result)}(?![0-9#])", rest)}
+    unread += [(result, operand) for operand, result in zip(operands, results)
+               if operand not in read]
+  return unread
+
+
+# The fused backward with token chunks outer and its vocab blocks unrolled (as at
+# T = 65536 on a shard of 18992 columns); both paths' forwards at a shard's width whose
+# vocab blocks are copied out of the weight one at a time.
+BARRIERS = [pytest.param("fused", DEPTH, 768, dict(chunk_size=256, vocab_block_size=128),
+                         id="fused-token-outer"),
+            pytest.param("fused", 4096, 75968, {}, id="fused-75968"),
+            pytest.param("objective", 4096, 75968, {}, id="objective-75968")]
+
+
+@pytest.mark.parametrize("sharded", [False, True], ids=["local", "shard_map"])
+@pytest.mark.parametrize("path,depth,columns,kwargs", BARRIERS)
+def test_every_barrier_result_is_read(path, depth, columns, kwargs, sharded, monkeypatch):
+  """fwd+bwd lowered for CUDA, on one device and over 2 inside ``shard_map`` (``columns``
+  on each): every result of every optimization barrier is read. The fused backward's
+  first unrolled block once sliced its columns from a barrier whose other result (the
+  chunk's rows) nothing read, so XLA could drop the rows from it and hoist the first
+  block's columns out of the chunk loop, a copy held for the whole backward."""
+  monkeypatch.setattr(plan, "target", lambda *a, mesh=None: HOPPER)
+  call = _fused if path == "fused" else _objective
+  num_shards = 2 if sharded else 1
+  args = (S((TOKENS, depth), jnp.bfloat16), S((depth, num_shards * columns), jnp.bfloat16),
+          S((TOKENS,), jnp.int32), S((TOKENS,), jnp.float32))
+  if kwargs:  # (the plan a shard runs)
+    chosen = plan.of(lambda h, w, l: jaxce.linear_logprobs_and_entropy(h, w, l, **kwargs),
+                     args[0], S((depth, columns), jnp.bfloat16), args[2])
+    assert chosen.backward_order == "token" and chosen.unrolled_blocks, chosen
+  if sharded:
+    mesh = Mesh(devices(2), ("v",))
+    program = jax.shard_map(lambda h, w, l, g: call(h, w, l, g, vocab_axis="v", **kwargs),
+                            mesh=mesh, in_specs=(P(), P(None, "v"), P(), P()),
+                            out_specs=(P(), P(None, "v")))
+  else:
+    program = lambda h, w, l, g: call(h, w, l, g, **kwargs)
+  text = _cuda_program(program, *args)
+  assert _kernel_calls(text) and text.count("stablehlo.optimization_barrier") > 3
+  assert not _unread_barrier_results(text)

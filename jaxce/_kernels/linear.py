@@ -516,8 +516,9 @@ def _unrolled_blocks(outer: _TokenOuter, rows, dw_sums, db_sums):
     # The block's weight columns are sliced from a barrier on this chunk's values, so
     # XLA cannot hoist the slices out of the chunk loop (a copy of the weight held for
     # the whole backward); each block's tiles wait for the last block's GEMMs (one live).
+    # Every output of a barrier is read: XLA drops an operand whose output nothing reads.
     if dh_rows is None:
-      weight_here, _ = lax.optimization_barrier((bwd.weight, rows[0]))
+      weight_here, rows = lax.optimization_barrier((bwd.weight, rows))
     else:
       weight_here, dh_rows, new_dw[-1] = lax.optimization_barrier((bwd.weight, dh_rows,
                                                                    new_dw[-1]))

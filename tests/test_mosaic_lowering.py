@@ -48,6 +48,15 @@ def _logits(x, labels, g, **kw):
   return jax.grad(loss)(x)
 
 
+def _over_shards(call, mesh, **kwargs):
+  """``call`` (``_fused`` or ``_objective``) with ``kwargs`` inside ``shard_map`` over
+  ``mesh``'s axis ``"v"``: hidden states, labels and ``g`` replicated, the weight's columns
+  split; ``d hidden`` replicated, ``d W`` split like the weight."""
+  return jax.shard_map(lambda h, w, labels, g: call(h, w, labels, g, vocab_axis="v", **kwargs),
+                       mesh=mesh, in_specs=(P(), P(None, "v"), P(), P()),
+                       out_specs=(P(), P(None, "v")))
+
+
 def _cuda_program(f, *args):
   """The StableHLO of ``jax.jit(f)`` traced at ``args`` and lowered for CUDA."""
   return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
@@ -205,14 +214,9 @@ def test_a_shard_of_a_sharded_call_lowers_for_cuda(monkeypatch):
   monkeypatch.setattr(plan, "target", lambda *a, mesh=None: HOPPER)
   mesh = Mesh(devices(4), ("v",))
   labels, g = S((TOKENS,), jnp.int32), S((TOKENS,), jnp.float32)
-
-  def fused(h, w, labels, g):
-    return jax.shard_map(lambda h, w, labels, g: _fused(h, w, labels, g, vocab_axis="v"),
-                         mesh=mesh, in_specs=(P(), P(None, "v"), P(), P()),
-                         out_specs=(P(), P(None, "v")))(h, w, labels, g)
-
   weight = S((DEPTH, 151936), jnp.bfloat16, sharding=NamedSharding(mesh, P(None, "v")))
-  assert _lowered_kernels(fused, S((TOKENS, DEPTH), jnp.bfloat16), weight, labels, g)
+  assert _lowered_kernels(_over_shards(_fused, mesh), S((TOKENS, DEPTH), jnp.bfloat16),
+                          weight, labels, g)
 
 
 @pytest.mark.parametrize("path", ["fused", "logits"])
@@ -297,13 +301,7 @@ def test_shards_of_whole_tile_segments_are_read_in_place(path, monkeypatch):
   kernel call over no columns after its blocks)."""
   monkeypatch.setattr(plan, "target", lambda *a, mesh=None: HOPPER)
   mesh = Mesh(devices(2), ("v",))
-  call = _fused if path == "fused" else _objective
-
-  def sharded(h, w, labels, g):
-    return jax.shard_map(lambda h, w, labels, g: call(h, w, labels, g, vocab_axis="v"),
-                         mesh=mesh, in_specs=(P(), P(None, "v"), P(), P()),
-                         out_specs=(P(), P(None, "v")))(h, w, labels, g)
-
+  sharded = _over_shards(_fused if path == "fused" else _objective, mesh)
   weight = S((DEPTH, 248320), jnp.bfloat16, sharding=NamedSharding(mesh, P(None, "v")))
   args = (S((TOKENS, DEPTH), jnp.bfloat16), weight, S((TOKENS,), jnp.int32),
           S((TOKENS,), jnp.float32))
@@ -369,10 +367,7 @@ def test_every_barrier_result_is_read(path, depth, columns, kwargs, sharded, mon
                      args[0], S((depth, columns), jnp.bfloat16), args[2])
     assert chosen.backward_order == "token" and chosen.unrolled_blocks, chosen
   if sharded:
-    mesh = Mesh(devices(2), ("v",))
-    program = jax.shard_map(lambda h, w, l, g: call(h, w, l, g, vocab_axis="v", **kwargs),
-                            mesh=mesh, in_specs=(P(), P(None, "v"), P(), P()),
-                            out_specs=(P(), P(None, "v")))
+    program = _over_shards(call, Mesh(devices(2), ("v",)), **kwargs)
   else:
     program = lambda h, w, l, g: call(h, w, l, g, **kwargs)
   text = _cuda_program(program, *args)

@@ -31,7 +31,7 @@ TOKENS, DIM = (1000, 1024) if ON_GPU else (260, 128)
 WHOLE_TILES, PARTIAL_TILES = (248320, 151936) if ON_GPU else (1024, 640)
 # (Not 8: Qwen3.5's shards of 31040 columns end in partial tiles. Off GPUs only 2: with 4
 # or more simulated devices JAX's interpreter can stop for good, its simulated threads
-# waiting at the kernels' barriers, on 2, 4 and 10 CPU cores alike: the objective path's
+# waiting at the kernels' barriers, not for want of cores: the objective path's
 # gradient at 4 devices on 2, 4 and 10 cores, the fused head's kept sets at 8 on 2;
 # bench/NOTES.md, entry 86.)
 SHARD_COUNTS = (2, 4) if ON_GPU else (2,)

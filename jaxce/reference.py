@@ -2,10 +2,13 @@
 
 Same meaning as the public jaxce functions, written with ``jax.nn.log_softmax`` and
 autodiff. They materialize ``[T, V]`` float32 (or float64) arrays; use them for tests,
-not for training.
+not for training. Each call runs one jitted program (compiled once per shape and option),
+not one small program per operation.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -34,6 +37,14 @@ def logprobs_and_entropy(logits, labels, *, temperature=1.0, where=None, vocab_s
     >>> print(reference.logprobs_and_entropy(logits, jnp.array([3]), vocab_size=3)[0])
     [nan]
   """
+  return _logprobs_and_entropy(logits, labels, temperature, where, vocab_size, keep,
+                               return_entropy=return_entropy)
+
+
+@functools.partial(jax.jit, static_argnames="return_entropy")
+def _logprobs_and_entropy(logits, labels, temperature, where, vocab_size, keep, *,
+                          return_entropy):
+  """:func:`logprobs_and_entropy`'s computation (``return_entropy`` static, the rest traced)."""
   dtype = jnp.promote_types(logits.dtype, jnp.float32)
   t = lax.stop_gradient(jnp.broadcast_to(jnp.asarray(temperature, dtype), labels.shape))
   z = logits.astype(dtype) / t[..., None]
@@ -85,6 +96,17 @@ def linear_logprobs_and_entropy(hidden, weight, labels, *, bias=None, logit_soft
   """
   if weight_layout not in ("dv", "vd"):
     raise ValueError(f'weight_layout must be "dv" or "vd", got {weight_layout=!r}')
+  return _linear_logprobs_and_entropy(hidden, weight, labels, bias, logit_softcap,
+                                      temperature, where, vocab_size, keep,
+                                      return_entropy=return_entropy,
+                                      weight_layout=weight_layout)
+
+
+@functools.partial(jax.jit, static_argnames=("return_entropy", "weight_layout"))
+def _linear_logprobs_and_entropy(hidden, weight, labels, bias, logit_softcap, temperature,
+                                 where, vocab_size, keep, *, return_entropy, weight_layout):
+  """:func:`linear_logprobs_and_entropy`'s computation (the layout and ``return_entropy``
+  static, the rest traced)."""
   if weight_layout == "vd":
     weight = weight.T
   dtype = jnp.promote_types(jnp.promote_types(hidden.dtype, weight.dtype), jnp.float32)

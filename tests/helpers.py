@@ -44,7 +44,7 @@ def weighted_loss(fn, *arrays, labels, cot_logp, cot_entropy, **kw):
 def value_and_grads(fn, arrays, argnums, **kw):
   """``(logp, entropy), grads`` of the weighted loss w.r.t. ``arrays[argnums]``: the outputs
   from an eager call, the gradients from one jitted program (eagerly, each op of the
-  backward would compile its own: most of the suite's time on CPU)."""
+  backward would compile a program of its own: bench/NOTES.md, entry 87)."""
   outputs = fn(*arrays, kw["labels"], **{k: v for k, v in kw.items()
                                           if k not in ("labels", "cot_logp", "cot_entropy")})
   grads = jax.jit(jax.grad(lambda *a: weighted_loss(fn, *a, **kw), argnums))(*arrays)

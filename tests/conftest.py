@@ -20,8 +20,9 @@ On CPU with jaxlib 0.10, XLA compiles the tests' programs with its classic CPU e
 MLIR fusion emitters, the default there, for results that agree with the default's to
 rounding: every test passes either way, and of 2,639 outputs of four test files 65 differ,
 in their last bits (docs/development.md, "Where the suite's time goes").
-jaxlib 0.11 and later have only the fusion emitters and no such flag, so there the tests
-compile as users' programs do; ``XLA_FLAGS`` that name the flag keep their setting.
+jaxlib 0.11 and later have only the fusion emitters and no such flag, so there (CI runs
+the whole suite on jaxlib 0.12 too) the tests compile as users' programs do;
+``XLA_FLAGS`` that name the flag keep their setting.
 """
 
 import os

@@ -1,6 +1,7 @@
 """Test setup: 8 simulated CPU devices, float64 for the references, a compilation cache
-shared by every process of a run, how pytest-xdist spreads the tests, and a fix of the
-Mosaic GPU interpreter's end-of-kernel check for several simulated devices.
+shared by every process of a run, XLA's classic CPU emitters on jaxlib 0.10, how
+pytest-xdist spreads the tests, and a fix of the Mosaic GPU interpreter's end-of-kernel
+check for several simulated devices.
 
 The environment must be set before JAX initialises its backends, so it is set here, at
 import.
@@ -16,10 +17,10 @@ same HLO, options and JAX version, so the tests check the same programs either w
 ``JAX_COMPILATION_CACHE_DIR`` set beforehand chooses another folder.
 
 On CPU with jaxlib 0.10, XLA compiles the tests' programs with its classic CPU emitters
-(``--xla_cpu_use_fusion_emitters=false``), which take about two thirds of the time of the
-MLIR fusion emitters, the default there, for results that agree with the default's to
-rounding: every test passes either way, and of 2,639 outputs of four test files 65 differ,
-in their last bits (docs/development.md, "Where the suite's time goes").
+(``--xla_cpu_use_fusion_emitters=false``), which compile in about two thirds of the time
+the MLIR fusion emitters, the default there, take, for results that agree with the
+default's to rounding: every test passes either way, and of 2,639 outputs of four test
+files 65 differ, by rounding (docs/development.md, "Where the suite's time goes").
 jaxlib 0.11 and later have only the fusion emitters and no such flag, so there (CI runs
 the whole suite on jaxlib 0.12 too) the tests compile as users' programs do;
 ``XLA_FLAGS`` that name the flag keep their setting.

@@ -1,7 +1,7 @@
 """Test setup: 8 simulated CPU devices, float64 for the references, a compilation cache
-shared by every process of a run, XLA's classic CPU emitters on jaxlib 0.10, how
-pytest-xdist spreads the tests, and a fix of the Mosaic GPU interpreter's end-of-kernel
-check for several simulated devices.
+shared by every process of a run, XLA's classic CPU emitters at optimization level 1 on
+jaxlib 0.10, how pytest-xdist spreads the tests, and a fix of the Mosaic GPU
+interpreter's end-of-kernel check for several simulated devices.
 
 The environment must be set before JAX initialises its backends, so it is set here, at
 import.

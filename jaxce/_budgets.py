@@ -51,10 +51,14 @@ LINEAR_KERNEL_STATS_BYTES = 256 * 2**20
 # _kernel_block_cost's units (measured: 0.57 ms per block at T = 32768, D = 4096, H100).
 # With one chunk, past a hidden dim of LINEAR_KERNEL_WIDE_DEPTH the largest block grows
 # with D (entry 40: twice the block was 2 % faster at D = 4096, T = 8192, for 12 % more
-# memory; 0.8 % at D = 2048 for 19 % more; no faster at D = 1024).
+# memory; 0.8 % at D = 2048 for 19 % more; no faster at D = 1024), but only while that
+# block's tile stays within LINEAR_KERNEL_WIDE_GRAD_BYTES (entry 88, one H200: at T = 16192,
+# D = 4096, 16896 -> 8448 columns held 0.26 GiB less in the same time; 0.07-0.45 GiB at ten
+# plans, 1.000-1.013x the time).
 LINEAR_KERNEL_GRAD_BYTES = 576 * 2**20
 LINEAR_KERNEL_MIN_BLOCK, LINEAR_KERNEL_MAX_BLOCK = 4096, 8448
 LINEAR_KERNEL_WIDE_DEPTH = 2048
+LINEAR_KERNEL_WIDE_GRAD_BYTES = 256 * 2**20
 LINEAR_KERNEL_BLOCK_PASS = 2.7e-4
 
 
@@ -220,7 +224,7 @@ def linear_kernel_tiles(num_tokens: int, num_columns: int, requested_chunk: int 
   multiple of 256 (all ``T`` when it is at least ``T``). Unless a size is requested, the
   block is the multiple of 128 between a quarter of the budget for ``[chunk, block]`` and
   the budget (at most ``LINEAR_KERNEL_MAX_BLOCK``; with one chunk,
-  ``_kernel_max_block(depth)``) with the least ``_kernel_block_cost`` on ``num_cores`` SMs
+  ``_kernel_max_block(depth, T)``) with the least ``_kernel_block_cost`` on ``num_cores`` SMs
   for a hidden dim ``depth``, the larger of two that cost the same (a shard's narrow
   vocabulary can take a smaller block in even waves: 4224 columns, not 7680, at 37984
   columns, T = 32768, D = 4096, 0.6 % faster on an H200 in 0.26 GiB less, bench/NOTES.md
@@ -246,7 +250,7 @@ def linear_kernel_tiles(num_tokens: int, num_columns: int, requested_chunk: int 
   elif chunk < num_tokens:
     chunk = _multiple(chunk, mosaic_head.CONFIG.min_rows, num_tokens)
   if planned:
-    max_block = _kernel_max_block(depth) if whole else LINEAR_KERNEL_MAX_BLOCK
+    max_block = _kernel_max_block(depth, chunk) if whole else LINEAR_KERNEL_MAX_BLOCK
     cap = min(LINEAR_KERNEL_GRAD_BYTES // (2 * chunk), max_block, num_columns)
     blocks = range(max(step, cap // 4 - cap // 4 % step), max(step, cap - cap % step) + 1, step)
     block = min(blocks, key=lambda b: (_kernel_block_cost(chunk, num_columns, depth, b,
@@ -254,12 +258,14 @@ def linear_kernel_tiles(num_tokens: int, num_columns: int, requested_chunk: int 
   return chunk, _multiple(block, step, num_columns)
 
 
-def _kernel_max_block(depth: int) -> int:
-  """The largest block of the Mosaic backward at hidden dim ``depth``:
-  ``LINEAR_KERNEL_MAX_BLOCK`` up to ``LINEAR_KERNEL_WIDE_DEPTH``, growing with ``depth``
-  past it (a multiple of 128)."""
-  block = (LINEAR_KERNEL_MAX_BLOCK * max(depth, LINEAR_KERNEL_WIDE_DEPTH)
-           // LINEAR_KERNEL_WIDE_DEPTH)
+def _kernel_max_block(depth: int, num_tokens: int) -> int:
+  """The largest block of the Mosaic backward at hidden dim ``depth`` with one chunk of
+  ``num_tokens``: ``LINEAR_KERNEL_MAX_BLOCK`` up to ``LINEAR_KERNEL_WIDE_DEPTH``, growing
+  with ``depth`` past it while its ``[T, block]`` d logits (2-byte operands) stay within
+  ``LINEAR_KERNEL_WIDE_GRAD_BYTES`` (a multiple of 128)."""
+  block = min(LINEAR_KERNEL_MAX_BLOCK * max(depth, LINEAR_KERNEL_WIDE_DEPTH)
+              // LINEAR_KERNEL_WIDE_DEPTH,
+              max(LINEAR_KERNEL_MAX_BLOCK, LINEAR_KERNEL_WIDE_GRAD_BYTES // (2 * num_tokens)))
   return block - block % mosaic_head.TILE_N
 
 

@@ -224,15 +224,21 @@ def test_mosaic_backward_tile_plan():
   budget (vocab order), else the fewest, most even multiples of 256 rows in linear_tiles'
   budget; with token chunks outer, likewise in the budget's tile; the block of least modelled
   time, which on an H100's 132 SMs at V = 151936, D = 4096 is the measured best, 8448
-  (bench/NOTES.md, entry 25), up to twice that with one chunk at D = 4096 (entry 40);
+  (bench/NOTES.md, entry 25), up to twice that with one chunk at D = 4096 (entry 40) while
+  its tile is within 256 MiB (entry 88);
   requested sizes as given, on the kernel's multiples; a shard's narrow vocabulary may take
   a smaller block, down to a quarter of the budget's."""
   tiles = functools.partial(jaxce.plan.linear_kernel_tiles, platform="gpu", depth=4096,
                             num_cores=132)
   assert tiles(32768, 151936) == (32768, 8448)
-  assert tiles(8192, 151936) == (8192, 16896)  # one chunk, a wide head: 9 blocks, not 18
-  assert tiles(8184, 151936) == (8184, 16896)  # ragged T: all of it, one chunk
-  assert tiles(16384, 151936) == (16384, 16896)
+  assert tiles(8192, 151936) == (8192, 12672)  # one chunk, a wide head: 12 blocks, not 18
+  assert tiles(8184, 151936) == (8184, 12672)  # ragged T: all of it, one chunk
+  # The grown block's [T, block] d logits stay within 256 MiB (entry 88: at T = 16192,
+  # 16896 columns held 0.26 GiB more than 8448 for no time): no growth past ~16k tokens.
+  for depth in (4096, 5120):
+    assert jaxce.plan.linear_kernel_tiles(16192, 151936, platform="gpu", depth=depth,
+                                          num_cores=132) == (16192, 8448)
+  assert tiles(4096, 151936) == (4096, 16896)  # a short batch keeps the wide block
   for depth in (1024, 2048, 2560):  # the blocks of before up to D = 2560
     assert jaxce.plan.linear_kernel_tiles(8184, 151936, platform="gpu", depth=depth,
                                           num_cores=132) == (8184, 8448)
@@ -243,7 +249,7 @@ def test_mosaic_backward_tile_plan():
   assert tiles(32768, 37984) == (32768, 4224)
   assert tiles(32768, 75968) == (32768, 8448)
   # Past V_local tokens in one chunk: the vocab order's plan (largest block by D).
-  assert tiles(32768, 18992) == (32768, 6400) and tiles(16384, 16000) == (16384, 16000)
+  assert tiles(32768, 18992) == (32768, 6400) and tiles(16384, 16000) == (16384, 8064)
   assert tiles(131072, 151936) == (8192, 8448)  # below LINEAR_KERNEL_MIN_BLOCK: chunks
   assert tiles(100000, 151936) == (7936, 8448)  # 13 even chunks of the budget's 8192
   assert tiles(1048576, 151936) == (35072, 8448)  # token order: 30 chunks of the budget

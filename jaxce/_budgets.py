@@ -52,9 +52,9 @@ LINEAR_KERNEL_STATS_BYTES = 256 * 2**20
 # With one chunk, past a hidden dim of LINEAR_KERNEL_WIDE_DEPTH the largest block grows
 # with D (entry 40: twice the block was 2 % faster at D = 4096, T = 8192, for 12 % more
 # memory; 0.8 % at D = 2048 for 19 % more; no faster at D = 1024), but only while that
-# block's tile stays within LINEAR_KERNEL_WIDE_GRAD_BYTES (entry 88, one H200: at T = 16192,
-# D = 4096, 16896 -> 8448 columns held 0.26 GiB less in the same time; 0.07-0.45 GiB at ten
-# plans, 1.000-1.013x the time).
+# block's tile stays within LINEAR_KERNEL_WIDE_GRAD_BYTES (entries 88 and 91, one H200: at
+# T = 16192, D = 4096, 16896 -> 8448 columns peaked 0.34 GiB lower in the same time; XLA's
+# plans 0.07-0.45 GiB smaller at ten shapes, 1.000-1.013x the time).
 LINEAR_KERNEL_GRAD_BYTES = 576 * 2**20
 LINEAR_KERNEL_MIN_BLOCK, LINEAR_KERNEL_MAX_BLOCK = 4096, 8448
 LINEAR_KERNEL_WIDE_DEPTH = 2048

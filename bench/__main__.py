@@ -68,7 +68,8 @@ def parse_args(argv=None):
   p.add_argument("--merge", action="store_true",
                  help="keep the destination file's rows that this run does not redo (the "
                  "table then names each row's commit)")
-  p.add_argument("--device-slug", help="results file name (default from the device)")
+  p.add_argument("--device-slug", help="results file name (default from the device, and "
+                 "for shapes, gpu-shards or gpu-shards-more alone the suite's results name)")
   p.add_argument("--fresh", action="store_true",
                  help="one process per config, on CPU and for the PyTorch peers too")
   p.add_argument("--timeout", type=int, default=ROW_TIMEOUT_S, help="seconds per process")
@@ -155,12 +156,17 @@ def probe(dtypes, n_devices, timeout) -> dict:
   return found
 
 
-def device_slug(facts: dict) -> str:
-  """``cpu``, ``nvidia-h100-x1``, ``nvidia-h200-x2``: device kind (two words) + count."""
+def device_slug(facts: dict, suite: str = "") -> str:
+  """``cpu``, ``nvidia-h100-x1``, ``nvidia-h200-x2``: device kind (two words) + count; a
+  run of one suite with a results file of its own (``configs.RESULTS_NAMES``) adds its
+  name: ``nvidia-h200-x1-shapes``, ``nvidia-h200-x4-shards``."""
   if facts["platform"] == "cpu":
-    return "cpu"
-  words = re.sub(r"[^a-z0-9]+", " ", facts["device"].lower()).split()
-  return f"{'-'.join(words[:2]) or facts['platform']}-x{facts['n_devices']}"
+    slug = "cpu"
+  else:
+    words = re.sub(r"[^a-z0-9]+", " ", facts["device"].lower()).split()
+    slug = f"{'-'.join(words[:2]) or facts['platform']}-x{facts['n_devices']}"
+  name = configs.RESULTS_NAMES.get(suite)
+  return f"{slug}-{name}" if name else slug
 
 
 def git(*args) -> str:
@@ -353,7 +359,7 @@ def main(argv=None):
   from tqdm import tqdm
   facts = probe(sorted({c.dtype for c in todo}), max(c.n_devices for c in todo), args.timeout)
   fresh = args.fresh or facts["platform"] != "cpu"
-  slug = args.device_slug or device_slug(facts)
+  slug = args.device_slug or device_slug(facts, args.suite)
   # A machine that receives a copy of the tree (the GPU lease: no .git, or a stale one)
   # names the commit it was sent from in JAXCE_COMMIT, which wins; the sender makes sure
   # the tree was clean.

@@ -448,6 +448,9 @@ SUITES = {
     ],
 }
 DEFAULT_SUITE = "cpu"
+# The suites whose rows have a results file of their own (bench/results/<device>-<name>.json):
+# a run of one of them alone writes there by default, not into the device's main file.
+RESULTS_NAMES = {"shapes": "shapes", "gpu-shards": "shards", "gpu-shards-more": "shards_more"}
 
 
 def expand(groups: Sequence[Group], *, impls=None, inputs=None, modes=None, Ts=None, V=None,

@@ -7,6 +7,7 @@ instead of duplicating them, and that a run with the default destination leaves 
 checkout clean. The GPU-only modules are imported, and run where they can on CPU.
 """
 
+import glob
 import importlib.util
 import json
 import math
@@ -384,6 +385,16 @@ def test_device_slug():
                           n_devices=1)) == "nvidia-h100-x1"
   assert device_slug(dict(platform="gpu", device="NVIDIA H200", n_devices=2)) == \
       "nvidia-h200-x2"
+  # A suite with a results file of its own names it (README's headline, its sharded table).
+  h200 = dict(platform="gpu", device="NVIDIA H200", n_devices=1)
+  assert device_slug(h200, "shapes") == "nvidia-h200-x1-shapes"
+  assert device_slug(dict(h200, n_devices=4), "gpu-shards") == "nvidia-h200-x4-shards"
+  assert device_slug(dict(h200, n_devices=4), "gpu-shards-more") == \
+      "nvidia-h200-x4-shards_more"
+  assert device_slug(h200, "gpu,objective") == device_slug(h200, "shapes,gpu") == \
+      "nvidia-h200-x1"
+  for name in configs.RESULTS_NAMES.values():  # the committed files of those names
+    assert glob.glob(os.path.join(ROOT, "bench", "results", f"*-{name}.json")), name
 
 
 def test_impl_filter_selects_variants():

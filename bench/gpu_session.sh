@@ -24,8 +24,8 @@
 #
 # Writes bench/out/gpu-session/<main|large|shards|...>/<device>.json (<device>-shards.json
 # and <device>-shards_more.json for the two sharded suites: rows, device, versions, git
-# commit, floors, accuracy), .md, _memory.png, and session-<mode>.log (kept on a warm machine, so
-# `resume` finds them; copy bench/out/gpu-session along to resume on another), then copies
+# commit, floors, accuracy), .md, _memory.png, and session-<mode>.log (kept on a warm
+# machine, so `resume` finds them; copy bench/out/gpu-session along to resume on another), then copies
 # them under $OUT when it is set; prints a summary. JAXCE_COMMIT names the commit the tree was sent from (default: git rev-parse HEAD).
 # Time guard: nothing starts after DEADLINE_S seconds from the script's start (default 500,
 # large 380: the command ends within 9 minutes); rows not started are "skipped: time budget", and
